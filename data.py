@@ -1,0 +1,822 @@
+"""Data for the translation experiments: corpus, subwords, batches, word dropout.
+
+What this file covers, in reading order:
+  1. a built-in synthetic language pair (no download) that needs what real
+     translation needs: reordering, agreement, a long tail of rare words;
+  2. reading a user's parallel corpus DIR/{train,dev,test}.{src,tgt} with
+     one-line error messages that name the file and line;
+  3. joint BPE with sentencepiece and a small Tokenizer wrapper;
+  4. encoding (with an optional on-disk cache);
+  5. the target-vocabulary mask of Transformers without Tears [1];
+  6. token-budget batching with length buckets, and `collate` into tensors;
+  7. word dropout [1, 3];
+  8. the sequence-length statistic L that initialises QKNorm's g [2].
+
+Run `python data.py` to build the toy corpus (under data/toy/) and print a
+summary of it.
+
+Shapes: B = sentences in a batch, S = source length, T = target length (after
+the BOS/EOS shift), V = vocabulary size.
+
+References
+  [1] Nguyen & Salazar 2019, "Transformers without Tears: Improving the
+      Normalization of Self-Attention" (appendix A: word dropout, vocabulary
+      masking, 4k-token batches).
+  [2] Henry et al. 2020, "Query-Key Normalization for Transformers" (eq. 3:
+      g0 = log2(L^2 - L), L the 97.5th percentile of training lengths).
+  [3] Sennrich, Haddow & Birch 2016, "Edinburgh Neural Machine Translation
+      Systems for WMT 16" (word dropout).
+
+The toy language pair ("src" -> "tgt")
+  The source is English-like (subject-verb-object, determiners and adjectives
+  before the noun, prepositions, relative clauses with "that", "and" between
+  clauses, time adverbs at the end).  The target is an invented language that
+  is a deterministic function of the source:
+    - word order: the verb goes last (SOV), a sentence-level place phrase moves
+      right after the subject, time adverbs move to the front; inside a noun
+      phrase everything is mirrored: noun, adjectives (reversed), determiner;
+      prepositions become postpositions;
+    - morphology: nouns take plural "-li" and accusative "-k"/"-ek";
+      adjectives agree in number ("-n"); verbs take tense ("-ta" past, "-su"
+      future) and a person/number suffix ("-m", "-s", "", "-mos", "-n");
+      "a"/"an" disappears, negation "does not" becomes "ma" before the verb;
+    - vocabulary: about 230 nouns, 60 verbs and 45 adjectives drawn with Zipf
+      frequencies, plus 3000 invented proper names drawn with a very long Zipf
+      tail (most occur once or never in training).  Names are transliterated
+      letter by letter (c,q->k  w->v  y->i  j->y  x->ks), so the model has to
+      learn to copy and rewrite subword pieces it may never have seen whole.
+  Example pair (seed 1):
+    src: the old farmers that saw Wendor will not clean the small bucket .
+    tgt: porigeli dugun na ke Vendorek vanata bupuk tebe na ma nokasun .
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Special ids.  sentencepiece is trained with exactly these (see train_bpe), so
+# the same numbers hold for every corpus.
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
+
+SPLITS = ("train", "dev", "test")
+
+
+class DataError(ValueError):
+    """A problem with the input data; the message is one line naming the file."""
+
+
+# ---------------------------------------------------------------------------
+# 1. The built-in toy corpus
+# ---------------------------------------------------------------------------
+
+# Bump when the generator changes, so old data/toy/ files get rebuilt.
+TOY_VERSION = 1
+
+# The lexicon (which target word translates which source word) is fixed for all
+# seeds: the seed only chooses sentences.  Different seeds give different
+# corpora of the same language.
+_LEXICON_SEED = 20191105
+
+# Nouns, most frequent first (the Zipf rank is the position in this list).
+# "man:men" gives an irregular English plural; the target is always regular.
+_NOUNS = """
+dog cat man:men woman:women child:children house friend king teacher bird
+tree book city river boy girl horse garden door table letter road mother
+father doctor farmer apple window car ship village school market song
+student queen soldier baby brother sister key hat box cup boat flower
+stone star picture story gift coin chair bed bag bottle glass plate
+knife:knives mouse:mice fox wolf:wolves bear lion tiger monkey snake frog
+cow pig goat duck rabbit sailor baker painter singer writer driver neighbor
+uncle aunt cousin guest stranger thief judge priest nurse forest mountain
+bridge church castle tower island lake field farm hill valley beach harbor
+station library kitchen room wall roof basket bowl spoon pen pencil paper
+map poem ring coat shoe shirt dress boot glove scarf:scarves umbrella clock
+lamp candle mirror bell drum flute guitar piano ball toy kite train bus
+bicycle wagon lemon banana cherry grape potato:potatoes carrot onion
+tomato:tomatoes egg cake cookie sandwich pie leaf:leaves rose branch rock
+moon cloud storm lantern anchor barrel compass feather hammer ladder needle
+saddle shovel spider turtle parrot eagle owl dolphin whale shark crab
+lobster camel donkey elephant giraffe zebra squirrel hedgehog beetle
+butterfly violin trumpet harp statue fountain tunnel cave cliff meadow
+orchard vineyard lighthouse windmill chimney cellar attic balcony staircase
+carpet curtain pillow blanket kettle teapot jar jug bucket broom brush comb
+wallet purse diamond pearl crown sword shield helmet arrow wheel engine
+rocket planet comet volcano:volcanoes desert glacier canyon swamp pond
+stream waterfall
+"""
+
+# Verbs: base, third person singular, past.  Transitive first, then
+# intransitive.  No verb whose past equals its base ("read", "put"): the tense
+# must be recoverable from the source, or the target would not be a function
+# of it.
+_TRANSITIVE = """
+see sees saw|like likes liked|find finds found|help helps helped|
+call calls called|follow follows followed|watch watches watched|
+visit visits visited|carry carries carried|love loves loved|
+bring brings brought|take takes took|hold holds held|open opens opened|
+buy buys bought|sell sells sold|build builds built|break breaks broke|
+push pushes pushed|pull pulls pulled|paint paints painted|draw draws drew|
+write writes wrote|clean cleans cleaned|wash washes washed|
+catch catches caught|throw throws threw|kick kicks kicked|
+touch touches touched|hide hides hid|need needs needed|want wants wanted|
+remember remembers remembered|forget forgets forgot|meet meets met|
+greet greets greeted|fear fears feared|admire admires admired|
+feed feeds fed|chase chases chased|lose loses lost|keep keeps kept|
+"""
+_INTRANSITIVE = """
+sleep sleeps slept|run runs ran|walk walks walked|sing sings sang|
+dance dances danced|laugh laughs laughed|cry cries cried|wait waits waited|
+swim swims swam|jump jumps jumped|sit sits sat|smile smiles smiled|
+work works worked|play plays played|rest rests rested|
+"""
+
+_ADJECTIVES = """
+big small old young red blue green black white happy sad tall short quiet
+loud brave clever lazy angry hungry tired rich poor famous strange beautiful
+ugly heavy warm cold wet dry dirty new ancient tiny huge gentle wild proud
+shy curious lucky noisy sleepy golden wooden
+"""
+
+# Function words: source -> target, written by hand so they stay short.
+_PREPOSITIONS = {"in": "ulu", "on": "sope", "under": "dabu", "near": "peri",
+                 "behind": "tolo", "beside": "kana", "with": "sin",
+                 "without": "nasin", "from": "deko", "to": "ade"}
+# Person/number of each subject pronoun, its target form, and its object form.
+_PRONOUNS = {  # src subject: (person, src object, tgt subject)
+    "I": ("1sg", "me", "mi"), "you": ("2sg", "you", "tu"),
+    "he": ("3sg", "him", "el"), "she": ("3sg", "her", "ela"),
+    "we": ("1pl", "us", "nos"), "they": ("3pl", "them", "ilo")}
+_PERSON_SUFFIX = {"1sg": "m", "2sg": "s", "3sg": "", "1pl": "mos", "3pl": "n"}
+_TENSE_SUFFIX = {"pres": "", "past": "ta", "fut": "su"}
+# Time adverbs must agree with the tense of their clause.
+_TIMES = {"past": [("yesterday", "iru"), ("last night", "oneko")],
+          "pres": [("today", "oge"), ("every day", "sadi")],
+          "fut": [("tomorrow", "mane"), ("next week", "sekan")]}
+# Determiners: source word, number it goes with, target word ("" = dropped).
+_DETS_SG = [("the", 55, "na"), ("a", 30, ""), ("this", 15, "ve")]
+_DETS_PL = [("the", 35, "na"), ("", 20, ""), ("these", 10, "ve"),
+            ("some", 10, "sa"), ("many", 5, "mul"), ("two", 8, "du"),
+            ("three", 6, "tre"), ("four", 4, "kat"), ("five", 2, "pen")]
+
+# Letter-by-letter transliteration of proper names into the target.
+_TRANSLIT = {"c": "k", "q": "k", "w": "v", "y": "i", "j": "y", "x": "ks"}
+
+
+def _english_plural(noun):
+    if noun.endswith(("s", "x", "ch", "sh", "z")):
+        return noun + "es"
+    if noun.endswith("y") and noun[-2] not in "aeiou":
+        return noun[:-1] + "ies"
+    return noun + "s"
+
+
+def _zipf_weights(n, s):
+    # Paper-free note: Zipf's law, frequency of the r-th word ~ 1 / r^s.
+    return [1.0 / (r ** s) for r in range(1, n + 1)]
+
+
+def _make_lexicon():
+    """Fixed source/target vocabulary, independent of the corpus seed."""
+    rng = random.Random(_LEXICON_SEED)
+    consonants, vowels = "bdgkmnprstvz", "aeiou"
+    taken = set(_PREPOSITIONS.values()) | {"na", "ve", "sa", "mul", "du", "tre",
+                                           "kat", "pen", "ke", "ma", "i"}
+
+    def new_word(n_syll):  # target stems: CV syllables, always end in a vowel
+        while True:
+            w = "".join(rng.choice(consonants) + rng.choice(vowels)
+                        for _ in range(n_syll))
+            if w not in taken:
+                taken.add(w)
+                return w
+
+    nouns = []
+    for entry in _NOUNS.split():
+        sg, _, pl = entry.partition(":")
+        if sg in (n[0] for n in nouns):
+            continue
+        nouns.append((sg, pl or _english_plural(sg), new_word(rng.choice((2, 3)))))
+    verbs = [tuple(v.split()) + (new_word(2), trans)
+             for block, trans in ((_TRANSITIVE, True), (_INTRANSITIVE, False))
+             for v in block.split("|") if v.strip()]
+    adjs = [(a, new_word(2)) for a in _ADJECTIVES.split()]
+
+    # Proper names: invented, English-looking, using the letters that the
+    # transliteration rewrites often enough that copying alone is not enough.
+    onsets = ["b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r",
+              "s", "t", "v", "w", "y", "z", "br", "cl", "dr", "gw", "qu", "th",
+              "wr", "x"]
+    nuclei = ["a", "e", "i", "o", "u", "ay", "ey", "oa"]
+    codas = ["", "", "n", "r", "l", "s", "x", "ck", "th", "m", "w"]
+    names, seen = [], set()
+    while len(names) < 3000:
+        parts = [rng.choice(onsets) + rng.choice(nuclei) + rng.choice(codas)
+                 for _ in range(rng.choice((2, 2, 3)))]
+        name = "".join(parts).capitalize()
+        if name not in seen:
+            seen.add(name)
+            names.append(name)
+    return nouns, verbs, adjs, names
+
+
+def _translit(name):
+    out = "".join(_TRANSLIT.get(ch, ch) for ch in name.lower())
+    return out.capitalize()
+
+
+def _accusative(word):
+    # Target accusative: "-k" after a vowel, "-ek" after a consonant.
+    return word + ("k" if word[-1] in "aeiou" else "ek")
+
+
+class _ToyGrammar:
+    """Samples one (source, target) sentence pair at a time.
+
+    Every function returns (src_words, tgt_words) for one constituent; the
+    target order is assembled from the parts independently of the source
+    order, which is where the reordering comes from.  Ambiguities that would
+    make the target not a function of the source are avoided by construction:
+    object noun phrases never take a prepositional phrase, a noun phrase takes
+    at most one modifier, and a sentence-level place phrase or time adverb is
+    never combined with a relative clause on the object.
+    """
+
+    def __init__(self, rng):
+        self.rng = rng
+        self.nouns, verbs, self.adjs, self.names = _make_lexicon()
+        self.trans = [v for v in verbs if v[4]]
+        self.intrans = [v for v in verbs if not v[4]]
+        self.w_nouns = _zipf_weights(len(self.nouns), 1.0)
+        self.w_trans = _zipf_weights(len(self.trans), 0.8)
+        self.w_intrans = _zipf_weights(len(self.intrans), 0.8)
+        self.w_adjs = _zipf_weights(len(self.adjs), 0.8)
+        self.w_names = _zipf_weights(len(self.names), 1.1)
+
+    def pick(self, items, weights):
+        return self.rng.choices(items, weights)[0]
+
+    def noun_phrase(self, case, modifier=None):
+        """Returns (src, tgt, person).  modifier: None, "pp" or "rel"."""
+        r = self.rng
+        kind = r.random()
+        if kind < 0.12:  # a proper name, always third person singular
+            name = self.pick(self.names, self.w_names)
+            tgt = _translit(name)
+            return [name], [_accusative(tgt) if case == "acc" else tgt], "3sg"
+        if kind < 0.30 and modifier is None:  # a pronoun
+            pron = r.choice(list(_PRONOUNS))
+            person, obj, tgt = _PRONOUNS[pron]
+            src = pron if case == "nom" else obj
+            return [src], [_accusative(tgt) if case == "acc" else tgt], person
+        plural = r.random() < 0.35
+        sg, pl, noun_t = self.pick(self.nouns, self.w_nouns)
+        n_adj = r.choices((0, 1, 2), (55, 35, 10))[0]
+        adjs = []
+        while len(adjs) < n_adj:
+            a = self.pick(self.adjs, self.w_adjs)
+            if a not in adjs:
+                adjs.append(a)
+        dets = _DETS_PL if plural else _DETS_SG
+        det_s, _, det_t = r.choices(dets, [d[1] for d in dets])[0]
+        src = [a[0] for a in adjs] + [pl if plural else sg]
+        if det_s == "a" and src[0][0] in "aeiou":
+            det_s = "an"  # English agreement with the next sound
+        if det_s:
+            src = [det_s] + src
+        # Target: noun + plural + case, adjectives mirrored + agreement, det.
+        noun_w = noun_t + ("li" if plural else "")
+        if case == "acc":
+            noun_w = _accusative(noun_w)
+        tgt = [noun_w] + [a[1] + ("n" if plural else "") for a in reversed(adjs)]
+        if det_t:
+            tgt.append(det_t)
+        person = "3pl" if plural else "3sg"
+        if modifier == "pp":  # "the dog in the garden": PP goes before the noun
+            p_src, p_tgt = self.prep_phrase()
+            src, tgt = src + p_src, p_tgt + tgt
+        elif modifier == "rel":  # "the dog that sees the cat": head, ke, O V
+            r_src, r_tgt = self.verb_phrase(person, in_relative=True)
+            src, tgt = src + ["that"] + r_src, tgt + ["ke"] + r_tgt
+        return src, tgt, person
+
+    def prep_phrase(self):
+        prep = self.rng.choice(list(_PREPOSITIONS))
+        np_src, np_tgt, _ = self.noun_phrase("obl")
+        return [prep] + np_src, np_tgt + [_PREPOSITIONS[prep]]
+
+    def verb(self, entry, person, tense, negated):
+        """English verb group and the target verb (with "ma" if negated)."""
+        base, s3, past, stem, _ = entry
+        if tense == "fut":
+            src = ["will", "not", base] if negated else ["will", base]
+        elif negated:
+            aux = "did" if tense == "past" else ("does" if person == "3sg" else "do")
+            src = [aux, "not", base]
+        else:
+            src = [past if tense == "past" else (s3 if person == "3sg" else base)]
+        tgt = stem + _TENSE_SUFFIX[tense] + _PERSON_SUFFIX[person]
+        return src, (["ma", tgt] if negated else [tgt])
+
+    def verb_phrase(self, person, in_relative=False, obj_modifier=None):
+        """Verb (+ object).  Source: V O.  Target: O V."""
+        r = self.rng
+        tense = r.choices(("pres", "past", "fut"), (50, 30, 20))[0]
+        negated = r.random() < 0.1
+        if r.random() < 0.75:
+            entry = self.pick(self.trans, self.w_trans)
+            o_src, o_tgt, _ = self.noun_phrase("acc", None if in_relative else obj_modifier)
+        else:
+            entry = self.pick(self.intrans, self.w_intrans)
+            o_src, o_tgt = [], []
+        v_src, v_tgt = self.verb(entry, person, tense, negated)
+        self.last_tense = tense
+        return v_src + o_src, o_tgt + v_tgt
+
+    def clause(self):
+        r = self.rng
+        subj_mod = r.choices((None, "pp", "rel"), (76, 12, 12))[0]
+        obj_rel = r.random() < 0.12
+        s_src, s_tgt, person = self.noun_phrase("nom", subj_mod)
+        vp_src, vp_tgt = self.verb_phrase(person, obj_modifier="rel" if obj_rel else None)
+        tense = self.last_tense
+        src, tgt = s_src + vp_src, s_tgt
+        if not obj_rel and r.random() < 0.35:  # place phrase: end -> after subject
+            p_src, p_tgt = self.prep_phrase()
+            src, tgt = src + p_src, tgt + p_tgt
+        tgt = tgt + vp_tgt
+        if not obj_rel and r.random() < 0.2:  # time adverb: end -> front
+            t_src, t_tgt = r.choice(_TIMES[tense])
+            src, tgt = src + t_src.split(), [t_tgt] + tgt
+        return src, tgt
+
+    def sentence(self):
+        src, tgt = self.clause()
+        if self.rng.random() < 0.12:
+            src2, tgt2 = self.clause()
+            src, tgt = src + ["and"] + src2, tgt + ["i"] + tgt2
+        return " ".join(src + ["."]), " ".join(tgt + ["."])
+
+
+def _write_atomic(path, text):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
+def make_toy_corpus(out_dir, seed=1, n_train=20000, n_dev=500, n_test=500):
+    """Writes {train,dev,test}.{src,tgt} into out_dir; returns out_dir (a Path).
+
+    Deterministic in (seed, sizes).  Sentences are 4 to 25 source tokens and
+    unique across all three splits, so dev and test hold no training sentence.
+    Does nothing if a stamp file says the files were made with these settings.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = {"version": TOY_VERSION, "seed": seed, "n_train": n_train,
+             "n_dev": n_dev, "n_test": n_test}
+    stamp_path = out_dir / "toy_corpus.json"
+    files = [out_dir / f"{s}.{l}" for s in SPLITS for l in ("src", "tgt")]
+    if stamp_path.exists() and all(f.exists() for f in files):
+        try:
+            if json.loads(stamp_path.read_text()) == stamp:
+                return out_dir
+        except ValueError:
+            pass  # a damaged stamp: rebuild
+    grammar = _ToyGrammar(random.Random(seed))
+    seen, pairs = set(), []
+    while len(pairs) < n_train + n_dev + n_test:
+        src, tgt = grammar.sentence()
+        if 4 <= len(src.split()) <= 25 and src not in seen:
+            seen.add(src)
+            pairs.append((src, tgt))
+    bounds = {"train": (0, n_train), "dev": (n_train, n_train + n_dev),
+              "test": (n_train + n_dev, n_train + n_dev + n_test)}
+    stamp_path.unlink(missing_ok=True)  # the stamp is written last
+    for split, (a, b) in bounds.items():
+        for side, lang in ((0, "src"), (1, "tgt")):
+            _write_atomic(out_dir / f"{split}.{lang}",
+                          "".join(p[side] + "\n" for p in pairs[a:b]))
+    _write_atomic(stamp_path, json.dumps(stamp) + "\n")
+    return out_dir
+
+
+def toy_corpus_dir():
+    """Default place of the toy corpus: data/toy/ next to this file."""
+    return Path(__file__).resolve().parent / "data" / "toy"
+
+
+def ensure_toy_corpus():
+    """Builds the default toy corpus if it is missing; returns its directory."""
+    return make_toy_corpus(toy_corpus_dir())
+
+
+# ---------------------------------------------------------------------------
+# 2. Reading a parallel corpus
+# ---------------------------------------------------------------------------
+
+def corpus_paths(data_dir, src, tgt):
+    """{split: (DIR/split.src, DIR/split.tgt)}, e.g. DIR/train.en, DIR/train.de."""
+    d = Path(data_dir)
+    return {s: (d / f"{s}.{src}", d / f"{s}.{tgt}") for s in SPLITS}
+
+
+def _read_lines(path):
+    """Lines of a UTF-8 file, split on "\\n" only, each stripped."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(
+            f"{path}: file not found (a corpus directory holds "
+            f"{{train,dev,test}}.LANG, one sentence per line, e.g. "
+            f"train.en and train.de aligned line by line)")
+    data = path.read_bytes()
+    # Note: split on b"\n" only.  str.splitlines() would also split on \x0b,
+    # \x1c, U+2028 ... which would silently break the line alignment.
+    raw = data.split(b"\n")
+    if raw and raw[-1] == b"":
+        raw.pop()  # the final newline does not start another line
+    lines, offset = [], 0
+    for i, line in enumerate(raw):
+        try:
+            lines.append(line.decode("utf-8").strip())
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"{path}: line {i + 1}: invalid UTF-8 byte 0x{line[e.start]:02x} "
+                f"at byte offset {offset + e.start} of the file "
+                f"(convert it with e.g. iconv -f latin1 -t utf-8)") from None
+        offset += len(line) + 1
+    return lines
+
+
+def read_parallel(src_path, tgt_path, max_len=None, drop_empty=True):
+    """Reads aligned files -> (pairs, stats).
+
+    pairs: [(src_line, tgt_line)], stripped.  stats: {"lines", "empty", "long",
+    "kept"}.  A pair with an empty side is dropped and counted in
+    stats["empty"], on every split: an empty source has nothing to translate
+    and an empty reference cannot be scored.  BLEU on dev/test is therefore
+    over the kept pairs; the caller prints the count.  drop_empty=False keeps
+    them (for translating a file whose output must stay line-aligned).
+    max_len (whitespace words, either side) drops long pairs, counted in
+    stats["long"].  Raises DataError if the files disagree or nothing is left.
+    """
+    src_lines, tgt_lines = _read_lines(src_path), _read_lines(tgt_path)
+    if len(src_lines) != len(tgt_lines):
+        raise DataError(
+            f"{src_path} has {len(src_lines)} lines but {tgt_path} has "
+            f"{len(tgt_lines)}; the two sides must be aligned line by line")
+    pairs, n_empty, n_long = [], 0, 0
+    for s, t in zip(src_lines, tgt_lines):
+        if not s or not t:
+            n_empty += 1
+            if drop_empty:
+                continue
+        if max_len is not None and max(len(s.split()), len(t.split())) > max_len:
+            n_long += 1
+            continue
+        pairs.append((s, t))
+    stats = {"lines": len(src_lines), "empty": n_empty, "long": n_long,
+             "kept": len(pairs)}
+    if not pairs:
+        raise DataError(
+            f"{src_path} / {tgt_path}: no usable sentence pairs "
+            f"({len(src_lines)} lines, {n_empty} with an empty side, "
+            f"{n_long} longer than max_len={max_len})")
+    return pairs, stats
+
+
+# ---------------------------------------------------------------------------
+# 3. Joint BPE (sentencepiece)
+# ---------------------------------------------------------------------------
+
+def train_bpe(src_lines, tgt_lines, vocab_size, model_prefix):
+    """Trains one BPE model on source + target training text; returns the path.
+
+    Paper: [1] uses joint BPE (fastBPE, 8000 merges); one vocabulary lets the
+    source embedding, target embedding and output layer be one matrix.
+    Note: we use sentencepiece BPE with vocab_size pieces instead of a number
+    of merges, and the "identity" normalization, so decode(encode(s)) == s and
+    BLEU compares the model's output with the untouched reference text.
+    If the corpus is too small for vocab_size, the largest possible size is
+    used instead, with a message on stderr.
+    """
+    import sentencepiece as spm
+
+    model_prefix = Path(model_prefix)
+    model_prefix.parent.mkdir(parents=True, exist_ok=True)
+    lines = [l for l in list(src_lines) + list(tgt_lines) if l]
+
+    def train(v):
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_prefix=str(model_prefix),
+            vocab_size=v, model_type="bpe", character_coverage=1.0,
+            pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+            normalization_rule_name="identity",
+            # Deterministic: read every sentence, in order, no sampling.
+            input_sentence_size=len(lines) + 1, shuffle_input_sentence=False,
+            max_sentence_length=1 << 16, num_threads=min(4, os.cpu_count() or 1),
+            minloglevel=2)  # quiet
+
+    try:
+        train(vocab_size)
+    except RuntimeError as e:
+        m = re.search(r"Vocabulary size too high \((\d+)\).*<= (\d+)", str(e))
+        if not m:
+            raise
+        print(f"note: vocab_size {vocab_size} is too large for this corpus; "
+              f"using {m.group(2)}", file=sys.stderr)
+        train(int(m.group(2)))
+    return str(model_prefix) + ".model"
+
+
+class Tokenizer:
+    """A thin wrapper around a sentencepiece model with our special ids."""
+
+    def __init__(self, model_path):
+        import sentencepiece as spm
+
+        self.model_path = str(model_path)
+        self.sp = spm.SentencePieceProcessor(model_file=self.model_path)
+        self.vocab_size = self.sp.get_piece_size()
+        self.pad, self.unk, self.bos, self.eos = PAD, UNK, BOS, EOS
+        assert (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(),
+                self.sp.eos_id()) == (PAD, UNK, BOS, EOS), "not trained by train_bpe"
+
+    def encode(self, text):
+        """str -> [ids], without BOS/EOS.  A list of str gives a list of lists."""
+        return self.sp.encode(text, out_type=int, num_threads=os.cpu_count() or 1)
+
+    def decode(self, ids):
+        """[ids] -> str: stops at the first EOS, skips PAD and BOS."""
+        out = []
+        for i in (ids.tolist() if torch.is_tensor(ids) else ids):
+            if i == EOS:
+                break
+            if i not in (PAD, BOS):
+                out.append(int(i))
+        return self.sp.decode(out)
+
+    def piece(self, i):
+        return self.sp.id_to_piece(int(i))
+
+
+# ---------------------------------------------------------------------------
+# 4. Encoding, with an optional cache
+# ---------------------------------------------------------------------------
+
+def encode_pairs(tok, pairs):
+    """[(src, tgt)] -> [([src ids], [tgt ids])], no BOS/EOS (collate adds them)."""
+    # sentencepiece encodes a whole list in C++ threads: ~50x faster than a loop.
+    src = tok.encode([p[0] for p in pairs])
+    tgt = tok.encode([p[1] for p in pairs])
+    return list(zip(src, tgt))
+
+
+def _flatten(seqs):  # ragged lists -> one int32 tensor + lengths (fast to save)
+    lens = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+    flat = torch.tensor([i for s in seqs for i in s], dtype=torch.int32)
+    return flat, lens
+
+
+def _unflatten(flat, lens):
+    return [t.tolist() for t in torch.split(flat, lens.tolist())]
+
+
+def load_or_encode(tok, pairs, cache_path):
+    """encode_pairs, cached in cache_path keyed by the BPE model and the text.
+
+    A repeated or resumed run with the same model file and corpus loads the
+    ids instead of encoding again; anything different re-encodes and
+    overwrites the cache.
+    """
+    h = hashlib.sha256(Path(tok.model_path).read_bytes())
+    for s, t in pairs:
+        h.update(s.encode("utf-8") + b"\t" + t.encode("utf-8") + b"\n")
+    key = h.hexdigest()
+    cache_path = Path(cache_path)
+    if cache_path.exists():
+        try:
+            blob = torch.load(cache_path, weights_only=True)
+            if blob["key"] == key:
+                return list(zip(_unflatten(blob["src"], blob["src_len"]),
+                                _unflatten(blob["tgt"], blob["tgt_len"])))
+        except Exception:  # unreadable or old cache: encode again
+            pass
+    enc = encode_pairs(tok, pairs)
+    src, src_len = _flatten([e[0] for e in enc])
+    tgt, tgt_len = _flatten([e[1] for e in enc])
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_path.with_name(cache_path.name + ".tmp")
+    torch.save({"key": key, "src": src, "src_len": src_len, "tgt": tgt,
+                "tgt_len": tgt_len}, tmp)
+    os.replace(tmp, cache_path)
+    return enc
+
+
+# ---------------------------------------------------------------------------
+# 5. Target vocabulary mask
+# ---------------------------------------------------------------------------
+
+def target_vocab_mask(encoded_tgt_seqs, vocab_size):
+    """(V,) bool, True where the decoder may output that id.
+
+    Paper: [1] appendix A: the embeddings are shared, "but we mask out words
+    that are not in the target's vocabulary at the final output layer before
+    softmax, by setting their logits to -inf".
+    Note: as in the authors' code, the target vocabulary is UNK, EOS and every
+    id seen in the BPE'd target training data; PAD and BOS are never outputs.
+    """
+    mask = torch.zeros(vocab_size, dtype=torch.bool)  # (V,)
+    for seq in encoded_tgt_seqs:
+        mask[torch.as_tensor(seq, dtype=torch.long)] = True
+    mask[UNK] = mask[EOS] = True
+    mask[PAD] = mask[BOS] = False
+    return mask
+
+
+# ---------------------------------------------------------------------------
+# 6. Batching by tokens, and collate
+# ---------------------------------------------------------------------------
+
+def _lengths(encoded_pairs):
+    # The decoder reads BOS + y and predicts y + EOS: T = len(y) + 1.
+    return [(len(x), len(y) + 1) for x, y in encoded_pairs]
+
+
+def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
+    """Groups example indices into batches of at most batch_tokens; a list of lists.
+
+    Cost of a batch = B * max(S, T), "sentences x the longer side's padded
+    length" as in the authors' code (REFERENCE.md); a single pair longer than
+    batch_tokens still gets a batch of its own.  Examples are sorted by
+    (source length, target length) so that a batch holds similar lengths and
+    little padding, then cut greedily.  With shuffle, equal lengths are
+    tie-broken at random and the batch order is shuffled; both depend only on
+    (seed, epoch), so an epoch can be replayed exactly.  Without shuffle the
+    order is the sorted one (for evaluation).
+    """
+    lens = _lengths(encoded_pairs)
+    rng = random.Random(seed * 1000003 + epoch)
+    tie = [rng.random() for _ in lens] if shuffle else list(range(len(lens)))
+    order = sorted(range(len(lens)), key=lambda i: (lens[i][0], lens[i][1], tie[i]))
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        m = max(cur_max, *lens[i])
+        if cur and (len(cur) + 1) * m > batch_tokens:
+            batches.append(cur)
+            cur, m = [], max(lens[i])
+        cur.append(i)
+        cur_max = m
+    if cur:
+        batches.append(cur)
+    if shuffle:
+        rng.shuffle(batches)
+    return batches
+
+
+def padding_share(encoded_pairs, batches):
+    """Fraction of padded positions in src + tgt over all batches."""
+    lens = _lengths(encoded_pairs)
+    real = padded = 0
+    for b in batches:
+        S = max(lens[i][0] for i in b)
+        T = max(lens[i][1] for i in b)
+        real += sum(lens[i][0] + lens[i][1] for i in b)
+        padded += len(b) * (S + T)
+    return 1.0 - real / padded if padded else 0.0
+
+
+@dataclass
+class Batch:
+    src: torch.Tensor      # (B, S) source ids, PAD-padded, no BOS/EOS
+    tgt_in: torch.Tensor   # (B, T) [BOS] + y, the decoder's input
+    tgt_out: torch.Tensor  # (B, T) y + [EOS], what it must predict
+    n_src: int             # non-pad source tokens
+    n_tgt: int             # non-pad target tokens (= tokens in the loss)
+    idx: list              # example indices, to put outputs back in order
+
+    def to(self, device, non_blocking=False):
+        """Moves the three tensors; returns a new Batch."""
+        mv = lambda t: t.to(device, non_blocking=non_blocking)
+        return Batch(mv(self.src), mv(self.tgt_in), mv(self.tgt_out),
+                     self.n_src, self.n_tgt, self.idx)
+
+
+def collate(encoded_pairs, idx, device=None):
+    """Pads the examples idx into a Batch (on device, if given)."""
+    xs = [encoded_pairs[i][0] for i in idx]
+    ys = [encoded_pairs[i][1] for i in idx]
+    B, S, T = len(idx), max(len(x) for x in xs), max(len(y) for y in ys) + 1
+    src = torch.full((B, S), PAD, dtype=torch.long)      # (B, S)
+    tgt_in = torch.full((B, T), PAD, dtype=torch.long)   # (B, T)
+    tgt_out = torch.full((B, T), PAD, dtype=torch.long)  # (B, T)
+    for b, (x, y) in enumerate(zip(xs, ys)):
+        src[b, :len(x)] = torch.tensor(x, dtype=torch.long)
+        y = torch.tensor(y, dtype=torch.long)
+        tgt_in[b, 0] = BOS                 # [BOS] y1 ... yn
+        tgt_in[b, 1:len(y) + 1] = y
+        tgt_out[b, :len(y)] = y            # y1 ... yn [EOS]
+        tgt_out[b, len(y)] = EOS
+    batch = Batch(src, tgt_in, tgt_out, n_src=sum(len(x) for x in xs),
+                  n_tgt=sum(len(y) + 1 for y in ys), idx=list(idx))
+    if device is not None and torch.device(device).type == "cuda":
+        # Pinned host memory lets the copy overlap with the previous step.
+        batch = Batch(src.pin_memory(), tgt_in.pin_memory(), tgt_out.pin_memory(),
+                      batch.n_src, batch.n_tgt, batch.idx)
+        return batch.to(device, non_blocking=True)
+    return batch.to(device) if device is not None else batch
+
+
+# ---------------------------------------------------------------------------
+# 7. Word dropout
+# ---------------------------------------------------------------------------
+
+def word_dropout(x, p, generator=None):
+    """A copy of x where each non-PAD token is replaced by UNK with probability p.
+
+    Paper: [1] appendix A: "we also do word dropout (Sennrich et al., 2016a)
+    with probability 0.1. However, instead of zeroing the word embeddings, we
+    randomly replace tokens with UNK."  Training only, on src and tgt_in, never
+    on tgt_out (the labels).
+    Note: like the authors' code, BOS in tgt_in can be dropped too.  Unlike it,
+    we never write into x: their in-place version corrupted cached batches (the
+    UNK rate grew every epoch).
+    """
+    if p <= 0:
+        return x.clone()
+    drop = torch.rand(x.shape, generator=generator, device=x.device) < p  # same shape as x
+    return x.masked_fill(drop & (x != PAD), UNK)
+
+
+# ---------------------------------------------------------------------------
+# 8. QKNorm's length statistic
+# ---------------------------------------------------------------------------
+
+def length_percentile(encoded_pairs, q=97.5, count_bos_eos=False):
+    """The q-th percentile of training lengths in BPE tokens (QKNorm's L).
+
+    Paper: [2] eq. 3, "L is the 97.5th percentile sequence length across all
+    training data sequences for source and target".
+    Note: we pool source and target lengths into one list (the paper does not
+    say how; the authors hard-coded L per language pair) and interpolate
+    linearly like numpy.percentile.  By default BOS/EOS are not counted;
+    count_bos_eos=True counts the +1 the decoder sees (T = len(y) + 1).
+    """
+    extra = 1 if count_bos_eos else 0
+    lens = [len(x) for x, _ in encoded_pairs] + [len(y) + extra for _, y in encoded_pairs]
+    if not lens:
+        raise ValueError("length_percentile: no sequences")
+    return torch.quantile(torch.tensor(lens, dtype=torch.float64), q / 100.0).item()
+
+
+def qk_g0(L):
+    """QKNorm's initial scale g0 = log2(L^2 - L) ([2] eq. 3); e.g. L=72 -> 12.32."""
+    if not L > 1:
+        raise ValueError(f"qk_g0 needs a length L > 1, got {L}")
+    # L^2 - L = number of off-diagonal entries of the L x L matrix QK^T.
+    return math.log2(L * L - L)
+
+
+# ---------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    import time
+
+    t0 = time.time()
+    d = ensure_toy_corpus()
+    t_make = time.time() - t0
+    paths = corpus_paths(d, "src", "tgt")
+    data = {s: read_parallel(*paths[s])[0] for s in SPLITS}
+    print(f"toy corpus in {d} ({t_make:.1f}s): "
+          + ", ".join(f"{s} {len(p)} pairs" for s, p in data.items()))
+    train = data["train"]
+    for side, name in ((0, "src"), (1, "tgt")):
+        words = [w for p in train for w in p[side].split()]
+        counts = {}
+        for w in words:
+            counts[w] = counts.get(w, 0) + 1
+        rare = sum(1 for c in counts.values() if c <= 2)
+        print(f"  {name}: {len(words) / len(train):.1f} words/sentence, "
+              f"{len(counts)} types, {rare} of them seen once or twice")
+    t0 = time.time()
+    model = train_bpe([p[0] for p in train], [p[1] for p in train], 4000,
+                      d / "bpe")
+    tok = Tokenizer(model)
+    enc = encode_pairs(tok, train)
+    t_bpe = time.time() - t0
+    L = length_percentile(enc)
+    pad = padding_share(enc, make_batches(enc, 4096, shuffle=True, seed=1))
+    print(f"  BPE: {tok.vocab_size} pieces ({t_bpe:.1f}s to train and encode), "
+          f"L(97.5%) = {L:.1f}, g0 = {qk_g0(L):.2f}, padding at 4096 tokens "
+          f"{pad:.1%}")
+    for s, t in train[:3]:
+        print(f"  src: {s}\n  tgt: {t}")
