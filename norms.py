@@ -127,6 +127,301 @@ def fixnorm(weight, eps=1e-12):
     return weight / torch.linalg.vector_norm(weight, dim=-1, keepdim=True).clamp_min(eps)
 
 
+# =======================================================================================
+# The batch-statistics norms of PowerNorm [2]. Unlike the per-token norms above, their
+# statistics run over the batch: over every *real* token of the batch, per channel.
+# Paper [2, footnote 1]: "the batch size actually corresponds to all non-padded words".
+# So a batch of B sentences of T positions is, for these norms, a set of N <= B*T tokens.
+# =======================================================================================
+def _at_least_fp32(x):
+    """x in fp32, or in fp64 if it already is (the tests run in fp64). Statistics of
+    half-precision activations overflow: x^2 > 65504 in fp16 once |x| > 256."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _real_tokens(x, pad_mask):
+    """The (B, T) bool mask of real (non-padding) tokens; a clear error for an all-padding batch."""
+    if pad_mask is None:
+        return torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
+    # Note: .bool() first; ~ on a uint8 mask gives 254/255, not False/True (a pitfall of the code).
+    real = ~pad_mask.bool()  # (B, T)
+    if not real.any():
+        # Code: the authors' module divides 0 by 0 here and returns NaN; we refuse instead.
+        raise ValueError("batch statistics need at least one non-padding token; the batch is all padding")
+    return real
+
+
+# ---------------------------------------------------------------------------------------
+# BatchNorm for Transformers [2, Algorithm 1]:
+#   mu_B = 1/N sum_i x_i,  sigma_B^2 = 1/N sum_i (x_i - mu_B)^2     (per channel, N real tokens)
+#   y = gamma * (x - mu_B) / sqrt(sigma_B^2 + eps) + beta
+# ---------------------------------------------------------------------------------------
+class BatchNorm(nn.Module):
+    """Batch normalization over the real tokens of a batch [2, Algorithm 1] ("Transformer_BN").
+
+    Equals ``torch.nn.BatchNorm1d`` applied to ``x[~pad_mask]`` (N, D): the same buffers
+    (running_mean, running_var updated with the *unbiased* variance, num_batches_tracked)
+    and the same defaults (eps 1e-5, momentum 0.1, i.e. the paper's alpha = 0.9). Padding
+    positions are normalized with the real tokens' statistics and never enter them.
+    Plain autograd, which gives the paper's eq. 3 (both batch statistics get gradient).
+    Note: a nonzero upstream gradient at padding would reach the real tokens through
+    mu_B and sigma_B; in the Transformer it is zero (loss and attention mask padding).
+
+    Differs from the authors' code: their BN first RMS-scales each token over all D channels,
+    overwrites padding rows with the real rows' mean, then runs ordinary BN (momentum 0.05)
+    over all B*T rows, which shrinks the variance by N / (B*T). We follow Algorithm 1.
+    """
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1):
+        super().__init__()
+        self.eps, self.momentum = eps, momentum
+        self.weight = nn.Parameter(torch.ones(num_features))  # gamma
+        self.bias = nn.Parameter(torch.zeros(num_features))  # beta
+        self.register_buffer("running_mean", torch.zeros(num_features))  # mu
+        self.register_buffer("running_var", torch.ones(num_features))  # sigma^2
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))  # as torch's
+
+    def forward(self, x, pad_mask=None):
+        xf = _at_least_fp32(x)  # statistics in fp32 under autocast
+        if self.training:
+            xr = xf[_real_tokens(xf, pad_mask)]  # (N, D)  the real tokens
+            n = xr.shape[0]
+            if n < 2:  # Note: the unbiased running variance needs two tokens (torch raises too)
+                raise ValueError(f"BatchNorm in training needs more than 1 real token, got {n}")
+            # Paper (Alg. 1): mu_B = 1/N sum_i x_i
+            mu = xr.mean(0)  # (D,)  mu_B
+            # Paper (Alg. 1): sigma_B^2 = 1/N sum_i (x_i - mu_B)^2   (biased)
+            var = (xr - mu).pow(2).mean(0)  # (D,)  sigma_B^2
+            with torch.no_grad():
+                m = self.momentum  # Paper's alpha = 1 - momentum
+                # Paper (Alg. 1): mu = alpha mu + (1 - alpha) mu_B
+                self.running_mean.copy_((1 - m) * self.running_mean + m * mu)
+                # Note: like torch.nn.BatchNorm1d, the running variance takes the unbiased
+                # N/(N-1) sigma_B^2; Algorithm 1 writes the biased sigma_B^2.
+                self.running_var.copy_((1 - m) * self.running_var + m * var * n / (n - 1))
+                self.num_batches_tracked += 1
+        else:
+            # Paper (inference): y = gamma * (x - mu) / sigma + beta, running statistics only
+            mu, var = self.running_mean, self.running_var
+        # Paper (Alg. 1, eqs. 1-2): y = gamma * (x - mu_B) / sigma_B + beta
+        y = self.weight * (xf - mu) / torch.sqrt(var + self.eps) + self.bias  # (B, T, D)
+        return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# PN-V [2, Definition 1]:  psi_B^2 = 1/N sum_i x_i^2   (quadratic mean, no centring)
+#   y = gamma * x / sqrt(psi_B^2 + eps) + beta
+# ---------------------------------------------------------------------------------------
+class PNV(nn.Module):
+    """Power normalization with batch statistics, PN-V [2, Definition 1, eqs. 4-5].
+
+    BN without the mean: divide by the per-channel quadratic mean of the real tokens.
+    Plain autograd, which gives the paper's eq. 6 (gradient through psi_B^2). Padding is
+    normalized too and kept out of psi_B^2 (same gradient note as BatchNorm).
+    Eval uses the running quadratic mean phi (starts at 1), updated in training like
+    torch's running variance: phi = (1 - momentum) phi + momentum psi_B^2, momentum 0.1
+    (alpha = 0.9). No N/(N-1) factor: a mean of squares is already unbiased for E[x^2].
+
+    Note: the paper gives no inference rule for PN-V; the running phi is ours (the same
+    EMA as eq. 10). Appendix A puts a "layer-scale layer" before every BN/PN in its
+    experiments; we keep PN-V exactly Definition 1 (PowerNorm below has GroupScaling).
+    """
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1):
+        super().__init__()
+        self.eps, self.momentum = eps, momentum
+        self.weight = nn.Parameter(torch.ones(num_features))  # gamma
+        self.bias = nn.Parameter(torch.zeros(num_features))  # beta
+        self.register_buffer("running_phi", torch.ones(num_features))  # running psi^2
+
+    def forward(self, x, pad_mask=None):
+        xf = _at_least_fp32(x)
+        if self.training:
+            xr = xf[_real_tokens(xf, pad_mask)]  # (N, D)  the real tokens
+            # Paper (Def. 1): psi_B^2 = 1/N sum_i x_i^2
+            psi2 = xr.pow(2).mean(0)  # (D,)  psi_B^2
+            with torch.no_grad():
+                m = self.momentum  # alpha = 1 - momentum
+                # Note: phi = (1 - momentum) phi + momentum psi_B^2   (eq. 10's EMA)
+                self.running_phi.copy_((1 - m) * self.running_phi + m * psi2)
+        else:
+            psi2 = self.running_phi
+        # Paper (eqs. 4-5): y = gamma * x / psi_B + beta
+        y = self.weight * xf / torch.sqrt(psi2 + self.eps) + self.bias  # (B, T, D)
+        return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# GroupScaling [2, appendix A "layer-scale layer"; code]: RMSNorm [4] without gain, per group
+#   split the D channels of a token into G contiguous groups of D/G; in each group
+#   x_i <- x_i / sqrt(mean_group x_j^2 + eps)
+# ---------------------------------------------------------------------------------------
+class GroupScaling(nn.Module):
+    """Per-token, per-group RMS scaling in front of PowerNorm (no parameters, eps 1e-5).
+
+    Paper: one sentence in appendix A ("a layer-scale layer (Zhang & Sennrich, 2019) ...
+    before the normalization layer"). Code: G = number of attention heads; the authors say
+    it is what keeps PN from NaNs. Not in the registry: PowerNorm owns one.
+    """
+
+    def __init__(self, groups=1, eps=1e-5):
+        super().__init__()
+        self.groups, self.eps = groups, eps
+
+    def forward(self, x):
+        xg = x.unflatten(-1, (self.groups, -1))  # (B, T, G, D/G)
+        ms = xg.pow(2).mean(-1, keepdim=True)  # (B, T, G, 1)  mean of x^2 over each group
+        return (xg / torch.sqrt(ms + self.eps)).flatten(-2)  # (B, T, D)
+
+
+# ---------------------------------------------------------------------------------------
+# PowerNorm (PN) [2, Definition 3, Algorithm 2]. At training step t, per channel:
+#   forward:   X^ = X / psi_{t-1}                                     (eq. 8)
+#              Y  = gamma X^ + beta                                    (eq. 9)
+#              psi_t^2 = alpha_fwd psi_{t-1}^2 + (1 - alpha_fwd) psi_B^2  (eq. 10)
+#   backward:  the statistics get no gradient; instead ("approximate backpropagation")
+#              X^' = dL/dX^ - nu_{t-1} X^                              (eq. 11)
+#              dL/dX = X^' / psi_{t-1}                                 (eq. 12)
+#              nu_t = nu_{t-1} (1 - (1 - alpha_bkw) Gamma) + (1 - alpha_bkw) Lambda  (eq. 13)
+#              Gamma = mean_i x^_i x^_i,  Lambda = mean_i dL/dx^_i x^_i
+#   inference: Y = gamma X / psi + beta
+# Here psi^2 is stored as running_phi (phi = psi^2) and psi = sqrt(phi + eps).
+# ---------------------------------------------------------------------------------------
+class _PowerNormFunction(torch.autograd.Function):
+    """Eqs. 8-9 forward and eqs. 11-13 backward of PN, for one training step.
+
+    The module decides which statistic divides in the forward (fwd_stat) and in the
+    backward (bwd_stat); this function owns the backward statistic nu and updates it in place.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, fwd_stat, bwd_stat, running_nu, real, alpha_bkw, eps, code):
+        # Paper (eq. 8): X^ = X / psi_{t-1}   (during warmup: X / psi_B)
+        z = x / torch.sqrt(fwd_stat + eps)  # (B, T, D)  X^
+        ctx.save_for_backward(z, weight, bwd_stat, real)
+        # Note: nu is kept as a plain attribute, not saved_for_backward: it is changed in place
+        # by every backward, which autograd's version check would refuse when a module runs
+        # twice in one graph.
+        ctx.running_nu, ctx.alpha_bkw, ctx.eps, ctx.code = running_nu, alpha_bkw, eps, code
+        # Paper (eq. 9): Y = gamma X^ + beta
+        return weight * z + bias  # (B, T, D)
+
+    @staticmethod
+    def backward(ctx, dy):
+        z, weight, bwd_stat, real = ctx.saved_tensors
+        nu, a = ctx.running_nu, ctx.alpha_bkw  # nu_{t-1}: (D,)
+        if not ctx.code:
+            # Note: padding is not part of the paper's batch: it sends no gradient anywhere
+            # (not to x, gamma, beta, nor into Gamma and Lambda).
+            dy = torch.where(real.unsqueeze(-1), dy, 0.0)  # (B, T, D)
+        # Paper (Alg. 2): dL/dX^ = gamma dL/dY
+        g = weight * dy  # (B, T, D)  dL/dX^
+        # Paper (eq. 11): X^' = dL/dX^ - nu_{t-1} X^
+        g_tilde = g - nu * z  # (B, T, D)  X^'
+        # Paper (eq. 12): dL/dX = X^' / psi_{t-1}
+        # Code: divides by the batch psi_B even after warmup (the module passes bwd_stat).
+        dx = g_tilde / torch.sqrt(bwd_stat + ctx.eps)  # (B, T, D)
+        if ctx.code:
+            # Code: Gamma and Lambda are means over all B*T positions, padding included.
+            gamma_t = (z * z).mean((0, 1))  # (D,)  Gamma = mean_i x^_i x^_i
+            lambda_t = (g * z).mean((0, 1))  # (D,)  Lambda = mean_i dL/dx^_i x^_i
+        else:
+            # Paper: means over the N real tokens (footnote 1); padding gets zero gradient.
+            gamma_t = (z * z)[real].mean(0)  # (D,)  Gamma = mean_i x^_i x^_i
+            lambda_t = (g * z)[real].mean(0)  # (D,)  Lambda = mean_i dL/dx^_i x^_i
+            dx = torch.where(real.unsqueeze(-1), dx, 0.0)
+        # Paper (eq. 13): nu_t = nu_{t-1} (1 - (1 - alpha) Gamma) + (1 - alpha) Lambda
+        nu.copy_(nu * (1 - (1 - a) * gamma_t) + (1 - a) * lambda_t)
+        # dgamma = sum_i dL/dy_i x^_i,  dbeta = sum_i dL/dy_i
+        dweight = (dy * z).sum((0, 1))  # (D,)
+        dbias = dy.sum((0, 1))  # (D,)
+        return dx, dweight, dbias, None, None, None, None, None, None, None
+
+
+class PowerNorm(nn.Module):
+    """Power normalization, PN [2, Definition 3, Algorithm 2], with GroupScaling in front.
+
+    y = gamma * GroupScaling(x) / psi + beta, psi^2 a running quadratic mean of the real
+    tokens, with the approximate backward of eqs. 11-13 (a custom autograd.Function).
+    Warmup (appendix A names it; Algorithm 2 has none; details from the code): for the first
+    ``warmup`` training forwards the batch psi_B divides instead, while phi accumulates. Eval: running
+    statistic only, so each sentence's output is independent of the rest of the batch.
+    Buffers: running_phi (= psi^2, starts at 1), running_nu (the paper's nu itself, starts
+    at 0), num_batches_tracked (int64, training forwards). All in fp32 under autocast.
+
+    ``variant="paper"`` follows the equations; ``variant="code"`` reproduces the authors'
+    released module (../shared/REFERENCE.md), which differs in three places:
+      - backward divides by the batch psi_B even after warmup (paper: psi_{t-1}, eq. 12);
+      - Gamma and Lambda average over all B*T positions, padding included, and padding
+        positions get gradient (paper: real tokens only; here padding gets zero gradient);
+      - during warmup phi first becomes the cumulative mean of the psi_B^2 so far and then
+        takes the EMA step (paper: the EMA of eq. 10 at every step).
+    Both variants normalize padding positions with the same statistic (finite outputs) and
+    never let padding into psi_B^2. Other differences from the code: it stores nu/(1-alpha_bkw)
+    where we store nu; an all-padding batch gives NaN there and a ValueError here.
+    ``groups`` defaults to ``heads`` (what build_norm passes), as in the code.
+    """
+
+    def __init__(self, num_features, groups=None, warmup=4000, alpha_fwd=0.9, alpha_bkw=0.9,
+                 eps=1e-5, variant="paper", heads=1):
+        super().__init__()
+        groups = heads if groups is None else groups
+        if num_features % groups:
+            raise ValueError(f"num_features {num_features} is not divisible by groups {groups}")
+        if variant not in ("paper", "code"):
+            raise ValueError(f"variant must be 'paper' or 'code', got {variant!r}")
+        self.groups, self.warmup, self.eps, self.variant = groups, warmup, eps, variant
+        self.alpha_fwd, self.alpha_bkw = alpha_fwd, alpha_bkw
+        self.group_scaling = GroupScaling(groups, eps=1e-5)  # Code: eps 1e-5 inside the sqrt
+        # Code: weight and bias are always there (whatever ``affine`` says), ones and zeros.
+        self.weight = nn.Parameter(torch.ones(num_features))  # gamma
+        self.bias = nn.Parameter(torch.zeros(num_features))  # beta
+        self.register_buffer("running_phi", torch.ones(num_features))  # phi = psi^2, starts at 1
+        self.register_buffer("running_nu", torch.zeros(num_features))  # nu (not nu/(1-alpha_bkw))
+        # Note: counts training *forwards*, not optimizer updates (as the code does): with
+        # gradient accumulation over k batches, warmup W lasts W/k updates. Average only the
+        # float buffers when averaging checkpoints. phi and the counter change in forward and
+        # nu in backward: do not wrap PN in activation checkpointing (forward would run twice).
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+    def extra_repr(self):
+        return (f"{self.weight.shape[0]}, groups={self.groups}, warmup={self.warmup}, "
+                f"alpha_fwd={self.alpha_fwd}, alpha_bkw={self.alpha_bkw}, variant={self.variant!r}")
+
+    def forward(self, x, pad_mask=None):
+        xs = self.group_scaling(_at_least_fp32(x))  # (B, T, D)  GroupScaling, plain autograd
+        if not self.training:
+            # Paper (inference): Y = gamma X / psi + beta   (running statistic only)
+            y = self.weight * xs / torch.sqrt(self.running_phi + self.eps) + self.bias  # (B, T, D)
+            return y.to(x.dtype)
+
+        real = _real_tokens(xs, pad_mask)  # (B, T)
+        self.num_batches_tracked += 1
+        t = int(self.num_batches_tracked)  # this step, counted from 1
+        with torch.no_grad():  # the statistics get no gradient (approximate backpropagation)
+            # Paper (Alg. 2): psi_B^2 = 1/N sum_i x_i^2   over the N real tokens
+            psi2 = xs[real].pow(2).mean(0)  # (D,)  psi_B^2
+            phi = self.running_phi.clone()  # (D,)  psi_{t-1}^2
+        # Paper (appendix A) says only that a warmup "for accumulating psi" is used, W = the LR
+        # warmup. Code: the batch psi_B divides while t <= W (as in PN-V), then eq. 8's psi_{t-1}.
+        fwd_stat = psi2 if t <= self.warmup else phi
+        # Paper (eq. 12): backward divides by psi_{t-1}; Note: we divide by what the forward
+        # divided by, so psi_B during warmup. The approximate backward (with nu) runs during
+        # warmup too, as in the code. Code: always by the batch psi_B.
+        bwd_stat = psi2 if self.variant == "code" else fwd_stat
+        y = _PowerNormFunction.apply(xs, self.weight, self.bias, fwd_stat, bwd_stat,
+                                     self.running_nu, real, self.alpha_bkw, self.eps,
+                                     self.variant == "code")  # (B, T, D)
+        with torch.no_grad():
+            if self.variant == "code" and t < self.warmup:
+                # Code: phi <- (t-1)/t phi + 1/t psi_B^2 (cumulative mean) before the EMA step,
+                # for t < W. Not in the paper: Algorithm 2 has only the EMA below.
+                phi = phi * (t - 1) / t + psi2 / t
+            # Paper (eq. 10): psi_t^2 = alpha psi_{t-1}^2 + (1 - alpha) psi_B^2
+            self.running_phi.copy_(self.alpha_fwd * phi + (1 - self.alpha_fwd) * psi2)
+        return y.to(x.dtype)
+
+
 # ---------------------------------------------------------------------------------------
 # The registry: the value of --norm (and --encoder-norm / --decoder-norm) -> the class.
 # ---------------------------------------------------------------------------------------
@@ -135,6 +430,9 @@ NORMS = {
     "scale": ScaleNorm,
     "scale_fixed": ScaleNorm,  # TwT Table 7: g fixed at sqrt(D), only the output g learned
     "rms": RMSNorm,
+    "batch": BatchNorm,  # PowerNorm [2] Algorithm 1, over the real tokens
+    "pnv": PNV,  # PowerNorm [2] Definition 1
+    "power": PowerNorm,  # PowerNorm [2] Definition 3 / Algorithm 2, GroupScaling in front
 }
 
 
