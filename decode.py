@@ -363,10 +363,18 @@ def translate(model, tokenizer, lines, beam=4, alpha=0.6, batch_tokens=4096, dev
 # the two numbers are not comparable.
 # ---------------------------------------------------------------------------------------
 def bleu(hyps, refs):
-    """Corpus BLEU of detokenized hyps against one reference each: a sacrebleu BLEUScore."""
+    """Corpus BLEU of detokenized hyps against one reference each: a sacrebleu BLEUScore.
+
+    Note: the score also carries .signature, the metric's signature as a string
+    ("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"), which sacrebleu keeps
+    on the metric, not on the score: report it with the number.
+    """
     from sacrebleu.metrics import BLEU
 
-    return BLEU().corpus_score(list(hyps), [list(refs)])
+    metric = BLEU()
+    score = metric.corpus_score(list(hyps), [list(refs)])
+    score.signature = str(metric.get_signature())
+    return score
 
 
 def score_report(hyps, refs):
@@ -381,18 +389,22 @@ def score_report(hyps, refs):
 # ---------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------
+def split_lines(text):
+    """Text -> lines without their newlines (CRLF too); a final newline ends the last line."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [l.rstrip("\r") for l in lines]
+
+
 def read_lines(path):
-    """A text file's lines without their newlines; DecodeError names a missing file."""
+    """A text file's lines; DecodeError (naming the file) if it is missing or unreadable."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return split_lines(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise DecodeError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise DecodeError(f"{path}: cannot read ({type(e).__name__})") from None
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()  # the final newline does not start another line
-    return [l.rstrip("\r") for l in lines]
 
 
 def parse_args(argv=None):
@@ -456,7 +468,7 @@ def main(argv=None):
     try:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise DecodeError("--device cuda: no CUDA device is available")
-        lines = read_lines(args.input) if args.input else sys.stdin.read().splitlines()
+        lines = read_lines(args.input) if args.input else split_lines(sys.stdin.read())
         refs = read_lines(args.ref) if args.ref else None
         if refs is not None and len(refs) != len(lines):
             raise DecodeError(f"{args.ref}: {len(refs)} lines, but {args.input or 'stdin'} has {len(lines)}")
