@@ -30,7 +30,6 @@ Comment markers: ``# Paper:`` is what a paper says, ``# Note:`` is ours, and
 """
 import argparse
 import contextlib
-import math
 import sys
 import tempfile
 import time
@@ -69,7 +68,9 @@ def _max_lengths(src, max_len, max_len_b):
     """Maximum number of output tokens (EOS not counted) per sentence: (B,) long.
 
     None: source length + max_len_b (Code: + 50 in the authors' code [1]); an int: the
-    same for all; a tensor: one value per sentence.
+    same for all; a tensor: one value per sentence. A hypothesis that reaches the limit
+    is closed as it is, without EOS. Note: the authors' loop lets such a hypothesis take
+    one more step, in which it may still emit EOS; the two differ only at the limit.
     """
     if max_len is None:
         return src.ne(PAD).sum(1) + max_len_b  # (B,)  |x| + b
@@ -465,14 +466,16 @@ def main(argv=None):
     args = parse_args(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))
-    try:
+    try:  # every check before any work; stdin is read last, so errors show at once
         if device.type == "cuda" and not torch.cuda.is_available():
             raise DecodeError("--device cuda: no CUDA device is available")
-        lines = read_lines(args.input) if args.input else split_lines(sys.stdin.read())
+        lines = read_lines(args.input) if args.input else None
         refs = read_lines(args.ref) if args.ref else None
+        model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device)
+        if lines is None:
+            lines = split_lines(sys.stdin.read())
         if refs is not None and len(refs) != len(lines):
             raise DecodeError(f"{args.ref}: {len(refs)} lines, but {args.input or 'stdin'} has {len(lines)}")
-        model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device)
     except DecodeError as e:
         sys.exit(f"decode.py: error: {e}")
     print(f"loaded {args.checkpoint} (step {ckpt.get('step')}, dev BLEU {ckpt.get('dev_bleu')}, "
