@@ -45,9 +45,11 @@ The toy language pair ("src" -> "tgt")
       tail (most occur once or never in training).  Names are transliterated
       letter by letter (c,q->k  w->v  y->i  j->y  x->ks), so the model has to
       learn to copy and rewrite subword pieces it may never have seen whole.
-  Example pair (seed 1):
-    src: the old farmers that saw Wendor will not clean the small bucket .
-    tgt: porigeli dugun na ke Vendorek vanata bupuk tebe na ma nokasun .
+  Example pair (seed 1, line 92 of train):
+    src: this friend that called two red hats sees Clisweyckfays without a young apple .
+    tgt: zeto ve ke nabimolik niten du tudata mubamu gore nasin Klisveikkfaisek kusu .
+  word by word: friend this | that | hat-PL-ACC red-PL two | call-PAST |
+  apple young | without | Clisweyckfays-ACC | see .
 """
 
 from __future__ import annotations
@@ -370,7 +372,7 @@ class _ToyGrammar:
 
 
 def _write_atomic(path, text):
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)  # readers never see a half-written file
 
@@ -617,7 +619,7 @@ def load_or_encode(tok, pairs, cache_path):
     src, src_len = _flatten([e[0] for e in enc])
     tgt, tgt_len = _flatten([e[1] for e in enc])
     cache_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_path.with_name(cache_path.name + ".tmp")
+    tmp = cache_path.with_name(f"{cache_path.name}.{os.getpid()}.tmp")
     torch.save({"key": key, "src": src, "src_len": src_len, "tgt": tgt,
                 "tgt_len": tgt_len}, tmp)
     os.replace(tmp, cache_path)
@@ -721,17 +723,12 @@ def collate(encoded_pairs, idx, device=None):
     """Pads the examples idx into a Batch (on device, if given)."""
     xs = [encoded_pairs[i][0] for i in idx]
     ys = [encoded_pairs[i][1] for i in idx]
-    B, S, T = len(idx), max(len(x) for x in xs), max(len(y) for y in ys) + 1
-    src = torch.full((B, S), PAD, dtype=torch.long)      # (B, S)
-    tgt_in = torch.full((B, T), PAD, dtype=torch.long)   # (B, T)
-    tgt_out = torch.full((B, T), PAD, dtype=torch.long)  # (B, T)
-    for b, (x, y) in enumerate(zip(xs, ys)):
-        src[b, :len(x)] = torch.tensor(x, dtype=torch.long)
-        y = torch.tensor(y, dtype=torch.long)
-        tgt_in[b, 0] = BOS                 # [BOS] y1 ... yn
-        tgt_in[b, 1:len(y) + 1] = y
-        tgt_out[b, :len(y)] = y            # y1 ... yn [EOS]
-        tgt_out[b, len(y)] = EOS
+    S, T = max(len(x) for x in xs), max(len(y) for y in ys) + 1
+    # Decoder input and output are the same target, shifted by one position:
+    #   tgt_in  = BOS y1 ... yn        tgt_out = y1 ... yn EOS
+    src = torch.tensor([x + [PAD] * (S - len(x)) for x in xs])                 # (B, S)
+    tgt_in = torch.tensor([[BOS] + y + [PAD] * (T - 1 - len(y)) for y in ys])  # (B, T)
+    tgt_out = torch.tensor([y + [EOS] + [PAD] * (T - 1 - len(y)) for y in ys])  # (B, T)
     batch = Batch(src, tgt_in, tgt_out, n_src=sum(len(x) for x in xs),
                   n_tgt=sum(len(y) + 1 for y in ys), idx=list(idx))
     if device is not None and torch.device(device).type == "cuda":
