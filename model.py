@@ -282,7 +282,10 @@ class Transformer(nn.Module):
         # Paper [1] section 2.1: under PreNorm "one must append an additional normalization
         # after both encoder and decoder so their outputs are appropriately scaled".
         self.enc_final_norm = build_norm(enc_norm, d, heads=cfg.heads, **opts) if cfg.prenorm else None
-        self.dec_final_norm = build_norm(dec_norm, d, heads=cfg.heads, **opts) if cfg.prenorm else None
+        # Paper [1] Table 7, "ScaleNorm (g = sqrt d) + FixNorm (learned)": with fixed-g ScaleNorm the
+        # output layer's g (the decoder's final norm, eq. 6) is still learned.
+        final_dec = "scale" if dec_norm == "scale_fixed" else dec_norm
+        self.dec_final_norm = build_norm(final_dec, d, heads=cfg.heads, **opts) if cfg.prenorm else None
         self.reset_parameters()
 
     # -- initialisation [1, sections 2.2 and 3.2] ---------------------------------------

@@ -83,7 +83,7 @@ class ScaleNorm(nn.Module):
 
     def forward(self, x, pad_mask=None):
         # Note: statistics in fp32 even under autocast (an fp16 ||x||^2 overflows at |x|~256).
-        xf = x.float()
+        xf = _at_least_fp32(x)
         inv = self.g / torch.linalg.vector_norm(xf, dim=-1, keepdim=True).clamp_min(self.eps)  # (B, T, 1)
         return (xf * inv).to(x.dtype)
 
@@ -106,7 +106,7 @@ class RMSNorm(nn.Module):
         return weight * x / rms  # (B, T, D)
 
     def forward(self, x, pad_mask=None):
-        xf = x.float()
+        xf = _at_least_fp32(x)
         inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # (B, T, 1)  1/RMS(x)
         return (self.weight * (xf * inv)).to(x.dtype)
 

@@ -553,11 +553,6 @@ def test_learned_scales_returns_scalenorm_and_qknorm_g():
     assert build(norm="layer").learned_scales() == {}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "TwT Table 7 'ScaleNorm (g = sqrt d) + FixNorm (learned)' fixes the sublayer g's but keeps "
-    "eq. 6's output g learned; norms.py's NORMS comment says 'only the output g learned'. But "
-    "model.py builds dec_final_norm with build_norm('scale_fixed') -> ScaleNorm(learn_g=False), "
-    "so the output temperature is also frozen at sqrt(d) and the model has no learned g."))
 def test_scale_fixed_keeps_the_fixnorm_output_g_learned():
     m = build(prenorm=True, norm="scale_fixed", fixnorm=True)
     d = m.cfg.d_model

@@ -269,11 +269,6 @@ def test_formula_gradcheck_float64(cls):
         assert torch.autograd.gradcheck(lambda x, w: RMSNorm.formula(x, w, 1e-8), (x, w))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "norms.py ScaleNorm.forward / RMSNorm.forward do `xf = x.float()`, which DOWN-casts a "
-    "float64 input to float32: the forward of a float64 model is only float32-accurate and "
-    "finite-difference gradcheck fails (Jacobian mismatch ~1e-2). Fix: upcast only low "
-    "precision, e.g. `xf = x.to(torch.promote_types(x.dtype, torch.float32))`."))
 @pytest.mark.parametrize("cls", [ScaleNorm, RMSNorm])
 def test_module_gradcheck_float64(cls):
     torch.manual_seed(10)
