@@ -1,4 +1,4 @@
-"""decode.py -- greedy and beam search, translation of a file, and SacreBLEU scoring.
+"""decode.py -- greedy and beam search, translation, scoring and the papers' evaluation tools.
 
 Reading order: norms.py -> model.py -> data.py -> train.py -> decode.py (this file).
 Shapes: B sentences, S source length, T target length, K beam size, V vocabulary,
@@ -7,14 +7,21 @@ n the sentences of a batch that are still being decoded (n <= B).
 What is here, top-down:
   length penalty (GNMT [2]) -> greedy search -> beam search (batched over sentences and
   beams, cached keys/values, sentences leave the batch when done) -> checkpoint loading
-  -> translate() (length-sorted batches, original order restored) -> BLEU / chrF ->
-  the command line, with a speed-and-quality benchmark.
+  (one file, or the average of the last N epochs [7]) -> translate() (length-sorted
+  batches, original order restored) -> tokenized BLEU, SacreBLEU, chrF -> paired
+  bootstrap significance [6] -> analysis: label-smoothed perplexity ([1] Table 8),
+  attention heatmaps ([5] Figures 1-2), the learned g's ([1] Figures 3-4) -> the command
+  line, with a speed-and-quality benchmark.
 
 How to run:
   python decode.py runs/toy                          # stdin -> stdout, best checkpoint
   python decode.py runs/toy/checkpoint_last.pt --input data/toy/test.src \\
       --output test.hyp --ref data/toy/test.tgt       # BLEU + signature on stderr
   python decode.py runs/toy --input data/toy/dev.src --ref data/toy/dev.tgt --benchmark
+  python decode.py runs/toy --average 5 --input test.src --ref test.tgt --ppl
+  python decode.py --compare baseline.hyp system.hyp --ref test.tgt   # significance
+  python decode.py runs/toy --attention "a source sentence" --layer 0 --head 0 --kind cross
+  python decode.py runs/toy --g-table
   python decode.py --help
 
 Papers (numbers used in comments):
@@ -24,12 +31,21 @@ Papers (numbers used in comments):
       the length penalty lp(Y) = ((5 + |Y|) / 6)^alpha.
   [3] Post 2018, A Call for Clarity in Reporting BLEU Scores (SacreBLEU).
   [4] Popovic 2015, chrF: character n-gram F-score.
+  [5] Henry et al. 2020, Query-Key Normalization for Transformers (QKNorm): Figures 1-2
+      show attention weights; like [1], significance by paired bootstrap.
+  [6] Koehn 2004, Statistical Significance Tests for Machine Translation Evaluation.
+  [7] Shen et al. 2020, PowerNorm: translations come from the average of the last 5
+      epoch checkpoints (the authors' fairseq recipe, REFERENCE.md).
 
 Comment markers: ``# Paper:`` is what a paper says, ``# Note:`` is ours, and
 ``# Code:`` is what the authors' released code does (../shared/REFERENCE.md).
 """
 import argparse
 import contextlib
+import json
+import math
+import os
+import re
 import sys
 import tempfile
 import time
@@ -225,22 +241,8 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, max_len_b=50, retur
 # ---------------------------------------------------------------------------------------
 # Checkpoints (written by train.py)
 # ---------------------------------------------------------------------------------------
-def load_checkpoint(path, device="cpu"):
-    """A .pt file or a run directory -> (model in eval mode on device, tokenizer, ckpt dict).
-
-    A run directory gives its checkpoint_best.pt, else its checkpoint_last.pt. The
-    tokenizer is rebuilt from the sentencepiece model embedded in the checkpoint
-    ("bpe_model_proto"), so a checkpoint file alone can translate.
-    Raises DecodeError (one line, naming the path) for a missing file or a non-checkpoint.
-    """
-    from data import Tokenizer
-
-    p = Path(path)
-    if p.is_dir():
-        found = [p / n for n in ("checkpoint_best.pt", "checkpoint_last.pt") if (p / n).is_file()]
-        if not found:
-            raise DecodeError(f"{p}: run directory has no checkpoint_best.pt or checkpoint_last.pt")
-        p = found[0]
+def _read_checkpoint(p, device="cpu"):
+    """torch.load of one checkpoint file, with the checks; DecodeError naming the file."""
     if not p.is_file():
         raise DecodeError(f"{p}: no such checkpoint file")
     try:
@@ -254,11 +256,106 @@ def load_checkpoint(path, device="cpu"):
             raise DecodeError(f"{p}: not a checkpoint ({type(e).__name__}: {e})".splitlines()[0]) from None
     if not isinstance(ckpt, dict) or "model_config" not in ckpt or "model" not in ckpt:
         raise DecodeError(f"{p}: not a checkpoint (no 'model_config' and 'model' entries)")
+    # Note: a module saved after torch.compile has "_orig_mod." prefixes; accept both.
+    ckpt["model"] = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
+    return ckpt
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoint averaging [7]:  theta_avg = (1/N) sum_{i=1..N} theta_i  over the last N epochs.
+#
+# Paper/Code [7]: PowerNorm's translations come from the average of the last 5 epoch
+# checkpoints (fairseq's average_checkpoints.py). Averaging the weights of nearby points of
+# one training run acts like an ensemble at the cost of one model.
+# Only floating-point tensors are averaged. Integer and bool buffers are copied from the
+# last checkpoint: PowerNorm's num_batches_tracked counter (a long) decides whether the
+# layer still uses batch statistics, and the mean of counters is not a count (Code:
+# fairseq's averaging crashes on that int buffer, REFERENCE.md); the target-vocabulary
+# mask `allowed` is a bool. Float buffers (PowerNorm's running phi and nu) are averaged
+# like the weights, as fairseq does.
+# ---------------------------------------------------------------------------------------
+def average_checkpoints(paths):
+    """Checkpoint files (oldest first) -> one checkpoint dict whose "model" is their average.
+
+    Everything but "model" comes from the last file (model_config, bpe_model_proto, step,
+    ...), its "optimizer" and "rng" entries are dropped (they belong to the last file's
+    weights, not to the average: do not resume training from it), and "averaged_from"
+    lists the files. Sums are taken in float64, one file in memory at a time, and cast
+    back to each tensor's dtype. DecodeError if the files do not hold the same model.
+    """
+    paths = [Path(x) for x in paths]
+    if not paths:
+        raise DecodeError("average_checkpoints: no checkpoint files given")
+    total, last = None, None
+    for p in paths:
+        ckpt = _read_checkpoint(p, "cpu")
+        state = ckpt["model"]
+        if total is None:
+            first, total = p, {k: v.double() for k, v in state.items() if torch.is_floating_point(v)}
+            keys, shapes = set(state), {k: v.shape for k, v in state.items()}
+            config = ckpt["model_config"]
+        else:
+            if set(state) != keys or any(v.shape != shapes[k] for k, v in state.items()):
+                raise DecodeError(f"{p}: not the same model (parameter names or shapes) as {first}")
+            if ckpt["model_config"] != config:
+                raise DecodeError(f"{p}: model_config differs from {first}'s")
+            for k in total:
+                total[k] += state[k].double()  # sum_i theta_i
+        last = ckpt
+    averaged = {}
+    for k, v in last["model"].items():
+        if k in total:
+            averaged[k] = (total[k] / len(paths)).to(v.dtype)  # (1/N) sum_i theta_i
+        else:
+            averaged[k] = v.clone()  # int / bool buffers: the last checkpoint's
+    out = {k: v for k, v in last.items() if k not in ("model", "optimizer", "rng")}
+    out["model"] = averaged
+    out["averaged_from"] = [str(p) for p in paths]
+    return out
+
+
+def epoch_checkpoints(run_dir):
+    """A run directory's checkpoint_epoch{N}.pt files, sorted by N (1-based epoch number)."""
+    found = []
+    for f in Path(run_dir).glob("checkpoint_epoch*.pt"):
+        m = re.fullmatch(r"checkpoint_epoch(\d+)\.pt", f.name)
+        if m:
+            found.append((int(m.group(1)), f))
+    return [f for _, f in sorted(found)]
+
+
+def load_checkpoint(path, device="cpu", average=0):
+    """A .pt file or a run directory -> (model in eval mode on device, tokenizer, ckpt dict).
+
+    A run directory gives its checkpoint_best.pt, else its checkpoint_last.pt; with
+    average=N > 0 (a run directory only) the average of its N highest-numbered
+    checkpoint_epoch{N}.pt files instead (average_checkpoints). The tokenizer is rebuilt
+    from the sentencepiece model embedded in the checkpoint ("bpe_model_proto"), so a
+    checkpoint file alone can translate.
+    Raises DecodeError (one line, naming the path) for a missing file or a non-checkpoint.
+    """
+    from data import Tokenizer
+
+    p = Path(path)
+    if average and average > 0:
+        if not p.is_dir():
+            raise DecodeError(f"{p}: --average {average} needs a run directory (with checkpoint_epoch*.pt files)")
+        epochs = epoch_checkpoints(p)
+        if len(epochs) < average:
+            raise DecodeError(f"{p}: --average {average} needs {average} checkpoint_epoch*.pt files, "
+                              f"the run directory has {len(epochs)}")
+        ckpt = average_checkpoints(epochs[-average:])
+        p = epochs[-1]  # for messages and the bpe.model fallback
+    else:
+        if p.is_dir():
+            found = [p / n for n in ("checkpoint_best.pt", "checkpoint_last.pt") if (p / n).is_file()]
+            if not found:
+                raise DecodeError(f"{p}: run directory has no checkpoint_best.pt or checkpoint_last.pt")
+            p = found[0]
+        ckpt = _read_checkpoint(p, device)
 
     model = Transformer(ModelConfig(**ckpt["model_config"]))
-    # Note: a module saved after torch.compile has "_orig_mod." prefixes; accept both.
-    state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
-    model.load_state_dict(state)
+    model.load_state_dict(ckpt["model"])
     model.to(device).eval()
 
     proto = ckpt.get("bpe_model_proto")
@@ -357,11 +454,26 @@ def translate(model, tokenizer, lines, beam=4, alpha=0.6, batch_tokens=4096, dev
 
 
 # ---------------------------------------------------------------------------------------
-# Scoring [3, 4]
-# Note: corpus BLEU on detokenized text with SacreBLEU's default 13a tokenization, so that
-# the number comes with a signature anyone can reproduce. Code: the authors report
-# multi-bleu.perl on their tokenized text (= SacreBLEU tokenize="none" on that text);
-# the two numbers are not comparable.
+# Scoring [3, 4]: the same outputs, three numbers.
+#
+#   tokenized BLEU  what the papers report. Paper [1] appendix A: "We report tokenized BLEU
+#                   with multi-bleu.perl"; [5] and [7] do the same. multi-bleu.perl splits
+#                   on whitespace and nothing else, so the number depends on how the text
+#                   was tokenized before scoring; SacreBLEU with tokenize="none" on the same
+#                   text reproduces it exactly (Code: 32.49 and 33.24 on the authors' shipped
+#                   tst2013 outputs, REFERENCE.md).
+#   SacreBLEU       BLEU on detokenized text with SacreBLEU's own 13a tokenizer, printed
+#                   with its signature so that anyone can reproduce it [3].
+#   chrF            character n-gram F-score [4] (beta 2): no tokenization at all.
+#
+# Note: our corpora are raw (untokenized) text, and the model writes raw text. To get a
+# multi-bleu.perl-style number we tokenize both sides with the 13a tokenizer first and
+# then score with tokenize="none". On raw text that equals SacreBLEU's 13a BLEU (13a then
+# whitespace split is exactly what tokenize="13a" does), so the two numbers differ only
+# on corpora that were tokenized beforehand (IWSLT'15 en-vi as the TwT authors ship it,
+# with Moses escapes such as "&apos;"): there, pass already_tokenized=True (CLI
+# --tokenized) and the text is scored as it is, as multi-bleu.perl would. Tokenized BLEU
+# from different tokenizers is not comparable across papers; SacreBLEU's signature is.
 # ---------------------------------------------------------------------------------------
 def bleu(hyps, refs):
     """Corpus BLEU of detokenized hyps against one reference each: a sacrebleu BLEUScore.
@@ -378,13 +490,389 @@ def bleu(hyps, refs):
     return score
 
 
-def score_report(hyps, refs):
-    """One line: BLEU with its details, the BLEU signature, and chrF."""
-    from sacrebleu.metrics import BLEU, CHRF
+def tokenize_13a(lines):
+    """SacreBLEU's 13a tokenizer (mteval-v13a.pl): punctuation split off, '&quot;' etc. unescaped."""
+    from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
-    b, c = BLEU(), CHRF()
-    bs, cs = b.corpus_score(list(hyps), [list(refs)]), c.corpus_score(list(hyps), [list(refs)])
-    return f"{bs} | {b.get_signature()} | chrF2 = {cs.score:.2f}"
+    tok = Tokenizer13a()
+    return [tok(line.rstrip()) for line in lines]
+
+
+def tokenized_bleu(hyps, refs, already_tokenized=False):
+    """multi-bleu.perl-style corpus BLEU: a sacrebleu BLEUScore (with .signature).
+
+    already_tokenized=False (raw text, our corpora): both sides go through the 13a
+    tokenizer first. True: the text is scored as it is (e.g. Moses-tokenized IWSLT).
+    Either way BLEU is then computed with tokenize="none" (whitespace split only).
+    Note: smooth_method="none" as in multi-bleu.perl, which gives 0 when some n-gram order
+    has no match; SacreBLEU's default "exp" smoothing differs from it only in that case.
+    """
+    from sacrebleu.metrics import BLEU
+
+    hyps, refs = list(hyps), list(refs)
+    if not already_tokenized:
+        hyps, refs = tokenize_13a(hyps), tokenize_13a(refs)
+    metric = BLEU(tokenize="none", smooth_method="none")
+    score = metric.corpus_score(hyps, [refs])
+    score.signature = str(metric.get_signature())
+    return score
+
+
+def chrf(hyps, refs):
+    """Corpus chrF2 [4]: a sacrebleu CHRFScore (with .signature)."""
+    from sacrebleu.metrics import CHRF
+
+    metric = CHRF()
+    score = metric.corpus_score(list(hyps), [list(refs)])
+    score.signature = str(metric.get_signature())
+    return score
+
+
+def score_report(hyps, refs, already_tokenized=False):
+    """One line: tokenized BLEU (multi-bleu.perl style), SacreBLEU with its signature, chrF."""
+    tb, sb, cs = tokenized_bleu(hyps, refs, already_tokenized), bleu(hyps, refs), chrf(hyps, refs)
+    how = "as given" if already_tokenized else "13a-tokenized"
+    return (f"tokenized BLEU = {tb.score:.2f} ({how}, tok:none, as multi-bleu.perl) | "
+            f"SacreBLEU {sb} | {sb.signature} | chrF2 = {cs.score:.2f}")
+
+
+# ---------------------------------------------------------------------------------------
+# Paired bootstrap resampling [6] (Koehn 2004), the significance test of [1] and [5].
+#
+# Draw n_samples test sets of the same size from the real one, with replacement, the
+# same sentence indices for both systems; on each draw compute both corpus BLEUs. The
+# spread of a system's BLEU over the draws gives its 95% confidence interval; how often
+# the difference between the systems is as large as the real one, once the draws are
+# centred on "no difference", gives the p-value:
+#   p = (#{s : |d_s| - mean_s |d_s| > |BLEU_sys - BLEU_base|} + 1) / (n_samples + 1)
+# Note: we call SacreBLEU's own implementation (sacrebleu.significance.PairedTest,
+# test_type="bs", the Moses bootstrap-hypothesis-difference-significance.pl port), not a
+# rewrite; the CI is mean +- half the width of the 2.5%..97.5% percentile range.
+# ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _sacrebleu_seed(seed):
+    """SacreBLEU reads its resampling seed from $SACREBLEU_SEED; set it for one call."""
+    old = os.environ.get("SACREBLEU_SEED")
+    os.environ["SACREBLEU_SEED"] = "None" if seed is None else str(int(seed))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("SACREBLEU_SEED", None)
+        else:
+            os.environ["SACREBLEU_SEED"] = old
+
+
+def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=12345, already_tokenized=False):
+    """Paired bootstrap test of system vs baseline on corpus BLEU -> dict.
+
+    Keys: "baseline" and "system", each {"bleu", "mean", "ci"} (BLEU on the real test set,
+    the bootstrap mean, and the 95% interval half-width: mean +- ci), plus "ci_low" and
+    "ci_high"; "p_value" (of the system's difference from the baseline; < 0.05 is the
+    usual "significant"), "delta" (system - baseline BLEU), "n_samples", "signature",
+    "identical" (the two outputs are the same, line for line: p = 1, see below).
+    BLEU is SacreBLEU's 13a BLEU, or tokenize="none" when already_tokenized (see above).
+    Note: SacreBLEU treats seed 0 as "no seed"; None draws from the OS (not reproducible).
+    """
+    from sacrebleu.metrics import BLEU
+    from sacrebleu.significance import PairedTest
+
+    base, sys_, refs = list(baseline_hyps), list(system_hyps), list(refs)
+    if not (len(base) == len(sys_) == len(refs)):
+        raise DecodeError(f"line counts differ: baseline {len(base)}, system {len(sys_)}, references {len(refs)}")
+    if not refs:
+        raise DecodeError("paired bootstrap needs at least one sentence")
+    metric = BLEU(tokenize="none") if already_tokenized else BLEU()
+    with _sacrebleu_seed(seed):
+        test = PairedTest([("baseline", base), ("system", sys_)], {"BLEU": metric}, [refs],
+                          test_type="bs", n_samples=n_samples)
+        signatures, scores = test()
+    b, s = scores["BLEU"]  # sacrebleu Result objects: score, p_value, mean, ci
+    p_value = float(s.p_value)
+    if base == sys_:
+        # Note: for two identical outputs every resampled difference is 0 and so is the real
+        # one; SacreBLEU counts strictly larger centred differences, finds none, and returns
+        # its smallest p-value, 1 / (n_samples + 1), i.e. "significant". There is no
+        # difference to test: we report p = 1.
+        p_value = 1.0
+    out = {"n_samples": n_samples, "signature": str(signatures["BLEU"]),
+           "p_value": p_value, "delta": float(s.score - b.score), "identical": base == sys_}
+    for name, r in (("baseline", b), ("system", s)):
+        out[name] = {"bleu": float(r.score), "mean": float(r.mean), "ci": float(r.ci),
+                     "ci_low": float(r.mean - r.ci), "ci_high": float(r.mean + r.ci)}
+    return out
+
+
+def bootstrap_table(result, names=("baseline", "system")):
+    """A small rich Table of paired_bootstrap's result."""
+    from rich.table import Table
+
+    table = Table(title=f"paired bootstrap resampling, {result['n_samples']} samples",
+                  caption=result["signature"])
+    for col in ("system", "BLEU", "mean +- 95% CI", "p-value"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for key, name in zip(("baseline", "system"), names):
+        r = result[key]
+        p = "-" if key == "baseline" else f"{result['p_value']:.4f}"
+        table.add_row(str(name), f"{r['bleu']:.2f}", f"{r['mean']:.2f} +- {r['ci']:.2f}", p)
+    return table
+
+
+# ---------------------------------------------------------------------------------------
+# Label-smoothed perplexity ([1] Table 8).
+#
+# Teacher forcing over held-out pairs (src, y), n = all target tokens y_1..y_m, EOS:
+#   NLL        = sum_t -log p(y_t | y_<t, x)                        ppl          = exp(NLL / n)
+#   smoothed   = sum_t (1 - eps) * -log p(y_t) + eps * mean_{w in A} -log p(w)
+#                                                                   smoothed ppl = exp(smoothed / n)
+# A is the target vocabulary (the words the output layer does not mask). The smoothed loss
+# is the training objective, so its perplexity is what [1] Table 8 lists for train and
+# test; ppl is the ordinary one. Since -log p(w) >= 0 and, by Jensen, the mean over A of
+# -log p(w) >= log |A|, per token: smoothed >= (1 - eps) * NLL + eps * log |A|.
+# Note: the loss is train.label_smoothed_loss, the one training minimises, so the numbers
+# agree with the training log.
+# ---------------------------------------------------------------------------------------
+@torch.no_grad()
+def perplexity(model, tokenizer, pairs, label_smoothing=0.1, batch_tokens=4096, device=None):
+    """pairs [(src, tgt)] of raw text -> dict(smoothed_ppl, ppl, smoothed_loss, nll, n_tokens).
+
+    smoothed_loss and nll are per target token (EOS included); the ppl's are their exp.
+    Pairs with an empty source are skipped (the encoder would attend to nothing).
+    """
+    import data
+    import train  # Note: imported here, not at the top: train.py imports decode too
+
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    encoded = [e for e in data.encode_pairs(tokenizer, list(pairs)) if e[0]]
+    total = nll_total = 0.0
+    n = 0
+    was_training = model.training
+    model.eval()  # no dropout (nor word dropout: that lives in train.py's loop)
+    try:
+        for idx in data.make_batches(encoded, batch_tokens, shuffle=False):
+            b = data.collate(encoded, idx, device)
+            logits = model(b.src, b.tgt_in)  # (B, T, V)
+            keep = b.tgt_out.ne(PAD)  # (B, T) real targets, EOS included
+            loss, nll = train.label_smoothed_loss(logits[keep], b.tgt_out[keep], model.allowed, label_smoothing)
+            total, nll_total, n = total + loss.item(), nll_total + nll.item(), n + int(keep.sum())
+    finally:
+        model.train(was_training)
+    if n == 0:
+        raise DecodeError("perplexity: no pair with a non-empty source")
+    return {"smoothed_ppl": math.exp(total / n), "ppl": math.exp(nll_total / n),
+            "smoothed_loss": total / n, "nll": nll_total / n, "n_tokens": n}
+
+
+# ---------------------------------------------------------------------------------------
+# Attention heatmaps ([5] Figures 1-2: attention weights with and without QKNorm).
+#
+# One teacher-forced forward of (x, BOS y) with keep_weights on the chosen module: its
+# written-out path stores softmax(scores) (B, H, Tq, Tk) as last_weights; we take head h.
+#   kind "enc":   encoder self-attention    rows = cols = source pieces x_1..x_S
+#   kind "dec":   decoder self-attention    rows = cols = decoder inputs BOS, y_1..y_m
+#                 (causal: row t has zeros right of the diagonal)
+#   kind "cross": decoder-encoder attention rows = the piece each position predicts,
+#                 y_1..y_m, EOS; cols = source pieces
+# Note: decoder row t reads input y_{t-1} (BOS at t = 1) and predicts y_t. For "cross" we
+# label rows with the predicted piece, so that a row shows where the model looked to
+# write that piece (an alignment); for "dec" both axes are the same input positions.
+# ---------------------------------------------------------------------------------------
+def _attention_module(model, kind, layer):
+    stacks = {"enc": (model.encoder, "self_attn"), "dec": (model.decoder, "self_attn"),
+              "cross": (model.decoder, "cross_attn")}
+    if kind not in stacks:
+        raise DecodeError(f"--kind must be one of {', '.join(stacks)}, not {kind!r}")
+    layers, attr = stacks[kind]
+    if not 0 <= layer < len(layers):
+        raise DecodeError(f"--layer {layer}: the {'encoder' if kind == 'enc' else 'decoder'} has "
+                          f"layers 0..{len(layers) - 1}")
+    return getattr(layers[layer], attr)
+
+
+@torch.no_grad()
+def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0, kind="cross"):
+    """One attention map -> (weights (Tq, Tk) float tensor on CPU, query_tokens, key_tokens).
+
+    Teacher-forced on tgt_line, or on the model's own greedy translation when it is None.
+    Tokens are BPE pieces (strings), the labels of the rows and columns (see above).
+    keep_weights and last_weights of the module, and the model's train/eval mode, are
+    restored afterwards. Rows sum to 1.
+    """
+    module = _attention_module(model, kind, layer)
+    if not 0 <= head < model.cfg.heads:
+        raise DecodeError(f"--head {head}: the model has heads 0..{model.cfg.heads - 1}")
+    device = next(model.parameters()).device
+    x = tokenizer.encode(src_line)
+    if not x:
+        raise DecodeError("--attention: the source sentence is empty")
+    src = torch.tensor([x], device=device)  # (1, S)
+    was_training = model.training
+    model.eval()
+    old = (module.keep_weights, module.last_weights)
+    try:
+        y = greedy_search(model, src) if tgt_line is None else [tokenizer.encode(tgt_line)]
+        y = y[0]
+        tgt_in = torch.tensor([[BOS] + y], device=device)  # (1, T)  BOS y_1..y_m
+        module.keep_weights = True  # the written-out attention path, which returns the weights
+        model(src, tgt_in)
+        w = module.last_weights[0, head].float().cpu()  # (Tq, Tk)
+    finally:
+        module.keep_weights, module.last_weights = old
+        model.train(was_training)
+    src_pieces = [tokenizer.piece(i) for i in x]
+    if kind == "enc":
+        return w, src_pieces, src_pieces
+    if kind == "dec":
+        inputs = ["<s>"] + [tokenizer.piece(i) for i in y]
+        return w, inputs, inputs
+    return w, [tokenizer.piece(i) for i in y] + ["</s>"], src_pieces
+
+
+SHADES = " .:-=+*#%@"  # weight 0 -> " ", weight 1 -> "@"
+
+
+def _label(text, width):
+    return text if len(text) <= width else text[:width - 1] + "~"
+
+
+def render_heatmap(weights, rows, cols, max_label=8):
+    """A text heatmap of weights (R, C) in [0, 1]: one character per cell, by weight.
+
+    The shade is SHADES[round(w * 9)] on an absolute scale (not per row), so that maps of
+    different heads and models compare. Labels longer than max_label are cut ("~").
+    Column labels are written across the top; each column is as wide as its label.
+    """
+    w = torch.as_tensor(weights, dtype=torch.float32)
+    if w.dim() != 2 or w.shape != (len(rows), len(cols)):
+        raise ValueError(f"weights {tuple(w.shape)} do not match {len(rows)} rows x {len(cols)} columns")
+    rlab = [_label(r, max_label) for r in rows]
+    clab = [_label(c, max_label) for c in cols]
+    rw = max([len(r) for r in rlab] + [1])
+    lines = [" " * rw + " | " + " ".join(clab)]
+    for r, row in zip(rlab, w.tolist()):
+        cells = []
+        for c, v in zip(clab, row):
+            ch = SHADES[min(len(SHADES) - 1, max(0, round(v * (len(SHADES) - 1))))]
+            cells.append(ch * len(c))  # the shade, as wide as its column's label
+        lines.append(r.rjust(rw) + " | " + " ".join(cells))
+    lines.append(f"shades: {SHADES!r} for weights 0 .. 1 (absolute scale)")
+    return "\n".join(lines)
+
+
+def save_heatmap_png(weights, rows, cols, path, title=None):
+    """Saves the map as a PNG with matplotlib; True if written.
+
+    matplotlib is optional: without it this prints one line on stderr and returns False
+    (it never raises ImportError).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"note: matplotlib is not installed; {path} was not written (pip install matplotlib)",
+              file=sys.stderr)
+        return False
+    w = torch.as_tensor(weights, dtype=torch.float32).numpy()
+    fig, ax = plt.subplots(figsize=(max(4, 0.4 * len(cols) + 2), max(3, 0.4 * len(rows) + 1.5)))
+    im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+    ax.set_xticks(range(len(cols)), cols, rotation=90)
+    ax.set_yticks(range(len(rows)), rows)
+    if title:
+        ax.set_title(title)
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------
+# The learned g's ([1] Figures 3-4: the g of every ScaleNorm, by depth; [5]: QKNorm's g).
+#
+# Every scalar g of the model, from model.learned_scales(), in depth order:
+#   ScaleNorm:  y = g * x / ||x||       one g per norm (per sublayer, plus a final one per stack)
+#   QKNorm:     softmax(g * Q^ K^T) V   one g per attention module
+# Paper [1] section 2.3 / eq. 6: with PreNorm + ScaleNorm + FixNorm the decoder's final
+# g multiplies every logit, logit_w = g cos(h, e_w) + b_w: it is the softmax temperature
+# (Code: there is no separate FixNorm g). LayerNorm and RMSNorm have vector gains and
+# are left out; a LayerNorm model without QKNorm has no scalar g at all.
+# ---------------------------------------------------------------------------------------
+_SUBLAYER = {"norm_attn": "self-attn", "norm_self": "self-attn", "norm_cross": "cross-attn",
+             "norm_ff": "ffn", "self_attn": "self-attn", "cross_attn": "cross-attn"}
+
+
+def g_values(model):
+    """[{name, stack, layer, sublayer, kind, value}] for every scalar g, in depth order.
+
+    stack "encoder"/"decoder"; layer the 0-based layer index (the final norm gets
+    layer = number of layers); sublayer "self-attn", "cross-attn", "ffn", "final" (or
+    "final (temp.)": the decoder's final g under FixNorm); kind "ScaleNorm", "QKNorm", ...
+    """
+    out = []
+    for name, value in model.learned_scales().items():
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        parts = name.split(".")
+        if parts[0] in ("encoder", "decoder"):
+            stack, layer, sub = parts[0], int(parts[1]), _SUBLAYER.get(parts[2], parts[2])
+        elif parts[0] in ("enc_final_norm", "dec_final_norm"):
+            stack = "encoder" if parts[0].startswith("enc") else "decoder"
+            layer = len(model.encoder if stack == "encoder" else model.decoder)
+            sub = "final"
+            if stack == "decoder" and model.cfg.fixnorm:
+                sub = "final (temp.)"  # FixNorm: logit = g cos(h, e_w) + b_w
+        else:
+            stack, layer, sub = "-", -1, parts[0]
+        kind = "QKNorm" if type(owner).__name__ == "MultiHeadAttention" else type(owner).__name__
+        out.append({"name": name, "stack": stack, "layer": layer, "sublayer": sub, "kind": kind,
+                    "value": value})
+    return out
+
+
+def g_table(model, bar_width=12):
+    """The g's as a rich Table (None when the model has no scalar g); bar length ~ |g|."""
+    from rich import box
+    from rich.table import Table
+
+    rows = g_values(model)
+    if not rows:
+        return None
+    top = max(abs(r["value"]) for r in rows) or 1.0
+    table = Table(title="learned g (ScaleNorm / QKNorm), by depth", box=box.SIMPLE_HEAD, pad_edge=False,
+                  collapse_padding=True)
+    for col in ("name", "layer", "sublayer", "kind", "g", "|g|"):
+        table.add_column(col, justify="right" if col in ("layer", "g") else "left", no_wrap=True,
+                         min_width=bar_width if col == "|g|" else None)
+    for r in rows:
+        bar = "#" * round(bar_width * abs(r["value"]) / top)  # length proportional to |g|
+        table.add_row(r["name"], str(r["layer"]), r["sublayer"], r["kind"], f"{r['value']:.3f}", bar)
+    return table
+
+
+def print_g_table(model, console=None):
+    """Prints the g table on console (a rich Console; None: a new one on stdout).
+
+    A model without scalar g's (LayerNorm without QKNorm) gets one line saying so.
+    """
+    from rich.console import Console
+
+    console = console or Console()
+    table = g_table(model)
+    if table is None:
+        console.print("no scalar g in this model (no ScaleNorm and no QKNorm)")
+    else:
+        console.print(table)
+
+
+def save_g_values(model, path):
+    """Writes g_values(model) as a JSON list to path (atomically); returns the list."""
+    rows = g_values(model)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------
@@ -410,12 +898,20 @@ def read_lines(path):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(
-        description="Translate with a trained checkpoint (beam search or greedy) and score with SacreBLEU.")
-    ap.add_argument("checkpoint", help="a checkpoint .pt file, or a run directory "
-                    "(its checkpoint_best.pt, else checkpoint_last.pt)")
+        description="Translate with a trained checkpoint (beam search or greedy), score it (tokenized "
+                    "BLEU, SacreBLEU, chrF), test significance, and look inside the model.")
+    ap.add_argument("checkpoint", nargs="?", help="a checkpoint .pt file, or a run directory "
+                    "(its checkpoint_best.pt, else checkpoint_last.pt); not needed with --compare")
     ap.add_argument("--input", help="source text, one sentence a line (default: stdin)")
     ap.add_argument("--output", help="where to write translations, one a line (default: stdout)")
-    ap.add_argument("--ref", help="reference translations: print BLEU, its signature and chrF on stderr")
+    ap.add_argument("--ref", help="reference translations: print tokenized BLEU, SacreBLEU with its "
+                    "signature, and chrF on stderr")
+    ap.add_argument("--tokenized", action="store_true",
+                    help="the references (and so the outputs) are already tokenized, e.g. the Moses-"
+                         "tokenized IWSLT'15 en-vi of [1]: tokenized BLEU scores them as they are, "
+                         "with tokenize=none, which is exactly multi-bleu.perl ([1] appendix A reports "
+                         "tokenized BLEU). Without it, raw text is 13a-tokenized first (then the "
+                         "tokenized BLEU equals SacreBLEU's). Also used by --compare")
     ap.add_argument("--beam", type=int, default=4, help="beam size; 1 = greedy search (TwT: 4)")
     ap.add_argument("--alpha", type=float, default=0.6,
                     help="GNMT length penalty ((5 + |Y|) / 6)^alpha (TwT: 0.6)")
@@ -429,9 +925,45 @@ def parse_args(argv=None):
     ap.add_argument("--benchmark", action="store_true",
                     help="time greedy (beam 1) and beam search on --input (after a warm-up); "
                          "print sentences/s, target tokens/s and, with --ref, the BLEU of each")
+    ev = ap.add_argument_group("evaluation and analysis")
+    ev.add_argument("--average", type=int, default=0, metavar="N",
+                    help="translate with the average of the run directory's last N checkpoint_epoch*.pt "
+                         "(PowerNorm [7]: 5); floats are averaged, integer/bool buffers copied")
+    ev.add_argument("--ppl", action="store_true",
+                    help="with --ref: also print the label-smoothed and plain test perplexity "
+                         "(teacher forced, [1] Table 8)")
+    ev.add_argument("--label-smoothing", type=float, default=None,
+                    help="epsilon for --ppl (default: the checkpoint's training value, else 0.1)")
+    ev.add_argument("--compare", nargs=2, metavar=("BASELINE", "SYSTEM"),
+                    help="paired bootstrap resampling (Koehn 2004, SacreBLEU's implementation) of two "
+                         "output files against --ref: BLEU, 95%% CI, p-value; no checkpoint needed")
+    ev.add_argument("--samples", type=int, default=1000, help="bootstrap resamples for --compare")
+    ev.add_argument("--seed", type=int, default=12345, help="resampling seed for --compare (SacreBLEU's default)")
+    ev.add_argument("--attention", metavar="SOURCE",
+                    help="print the attention map of this source sentence (QKNorm [5] Figures 1-2), "
+                         "teacher-forced on --attention-target or the model's own greedy translation")
+    ev.add_argument("--attention-target", metavar="TARGET", help="the target sentence for --attention")
+    ev.add_argument("--layer", type=int, default=0, help="layer of --attention (0-based)")
+    ev.add_argument("--head", type=int, default=0, help="head of --attention (0-based)")
+    ev.add_argument("--kind", default="cross", choices=["cross", "enc", "dec"],
+                    help="--attention: decoder-encoder (cross), encoder self (enc) or decoder self (dec)")
+    ev.add_argument("--png", help="--attention: also save the map as a PNG (needs matplotlib)")
+    ev.add_argument("--g-table", action="store_true",
+                    help="print every learned scalar g (ScaleNorm, QKNorm) by depth ([1] Figures 3-4)")
     args = ap.parse_args(argv)
     if args.beam < 1:
         ap.error("--beam must be at least 1")
+    if args.average < 0:
+        ap.error("--average must be 0 (off) or a number of checkpoints")
+    if args.compare:
+        if not args.ref:
+            ap.error("--compare needs --ref")
+    elif not args.checkpoint:
+        ap.error("a checkpoint (file or run directory) is needed, except with --compare")
+    if args.ppl and not args.ref:
+        ap.error("--ppl needs --ref (and the sources in --input or on stdin)")
+    if args.attention_target is not None and args.attention is None:
+        ap.error("--attention-target needs --attention")
     return args
 
 
@@ -462,24 +994,67 @@ def benchmark(model, tokenizer, lines, refs, args, device):
         print(line, file=sys.stderr)
 
 
+def compare(args):
+    """--compare BASELINE SYSTEM --ref REF: the paired bootstrap table on stdout."""
+    from rich.console import Console
+
+    base_path, sys_path = args.compare
+    base, system, refs = read_lines(base_path), read_lines(sys_path), read_lines(args.ref)
+    for path, lines in ((base_path, base), (sys_path, system)):
+        if len(lines) != len(refs):
+            raise DecodeError(f"{path}: {len(lines)} lines, but {args.ref} has {len(refs)}")
+    result = paired_bootstrap(base, system, refs, args.samples, args.seed, args.tokenized)
+    Console().print(bootstrap_table(result, names=(base_path, sys_path)))
+    verdict = "significant" if result["p_value"] < 0.05 else "not significant"
+    print(f"delta {result['delta']:+.2f} BLEU, p = {result['p_value']:.4f} ({verdict} at 0.05)")
+
+
+def analyse(args, model, tokenizer):
+    """--g-table and --attention: print, write nothing but the optional PNG."""
+    from rich.console import Console
+
+    if args.g_table:
+        print_g_table(model, Console())
+    if args.attention is not None:
+        w, rows, cols = attention_weights(model, tokenizer, args.attention, args.attention_target,
+                                          args.layer, args.head, args.kind)
+        teacher = "given target" if args.attention_target is not None else "greedy translation"
+        print(f"{args.kind} attention, layer {args.layer}, head {args.head} ({teacher}); rows = queries")
+        print(render_heatmap(w, rows, cols))
+        if args.png and save_heatmap_png(w, rows, cols, args.png,
+                                         title=f"{args.kind} layer {args.layer} head {args.head}"):
+            print(f"wrote {args.png}", file=sys.stderr)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.compare:
+        try:
+            compare(args)
+        except DecodeError as e:
+            sys.exit(f"decode.py: error: {e}")
+        return 0
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))
+    analysis = args.g_table or args.attention is not None
     try:  # every check before any work; stdin is read last, so errors show at once
         if device.type == "cuda" and not torch.cuda.is_available():
             raise DecodeError("--device cuda: no CUDA device is available")
         lines = read_lines(args.input) if args.input else None
         refs = read_lines(args.ref) if args.ref else None
-        model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device)
+        model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
+        if analysis:
+            analyse(args, model, tokenizer)
+            return 0
         if lines is None:
             lines = split_lines(sys.stdin.read())
         if refs is not None and len(refs) != len(lines):
             raise DecodeError(f"{args.ref}: {len(refs)} lines, but {args.input or 'stdin'} has {len(lines)}")
     except DecodeError as e:
         sys.exit(f"decode.py: error: {e}")
+    avg = f", average of {len(ckpt['averaged_from'])} epochs" if "averaged_from" in ckpt else ""
     print(f"loaded {args.checkpoint} (step {ckpt.get('step')}, dev BLEU {ckpt.get('dev_bleu')}, "
-          f"{ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')})", file=sys.stderr)
+          f"{ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')}{avg})", file=sys.stderr)
 
     with torch.inference_mode():
         if args.benchmark:
@@ -494,7 +1069,14 @@ def main(argv=None):
         sys.stdout.write(text)
         sys.stdout.flush()
     if refs is not None:
-        print(score_report(hyps, refs), file=sys.stderr)
+        print(score_report(hyps, refs, args.tokenized), file=sys.stderr)
+        if args.ppl:
+            eps = args.label_smoothing
+            if eps is None:
+                eps = (ckpt.get("args") or {}).get("label_smoothing", 0.1)
+            ppl = perplexity(model, tokenizer, list(zip(lines, refs)), eps, args.batch_tokens, device)
+            print(f"test perplexity: label-smoothed (eps {eps}) {ppl['smoothed_ppl']:.2f}, "
+                  f"plain {ppl['ppl']:.2f} over {ppl['n_tokens']} target tokens", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,344 @@
+"""Tests for decode.py's evaluation tools: the papers' measurements, checked against
+independent computations.
+
+The claims, in the order of decode.py:
+  - tokenized BLEU (13a-tokenize, then tokenize="none": multi-bleu.perl on tokenized
+    text) equals SacreBLEU's 13a BLEU on raw text, equals tokenize="none" on text that is
+    already tokenized, and is 100 for perfect output;
+  - paired bootstrap (SacreBLEU's implementation): a system against itself is not
+    significant, the references against a corrupted baseline are, with 95% intervals;
+  - checkpoint averaging averages the floating-point tensors and copies int/bool buffers;
+    load_checkpoint(run_dir, average=N) uses the N last epochs, and too few is an error;
+  - perplexity with eps = 0 is exp of the mean cross entropy computed here from
+    model(src, tgt_in); with eps > 0 the smoothed loss obeys its lower bound;
+  - attention maps are distributions over the keys, shaped by the tokens, and the
+    module's keep_weights is restored; the text heatmap carries the labels; the PNG
+    is optional (no matplotlib: False, no exception);
+  - the g table lists each scalar g of a ScaleNorm + QKNorm model with its value.
+Tiny random models, as in tests/test_decode.py: no training.
+"""
+import builtins
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import decode  # noqa: E402
+from decode import DecodeError  # noqa: E402
+from model import BOS, EOS, ModelConfig, MultiHeadAttention, Transformer  # noqa: E402
+
+WORDS = "the cat dog sat on a mat and ran to house big small red blue".split()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_model(vocab_size, seed=0, **cfg):
+    torch.manual_seed(seed)
+    c = dict(vocab_size=vocab_size, d_model=32, heads=4, ff=64, enc_layers=2, dec_layers=2)
+    c.update(cfg)
+    model = Transformer(ModelConfig(**c))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and name != "embed":
+                p.mul_(4.0)  # so that the layers matter (see tests/test_decode.py)
+        model.out_bias[EOS] = 2.0  # outputs end
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """A sentencepiece model and 40 sentence pairs."""
+    from data import Tokenizer, train_bpe
+
+    root = tmp_path_factory.mktemp("eval")
+    g = torch.Generator().manual_seed(0)
+    lines = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (int(n),), generator=g))
+             for n in torch.randint(2, 9, (80,), generator=g)]
+    model_path = train_bpe(lines[:40], lines[40:], 60, root / "bpe")
+    return Tokenizer(model_path), list(zip(lines[:40], lines[40:])), Path(model_path)
+
+
+# -- BLEU two ways ------------------------------------------------------------------------
+RAW_HYP = ["The cat, it seems, sat on the mat.", "Don't go there!", "A big (red) house."]
+RAW_REF = ["The cat sat on the mat, it seems.", "Do not go there!", "A big red house."]
+
+
+def test_tokenized_bleu_equals_sacrebleu_13a_on_raw_text():
+    from sacrebleu.metrics import BLEU
+
+    ours = decode.tokenized_bleu(RAW_HYP, RAW_REF).score
+    theirs = BLEU(tokenize="13a").corpus_score(RAW_HYP, [RAW_REF]).score
+    assert 0 < ours < 100
+    assert ours == pytest.approx(theirs, abs=1e-9)
+
+
+def test_tokenized_bleu_on_pretokenized_text_is_tokenize_none():
+    from sacrebleu.metrics import BLEU
+
+    hyp = ["the cat sat on the mat &apos;s .", "we don &apos;t know ."]  # Moses-tokenized, as IWSLT
+    ref = ["the cat sat on the mat &apos;s mat .", "we do n&apos;t know ."]
+    ours = decode.tokenized_bleu(hyp, ref, already_tokenized=True).score
+    assert ours == pytest.approx(BLEU(tokenize="none").corpus_score(hyp, [ref]).score, abs=1e-9)
+    # 13a would split "&apos;s" again: the numbers differ, which is why --tokenized exists
+    assert ours != pytest.approx(decode.tokenized_bleu(hyp, ref).score, abs=1e-6)
+
+
+def test_perfect_output_scores_100_everywhere():
+    assert decode.tokenized_bleu(RAW_REF, RAW_REF).score == pytest.approx(100.0)
+    assert decode.tokenized_bleu(RAW_REF, RAW_REF, already_tokenized=True).score == pytest.approx(100.0)
+    assert decode.chrf(RAW_REF, RAW_REF).score == pytest.approx(100.0)
+    report = decode.score_report(RAW_HYP, RAW_REF)
+    assert "\n" not in report
+    assert "tokenized BLEU = " in report and "tok:13a" in report and "chrF2 = " in report
+
+
+# -- paired bootstrap -------------------------------------------------------------------
+def corpus(n=60, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (8,), generator=g)) for _ in range(n)]
+
+
+def corrupt(lines, seed=1):
+    """Every sentence keeps its first half and gets random words after it."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for line in lines:
+        w = line.split()
+        out.append(" ".join(w[:4] + [WORDS[i] for i in torch.randint(0, len(WORDS), (4,), generator=g)]))
+    return out
+
+
+def test_paired_bootstrap_identical_systems_not_significant():
+    refs = corpus()
+    hyps = corrupt(refs)
+    r = decode.paired_bootstrap(hyps, list(hyps), refs, n_samples=200)
+    assert r["delta"] == 0.0 and r["identical"] and r["p_value"] == 1.0  # no difference: p = 1
+    assert r["baseline"]["bleu"] == r["system"]["bleu"]
+
+
+def test_paired_bootstrap_references_beat_corrupted_baseline():
+    refs = corpus()
+    r = decode.paired_bootstrap(corrupt(refs), refs, refs, n_samples=200)
+    assert r["system"]["bleu"] == pytest.approx(100.0) and r["delta"] > 10
+    assert r["p_value"] < 0.05
+    for key in ("baseline", "system"):
+        c = r[key]
+        assert c["ci"] >= 0 and c["ci_low"] <= c["mean"] <= c["ci_high"]
+    assert r["baseline"]["ci"] > 0  # a corrupted system's BLEU varies over resamples
+    again = decode.paired_bootstrap(corrupt(refs), refs, refs, n_samples=200)
+    assert again == r  # seeded: reproducible
+    with pytest.raises(DecodeError, match="line counts differ"):
+        decode.paired_bootstrap(refs[:-1], refs, refs)
+
+
+def test_cli_compare_prints_table_and_names_bad_files(tmp_path, capsys):
+    refs = corpus()
+    (tmp_path / "ref").write_text("\n".join(refs) + "\n")
+    (tmp_path / "base").write_text("\n".join(corrupt(refs)) + "\n")
+    (tmp_path / "sys").write_text("\n".join(refs) + "\n")
+    (tmp_path / "short").write_text("one line\n")
+    argv = ["--compare", str(tmp_path / "base"), str(tmp_path / "sys"), "--ref", str(tmp_path / "ref"),
+            "--samples", "100"]
+    assert decode.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "p-value" in out and "95% CI" in out and "significant" in out
+    for bad in ("short", "missing"):
+        with pytest.raises(SystemExit) as e:
+            decode.main(["--compare", str(tmp_path / bad), str(tmp_path / "sys"), "--ref", str(tmp_path / "ref")])
+        msg = str(e.value.code)
+        assert str(tmp_path / bad) in msg and "\n" not in msg and msg.startswith("decode.py: error:")
+
+
+# -- checkpoint averaging -----------------------------------------------------------------
+def fake_state(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(3, 4, generator=g), "b16": torch.randn(5, generator=g).bfloat16(),
+            "num_batches_tracked": torch.tensor(10 * (seed + 1)), "allowed": torch.rand(6, generator=g) > 0.5}
+
+
+def test_average_checkpoints_averages_floats_and_copies_int_and_bool(tmp_path):
+    paths = []
+    for i in range(2):
+        paths.append(tmp_path / f"checkpoint_epoch{i + 1}.pt")
+        torch.save({"model_config": {"vocab_size": 6}, "model": fake_state(i), "step": i,
+                    "optimizer": {"x": 1}}, paths[-1])
+    avg = decode.average_checkpoints(paths)
+    a, b = fake_state(0), fake_state(1)
+    assert torch.allclose(avg["model"]["w"], (a["w"] + b["w"]) / 2, atol=1e-6)
+    assert avg["model"]["b16"].dtype == torch.bfloat16
+    assert torch.equal(avg["model"]["b16"], ((a["b16"].double() + b["b16"].double()) / 2).bfloat16())
+    assert avg["model"]["num_batches_tracked"].dtype == torch.long
+    assert int(avg["model"]["num_batches_tracked"]) == 20  # the last one's, not 15
+    assert torch.equal(avg["model"]["allowed"], b["allowed"])
+    assert avg["step"] == 1 and "optimizer" not in avg and len(avg["averaged_from"]) == 2
+
+
+def test_load_checkpoint_average_of_run_dir(tmp_path, toy):
+    tok, _, model_path = toy
+    models = [tiny_model(tok.vocab_size, seed=s, norm="power", encoder_norm="power") for s in range(3)]
+    for epoch, m in enumerate(models, start=1):
+        m.encoder[0].norm_attn.num_batches_tracked.fill_(100 * epoch)
+        ckpt = {"model_config": m.cfg.to_dict(), "model": m.state_dict(), "step": epoch,
+                "bpe_model_proto": model_path.read_bytes()}
+        torch.save(ckpt, tmp_path / f"checkpoint_epoch{epoch}.pt")
+    (tmp_path / "checkpoint_epoch3.pt.tmp").write_text("an interrupted save")  # ignored
+    loaded, ltok, ckpt = decode.load_checkpoint(tmp_path, average=2)  # epochs 2 and 3
+    assert [Path(p).name for p in ckpt["averaged_from"]] == ["checkpoint_epoch2.pt", "checkpoint_epoch3.pt"]
+    s1, s2, got = models[1].state_dict(), models[2].state_dict(), loaded.state_dict()
+    for k, v in got.items():
+        if torch.is_floating_point(v):  # logit_mask's -inf stay -inf ((-inf + -inf) / 2)
+            assert torch.allclose(v, (s1[k] + s2[k]) / 2, atol=1e-6), k
+        else:
+            assert torch.equal(v, s2[k]), k
+    assert int(got["encoder.0.norm_attn.num_batches_tracked"]) == 300
+    assert torch.equal(got["logit_mask"], s2["logit_mask"])
+    assert decode.translate(loaded, ltok, ["the cat sat"], max_len_b=5)[0] is not None
+    with pytest.raises(DecodeError) as e:
+        decode.load_checkpoint(tmp_path, average=5)
+    assert str(tmp_path) in str(e.value) and "has 3" in str(e.value) and "\n" not in str(e.value)
+
+
+# -- perplexity -------------------------------------------------------------------------
+def test_perplexity_is_exp_mean_cross_entropy(toy):
+    tok, pairs, _ = toy
+    model = tiny_model(tok.vocab_size)
+    out = decode.perplexity(model, tok, pairs, label_smoothing=0.0, batch_tokens=100)
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for src_text, tgt_text in pairs:  # one pair at a time: no padding at all
+            x, y = tok.encode(src_text), tok.encode(tgt_text)
+            logits = model(torch.tensor([x]), torch.tensor([[BOS] + y]))[0]  # (T, V)
+            total += F.cross_entropy(logits, torch.tensor(y + [EOS]), reduction="sum").item()
+            n += len(y) + 1
+    assert out["n_tokens"] == n
+    assert out["ppl"] == pytest.approx(math.exp(total / n), rel=1e-4)
+    assert out["smoothed_ppl"] == pytest.approx(out["ppl"], rel=1e-6)  # eps = 0: the same loss
+
+
+def test_smoothed_loss_lower_bound(toy):
+    # smoothed = (1-eps) NLL + eps mean_{w in A} -log p_w >= (1-eps) NLL + eps log|A| (Jensen)
+    tok, pairs, _ = toy
+    model = tiny_model(tok.vocab_size)
+    model.train()
+    eps = 0.1
+    out = decode.perplexity(model, tok, pairs, label_smoothing=eps)
+    assert model.training  # the mode is restored
+    n_allowed = int(model.allowed.sum())
+    assert out["smoothed_loss"] >= (1 - eps) * out["nll"] + eps * math.log(n_allowed) - 1e-6
+    assert out["ppl"] == pytest.approx(decode.perplexity(model, tok, pairs, 0.0)["ppl"], rel=1e-6)
+
+
+# -- attention maps -----------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["cross", "enc", "dec"])
+def test_attention_weights_rows_sum_to_one_and_shapes(toy, kind):
+    tok, pairs, _ = toy
+    model = tiny_model(tok.vocab_size, qknorm=True, qk_g0=5.0)
+    src, tgt = pairs[0]
+    w, rows, cols = decode.attention_weights(model, tok, src, tgt, layer=1, head=2, kind=kind)
+    S, T = len(tok.encode(src)), len(tok.encode(tgt)) + 1
+    assert w.shape == {"cross": (T, S), "enc": (S, S), "dec": (T, T)}[kind] == (len(rows), len(cols))
+    assert torch.allclose(w.sum(-1), torch.ones(len(rows)), atol=1e-5)
+    if kind == "dec":
+        assert torch.equal(w, w.tril()) and rows[0] == "<s>"  # causal
+    if kind == "cross":
+        assert rows[-1] == "</s>" and cols == [tok.piece(i) for i in tok.encode(src)]
+    attn = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    assert len(attn) == 2 + 2 * 2 and all(m.keep_weights is False and m.last_weights is None for m in attn)
+
+
+def test_attention_on_own_translation_and_heatmap(toy, tmp_path, monkeypatch, capsys):
+    tok, pairs, _ = toy
+    model = tiny_model(tok.vocab_size)
+    src = pairs[1][0]
+    w, rows, cols = decode.attention_weights(model, tok, src, None, kind="cross")
+    greedy = decode.greedy_search(model, torch.tensor([tok.encode(src)]))[0]
+    assert rows == [tok.piece(i) for i in greedy] + ["</s>"]
+    assert not model.decoder[0].cross_attn.keep_weights
+    text = decode.render_heatmap(w, rows, cols)
+    for label in rows + cols:
+        assert decode._label(label, 8) in text
+    assert len(text.splitlines()) == len(rows) + 2
+    # Without matplotlib: False and one note, never ImportError.
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **k):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert decode.save_heatmap_png(w, rows, cols, tmp_path / "a.png") is False
+    assert not (tmp_path / "a.png").exists()
+    assert "matplotlib" in capsys.readouterr().err
+    with pytest.raises(DecodeError, match="layer 7"):
+        decode.attention_weights(model, tok, src, None, layer=7)
+
+
+# -- the learned g's ----------------------------------------------------------------------
+def test_g_values_json_and_table_for_scalenorm_qknorm(tmp_path):
+    model = tiny_model(40, norm="scale", qknorm=True, qk_g0=3.5)
+    with torch.no_grad():
+        model.decoder[1].cross_attn.g.fill_(7.25)
+        model.encoder[0].norm_ff.g.fill_(2.5)
+    rows = decode.save_g_values(model, tmp_path / "g_values.json")
+    saved = json.loads((tmp_path / "g_values.json").read_text())
+    assert saved == rows
+    # 2 encoder layers x (2 ScaleNorm + 1 QKNorm) + 2 decoder layers x (3 + 2) + 2 final norms
+    assert len(saved) == 2 * 3 + 2 * 5 + 2
+    by_name = {r["name"]: r for r in saved}
+    assert by_name.keys() == model.learned_scales().keys()
+    assert by_name["decoder.1.cross_attn.g"]["value"] == 7.25
+    assert by_name["decoder.1.cross_attn.g"]["kind"] == "QKNorm" and by_name["decoder.1.cross_attn.g"]["layer"] == 1
+    assert by_name["encoder.0.norm_ff.g"] == {"name": "encoder.0.norm_ff.g", "stack": "encoder", "layer": 0,
+                                              "sublayer": "ffn", "kind": "ScaleNorm", "value": 2.5}
+    assert by_name["encoder.1.self_attn.g"]["value"] == 3.5
+    assert by_name["dec_final_norm.g"]["layer"] == 2 and by_name["dec_final_norm.g"]["value"] == pytest.approx(32 ** 0.5)
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=160)
+    decode.print_g_table(model, console)
+    text = console.file.getvalue()
+    assert "decoder.1.cross_attn.g" in text and "7.250" in text and "#" * 12 in text
+
+
+def test_g_table_for_layernorm_model_is_one_line(tmp_path):
+    from rich.console import Console
+
+    model = tiny_model(40, norm="layer")
+    console = Console(file=io.StringIO(), width=120)
+    decode.print_g_table(model, console)
+    assert len(console.file.getvalue().strip().splitlines()) == 1
+    assert decode.save_g_values(model, tmp_path / "g.json") == []
+
+
+def test_cli_g_table_and_attention(tmp_path, toy, capsys):
+    tok, pairs, model_path = toy
+    model = tiny_model(tok.vocab_size, qknorm=True, qk_g0=4.0)
+    torch.save({"model_config": model.cfg.to_dict(), "model": model.state_dict(),
+                "bpe_model_proto": model_path.read_bytes()}, tmp_path / "checkpoint_best.pt")
+    assert decode.main([str(tmp_path), "--g-table"]) == 0
+    assert "decoder.0.cross_attn.g" in capsys.readouterr().out
+    src, tgt = pairs[2]
+    assert decode.main([str(tmp_path), "--attention", src, "--attention-target", tgt,
+                        "--kind", "enc", "--layer", "1", "--head", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "enc attention, layer 1, head 3" in out and "shades:" in out
+    (tmp_path / "dev.src").write_text("\n".join(s for s, _ in pairs[:6]) + "\n")
+    (tmp_path / "dev.tgt").write_text("\n".join(t for _, t in pairs[:6]) + "\n")
+    assert decode.main([str(tmp_path), "--input", str(tmp_path / "dev.src"), "--ref", str(tmp_path / "dev.tgt"),
+                        "--output", str(tmp_path / "hyp"), "--ppl", "--beam", "1", "--max-len-b", "5"]) == 0
+    err = capsys.readouterr().err
+    assert "tokenized BLEU = " in err and "test perplexity: label-smoothed (eps 0.1)" in err
