@@ -35,21 +35,22 @@ The toy language pair ("src" -> "tgt")
     - word order: the verb goes last (SOV), a sentence-level place phrase moves
       right after the subject, time adverbs move to the front; inside a noun
       phrase everything is mirrored: noun, adjectives (reversed), determiner;
-      prepositions become postpositions;
+      prepositions become postpositions; a relative clause stays after its
+      noun but is verb-final too ("that sees the cat" -> "ke <cat>-k <see>");
     - morphology: nouns take plural "-li" and accusative "-k"/"-ek";
       adjectives agree in number ("-n"); verbs take tense ("-ta" past, "-su"
       future) and a person/number suffix ("-m", "-s", "", "-mos", "-n");
       "a"/"an" disappears, negation "does not" becomes "ma" before the verb;
-    - vocabulary: about 230 nouns, 60 verbs and 45 adjectives drawn with Zipf
+    - vocabulary: 243 nouns, 57 verbs and 47 adjectives drawn with Zipf
       frequencies, plus 3000 invented proper names drawn with a very long Zipf
       tail (most occur once or never in training).  Names are transliterated
       letter by letter (c,q->k  w->v  y->i  j->y  x->ks), so the model has to
       learn to copy and rewrite subword pieces it may never have seen whole.
-  Example pair (seed 1, line 92 of train):
-    src: this friend that called two red hats sees Clisweyckfays without a young apple .
-    tgt: zeto ve ke nabimolik niten du tudata mubamu gore nasin Klisveikkfaisek kusu .
-  word by word: friend this | that | hat-PL-ACC red-PL two | call-PAST |
-  apple young | without | Clisweyckfays-ACC | see .
+  Example pair (seed 1, line 83 of train.src / train.tgt):
+    src: the green man that likes us will not take Thullockmeyth beside a table .
+    tgt: mibiso pida na ke nosek riko neto kana Thullokkmeithek ma pavisu .
+  gloss: man green the | that us-ACC like | table beside |
+         Thullockmeyth-ACC | NEG take-FUT .
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class DataError(ValueError):
 # ---------------------------------------------------------------------------
 
 # Bump when the generator changes, so old data/toy/ files get rebuilt.
-TOY_VERSION = 1
+TOY_VERSION = 2
 
 # The lexicon (which target word translates which source word) is fixed for all
 # seeds: the seed only chooses sentences.  Different seeds give different
@@ -225,7 +226,7 @@ def _make_lexicon():
     names, seen = [], set()
     while len(names) < 3000:
         parts = [rng.choice(onsets) + rng.choice(nuclei) + rng.choice(codas)
-                 for _ in range(rng.choice((2, 2, 3)))]
+                 for _ in range(rng.choice((2, 2, 2, 2, 3)))]
         name = "".join(parts).capitalize()
         if name not in seen:
             seen.add(name)
@@ -260,7 +261,7 @@ class _ToyGrammar:
         self.nouns, verbs, self.adjs, self.names = _make_lexicon()
         self.trans = [v for v in verbs if v[4]]
         self.intrans = [v for v in verbs if not v[4]]
-        self.w_nouns = _zipf_cum_weights(len(self.nouns), 1.0)
+        self.w_nouns = _zipf_cum_weights(len(self.nouns), 1.1)
         self.w_trans = _zipf_cum_weights(len(self.trans), 0.8)
         self.w_intrans = _zipf_cum_weights(len(self.intrans), 0.8)
         self.w_adjs = _zipf_cum_weights(len(self.adjs), 0.8)
@@ -273,18 +274,18 @@ class _ToyGrammar:
         """Returns (src, tgt, person).  modifier: None, "pp" or "rel"."""
         r = self.rng
         kind = r.random()
-        if kind < 0.12:  # a proper name, always third person singular
+        if kind < 0.08:  # a proper name, always third person singular
             name = self.pick(self.names, self.w_names)
             tgt = _translit(name)
             return [name], [_accusative(tgt) if case == "acc" else tgt], "3sg"
-        if kind < 0.30 and modifier is None:  # a pronoun
+        if kind < 0.26 and modifier is None:  # a pronoun
             pron = r.choice(list(_PRONOUNS))
             person, obj, tgt = _PRONOUNS[pron]
             src = pron if case == "nom" else obj
             return [src], [_accusative(tgt) if case == "acc" else tgt], person
         plural = r.random() < 0.35
         sg, pl, noun_t = self.pick(self.nouns, self.w_nouns)
-        n_adj = r.choices((0, 1, 2), (55, 35, 10))[0]
+        n_adj = r.choices((0, 1, 2), (55, 38, 7))[0]
         adjs = []
         while len(adjs) < n_adj:
             a = self.pick(self.adjs, self.w_adjs)
