@@ -627,6 +627,19 @@ def load_or_encode(tok, pairs, cache_path):
     return enc
 
 
+def filter_long(encoded_pairs, max_len):
+    """Drops pairs with more than max_len BPE tokens on either side.
+
+    Returns (kept, n_dropped) so the caller can say how many went; max_len
+    None keeps everything.  Note: use it on training data only; dropping dev
+    or test sentences would change what BLEU is computed on.
+    """
+    if max_len is None:
+        return list(encoded_pairs), 0
+    kept = [(x, y) for x, y in encoded_pairs if len(x) <= max_len and len(y) <= max_len]
+    return kept, len(encoded_pairs) - len(kept)
+
+
 # ---------------------------------------------------------------------------
 # 5. Target vocabulary mask
 # ---------------------------------------------------------------------------

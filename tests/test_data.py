@@ -187,6 +187,12 @@ def test_encode_cache_round_trip(tmp_path, toy):
     assert data.load_or_encode(tok, train[:10], cache) == enc[:10]     # other corpus: re-encoded
 
 
+def test_filter_long_counts_what_it_drops():
+    enc = [([4] * 3, [4] * 3), ([4] * 6, [4]), ([4], [4] * 7)]
+    assert data.filter_long(enc, 5) == ([([4] * 3, [4] * 3)], 2)
+    assert data.filter_long(enc, None) == (enc, 0)
+
+
 # --- vocabulary mask --------------------------------------------------------
 
 def test_target_vocab_mask():
