@@ -604,11 +604,10 @@ def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=1234
 
 
 def bootstrap_table(result, names=("baseline", "system")):
-    """A small rich Table of paired_bootstrap's result."""
+    """A small rich Table of paired_bootstrap's result (print result["signature"] with it)."""
     from rich.table import Table
 
-    table = Table(title=f"paired bootstrap resampling, {result['n_samples']} samples",
-                  caption=result["signature"])
+    table = Table(title=f"paired bootstrap resampling, {result['n_samples']} samples")
     for col in ("system", "BLEU", "mean +- 95% CI", "p-value"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for key, name in zip(("baseline", "system"), names):
@@ -1006,6 +1005,7 @@ def compare(args):
     result = paired_bootstrap(base, system, refs, args.samples, args.seed, args.tokenized)
     Console().print(bootstrap_table(result, names=(base_path, sys_path)))
     verdict = "significant" if result["p_value"] < 0.05 else "not significant"
+    print(result["signature"])
     print(f"delta {result['delta']:+.2f} BLEU, p = {result['p_value']:.4f} ({verdict} at 0.05)")
 
 
