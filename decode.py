@@ -484,7 +484,9 @@ def bleu(hyps, refs):
     """
     from sacrebleu.metrics import BLEU
 
-    metric = BLEU()
+    # Note: force=True silences SacreBLEU's "you forgot to detokenize" warning: the built-in
+    # corpus writes " ." like tokenized text; the score and signature are unchanged by it.
+    metric = BLEU(force=True)
     score = metric.corpus_score(list(hyps), [list(refs)])
     score.signature = str(metric.get_signature())
     return score
@@ -643,21 +645,10 @@ def perplexity(model, tokenizer, pairs, label_smoothing=0.1, batch_tokens=4096, 
 
     device = torch.device(device) if device is not None else next(model.parameters()).device
     encoded = [e for e in data.encode_pairs(tokenizer, list(pairs)) if e[0]]
-    total = nll_total = 0.0
-    n = 0
-    was_training = model.training
-    model.eval()  # no dropout (nor word dropout: that lives in train.py's loop)
-    try:
-        for idx in data.make_batches(encoded, batch_tokens, shuffle=False):
-            b = data.collate(encoded, idx, device)
-            logits = model(b.src, b.tgt_in)  # (B, T, V)
-            keep = b.tgt_out.ne(PAD)  # (B, T) real targets, EOS included
-            loss, nll = train.label_smoothed_loss(logits[keep], b.tgt_out[keep], model.allowed, label_smoothing)
-            total, nll_total, n = total + loss.item(), nll_total + nll.item(), n + int(keep.sum())
-    finally:
-        model.train(was_training)
-    if n == 0:
+    if not encoded:
         raise DecodeError("perplexity: no pair with a non-empty source")
+    total, nll_total, n = train.evaluate_loss(model, encoded, batch_tokens, device, label_smoothing)
+
     return {"smoothed_ppl": math.exp(total / n), "ppl": math.exp(nll_total / n),
             "smoothed_loss": total / n, "nll": nll_total / n, "n_tokens": n}
 

@@ -333,20 +333,31 @@ def evaluate_bleu(model, tok, pairs, beam, alpha, device, batch_tokens):
 
 
 @torch.no_grad()
-def evaluate_loss(model, encoded, batch_tokens, device, eps, amp):
-    """Label-smoothed and plain per-token cross entropy of a held-out set (dev/test ppl)."""
+def evaluate_loss(model, encoded, batch_tokens, device, eps, amp=None):
+    """Teacher-forced held-out loss: (label-smoothed loss sum, NLL sum, target tokens).
+
+    exp(sum / tokens) is the (label-smoothed) perplexity of [1] Table 8.
+    Note: a reference token outside the target vocabulary (a BPE piece seen only on the
+    source side of the training data) can never be produced (its logit is -inf); it is
+    scored as UNK, so the perplexity stays finite.
+    """
     was_training = model.training
     model.eval()
-    total = nll_total = n = 0.0
-    for idx in data.make_batches(encoded, batch_tokens, shuffle=False, seed=0):
-        b = data.collate(encoded, idx, device)
-        with amp():
-            logits = model(b.src, b.tgt_in)
-        keep = b.tgt_out.ne(data.PAD)
-        loss, nll = label_smoothed_loss(logits[keep], b.tgt_out[keep], model.allowed, eps)
-        total, nll_total, n = total + loss.item(), nll_total + nll.item(), n + keep.sum().item()
-    model.train(was_training)
-    return total / max(n, 1), nll_total / max(n, 1)
+    total = nll_total = 0.0
+    n = 0
+    try:
+        for idx in data.make_batches(encoded, batch_tokens, shuffle=False, seed=0):
+            b = data.collate(encoded, idx, device)
+            with (amp() if amp is not None else torch.autocast("cpu", enabled=False)):
+                logits = model(b.src, b.tgt_in)  # (B, T, V)
+            keep = b.tgt_out.ne(data.PAD)  # (B, T)
+            target = b.tgt_out[keep]
+            target = torch.where(model.allowed[target], target, data.UNK)
+            loss, nll = label_smoothed_loss(logits[keep], target, model.allowed, eps)
+            total, nll_total, n = total + loss.item(), nll_total + nll.item(), n + int(keep.sum())
+    finally:
+        model.train(was_training)
+    return total, nll_total, n
 
 
 # ---------------------------------------------------------------------------------------
@@ -638,7 +649,8 @@ def end_of_epoch(args, model, optimizer, tok, splits, dev_encoded, state, lr_sca
     state["epoch"] += 1
     t0 = time.time()
     if master:
-        dev_loss, dev_nll = evaluate_loss(model, dev_encoded, args.batch_tokens, device, args.label_smoothing, amp)
+        dev_loss, dev_nll, n = evaluate_loss(model, dev_encoded, args.batch_tokens, device, args.label_smoothing, amp)
+        dev_loss, dev_nll = dev_loss / max(n, 1), dev_nll / max(n, 1)
         score, _ = evaluate_bleu(model, tok, splits["dev"], args.dev_beam, args.alpha, device, args.batch_tokens)
         model.train()
         bleu = score.score
