@@ -719,6 +719,8 @@ def padding_share(encoded_pairs, batches):
 
 @dataclass
 class Batch:
+    """One padded batch, batch-first; made by collate."""
+
     src: torch.Tensor      # (B, S) source ids, PAD-padded, no BOS/EOS
     tgt_in: torch.Tensor   # (B, T) [BOS] + y, the decoder's input
     tgt_out: torch.Tensor  # (B, T) y + [EOS], what it must predict
