@@ -77,6 +77,18 @@ def test_toy_translation_reorders_and_inflects(toy):
     assert verbs["he"] and verbs["they"] and not verbs["he"] & verbs["they"]
 
 
+def test_toy_target_is_a_function_of_the_source():
+    """One reference per source: a repeated source always gets the same target."""
+    import random
+    grammar = data._ToyGrammar(random.Random(5))
+    seen, repeats = {}, 0
+    for _ in range(20000):
+        s, t = grammar.sentence()
+        repeats += s in seen
+        assert seen.setdefault(s, t) == t, s
+    assert repeats > 100  # the check did see repeated sources
+
+
 def test_toy_vocabulary_has_a_long_tail(toy):
     counts = collections.Counter(w for s, _ in toy[1] for w in s.split())
     rare = [w for w, c in counts.items() if c <= 2]
