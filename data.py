@@ -829,7 +829,7 @@ if __name__ == "__main__":
     import tempfile
 
     t0 = time.time()
-    model = train_bpe([p[0] for p in train], [p[1] for p in train], 4000,
+    model = train_bpe([p[0] for p in train], [p[1] for p in train], 2000,
                       Path(tempfile.mkdtemp()) / "bpe")
     tok = Tokenizer(model)
     enc = encode_pairs(tok, train)
