@@ -36,11 +36,22 @@ from norms import NORMS
 # ---------------------------------------------------------------------------------------
 # Flags. Every flag names the paper and equation it comes from; --help is the documentation.
 # ---------------------------------------------------------------------------------------
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" only where there is a default worth showing."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action, (argparse._StoreFalseAction, argparse._StoreTrueAction)):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         description="Train a Transformer translator with the normalizations of TwT [1], "
-                    "PowerNorm [2] and QKNorm [3].",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "PowerNorm [2] and QKNorm [3]. [1] Nguyen & Salazar 2019, Transformers without "
+                    "Tears; [2] Shen et al. 2020, PowerNorm; [3] Henry et al. 2020, Query-Key "
+                    "Normalization for Transformers.",
+        formatter_class=_HelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None,
                    help="corpus directory holding {train,dev,test}.{SRC,TGT}; default: the "
@@ -76,7 +87,7 @@ def build_parser():
     g.add_argument("--decoder-norm", default=None, choices=sorted(NORMS), help="override --norm in the decoder")
     place = g.add_mutually_exclusive_group()
     place.add_argument("--prenorm", dest="prenorm", action="store_true", default=True,
-                       help="PreNorm residual x + F(norm(x)) ([1] eq. 3), plus a final norm per stack")
+                       help="PreNorm residual x + F(norm(x)) ([1] eq. 3), plus a final norm per stack (the default)")
     place.add_argument("--postnorm", dest="prenorm", action="store_false",
                        help="PostNorm residual norm(x + F(x)) ([1] eq. 2, the original Transformer)")
     g.add_argument("--fixnorm", action=argparse.BooleanOptionalAction, default=True,
@@ -199,7 +210,7 @@ def validation_decay(history, patience):
 # ---------------------------------------------------------------------------------------
 def label_smoothed_loss(logits, target, allowed, eps):
     """logits (N, V) with -inf outside `allowed` (V,); target (N,). Returns summed loss and NLL."""
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 (or fp64) softmax
     lse = torch.logsumexp(logits, dim=-1)  # (N,)
     nll = lse - logits.gather(-1, target[:, None]).squeeze(-1)  # (N,)  -log p_y
     if eps == 0:
@@ -400,8 +411,9 @@ def step_flops(cfg, B, S, T):
 def measure_matmul_flops(device, d, ff, tokens=4096, dtype=torch.float32, seconds=1.0):
     """FLOP/s of a dense (tokens x d) @ (d x ff) GEMM, the model's largest matmul shape, measured
     in this process: the denominator of MFU (model FLOPs utilisation)."""
-    a = torch.randn(tokens, d, device=device, dtype=dtype)
-    b = torch.randn(d, ff, device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(0)  # its own RNG: training's stays untouched
+    a = torch.randn(tokens, d, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(d, ff, device=device, dtype=dtype, generator=gen)
     for _ in range(3):  # warm-up
         a @ b
     n, t0 = 0, time.perf_counter()

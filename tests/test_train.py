@@ -1,0 +1,176 @@
+"""Claims of train.py: eq. 7, the label-smoothed loss, validation decay, flags, resume, learning."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import data
+import train
+
+# A small, fast configuration on the built-in corpus (the tests' own corpus, no download).
+TINY = ["--d-model", "64", "--ff", "256", "--heads", "4", "--layers", "2", "--batch-tokens", "1024",
+        "--threads", "1", "--log-interval", "10", "--dropout", "0.1", "--bpe-size", "1000"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+# --- eq. 7 --------------------------------------------------------------------------------
+@pytest.mark.parametrize("step", [1, 10, 399, 400, 401, 4000, 100000])
+def test_invsqrt_schedule_equals_eq7(step):
+    d, warmup, lam = 512, 400, 2.0
+    expected = lam * d ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)  # eq. 7, written again
+    assert train.inverse_sqrt_lr(step, d, warmup, lam) == pytest.approx(expected, rel=1e-12)
+
+
+def test_invsqrt_peaks_at_warmup_with_the_papers_value():
+    # [1] / REFERENCE: d 512, warmup 8000, lambda 1 peaks at about 4.94e-4.
+    lrs = [train.inverse_sqrt_lr(n, 512, 8000, 1.0) for n in range(0, 20001, 50)]
+    assert max(lrs) == pytest.approx(train.inverse_sqrt_lr(8000, 512, 8000, 1.0))
+    assert train.inverse_sqrt_lr(8000, 512, 8000, 1.0) == pytest.approx(4.94e-4, rel=2e-3)
+    assert train.lr_scale_for_peak(1e-3, 512, 8000) * 512 ** -0.5 * 8000 ** -0.5 == pytest.approx(1e-3)
+
+
+def test_valdecay_is_warmup_then_flat_and_nowarmup_is_constant():
+    args = train.build_parser().parse_args(["--schedule", "valdecay", "--warmup", "100", "--d-model", "256"])
+    peak = train.inverse_sqrt_lr(100, 256, 100, 1.0)
+    assert train.scheduled_lr(50, args, 1.0, 1.0) == pytest.approx(peak / 2)  # linear warmup
+    assert train.scheduled_lr(5000, args, 1.0, 1.0) == pytest.approx(peak)  # flat, no inverse sqrt
+    assert train.scheduled_lr(5000, args, 1.0, 0.8 ** 2) == pytest.approx(peak * 0.64)
+    args = train.build_parser().parse_args(["--schedule", "nowarmup"])
+    assert train.scheduled_lr(1, args, 1.0, 1.0) == pytest.approx(3e-4)  # [1] 3.3
+    assert train.scheduled_lr(10 ** 6, args, 1.0, 0.8) == pytest.approx(2.4e-4)
+
+
+def test_validation_decay_when_below_each_of_the_previous_patience():
+    assert not train.validation_decay([10, 11, 12], 3)  # too few evaluations
+    assert train.validation_decay([10, 11, 12, 9], 3)  # below all three
+    assert not train.validation_decay([10, 11, 12, 10.5], 3)  # not below 10
+    assert not train.validation_decay([10, 11, 12, 13], 3)
+
+
+# --- the loss -------------------------------------------------------------------------------
+def test_label_smoothed_loss_equals_smoothing_over_the_allowed_words():
+    torch.manual_seed(0)
+    N, V = 7, 11
+    allowed = torch.ones(V, dtype=torch.bool)
+    allowed[[0, 2, 5]] = False
+    logits = torch.randn(N, V, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
+    target = torch.tensor([1, 3, 4, 6, 7, 8, 10])
+    eps = 0.1
+    loss, nll = train.label_smoothed_loss(logits, target, allowed, eps)
+    # Reference: cross entropy against q = (1-eps) onehot + eps/|A| on the allowed words A,
+    # computed on the allowed columns only (where it is plain torch cross entropy).
+    cols = allowed.nonzero().squeeze(1)
+    sub_target = torch.searchsorted(cols, target)
+    ref = F.cross_entropy(logits[:, cols], sub_target, label_smoothing=eps, reduction="sum")
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-10)
+    assert nll.item() == pytest.approx(F.cross_entropy(logits[:, cols], sub_target, reduction="sum").item())
+
+
+def test_step_flops_counts_the_matmuls():
+    from model import ModelConfig
+    cfg = ModelConfig(vocab_size=100, d_model=8, heads=2, ff=32, enc_layers=1, dec_layers=1)
+    B, S, T = 2, 3, 4
+    D, FF, V = 8, 32, 100
+    enc = S * (4 * D * D + 2 * D * FF) + 2 * S * S * D
+    dec = T * (6 * D * D + 2 * D * FF) + S * 2 * D * D + 2 * T * T * D + 2 * T * S * D
+    assert train.step_flops(cfg, B, S, T) == 6 * B * (enc + dec + T * D * V)
+
+
+# --- bad flags ------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, flag", [
+    (["--d-model", "30", "--heads", "4"], "--d-model"),
+    (["--batch-tokens", "0"], "--batch-tokens"),
+    (["--dropout", "1.5"], "--dropout"),
+    (["--data", "somewhere"], "--data"),
+    (["--src", "en"], "--src"),
+    (["--qk-length", "1"], "--qk-length"),
+])
+def test_bad_flags_give_a_one_line_error_naming_the_flag(argv, flag, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        train.main(argv + ["--out", str(tmp_path / "run")])
+    msg = str(e.value.code)
+    assert flag in msg and "\n" not in msg
+
+
+def test_missing_corpus_file_is_a_one_line_error(tmp_path):
+    (tmp_path / "train.en").write_text("a b\n")
+    with pytest.raises(SystemExit) as e:
+        train.main(["--data", str(tmp_path), "--src", "en", "--tgt", "de", "--out", str(tmp_path / "run")])
+    msg = str(e.value.code)
+    assert "train.de" in msg and "\n" not in msg
+
+
+# --- resume: a killed run continues exactly ------------------------------------------------
+def _records(run_dir):
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [(r["step"], round(r["loss"], 6), round(r["gnorm"], 5)) for r in rows if "gnorm" in r]
+    bleus = [(r["step"], r["dev_bleu"]) for r in rows if "dev_bleu" in r]
+    return steps, bleus
+
+
+def test_a_run_killed_mid_epoch_resumes_to_the_same_metrics(tmp_path, monkeypatch):
+    argv = TINY + ["--max-steps", "24", "--epoch-size", "8", "--warmup", "10", "--seed", "3",
+                   "--pn-warmup", "5", "--norm", "layer", "--encoder-norm", "power"]
+    whole = tmp_path / "whole"
+    train.main(argv + ["--out", str(whole)])
+
+    # The same run, killed (Ctrl-C) in the middle of its third epoch, then resumed.
+    killed = tmp_path / "killed"
+    real_step, calls = train.train_step, {"n": 0}
+
+    def dying_step(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise KeyboardInterrupt
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(train, "train_step", dying_step)
+    with pytest.raises(SystemExit):
+        train.main(argv + ["--out", str(killed)])
+    monkeypatch.setattr(train, "train_step", real_step)
+    assert json.loads((killed / "config.json").read_text())["max_steps"] == 24
+    train.main(["--resume", str(killed)])
+
+    assert _records(killed) == _records(whole)
+    a = json.loads((whole / "results.json").read_text())
+    b = json.loads((killed / "results.json").read_text())
+    assert a["best_dev_bleu"] == b["best_dev_bleu"] and a["test_bleu"] == b["test_bleu"]
+
+
+# --- every norm, placement and QKNorm trains a few steps on the built-in corpus -------------
+@pytest.mark.parametrize("extra", [
+    ["--norm", "layer", "--postnorm", "--no-fixnorm", "--init", "xavier"],
+    ["--norm", "scale"], ["--norm", "scale_fixed"], ["--norm", "rms"],
+    ["--norm", "batch"], ["--norm", "pnv"], ["--norm", "power", "--pn-variant", "code"],
+    ["--norm", "layer", "--encoder-norm", "power"], ["--norm", "scale", "--decoder-norm", "rms"],
+    ["--norm", "layer", "--qknorm"], ["--norm", "scale", "--qknorm", "--qk-no-g"],
+    ["--norm", "power", "--qknorm", "--qk-norm-v"], ["--norm", "batch", "--qknorm", "--postnorm"],
+    ["--norm", "rms", "--qknorm", "--qk-length", "72"],
+])
+def test_every_norm_and_placement_trains_with_finite_loss(extra, tmp_path):
+    run = tmp_path / "run"
+    train.main(TINY + extra + ["--benchmark", "2", "--out", str(run)])  # 3 warm-up + 2 timed steps
+    # --benchmark trains real steps; check the model config took the flags.
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["norm"] == extra[1]
+
+
+def test_short_runs_log_finite_losses_and_decreasing_loss(tmp_path):
+    run = tmp_path / "run"
+    train.main(TINY + ["--max-steps", "30", "--epoch-size", "30", "--warmup", "10", "--norm", "power",
+                       "--qknorm", "--pn-warmup", "10", "--out", str(run)])
+    steps, bleus = _records(run)
+    losses = [l for _, l, _ in steps]
+    assert all(math.isfinite(l) for l in losses)
+    assert sum(losses[-5:]) < sum(losses[:5])
+    g = json.loads((run / "g_values.json").read_text())
+    assert any(r["kind"] == "QKNorm" for r in g)
