@@ -14,6 +14,14 @@ TINY = ["--d-model", "64", "--ff", "256", "--heads", "4", "--layers", "2", "--ba
         "--threads", "1", "--log-interval", "10", "--dropout", "0.1", "--bpe-size", "1000"]
 
 
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    """A small copy of the built-in language pair (fast evaluation): --data DIR --src src --tgt tgt."""
+    d = tmp_path_factory.mktemp("toy")
+    data.make_toy_corpus(d, seed=1, n_train=3000, n_dev=40, n_test=40)
+    return ["--data", str(d), "--src", "src", "--tgt", "tgt"]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     old = torch.get_num_threads()
@@ -117,8 +125,8 @@ def _records(run_dir):
     return steps, bleus
 
 
-def test_a_run_killed_mid_epoch_resumes_to_the_same_metrics(tmp_path, monkeypatch):
-    argv = TINY + ["--max-steps", "24", "--epoch-size", "8", "--warmup", "10", "--seed", "3",
+def test_a_run_killed_mid_epoch_resumes_to_the_same_metrics(tmp_path, monkeypatch, small_corpus):
+    argv = TINY + small_corpus + ["--max-steps", "24", "--epoch-size", "8", "--warmup", "10", "--seed", "3",
                    "--pn-warmup", "5", "--norm", "layer", "--encoder-norm", "power"]
     whole = tmp_path / "whole"
     train.main(argv + ["--out", str(whole)])
@@ -156,17 +164,17 @@ def test_a_run_killed_mid_epoch_resumes_to_the_same_metrics(tmp_path, monkeypatc
     ["--norm", "power", "--qknorm", "--qk-norm-v"], ["--norm", "batch", "--qknorm", "--postnorm"],
     ["--norm", "rms", "--qknorm", "--qk-length", "72"],
 ])
-def test_every_norm_and_placement_trains_with_finite_loss(extra, tmp_path):
+def test_every_norm_and_placement_trains_with_finite_loss(extra, tmp_path, small_corpus):
     run = tmp_path / "run"
-    train.main(TINY + extra + ["--benchmark", "2", "--out", str(run)])  # 3 warm-up + 2 timed steps
+    train.main(TINY + small_corpus + extra + ["--benchmark", "2", "--out", str(run)])  # 3 warm-up + 2 timed steps
     # --benchmark trains real steps; check the model config took the flags.
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["norm"] == extra[1]
 
 
-def test_short_runs_log_finite_losses_and_decreasing_loss(tmp_path):
+def test_short_runs_log_finite_losses_and_decreasing_loss(tmp_path, small_corpus):
     run = tmp_path / "run"
-    train.main(TINY + ["--max-steps", "30", "--epoch-size", "30", "--warmup", "10", "--norm", "power",
+    train.main(TINY + small_corpus + ["--max-steps", "30", "--epoch-size", "30", "--warmup", "10", "--norm", "power",
                        "--qknorm", "--pn-warmup", "10", "--out", str(run)])
     steps, bleus = _records(run)
     losses = [l for _, l, _ in steps]
