@@ -52,7 +52,7 @@ def test_valdecay_is_warmup_then_flat_and_nowarmup_is_constant():
     assert train.scheduled_lr(50, args, 1.0, 1.0) == pytest.approx(peak / 2)  # linear warmup
     assert train.scheduled_lr(5000, args, 1.0, 1.0) == pytest.approx(peak)  # flat, no inverse sqrt
     assert train.scheduled_lr(5000, args, 1.0, 0.8 ** 2) == pytest.approx(peak * 0.64)
-    args = train.build_parser().parse_args(["--schedule", "nowarmup"])
+    args = train.build_parser().parse_args(["--schedule", "nowarmup", "--lr", "3e-4"])
     assert train.scheduled_lr(1, args, 1.0, 1.0) == pytest.approx(3e-4)  # [1] 3.3
     assert train.scheduled_lr(10 ** 6, args, 1.0, 0.8) == pytest.approx(2.4e-4)
 
