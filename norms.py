@@ -151,6 +151,26 @@ def _real_tokens(x, pad_mask):
     return real
 
 
+def _all_reduce_sum(*tensors):
+    """Each tensor summed over all ranks of torch.distributed (one collective), differentiably;
+    the tensors themselves on one process. Returns a tuple, one entry per argument.
+
+    Used for the batch statistics in training: the ranks of DistributedDataParallel each hold
+    a shard of the batch, and summing the per-rank sums (and token counts) gives exactly the
+    statistics of the whole batch. Code: the authors' BN/PN never synchronise statistics
+    across GPUs (each GPU normalises with its own shard's); we do, like nn.SyncBatchNorm.
+    The backward of a sum over ranks is the sum over ranks of the gradient, which
+    torch.distributed.nn.functional.all_reduce does (dist.all_reduce itself is invisible
+    to autograd). Note: counts travel as floats of the statistics' dtype: exact up to
+    2^24 tokens per batch in fp32.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return tensors
+    from torch.distributed.nn.functional import all_reduce  # differentiable, op SUM
+    flat = all_reduce(torch.cat([t.reshape(-1) for t in tensors]))  # one message, not one per tensor
+    return tuple(f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tensors]), tensors))
+
+
 # ---------------------------------------------------------------------------------------
 # BatchNorm for Transformers [2, Algorithm 1]:
 #   mu_B = 1/N sum_i x_i,  sigma_B^2 = 1/N sum_i (x_i - mu_B)^2     (per channel, N real tokens)
@@ -166,6 +186,8 @@ class BatchNorm(nn.Module):
     Plain autograd, which gives the paper's eq. 3 (both batch statistics get gradient).
     Note: a nonzero upstream gradient at padding would reach the real tokens through
     mu_B and sigma_B; in the Transformer it is zero (loss and attention mask padding).
+    Under torch.distributed the statistics run over the real tokens of every rank
+    (_all_reduce_sum), so B ranks with shards of a batch normalise as one process with all of it.
 
     Differs from the authors' code: their BN first RMS-scales each token over all D channels,
     overwrites padding rows with the real rows' mean, then runs ordinary BN (momentum 0.05)
@@ -184,14 +206,20 @@ class BatchNorm(nn.Module):
     def forward(self, x, pad_mask=None):
         xf = _at_least_fp32(x)  # statistics in fp32 under autocast
         if self.training:
-            xr = xf[_real_tokens(xf, pad_mask)]  # (N, D)  the real tokens
-            n = xr.shape[0]
+            xr = xf[_real_tokens(xf, pad_mask)]  # (N_r, D)  the real tokens of this rank
+            # Note: under torch.distributed the sums and N run over every rank's real tokens
+            # (_all_reduce_sum); on one process they are this batch's. Two passes (mean, then
+            # centred squares) rather than E[x^2] - mu^2, which cancels catastrophically.
+            # Code: the authors' BN uses each GPU's own shard only (never synchronised).
+            x_sum, n = _all_reduce_sum(xr.sum(0), xr.new_tensor(float(xr.shape[0])))  # (D,), ()
+            n = int(n)  # N, real tokens of the whole batch
             if n < 2:  # Note: the unbiased running variance needs two tokens (torch raises too)
                 raise ValueError(f"BatchNorm in training needs more than 1 real token, got {n}")
             # Paper (Alg. 1): mu_B = 1/N sum_i x_i
-            mu = xr.mean(0)  # (D,)  mu_B
+            mu = x_sum / n  # (D,)  mu_B
             # Paper (Alg. 1): sigma_B^2 = 1/N sum_i (x_i - mu_B)^2   (biased)
-            var = (xr - mu).pow(2).mean(0)  # (D,)  sigma_B^2
+            (sq_sum,) = _all_reduce_sum((xr - mu).pow(2).sum(0))  # (D,)
+            var = sq_sum / n  # (D,)  sigma_B^2
             with torch.no_grad():
                 m = self.momentum  # Paper's alpha = 1 - momentum
                 # Paper (Alg. 1): mu = alpha mu + (1 - alpha) mu_B
@@ -217,7 +245,8 @@ class PNV(nn.Module):
 
     BN without the mean: divide by the per-channel quadratic mean of the real tokens.
     Plain autograd, which gives the paper's eq. 6 (gradient through psi_B^2). Padding is
-    normalized too and kept out of psi_B^2 (same gradient note as BatchNorm).
+    normalized too and kept out of psi_B^2 (same gradient note as BatchNorm). Under
+    torch.distributed psi_B^2 runs over every rank's real tokens, as in BatchNorm.
     Eval uses the running quadratic mean phi (starts at 1), updated in training like
     torch's running variance: phi = (1 - momentum) phi + momentum psi_B^2, momentum 0.1
     (alpha = 0.9). No N/(N-1) factor: a mean of squares is already unbiased for E[x^2].
@@ -237,9 +266,12 @@ class PNV(nn.Module):
     def forward(self, x, pad_mask=None):
         xf = _at_least_fp32(x)
         if self.training:
-            xr = xf[_real_tokens(xf, pad_mask)]  # (N, D)  the real tokens
+            xr = xf[_real_tokens(xf, pad_mask)]  # (N_r, D)  the real tokens of this rank
+            # Note: sum and N over every rank's real tokens under torch.distributed
+            # (Code: the authors' statistics are per GPU).
+            sq_sum, n = _all_reduce_sum(xr.pow(2).sum(0), xr.new_tensor(float(xr.shape[0])))
             # Paper (Def. 1): psi_B^2 = 1/N sum_i x_i^2
-            psi2 = xr.pow(2).mean(0)  # (D,)  psi_B^2
+            psi2 = sq_sum / n  # (D,)  psi_B^2
             with torch.no_grad():
                 m = self.momentum  # alpha = 1 - momentum
                 # Note: phi = (1 - momentum) phi + momentum psi_B^2   (eq. 10's EMA)
@@ -321,15 +353,22 @@ class _PowerNormFunction(torch.autograd.Function):
         # Paper (eq. 12): dL/dX = X^' / psi_{t-1}
         # Code: divides by the batch psi_B even after warmup (the module passes bwd_stat).
         dx = g_tilde / torch.sqrt(bwd_stat + ctx.eps)  # (B, T, D)
+        # Note: the sums and counts of the two means run over every rank under torch.distributed
+        # (Code: per GPU in the authors' code). A collective inside backward is safe: every rank
+        # runs the same backward graph, so they meet in the same order (as nn.SyncBatchNorm does).
+        # Note: eqs. 11-13 are not linear in dL/dY (nu X^ does not scale with it), so every rank's
+        # dL/dY must be the whole batch's, not world x it: see train_step in train.py.
         if ctx.code:
             # Code: Gamma and Lambda are means over all B*T positions, padding included.
-            gamma_t = (z * z).mean((0, 1))  # (D,)  Gamma = mean_i x^_i x^_i
-            lambda_t = (g * z).mean((0, 1))  # (D,)  Lambda = mean_i dL/dx^_i x^_i
+            zz, gz, n = _all_reduce_sum((z * z).sum((0, 1)), (g * z).sum((0, 1)),
+                                        z.new_tensor(float(real.numel())))
         else:
             # Paper: means over the N real tokens (footnote 1); padding gets zero gradient.
-            gamma_t = (z * z)[real].mean(0)  # (D,)  Gamma = mean_i x^_i x^_i
-            lambda_t = (g * z)[real].mean(0)  # (D,)  Lambda = mean_i dL/dx^_i x^_i
+            zz, gz, n = _all_reduce_sum((z * z)[real].sum(0), (g * z)[real].sum(0),
+                                        z.new_tensor(float(real.sum())))
             dx = torch.where(real.unsqueeze(-1), dx, 0.0)
+        gamma_t = zz / n  # (D,)  Gamma = mean_i x^_i x^_i
+        lambda_t = gz / n  # (D,)  Lambda = mean_i dL/dx^_i x^_i
         # Paper (eq. 13): nu_t = nu_{t-1} (1 - (1 - alpha) Gamma) + (1 - alpha) Lambda
         nu.copy_(nu * (1 - (1 - a) * gamma_t) + (1 - a) * lambda_t)
         # dgamma = sum_i dL/dy_i x^_i,  dbeta = sum_i dL/dy_i
@@ -358,7 +397,8 @@ class PowerNorm(nn.Module):
         takes the EMA step (paper: the EMA of eq. 10 at every step).
     Both variants normalize padding positions with the same statistic (finite outputs) and
     never let padding into psi_B^2. Other differences from the code: it stores nu/(1-alpha_bkw)
-    where we store nu; an all-padding batch gives NaN there and a ValueError here.
+    where we store nu; an all-padding batch gives NaN there and a ValueError here; its
+    psi_B^2, Gamma and Lambda are per GPU, ours run over every rank under torch.distributed.
     ``groups`` defaults to ``heads`` (what build_norm passes), as in the code.
     """
 
@@ -399,8 +439,12 @@ class PowerNorm(nn.Module):
         self.num_batches_tracked += 1
         t = int(self.num_batches_tracked)  # this step, counted from 1
         with torch.no_grad():  # the statistics get no gradient (approximate backpropagation)
+            # Note: sum and N over every rank's real tokens under torch.distributed.
+            # Code: the authors' psi_B^2 is per GPU ("never synchronised across GPUs").
+            xr = xs[real]  # (N_r, D)
+            sq_sum, n = _all_reduce_sum(xr.pow(2).sum(0), xr.new_tensor(float(xr.shape[0])))
             # Paper (Alg. 2): psi_B^2 = 1/N sum_i x_i^2   over the N real tokens
-            psi2 = xs[real].pow(2).mean(0)  # (D,)  psi_B^2
+            psi2 = sq_sum / n  # (D,)  psi_B^2
             phi = self.running_phi.clone()  # (D,)  psi_{t-1}^2
         # Paper (appendix A) says only that a warmup "for accumulating psi" is used, W = the LR
         # warmup. Code: the batch psi_B divides while t <= W (as in PN-V), then eq. 8's psi_{t-1}.
