@@ -447,8 +447,9 @@ def train_step(step_model, model, optimizer, b, lr, args, wd_gen, amp, n_tgt_glo
     """Forward, label-smoothed loss, backward, clip, Adam. Returns (loss sum, NLL sum, grad norm).
 
     n_tgt_global: target tokens of this step over all ranks (= b.n_tgt on one process); the
-    loss is divided by it, so that DDP's averaging of gradients over ranks gives the same
-    gradient as one process with the whole batch.
+    loss is divided by it, and DDP's average of the ranks' gradients is multiplied by the world
+    size: their sum is the gradient of one process with the whole batch. (Scaling the loss by the
+    world size instead would scale every dL/dY too, which PowerNorm's backward is not linear in.)
     """
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -460,9 +461,13 @@ def train_step(step_model, model, optimizer, b, lr, args, wd_gen, amp, n_tgt_glo
     keep = b.tgt_out.ne(data.PAD)  # (B, T)
     loss_sum, nll_sum = label_smoothed_loss(logits[keep], b.tgt_out[keep], model.allowed, args.label_smoothing)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    loss = loss_sum * world / n_tgt_global  # Code: summed over non-pad targets, divided by their count
+    loss = loss_sum / n_tgt_global  # Code: summed over non-pad targets, divided by their count
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    if world > 1:  # DDP averaged the gradients over the ranks; the whole batch's is their sum
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(world)
     # Paper (appendix A): "Gradients are clipped when global norm exceeds 1.0".
     # The norm before clipping is what [1] Figure 2 plots.
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip if args.clip > 0 else float("inf"))
