@@ -1,0 +1,225 @@
+"""Tests for `python data.py prepare NAME`: offline, on small fake archives laid out like the real ones."""
+import http.server
+import io
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+import threading
+from pathlib import Path
+
+import pytest
+
+import data
+from data import DataError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tar(path, members):
+    """A .tar.gz holding {name: text}."""
+    with tarfile.open(path, "w:gz") as t:
+        for name, text in members.items():
+            raw = text.encode("utf-8")
+            info = tarfile.TarInfo(name)
+            info.size = len(raw)
+            t.addfile(info, io.BytesIO(raw))
+    return path
+
+
+def _stanford_en_vi(folder):
+    """The Stanford iwslt15.en-vi file set: train 5, tst2012 (dev) 2, tst2013 (test) 3 lines."""
+    folder.mkdir(parents=True)
+    for name, n in (("train", 5), ("tst2012", 2), ("tst2013", 3)):
+        (folder / f"{name}.en").write_text("".join(f"{name} en {i}\n" for i in range(n)))
+        (folder / f"{name}.vi").write_text("".join(f"{name} vi {i} ạ\n" for i in range(n)))
+    return folder
+
+
+def test_en_vi_from_a_file_url_writes_the_split_files_and_the_command(tmp_path, capsys):
+    src = _stanford_en_vi(tmp_path / "iwslt15.en-vi")
+    out = tmp_path / "en-vi"
+    data.prepare("en-vi", out, src.as_uri(), expected={"train": 5, "dev": 2, "test": 3})
+    assert (out / "train.en").read_text().splitlines()[4] == "train en 4"
+    assert (out / "dev.vi").read_text() == "tst2012 vi 0 ạ\ntst2012 vi 1 ạ\n"
+    assert len((out / "test.en").read_text().splitlines()) == 3
+    pairs, _ = data.read_parallel(out / "train.en", out / "train.vi")
+    assert len(pairs) == 5
+    printed = capsys.readouterr().out
+    assert f"python train.py --data {out} --src en --tgt vi --bpe-size 8000 " in printed
+    assert "--epoch-size 1500" in printed
+    # Idempotent: the stamp makes a second run skip everything, even without the source.
+    for f in src.iterdir():
+        f.unlink()
+    data.prepare("en-vi", out, src.as_uri(), expected={"train": 5, "dev": 2, "test": 3})
+    assert "already prepared" in capsys.readouterr().out
+
+
+def test_en_vi_papers_counts_are_checked_exactly(tmp_path):
+    src = _stanford_en_vi(tmp_path / "iwslt15.en-vi")
+    with pytest.raises(DataError, match="5 lines, expected 133,317"):
+        data.prepare("en-vi", tmp_path / "out", str(src))  # a local folder, read in place
+    assert not (tmp_path / "out" / "prepared.json").exists()
+
+
+def _ted_archive(path):
+    """A Qi et al. ted_talks.tar.gz: all_talks_{train,dev,test}.tsv, one column per language."""
+    def tsv(rows):
+        return "talk_name\ten\tgl\tar\n" + "".join("\t".join(r) + "\n" for r in rows)
+    return _tar(path, {
+        "all_talks_train.tsv": tsv([("t1", "hello .", "ola .", "marhaban ."),
+                                    ("t1", "thanks .", "__NULL__", "shukran ."),
+                                    ("t2", "yes .", "si .", ""),
+                                    ("t2", "no .", "non .", "la .")]),
+        "all_talks_dev.tsv": tsv([("t3", "dev .", "dev gl .", "__NULL__")]),
+        "all_talks_test.tsv": tsv([("t4", "test .", "proba .", "ikhtibar ."),
+                                   ("t4", "bye .", "adeus .", "maa salama .")])})
+
+
+def test_ted_pairs_from_a_local_tar_gz(tmp_path, capsys):
+    archive = _ted_archive(tmp_path / "ted_talks.tar.gz")
+    out = data.prepare("gl-en", tmp_path / "gl-en", str(archive))
+    assert (out / "train.gl").read_text() == "ola .\nsi .\nnon .\n"  # NULL row dropped
+    assert (out / "train.en").read_text() == "hello .\nyes .\nno .\n"
+    assert (out / "dev.gl").read_text() == "dev gl .\n"
+    assert len((out / "test.en").read_text().splitlines()) == 2
+    cap = capsys.readouterr()
+    # The papers' train size (10k) is approximate: a warning, not an error.
+    assert "warning: gl-en train: 3 pairs" in cap.err and "not certain" in cap.err
+    assert "--src gl --tgt en --bpe-size 3000 --epoch-size 100 --max-epochs 1000" in cap.out
+    out = data.prepare("ar-en", tmp_path / "ar-en", str(archive))
+    assert (out / "train.ar").read_text() == "marhaban .\nshukran .\nla .\n"  # empty ar dropped
+    assert (out / "dev.ar").read_text() == ""
+
+
+def test_ted_missing_language_column_is_named(tmp_path):
+    archive = _ted_archive(tmp_path / "ted_talks.tar.gz")
+    with pytest.raises(DataError, match="no column 'sk'.*talk_name en gl ar"):
+        data.prepare("sk-en", tmp_path / "sk-en", str(archive))
+
+
+def test_iwslt14_de_en_follows_the_fairseq_steps(tmp_path, capsys):
+    train_de, train_en = ["<url>http://ted.com/x</url>", "<talkid>1</talkid>",
+                          "<title>Ein Titel</title>"], ["<url>http://ted.com/x</url>",
+                                                       "<talkid>1</talkid>", "<title>A Title</title>"]
+    for i in range(46):
+        train_de.append(f"Satz Nummer {i} ." if i != 5 else "Eins zwei drei vier fünf sechs .")
+        train_en.append(f"Sentence number {i} ." if i != 5 else "One .")  # ratio > 1.5: cleaned
+    seg = '<doc docid="1">\n<seg id="{}"> {} </seg>\n</doc>\n'
+    members = {"de-en/train.tags.de-en.de": "\n".join(train_de) + "\n",
+               "de-en/train.tags.de-en.en": "\n".join(train_en) + "\n"}
+    for t in ("TED.dev2010", "TEDX.dev2012", "TED.tst2010", "TED.tst2011", "TED.tst2012"):
+        members[f"de-en/IWSLT14.{t}.de-en.de.xml"] = seg.format(1, f"Test {t} .")
+        members[f"de-en/IWSLT14.{t}.de-en.en.xml"] = seg.format(1, f"It\u2019s {t} .")
+    archive = _tar(tmp_path / "de-en.tgz", members)
+    out = data.prepare("de-en", tmp_path / "de-en", archive.as_uri(),
+                       expected={"train": 44, "dev": 2, "test": 5})
+    train = (out / "train.de").read_text().splitlines()
+    assert train[0] == "ein titel" and "eins zwei drei vier fünf sechs ." not in train
+    assert (out / "dev.en").read_text() == "sentence number 22 .\nsentence number 45 .\n"
+    assert (out / "test.en").read_text().splitlines()[0] == "it's ted.dev2010 ."
+    assert "--src de --tgt en --bpe-size 10000" in capsys.readouterr().out
+
+
+class _RangeHandler(http.server.BaseHTTPRequestHandler):
+    body = bytes(range(256)) * 400
+    honour_range = True
+    ranges = []
+
+    def do_GET(self):
+        rng = self.headers.get("Range")
+        type(self).ranges.append(rng)
+        start = int(rng[6:-1]) if rng and self.honour_range else 0
+        self.send_response(206 if start else 200)
+        if start:
+            self.send_header("Content-Range", f"bytes {start}-{len(self.body) - 1}/{len(self.body)}")
+        self.send_header("Content-Length", str(len(self.body) - start))
+        self.end_headers()
+        self.wfile.write(self.body[start:])
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    """A loopback HTTP server that honours Range requests; stopped after the test."""
+    _RangeHandler.ranges, _RangeHandler.honour_range = [], True
+    srv = http.server.HTTPServer(("127.0.0.1", 0), _RangeHandler)
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.server_port}/x.tar.gz"
+    srv.shutdown()
+    srv.server_close()
+    thread.join(5)
+
+
+@pytest.mark.parametrize("honour_range", [True, False])
+def test_download_resumes_a_truncated_part_over_http(tmp_path, server, honour_range):
+    _RangeHandler.honour_range = honour_range
+    dest = tmp_path / "x.tar.gz"
+    (tmp_path / "x.tar.gz.part").write_bytes(_RangeHandler.body[:30000])
+    data.download(server, dest)
+    assert dest.read_bytes() == _RangeHandler.body  # a server ignoring Range: whole file again
+    assert not (tmp_path / "x.tar.gz.part").exists()
+    assert _RangeHandler.ranges == ["bytes=30000-"]
+    data.download(server, dest)  # already there: no request
+    assert len(_RangeHandler.ranges) == 1
+
+
+def test_download_resumes_a_truncated_part_from_a_file_url(tmp_path):
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(50000))
+    dest = tmp_path / "out" / "src.bin"
+    dest.parent.mkdir()
+    (dest.parent / "src.bin.part").write_bytes(src.read_bytes()[:1234])
+    data.download(src.as_uri(), dest)
+    assert dest.read_bytes() == src.read_bytes()
+
+
+def _closed_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_network_gives_one_line_and_keeps_the_part(tmp_path):
+    out = tmp_path / "de-en"
+    (out / "orig").mkdir(parents=True)
+    (out / "orig" / "de-en.tgz.part").write_bytes(b"partial")
+    url = f"http://127.0.0.1:{_closed_port()}/de-en.tgz"
+    r = subprocess.run([sys.executable, str(ROOT / "data.py"), "prepare", "de-en", "--dir", str(out),
+                        "--url", url], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"data.py: cannot reach {url} (")
+    assert lines[0].endswith("no network?); download it elsewhere and pass --url /path/to/de-en.tgz")
+    assert "Traceback" not in r.stderr + r.stdout
+    assert (out / "orig" / "de-en.tgz.part").read_bytes() == b"partial"
+
+
+def test_mirror_env_var_is_used(tmp_path, monkeypatch):
+    mirror = tmp_path / "mirror"
+    _stanford_en_vi(mirror / "iwslt15.en-vi")
+    monkeypatch.setenv("NMT_DATA_MIRROR", mirror.as_uri())
+    out = data.prepare("en-vi", tmp_path / "en-vi", expected={"train": 5, "dev": 2, "test": 3})
+    assert (out / "orig" / "train.en").exists() and (out / "train.en").exists()
+
+
+def test_unknown_name_lists_the_choices(capsys):
+    with pytest.raises(SystemExit) as e:
+        data.prepare_main(["xx-yy"])
+    assert e.value.code != 0
+    err = capsys.readouterr().err
+    assert "invalid choice: 'xx-yy'" in err and all(n in err for n in data.CORPORA)
+    with pytest.raises(DataError, match="choose from en-vi, gl-en"):
+        data.prepare("xx-yy")
+
+
+def test_registry_is_complete():
+    for name, c in data.CORPORA.items():
+        assert c["src"] + "-" + c["tgt"] == name
+        assert set(c["splits"]) == set(data.SPLITS)
+        assert c["bpe"] == (3000 if name == "gl-en" else 10000 if name == "de-en" else 8000)
+        assert set(c["exact"]) <= set(c["counts"])
