@@ -10,10 +10,14 @@ What this file covers, in reading order:
   5. the target-vocabulary mask of Transformers without Tears [1];
   6. token-budget batching with length buckets, and `collate` into tensors;
   7. word dropout [1, 3];
-  8. the sequence-length statistic L that initialises QKNorm's g [2].
+  8. the sequence-length statistic L that initialises QKNorm's g [2];
+  9. `python data.py prepare NAME`: download and check the papers' corpora
+     (CORPORA: en-vi, gl-en, sk-en, ar-en, en-he, de-en) into data/NAME/.
 
 Run `python data.py` to build the toy corpus (under data/toy/) and print a
-summary of it.
+summary of it.  Offline, pass a downloaded copy: `python data.py prepare
+en-vi --url /path/to/folder` (or set NMT_DATA_MIRROR to a folder or URL that
+holds the source files under their original names).
 
 Shapes: B = sentences in a batch, S = source length, T = target length (after
 the BOS/EOS shift), V = vocabulary size.
@@ -809,22 +813,20 @@ def qk_g0(L):
 # 9. The papers' corpora: python data.py prepare NAME
 # ---------------------------------------------------------------------------
 # One pipeline for every corpus: download (resumable) -> open the archive or
-# directory -> select and clean each split's lines -> write DIR/split.LANG ->
+# folder -> select and clean each split's lines -> write DIR/split.LANG ->
 # check the line counts -> print the train.py command.  BPE is not applied
 # here: train.py trains the joint sentencepiece model itself (--bpe-size).
 
-_TED_URL = "http://phontron.com/data/ted_talks.tar.gz"  # 336 MB
-_TED_NOTE = ("TED talks of Qi et al. 2018 (github.com/neulab/word-embeddings-for-nmt), "
-             "read like its ted_reader.py (the reader QKNorm [2] used): a pair is dropped when a "
-             "side is empty or contains NULL.  Moses-tokenized as distributed; not detokenized.  "
-             "Note: qi18naacl-dataset.tar.gz has gl_to_en but no sk, ar or he, so all four TED "
-             "pairs come from ted_talks.tar.gz.  Expected train size: the paper's rounded number "
-             "([1] Table 1); dev/test sizes are not published.")
+_TED_NOTE = ("TED talks of Qi et al. 2018 (github.com/neulab/word-embeddings-for-nmt), read as "
+             "its ted_reader.py (used by [2]) does: a pair with an empty side or 'NULL' is dropped; "
+             "Moses-tokenized as shipped.  qi18naacl-dataset.tar.gz has gl_to_en but no sk, ar or "
+             "he, so all four pairs come from ted_talks.tar.gz (336 MB).  Train size: [1] Table 1, "
+             "rounded (a warning if 2% off); dev/test sizes are not published.")
 
 
 def _ted(src, tgt, n_train, bpe, args):
-    return {"url": _TED_URL, "archive": True, "src": src, "tgt": tgt, "bpe": bpe,
-            "tsv": True, "splits": {s: [f"all_talks_{s}.tsv"] for s in SPLITS},
+    return {"url": "http://phontron.com/data/ted_talks.tar.gz", "archive": True, "tsv": True,
+            "src": src, "tgt": tgt, "bpe": bpe, "splits": {s: [f"all_talks_{s}.tsv"] for s in SPLITS},
             "counts": {"train": n_train}, "exact": (), "args": args, "notes": _TED_NOTE}
 
 
@@ -852,37 +854,29 @@ CORPORA = {
         "steps": {"train": ("tags", "clean", "lower", "not23"),
                   "dev": ("tags", "clean", "lower", "every23"), "test": ("xml", "lower")},
         "counts": {"train": 160239, "dev": 7283, "test": 6750}, "exact": ("test",), "args": "",
-        "notes": "PowerNorm's IWSLT'14 de-en.  Follows fairseq's prepare-iwslt14.sh only "
-                 "approximately: same archive (the fairseq mirror of the WIT3 release), tag "
-                 "removal, clean-corpus-n (1-175 words, ratio 1.5), lowercasing, every 23rd "
-                 "training pair to dev, test = dev2010+tedx.dev2012+tst2010-2012; but no Moses "
-                 "tokenizer, so the cleaning counts untokenized words and train/dev sizes "
-                 "differ a little from 160,239/7,283 (a warning, not an error).  fairseq "
-                 "learns 10k BPE merges; we use a 10k sentencepiece vocabulary."},
+        "notes": "PowerNorm's IWSLT'14 de-en, following fairseq's prepare-iwslt14.sh only "
+                 "approximately: same archive (fairseq's copy of the WIT3 release) and steps, "
+                 "but no Moses tokenizer, so cleaning counts untokenized words and train/dev "
+                 "may differ a little from 160,239/7,283 (a warning); test is exact.  fairseq "
+                 "learns 10k BPE merges; here a 10k sentencepiece vocabulary."},
 }
-_MIRROR_ENV = "NMT_DATA_MIRROR"
-_STAMP = "prepared.json"
-
-
-def _network_error(url, reason, hint):
-    return DataError(f"cannot reach {url} ({reason}; no network?); download it "
-                     f"elsewhere and pass --url {hint}")
 
 
 def download(url, dest, hint="/path/to/the/file", timeout=30):
-    """Fetches url (http(s) or file://) into dest; returns dest.
+    """Fetches url (http(s) or file://) into dest, with a progress bar; returns dest.
 
     Resumable: bytes go to dest.part, and a later call continues from its end
     (an HTTP Range request; a server that ignores it sends everything again).
-    Atomic: dest appears, by a rename, only when complete; its size is checked
-    against the server's Content-Length / Content-Range when it gives one.
-    Unreachable hosts raise a one-line DataError; the .part file stays.
+    Atomic: dest appears, by a rename, only when complete, and its size is
+    checked when the server gives one.  Unreachable hosts raise a one-line
+    DataError that names --url hint; the .part file stays.
     """
+    import http.client
     import urllib.error
+    import urllib.parse
     import urllib.request
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
-                               TimeRemainingColumn, TransferSpeedColumn)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
     dest = Path(dest)
     if dest.exists():
@@ -890,97 +884,79 @@ def download(url, dest, hint="/path/to/the/file", timeout=30):
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     have = part.stat().st_size if part.exists() else 0
-    total = None
     try:
         if url.startswith("file:"):  # urllib ignores Range for files: seek instead
-            resp = open(urllib.request.url2pathname(url[5:].removeprefix("//")), "rb")
+            resp = open(urllib.request.url2pathname(urllib.parse.urlparse(url).path), "rb")
             total = os.fstat(resp.fileno()).st_size
             have = have if have <= total else 0
             resp.seek(have)
         else:
-            req = urllib.request.Request(url, headers={"User-Agent": "data.py"})
-            if have:
-                req.add_header("Range", f"bytes={have}-")
-            resp = urllib.request.urlopen(req, timeout=timeout)
+            headers = {"User-Agent": "data.py", **({"Range": f"bytes={have}-"} if have else {})}
+            resp = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
             rng = re.match(r"bytes (\d+)-\d+/(\d+)", resp.headers.get("Content-Range", ""))
-            if resp.status == 206 and rng and int(rng.group(1)) == have:
-                total = int(rng.group(2))
-            else:  # the whole file: start again
-                have = 0
-                total = int(resp.headers["Content-Length"]) if resp.headers.get("Content-Length") else None
+            resumed = resp.status == 206 and rng and int(rng.group(1)) == have
+            size = resp.headers.get("Content-Length")
+            total = int(rng.group(2)) if resumed else int(size) if size else None
+            have = have if resumed else 0  # the whole file again
     except urllib.error.HTTPError as e:
-        m = re.match(r"bytes \*/(\d+)", e.headers.get("Content-Range", "") if e.headers else "")
-        if e.code == 416 and m and int(m.group(1)) == have:  # the .part is already whole
-            os.replace(part, dest)
-            return dest
-        if e.code == 416:  # a .part that does not fit the file: start again
+        if e.code == 416 and have:  # a .part that does not fit the file: start again
             part.unlink()
             return download(url, dest, hint, timeout)
         raise DataError(f"{url}: HTTP {e.code} {e.reason}") from None
     except FileNotFoundError:
         raise DataError(f"{url}: file not found") from None
-    except (urllib.error.URLError, OSError) as e:  # incl. refused, DNS, socket timeout
-        raise _network_error(url, getattr(e, "reason", e), hint) from None
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-               TransferSpeedColumn(), TimeRemainingColumn())
-    with resp, open(part, "ab" if have else "wb") as out, \
-            Progress(*columns, console=Console(stderr=True)) as bar:
+    except (urllib.error.URLError, OSError) as e:  # refused, DNS, socket timeout ...
+        raise DataError(f"cannot reach {url} ({getattr(e, 'reason', e)}; no network?); "
+                        f"download it elsewhere and pass --url {hint}") from None
+    with resp, open(part, "ab" if have else "wb") as out, Progress(
+            TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+            TransferSpeedColumn(), console=Console(stderr=True)) as bar:
         task = bar.add_task(dest.name, total=total, completed=have)
         try:
             while chunk := resp.read(1 << 20):
                 out.write(chunk)
                 bar.advance(task, len(chunk))
-        except (OSError, ValueError) as e:  # connection lost: keep the .part
+        except (OSError, http.client.HTTPException) as e:  # connection lost: keep the .part
             raise DataError(f"download of {url} interrupted after {out.tell():,} bytes "
                             f"({e}); run the same command again to resume") from None
-    size = part.stat().st_size
-    if total is not None and size != total:
-        raise DataError(f"{url}: got {size:,} of {total:,} bytes; run again to resume")
+    if total is not None and part.stat().st_size != total:
+        raise DataError(f"{url}: got {part.stat().st_size:,} of {total:,} bytes; run again to resume")
     os.replace(part, dest)
     return dest
 
 
-class _Source:
-    """Opens members of a .tar(.gz)/.tgz/.zip archive or files of a directory by name.
+def _opener(root):
+    """open_text(name): a text stream of a file in folder root or in the tar(.gz) root.
 
-    A name also matches a member that ends in "/name" (archives that add a
-    top folder or "./").  Nothing is extracted to disk.
+    A name also matches a member ending in "/name" (archives that add a top
+    folder or "./").  Nothing is extracted to disk.  errors="replace": one bad
+    byte must not stop a 336 MB run.
     """
-
-    def __init__(self, path):
-        import tarfile
-        import zipfile
-
-        self.path = Path(path)
-        if self.path.is_dir():
-            self.names = [str(p.relative_to(self.path)) for p in self.path.rglob("*") if p.is_file()]
-            self.open_ = lambda n: open(self.path / n, "rb")
-        elif zipfile.is_zipfile(self.path):
-            z = zipfile.ZipFile(self.path)
-            self.names, self.open_ = z.namelist(), z.open
-        else:
-            try:
-                t = tarfile.open(self.path)
-            except tarfile.TarError as e:
-                raise DataError(f"{self.path}: not a tar or zip archive ({e}); delete it and "
-                                f"run again, or pass --url to a good copy") from None
-            self.names, self.open_ = t.getnames(), t.extractfile
-
-    def open(self, name):
-        hits = [n for n in self.names if n == name or n.endswith("/" + name)]
-        if not hits:
-            raise DataError(f"{self.path}: no file {name} in it (is it the right archive?)")
-        return self.open_(min(hits, key=len))
-
-
-def _lines(source, name, steps):
-    """Stripped lines of one file, after the file-level steps "tags" / "xml"."""
     import io
+    import tarfile
 
-    with source.open(name) as f:  # errors="replace": one bad byte must not stop a 336 MB run
-        lines = io.TextIOWrapper(f, encoding="utf-8", errors="replace", newline="\n").read().split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
+    root = Path(root)
+    if root.is_dir():
+        names, open_ = [str(p.relative_to(root)) for p in root.rglob("*")], lambda n: open(root / n, "rb")
+    else:
+        try:
+            tar = tarfile.open(root)
+        except tarfile.TarError as e:
+            raise DataError(f"{root}: not a tar archive ({e}); delete it and run again") from None
+        names, open_ = tar.getnames(), tar.extractfile
+
+    def open_text(name):
+        hits = [n for n in names if n == name or n.endswith("/" + name)]
+        if not hits:
+            raise DataError(f"{root}: no file {name} in it (is it the right archive?)")
+        return io.TextIOWrapper(open_(min(hits, key=len)), "utf-8", "replace", newline="\n")
+    return open_text
+
+
+def _lines(open_text, name, steps):
+    """Stripped lines of one file, after the file-level steps "tags" / "xml"."""
+    with open_text(name) as f:
+        lines = f.read().removesuffix("\n").split("\n")
     if "tags" in steps:  # train.tags.*: drop talk metadata lines, keep title/description text
         lines = [re.sub(r"</?(title|description)>", "", l) for l in lines
                  if not any(t in l for t in ("<url>", "<talkid>", "<keywords>"))]
@@ -990,12 +966,9 @@ def _lines(source, name, steps):
     return [l.strip() for l in lines]
 
 
-def _tsv_pairs(source, name, src, tgt):
+def _tsv_pairs(open_text, name, src, tgt):
     """Pairs from a TED all_talks_*.tsv (a header of language codes, one talk sentence a row)."""
-    import io
-
-    with source.open(name) as f:
-        rows = io.TextIOWrapper(f, encoding="utf-8", errors="replace", newline="\n")
+    with open_text(name) as rows:
         header = next(rows, "").rstrip("\r\n").split("\t")
         if src not in header or tgt not in header:
             raise DataError(f"{name}: no column {src!r} or {tgt!r}; it has {' '.join(header)}")
@@ -1010,12 +983,9 @@ def _tsv_pairs(source, name, src, tgt):
 
 def _clean(pairs, lo=1, hi=175, ratio=1.5):
     """Moses clean-corpus-n.perl: 1-175 whitespace words a side, length ratio at most 1.5."""
-    out = []
-    for s, t in pairs:
-        a, b = len(s.split()), len(t.split())
-        if lo <= a <= hi and lo <= b <= hi and a <= ratio * b and b <= ratio * a:
-            out.append((s, t))
-    return out
+    lens = [(len(s.split()), len(t.split())) for s, t in pairs]
+    return [p for p, (a, b) in zip(pairs, lens)
+            if lo <= a <= hi and lo <= b <= hi and a <= ratio * b and b <= ratio * a]
 
 
 _PAIR_STEPS = {  # applied in the order a corpus lists them
@@ -1026,38 +996,30 @@ _PAIR_STEPS = {  # applied in the order a corpus lists them
 }
 
 
-def train_command(name, out_dir):
-    """The train.py command line for a prepared corpus."""
-    c = CORPORA[name]
-    return (f"python train.py --data {out_dir} --src {c['src']} --tgt {c['tgt']} "
-            f"--bpe-size {c['bpe']} {c['args']} --out runs/{name}").replace("  ", " ")
-
-
 def prepare(name, out_dir=None, url=None, expected=None):
     """Downloads corpus NAME and writes out_dir/{train,dev,test}.{src,tgt}; returns out_dir.
 
-    url: an archive (or, for en-vi, a folder) as http(s)://, file:// or a local
-    path (read in place); default $NMT_DATA_MIRROR/<file name>, else the
-    source in CORPORA.  expected: {split: lines}, overriding the papers'
-    counts, all checked exactly (for tests).  Does nothing when the stamp
-    file says it is done.  Raises DataError with a one-line message.
+    url: an archive (for en-vi, a folder) as http(s)://, file:// or a local
+    path (read in place); default $NMT_DATA_MIRROR/<original file name>, else
+    CORPORA's url.  expected: {split: lines} replacing the papers' counts, all
+    checked exactly (for tests).  Skips everything when DIR/prepared.json says
+    it is done.  Raises DataError with a one-line message.
     """
     if name not in CORPORA:
         raise DataError(f"unknown corpus {name!r}; choose from {', '.join(CORPORA)}")
     c = CORPORA[name]
     out = Path(out_dir) if out_dir else Path("data") / name
-    files = corpus_paths(out, c["src"], c["tgt"])
-    stamp = out / _STAMP
-    if stamp.exists() and all(p.exists() for s in SPLITS for p in files[s]):
-        if json.loads(stamp.read_text()).get("name") == name:
-            print(f"{out}: {name} already prepared ({stamp.name}); delete it to redo")
-            print(train_command(name, out))
-            return out
-    base = c["url"].rstrip("/").rsplit("/", 1)[-1]
-    mirror = os.environ.get(_MIRROR_ENV)
+    files, stamp = corpus_paths(out, c["src"], c["tgt"]), out / "prepared.json"
+    command = (f"python train.py --data {out} --src {c['src']} --tgt {c['tgt']} "
+               f"--bpe-size {c['bpe']} {c['args']} --out runs/{name}").replace("  ", " ")
+    if stamp.exists() and all(p.exists() for s in SPLITS for p in files[s]) \
+            and json.loads(stamp.read_text()).get("name") == name:
+        print(f"{out}: {name} already prepared ({stamp.name}); delete it to redo\n{command}")
+        return out
+    base, mirror = c["url"].rstrip("/").rsplit("/", 1)[-1], os.environ.get("NMT_DATA_MIRROR")
     url = url or (f"{mirror.rstrip('/')}/{base}" if mirror else c["url"])
     hint = "/path/to/" + (base if c["archive"] else "folder/with/the/files")
-    if "://" not in url:  # a local archive or folder: read it in place
+    if "://" not in url:  # a local archive or folder: read in place
         if not Path(url).exists():
             raise DataError(f"{url}: not found")
         root = Path(url)
@@ -1067,26 +1029,25 @@ def prepare(name, out_dir=None, url=None, expected=None):
         root = out / "orig"
         for f in sorted({f for s in SPLITS for pair in c["splits"][s] for f in pair}):
             download(f"{url.rstrip('/')}/{f}", root / f, hint)
-    source, counts = _Source(root), {}
+    open_text, counts = _opener(root), {}
     out.mkdir(parents=True, exist_ok=True)
     for split in SPLITS:
         steps, pairs = c.get("steps", {}).get(split, ()), []
         for spec in c["splits"][split]:
             if c.get("tsv"):
-                pairs += _tsv_pairs(source, spec, c["src"], c["tgt"])
+                pairs += _tsv_pairs(open_text, spec, c["src"], c["tgt"])
                 continue
-            s_lines, t_lines = (_lines(source, f, steps) for f in spec)
+            s_lines, t_lines = (_lines(open_text, f, steps) for f in spec)
             if len(s_lines) != len(t_lines):
-                raise DataError(f"{spec[0]} has {len(s_lines)} lines but {spec[1]} has "
-                                f"{len(t_lines)}")
+                raise DataError(f"{spec[0]} has {len(s_lines)} lines but {spec[1]} {len(t_lines)}")
             pairs += zip(s_lines, t_lines)
-        for step in steps:
-            pairs = _PAIR_STEPS[step](pairs) if step in _PAIR_STEPS else pairs
+        for step in (s for s in steps if s in _PAIR_STEPS):
+            pairs = _PAIR_STEPS[step](pairs)
         for side in (0, 1):
             _write_atomic(files[split][side], "".join(p[side] + "\n" for p in pairs))
         counts[split] = len(pairs)
-    # Line counts: exact ones must match; approximate ones (papers' rounded
-    # numbers, or a pipeline we only approximate) warn when 2% or more off.
+    # Exact counts must match; approximate ones (the papers' rounded numbers,
+    # or a pipeline we only approximate) print a warning when 2% or more off.
     want, exact = (expected, SPLITS) if expected else (c["counts"], c["exact"])
     for split, n in counts.items():
         w = want.get(split)
@@ -1098,8 +1059,7 @@ def prepare(name, out_dir=None, url=None, expected=None):
                   f"this count is not certain, so it is not an error", file=sys.stderr)
     _write_atomic(stamp, json.dumps({"name": name, "source": url, "counts": counts}) + "\n")
     print(f"{out}: {name} " + ", ".join(f"{s} {n:,}" for s, n in counts.items())
-          + f" pairs ({c['src']}->{c['tgt']}); train.py trains the {c['bpe']}-piece joint BPE")
-    print(train_command(name, out))
+          + f" pairs; train.py trains the {c['bpe']}-piece joint BPE\n{command}")
     return out
 
 
@@ -1107,13 +1067,12 @@ def prepare_main(argv=None):
     """CLI: python data.py prepare NAME [--dir DIR] [--url URL]; returns the exit status."""
     import argparse
 
-    p = argparse.ArgumentParser(
-        prog="data.py prepare", description="Download and check a corpus of the papers: "
-        + "; ".join(f"{k} ({v['src']}->{v['tgt']})" for k, v in CORPORA.items()))
+    p = argparse.ArgumentParser(prog="data.py prepare",
+                                description="Download, check and lay out a corpus of the papers.")
     p.add_argument("name", metavar="NAME", choices=list(CORPORA), help=", ".join(CORPORA))
     p.add_argument("--dir", default=None, help="output folder (default data/NAME)")
-    p.add_argument("--url", default=None, help=f"source override: http(s)://, file:// or a "
-                   f"local path (default ${_MIRROR_ENV}/<file>, else the original source)")
+    p.add_argument("--url", default=None, help="source: http(s)://, file:// or a local path "
+                   "(default $NMT_DATA_MIRROR/<file name>, else the original source)")
     a = p.parse_args(argv)
     try:
         prepare(a.name, a.dir, a.url)
