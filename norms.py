@@ -151,6 +151,26 @@ def _real_tokens(x, pad_mask):
     return real
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """y = sum over ranks of x (torch.distributed, op SUM), with its gradient: every rank's
+    y is the same sum, so dL/dx on a rank is the sum over ranks of their dL/dy.
+    (dist.all_reduce alone is in place and invisible to autograd: the other ranks' share of
+    the gradient would be lost. torch.distributed.nn.functional.all_reduce did this too; it is
+    deprecated in torch 2.13.)"""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.clone()
+        torch.distributed.all_reduce(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx = dy.clone()
+        torch.distributed.all_reduce(dx)
+        return dx
+
+
 def _all_reduce_sum(*tensors):
     """Each tensor summed over all ranks of torch.distributed (one collective), differentiably;
     the tensors themselves on one process. Returns a tuple, one entry per argument.
@@ -159,15 +179,12 @@ def _all_reduce_sum(*tensors):
     a shard of the batch, and summing the per-rank sums (and token counts) gives exactly the
     statistics of the whole batch. Code: the authors' BN/PN never synchronise statistics
     across GPUs (each GPU normalises with its own shard's); we do, like nn.SyncBatchNorm.
-    The backward of a sum over ranks is the sum over ranks of the gradient, which
-    torch.distributed.nn.functional.all_reduce does (dist.all_reduce itself is invisible
-    to autograd). Note: counts travel as floats of the statistics' dtype: exact up to
-    2^24 tokens per batch in fp32.
+    Note: counts travel as floats of the statistics' dtype: exact up to 2^24 tokens per
+    batch in fp32.
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return tensors
-    from torch.distributed.nn.functional import all_reduce  # differentiable, op SUM
-    flat = all_reduce(torch.cat([t.reshape(-1) for t in tensors]))  # one message, not one per tensor
+    flat = _AllReduceSum.apply(torch.cat([t.reshape(-1) for t in tensors]))  # one message, not one per tensor
     return tuple(f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tensors]), tensors))
 
 
