@@ -282,3 +282,17 @@ def test_module_gradcheck_float64(cls):
     # the float64 forward is float64-accurate
     ref = cls.formula(x, norm.g, norm.eps) if cls is ScaleNorm else cls.formula(x, norm.weight, norm.eps)
     torch.testing.assert_close(norm(x), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_scalenorm_hand_written_backward_is_exact_in_the_clamped_region_too():
+    """The fast path's backward (_ScaleNormFunction) against finite differences, with one token
+    whose norm is below eps (there y = g x / eps, so the projection term must vanish)."""
+    torch.manual_seed(3)
+    norm = ScaleNorm(5).double()
+    x = torch.randn(2, 3, 5, dtype=torch.float64)
+    x[0, 1] *= 1e-7 / x[0, 1].norm()  # ||x|| = 1e-7 < eps = 1e-5
+    x.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: norm(x), (x,))
+    y = norm(x)
+    y.sum().backward()
+    assert torch.allclose(x.grad[0, 1], torch.full((5,), norm.g.item() / 1e-5, dtype=torch.float64))
