@@ -559,3 +559,54 @@ def build_norm(name, d, heads=1, **options):
     accepted = cls.__init__.__code__.co_varnames[: cls.__init__.__code__.co_argcount]
     kwargs = {k: v for k, v in dict(heads=heads, **options).items() if k in accepted}
     return cls(d, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------
+# python norms.py --benchmark: forward + backward time of every norm on a base model's
+# activations (B, T, D), each as a ratio to LayerNorm measured in the same process, with
+# the measurements interleaved (round robin) so that machine noise hits every norm alike.
+# Printed figures only; nothing is asserted about time anywhere.
+# ---------------------------------------------------------------------------------------
+def benchmark(batch=64, length=64, d=512, heads=8, repeats=30, rounds=5):
+    import time
+
+    x0 = torch.randn(batch, length, d)
+    pad = torch.zeros(batch, length, dtype=torch.bool)
+    pad[: batch // 2, length - length // 8:] = True  # some padding, as in a real batch
+    dy = torch.randn_like(x0)
+    norms = {name: build_norm(name, d, heads=heads, warmup=1) for name in NORMS}
+    times = {name: [] for name in norms}
+    for _ in range(rounds):
+        for name, norm in norms.items():
+            x = x0.clone().requires_grad_(True)
+            for _ in range(2):  # warm-up
+                norm(x, pad).backward(dy)
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                norm(x, pad).backward(dy)
+            times[name].append((time.perf_counter() - t0) / repeats)
+    best = {name: min(t) for name, t in times.items()}  # min over rounds: the least disturbed
+    return best
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description="Time every norm's forward+backward against LayerNorm.")
+    p.add_argument("--benchmark", action="store_true", help="run the benchmark (the only action)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--length", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=512, help="D of the activations (base model: 512)")
+    p.add_argument("--heads", type=int, default=8, help="PowerNorm's GroupScaling groups")
+    p.add_argument("--threads", type=int, default=None)
+    a = p.parse_args()
+    if not a.benchmark:
+        p.print_help()
+        raise SystemExit(0)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    best = benchmark(a.batch, a.length, a.d_model, a.heads)
+    print(f"forward+backward on ({a.batch}, {a.length}, {a.d_model}) fp32, {torch.get_num_threads()} threads, "
+          f"best of 5 rounds x 30:")
+    for name, t in best.items():
+        print(f"  {name:12s} {t * 1e3:8.3f} ms   {t / best['layer']:5.2f} x LayerNorm")

@@ -631,17 +631,21 @@ def train(args):
             b = next_batch()
             state["step"] += 1
             lr = scheduled_lr(state["step"], args, lr_scale, state["lr_decay"])
-            loss_sum, nll_sum, gnorm = train_step(step_model, model, optimizer, b, lr, args, wd_gen, amp,
-                                                  global_tokens(b))
+            n_tgt = global_tokens(b)  # target tokens of this step on all ranks
+            loss_sum, nll_sum, gnorm = train_step(step_model, model, optimizer, b, lr, args, wd_gen, amp, n_tgt)
+            if world > 1:  # the whole batch's sums, so that every rank logs and stops alike
+                sums = torch.stack([loss_sum.double(), nll_sum.double()])
+                torch.distributed.all_reduce(sums)
+                loss_sum, nll_sum = sums[0], sums[1]
             loss_sum, nll_sum, gnorm = loss_sum.item(), nll_sum.item(), gnorm.item()  # waits for the step
             dt = time.perf_counter() - t_step
             train_time += dt
-            for k, v in (("loss", loss_sum), ("nll", nll_sum), ("tok", b.n_tgt), ("t", dt), ("gnorm", gnorm),
-                         ("n", 1), ("flops", step_flops(cfg, *b.src.shape, b.tgt_in.size(1)))):
+            for k, v in (("loss", loss_sum), ("nll", nll_sum), ("tok", n_tgt), ("t", dt), ("gnorm", gnorm),
+                         ("n", 1), ("flops", step_flops(cfg, *b.src.shape, b.tgt_in.size(1)) * world)):
                 win[k] += v
             # [1] Figure 2: the global gradient norm of every step.
-            write_metrics({"step": state["step"], "loss": loss_sum / b.n_tgt, "gnorm": gnorm, "lr": lr,
-                           "tokens": b.n_tgt})
+            write_metrics({"step": state["step"], "loss": loss_sum / n_tgt, "gnorm": gnorm, "lr": lr,
+                           "tokens": n_tgt})
             if not math.isfinite(loss_sum):
                 state["stopped"] = (f"the loss became {loss_sum} at step {state['step']} "
                                     "(try a smaller --lr-scale, --prenorm, --init small or more --warmup)")
@@ -650,7 +654,7 @@ def train(args):
             # -- one log line per interval ---------------------------------------------
             if state["step"] % args.log_interval == 0 or state["step"] == total_steps:
                 tl, nll = win["loss"] / max(win["tok"], 1), win["nll"] / max(win["tok"], 1)
-                tps, mfu = win["tok"] * world / win["t"], win["flops"] / win["t"] / peak_flops
+                tps, mfu = win["tok"] / win["t"], win["flops"] / win["t"] / (peak_flops * world)
                 log(f"step {state['step']:6d} | loss {tl:6.3f} | ppl {math.exp(min(nll, 50)):8.2f} | "
                     f"lr {lr:.2e} | {tps:7.0f} tok/s | MFU {100 * mfu:4.1f}% | gnorm {win['gnorm'] / win['n']:6.3f}")
                 progress.update(task, info=f"loss {tl:.3f}")
