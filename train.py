@@ -216,16 +216,27 @@ def validation_decay(history, patience):
 # Code: smoothing is spread over the target vocabulary only (masked words have p = 0).
 # With log p_w = z_w - logsumexp(z):  mean_{allowed}(-log p_w) = logsumexp(z) - mean_{allowed} z_w.
 # ---------------------------------------------------------------------------------------
-def label_smoothed_loss(logits, target, allowed, eps):
-    """logits (N, V) with -inf outside `allowed` (V,); target (N,). Returns summed loss and NLL."""
+def label_smoothed_loss(logits, target, allowed, eps, weight=None):
+    """logits (N, V) with -inf outside `allowed` (V,); target (N,); weight (N,) or None, e.g. 0 at
+    padding. Returns the (weighted) summed loss and NLL.
+
+    Note: weighting the padded rows by 0 is cheaper than selecting the real rows with
+    logits[keep], which copies (N, V) forward and scatters it back in the backward.
+    """
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 (or fp64) softmax
+    if weight is not None:  # a 0-weight row's target may be PAD, whose logit is -inf: score EOS there
+        target = target.masked_fill(weight == 0, data.EOS)
     lse = torch.logsumexp(logits, dim=-1)  # (N,)
     nll = lse - logits.gather(-1, target[:, None]).squeeze(-1)  # (N,)  -log p_y
-    if eps == 0:
-        return nll.sum(), nll.sum()
-    mean_allowed = torch.where(allowed, logits, 0.0).sum(-1) / allowed.sum()  # (N,)
-    smooth = lse - mean_allowed  # (N,)  mean over allowed w of -log p_w
-    return ((1 - eps) * nll + eps * smooth).sum(), nll.sum()
+    if eps > 0:
+        mean_allowed = torch.where(allowed, logits, 0.0).sum(-1) / allowed.sum()  # (N,)
+        smooth = lse - mean_allowed  # (N,)  mean over allowed w of -log p_w
+        loss = (1 - eps) * nll + eps * smooth
+    else:
+        loss = nll
+    if weight is not None:
+        loss, nll = loss * weight, nll * weight
+    return loss.sum(), nll.sum()
 
 
 # ---------------------------------------------------------------------------------------
@@ -369,10 +380,10 @@ def evaluate_loss(model, encoded, batch_tokens, device, eps, amp=None):
             b = data.collate(encoded, idx, device)
             with (amp() if amp is not None else torch.autocast("cpu", enabled=False)):
                 logits = model(b.src, b.tgt_in)  # (B, T, V)
-            keep = b.tgt_out.ne(data.PAD)  # (B, T)
-            target = b.tgt_out[keep]
-            target = torch.where(model.allowed[target], target, data.UNK)
-            loss, nll = label_smoothed_loss(logits[keep], target, model.allowed, eps)
+            keep = b.tgt_out.ne(data.PAD).flatten()  # (B*T,)
+            target = b.tgt_out.flatten()
+            target = torch.where(model.allowed[target] | ~keep, target, data.UNK)
+            loss, nll = label_smoothed_loss(logits.flatten(0, 1), target, model.allowed, eps, keep.to(logits.dtype))
             total, nll_total, n = total + loss.item(), nll_total + nll.item(), n + int(keep.sum())
     finally:
         model.train(was_training)
@@ -458,8 +469,9 @@ def train_step(step_model, model, optimizer, b, lr, args, wd_gen, amp, n_tgt_glo
     tgt_in = data.word_dropout(b.tgt_in, args.word_dropout, wd_gen) if args.word_dropout else b.tgt_in
     with amp():
         logits = step_model(src, tgt_in)  # (B, T, V)
-    keep = b.tgt_out.ne(data.PAD)  # (B, T)
-    loss_sum, nll_sum = label_smoothed_loss(logits[keep], b.tgt_out[keep], model.allowed, args.label_smoothing)
+    keep = b.tgt_out.ne(data.PAD).flatten()  # (B*T,) 0 weight at padding
+    loss_sum, nll_sum = label_smoothed_loss(logits.flatten(0, 1), b.tgt_out.flatten(), model.allowed,
+                                            args.label_smoothing, keep.to(logits.dtype))
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     loss = loss_sum / n_tgt_global  # Code: summed over non-pad targets, divided by their count
     optimizer.zero_grad(set_to_none=True)
