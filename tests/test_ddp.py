@@ -225,14 +225,6 @@ def ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def max_difference(a, b):
     """(largest |a - b| over the float entries of two state_dicts, its key); integer entries must be equal."""
     assert a.keys() == b.keys()

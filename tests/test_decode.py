@@ -32,15 +32,6 @@ from model import BOS, EOS, PAD, ModelConfig, Transformer  # noqa: E402
 V = 40
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Note: tiny matrices are slower with a contended thread pool than with one thread.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_model(vocab_size=V, seed=0, mask=None, eos_bias=2.0, scale=4.0, g=8.0):
     """A random 2+2-layer model; weights x scale so the layers matter, final g sets peakiness."""
     torch.manual_seed(seed)

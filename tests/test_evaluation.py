@@ -37,14 +37,6 @@ from model import BOS, EOS, ModelConfig, MultiHeadAttention, Transformer  # noqa
 WORDS = "the cat dog sat on a mat and ran to house big small red blue".split()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_model(vocab_size, seed=0, **cfg):
     torch.manual_seed(seed)
     c = dict(vocab_size=vocab_size, d_model=32, heads=4, ff=64, enc_layers=2, dec_layers=2)

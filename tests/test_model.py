@@ -21,16 +21,6 @@ from norms import ScaleNorm
 V = 60
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one intra-op thread is faster than two (and much faster on a
-    busy 2-core machine). Restored afterwards so other test modules are unaffected."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def small_cfg(**kw):
     base = dict(vocab_size=V, d_model=32, heads=4, ff=64, enc_layers=2, dec_layers=2, dropout=0.1)
     base.update(kw)

@@ -19,14 +19,6 @@ from norms import NORMS, LayerNorm, RMSNorm, ScaleNorm, build_norm, fixnorm
 B, T, D = 3, 5, 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one intra-op thread is faster than two (and much faster on a
-    busy 2-core machine). Restored afterwards so other test modules are unaffected."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 CORE = ["layer", "scale", "scale_fixed", "rms"]  # the norms of [1] and [4]
 
 

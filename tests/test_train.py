@@ -22,14 +22,6 @@ def small_corpus(tmp_path_factory):
     return ["--data", str(d), "--src", "src", "--tgt", "tgt"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 # --- eq. 7 --------------------------------------------------------------------------------
 @pytest.mark.parametrize("step", [1, 10, 399, 400, 401, 4000, 100000])
 def test_invsqrt_schedule_equals_eq7(step):
