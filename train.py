@@ -435,13 +435,16 @@ def measure_matmul_flops(device, d, ff, tokens=4096, dtype=torch.float32, second
     b = torch.randn(d, ff, device=device, dtype=dtype, generator=gen)
     for _ in range(3):  # warm-up
         a @ b
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        n += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    return 2 * tokens * d * ff * n / (time.perf_counter() - t0)
+    best = 0.0
+    for _ in range(5):  # the best of 5 short windows: a busy moment on a shared machine
+        n, t0 = 0, time.perf_counter()  # would otherwise understate the peak (and inflate MFU)
+        while time.perf_counter() - t0 < seconds / 5:
+            a @ b
+            n += 1
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        best = max(best, 2 * tokens * d * ff * n / (time.perf_counter() - t0))
+    return best
 
 
 def peak_memory_mb(device):
