@@ -588,7 +588,8 @@ def train(args):
     state = {"step": 0, "epoch": 0, "data_epoch": 0, "batch_pos": 0, "best_bleu": -1.0,
              "best_step": 0, "dev_bleu": None, "history": [], "lr_decay": 1.0, "since_best": 0,
              "stopped": None}
-    wd_gen = torch.Generator().manual_seed(args.seed + rank)  # word-dropout randomness
+    # Word-dropout randomness: its own generator, on the device the batches live on.
+    wd_gen = torch.Generator(device=device).manual_seed(args.seed + rank)
     if resume_ckpt is not None:
         model.load_state_dict(resume_ckpt["model"])
         optimizer.load_state_dict(resume_ckpt["optimizer"])
