@@ -286,7 +286,7 @@ def norm_options_from_args(args):
     """Options handed to every norm (each norm takes the ones its constructor names)."""
     return {k: getattr(args, a) for k, a in
             [("warmup", "pn_warmup"), ("variant", "pn_variant"),
-             ("alpha_fwd", "pn_alpha_fwd"), ("alpha_bkw", "pn_alpha_bkw")] if hasattr(args, a)}
+             ("alpha_fwd", "pn_alpha_fwd"), ("alpha_bkw", "pn_alpha_bkw")]}
 
 
 def validate_args(args):
@@ -326,8 +326,6 @@ def prepare_data(args, run_dir, log):
         if stats.get("empty"):
             log(f"data: {split}: dropped {stats['empty']} pairs with an empty side")
         splits[split] = pairs
-    if not splits["train"]:
-        raise data.DataError(f"{paths['train'][0]}: empty training set")
     if args.bpe_size is None:
         args.bpe_size = 2000 if args.data is None else 8000
     bpe_path = run_dir / "bpe.model"
@@ -356,7 +354,7 @@ def prepare_data(args, run_dir, log):
 # Evaluation.
 # ---------------------------------------------------------------------------------------
 def evaluate_bleu(model, tok, pairs, beam, alpha, device, batch_tokens):
-    import decode  # decode.py imports train-independent pieces only
+    import decode  # imported here: decode.py imports train inside its functions too
     hyps = decode.translate(model, tok, [s for s, _ in pairs], beam=beam, alpha=alpha,
                             batch_tokens=batch_tokens, device=device)
     return decode.bleu(hyps, [t for _, t in pairs]), hyps
@@ -789,15 +787,14 @@ def finish(args, model, tok, splits, state, device, run_dir, metrics_path, log, 
     model.eval()
     result = {"best_step": ckpt["step"], "best_dev_bleu": ckpt["dev_bleu"], "train_seconds": train_time,
               "stopped": state["stopped"]}
-    if hasattr(decode, "print_g_table"):  # [1] Figures 3-4: learned g versus depth
-        decode.print_g_table(model)
-        decode.save_g_values(model, run_dir / "g_values.json")
+    decode.print_g_table(model)  # [1] Figures 3-4: learned g versus depth
+    decode.save_g_values(model, run_dir / "g_values.json")
     if splits["test"]:
         score, hyps = evaluate_bleu(model, tok, splits["test"], args.beam, args.alpha, device, args.batch_tokens)
         atomic_write_text("\n".join(hyps) + "\n", run_dir / "test.hyp")
-        result.update(test_bleu=score.score, test_signature=getattr(score, "signature", ""))
+        result.update(test_bleu=score.score, test_signature=score.signature)
         log(f"test BLEU (best checkpoint, step {ckpt['step']}, beam {args.beam}, alpha {args.alpha}): "
-            f"{score.score:.2f}  {getattr(score, 'signature', '')}")
+            f"{score.score:.2f}  {score.signature}")
     append_jsonl(metrics_path, {"final": result})
     atomic_write_text(json.dumps(result, indent=2) + "\n", run_dir / "results.json")
     return result
