@@ -167,6 +167,8 @@ def build_parser():
     g.add_argument("--benchmark", type=int, default=0, metavar="N",
                    help="time N training steps after a warm-up and print tokens/s, FLOPs/token, MFU, padding "
                         "and peak memory, then exit (no evaluation, no files but config.json)")
+    g.add_argument("--profile", action="store_true",
+                   help="with --benchmark: also print where the time of a step goes (torch.profiler, by operator)")
     g.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its last checkpoint (its saved flags are used)")
     return p
@@ -237,6 +239,40 @@ def label_smoothed_loss(logits, target, allowed, eps, weight=None):
     if weight is not None:
         loss, nll = loss * weight, nll * weight
     return loss.sum(), nll.sum()
+
+
+class SmoothedCrossEntropy(torch.autograd.Function):
+    """The loss above on logits z (N, C) over the C target words only (model(..., target_only=True)),
+    in one fused pass each way. With logp = log_softmax(z) and q = (1 - eps) onehot(y) + eps / C:
+
+        loss = sum_n w_n * (-sum_c q_c logp_c) = sum_n w_n ((1 - eps) NLL_n + eps * mean_c(-logp_c))
+        dloss/dz = w_n * (softmax(z) - q)              (dNLL/dz = w_n * (softmax(z) - onehot(y)))
+
+    Note (speed): autograd of label_smoothed_loss() runs logsumexp, where, gather and their
+    backward kernels over (N, V), ~10 passes; this saves log p once and reads it twice.
+    Tests: gradcheck in float64 and equality with label_smoothed_loss() on the masked logits.
+    Returns (loss sum, NLL sum), both weighted.
+    """
+
+    @staticmethod
+    def forward(ctx, z, target, weight, eps):
+        logp = torch.log_softmax(z.to(torch.promote_types(z.dtype, torch.float32)), dim=-1)  # (N, C)
+        weight = weight.to(logp.dtype)
+        nll = -logp.gather(-1, target[:, None]).squeeze(-1)  # (N,)
+        loss = (1 - eps) * nll - eps * logp.mean(-1)  # (N,)
+        ctx.save_for_backward(logp, target, weight)
+        ctx.eps, ctx.z_dtype = eps, z.dtype
+        return (loss * weight).sum(), (nll * weight).sum()
+
+    @staticmethod
+    def backward(ctx, d_loss, d_nll):
+        logp, target, weight = ctx.saved_tensors
+        eps, C = ctx.eps, logp.size(-1)
+        grad = logp.exp()  # softmax(z)
+        grad.mul_((weight * (d_loss + d_nll))[:, None])  # w (dL + dNLL) softmax
+        grad.sub_((weight * d_loss * eps / C)[:, None])  # - w dL eps / C
+        grad.scatter_add_(-1, target[:, None], -(weight * (d_loss * (1 - eps) + d_nll))[:, None])  # - onehot
+        return grad.to(ctx.z_dtype), None, None, None
 
 
 # ---------------------------------------------------------------------------------------
@@ -409,7 +445,7 @@ def make_checkpoint(model, optimizer, tok_proto, state, args, langs):
 # ---------------------------------------------------------------------------------------
 # Speed: model FLOPs and the machine's own matmul throughput (for MFU).
 # ---------------------------------------------------------------------------------------
-def step_flops(cfg, B, S, T):
+def step_flops(cfg, B, S, T, out_vocab=None):
     """Training FLOPs of one step on a (B, S) source / (B, T) target batch, padding included.
 
     Counts the matmuls (2 FLOPs per multiply-add) of the forward pass and multiplies by 3
@@ -417,9 +453,10 @@ def step_flops(cfg, B, S, T):
       encoder:  Q, K, V, O projections 4 D^2 + FFN 2 D FF            + scores Q K^T, A V: 2 S D
       decoder:  self 4 D^2 + cross Q, O 2 D^2 + FFN 2 D FF            + scores 2 T D + 2 S D
                 (+ cross K, V 2 D^2 per *source* token)
-      output:   D V per target token (the tied embedding as the output layer)
+      output:   D Vt per target token (the tied embedding as the output layer; training computes
+                only the Vt = out_vocab target words' logits, default all V)
     """
-    D, FF, V = cfg.d_model, cfg.ff, cfg.vocab_size
+    D, FF, V = cfg.d_model, cfg.ff, out_vocab or cfg.vocab_size
     enc = cfg.enc_layers * (S * (4 * D * D + 2 * D * FF) + 2 * S * S * D)
     dec = cfg.dec_layers * (T * (6 * D * D + 2 * D * FF) + S * 2 * D * D + 2 * T * T * D + 2 * T * S * D)
     return 3 * 2 * B * (enc + dec + T * D * V)
@@ -469,10 +506,11 @@ def train_step(step_model, model, optimizer, b, lr, args, wd_gen, amp, n_tgt_glo
     src = data.word_dropout(b.src, args.word_dropout, wd_gen) if args.word_dropout else b.src
     tgt_in = data.word_dropout(b.tgt_in, args.word_dropout, wd_gen) if args.word_dropout else b.tgt_in
     with amp():
-        logits = step_model(src, tgt_in)  # (B, T, V)
+        logits = step_model(src, tgt_in, target_only=True)  # (B, T, Vt): target words only
     keep = b.tgt_out.ne(data.PAD).flatten()  # (B*T,) 0 weight at padding
-    loss_sum, nll_sum = label_smoothed_loss(logits.flatten(0, 1), b.tgt_out.flatten(), model.allowed,
-                                            args.label_smoothing, keep.to(logits.dtype))
+    column = (model.allowed.cumsum(0) - 1).clamp_min(0)  # word id -> its column in logits (PAD -> 0)
+    loss_sum, nll_sum = SmoothedCrossEntropy.apply(logits.flatten(0, 1), column[b.tgt_out.flatten()],
+                                                   keep, args.label_smoothing)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     loss = loss_sum / n_tgt_global  # Code: summed over non-pad targets, divided by their count
     optimizer.zero_grad(set_to_none=True)
@@ -627,6 +665,7 @@ def train(args):
         return benchmark(args, model, step_model, optimizer, next_batch, wd_gen, amp, global_tokens,
                          lr_scale, device, log, train_pairs, order)
     peak_flops = measure_matmul_flops(device, cfg.d_model, cfg.ff)
+    n_out = int(model.allowed.sum())  # the output layer computes these target words' logits
     log(f"speed: dense {cfg.d_model}x{cfg.ff} matmul runs at {peak_flops / 1e9:.1f} GFLOP/s here (MFU's denominator)")
 
     total_steps = args.max_epochs * args.epoch_size
@@ -655,7 +694,7 @@ def train(args):
             dt = time.perf_counter() - t_step
             train_time += dt
             for k, v in (("loss", loss_sum), ("nll", nll_sum), ("tok", n_tgt), ("t", dt), ("gnorm", gnorm),
-                         ("n", 1), ("flops", step_flops(cfg, *b.src.shape, b.tgt_in.size(1)) * world)):
+                         ("n", 1), ("flops", step_flops(cfg, *b.src.shape, b.tgt_in.size(1), n_out) * world)):
                 win[k] += v
             # [1] Figure 2: the global gradient norm of every step.
             write_metrics({"step": state["step"], "loss": loss_sum / n_tgt, "gnorm": gnorm, "lr": lr,
@@ -760,7 +799,17 @@ def benchmark(args, model, step_model, optimizer, next_batch, wd_gen, amp, globa
         if i >= warm:
             t += time.perf_counter() - t0
             tok += b.n_tgt
-            flops += step_flops(cfg, *b.src.shape, b.tgt_in.size(1))
+            flops += step_flops(cfg, *b.src.shape, b.tgt_in.size(1), int(model.allowed.sum()))
+    if args.profile:  # a few more steps under the profiler (not in the figures above: it slows them)
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for i in range(3):
+                b = next_batch()
+                train_step(step_model, model, optimizer, b, scheduled_lr(i + 1, args, lr_scale, 1.0), args,
+                           wd_gen, amp, global_tokens(b))[0].item()
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        log(prof.key_averages().table(sort_by=key, row_limit=25))
     pad = data.padding_share(train_pairs, order)
     result = {"steps": args.benchmark, "tgt_tok_per_s": tok / t, "flops_per_tgt_token": flops / tok,
               "achieved_flops": flops / t, "matmul_peak_flops": peak, "mfu": flops / t / peak,

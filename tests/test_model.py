@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from model import (BOS, EOS, PAD, FeedForward, ModelConfig, MultiHeadAttention, Transformer,
-                   attention_math, residual)
+                   attention_math, dropout, residual)
 from norms import ScaleNorm
 
 V = 60
@@ -551,3 +551,40 @@ def test_scale_fixed_keeps_the_fixnorm_output_g_learned():
                for mod in inner)
     assert isinstance(m.dec_final_norm.g, torch.nn.Parameter)
     assert list(m.learned_scales()) == ["dec_final_norm.g"]
+
+
+# --- dropout (inverted; the CPU sampler draws 16 random bits per element) ---------------------
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
+def test_dropout_keeps_1_minus_p_and_rescales_to_keep_the_mean(p):
+    torch.manual_seed(0)
+    x = torch.rand(200_000) + 0.5
+    y = dropout(x, p)
+    kept = y != 0
+    n = x.numel()
+    # P(drop) = p' = round(p 2^16) / 2^16; the kept share is within 5 binomial std of 1 - p'
+    p_q = round(p * 65536) / 65536
+    assert abs(kept.float().mean().item() - (1 - p_q)) < 5 * math.sqrt(p_q * (1 - p_q) / n)
+    torch.testing.assert_close(y[kept], x[kept] / (1 - p_q))  # kept values scaled by 1 / (1 - p')
+    assert (y[~kept] == 0).all()
+    assert abs(y.mean().item() / x.mean().item() - 1) < 0.01  # E[y] = x
+
+
+def test_dropout_masks_are_independent_across_positions_and_reproducible():
+    torch.manual_seed(3)
+    a = dropout(torch.ones(4, 50_000), 0.5) != 0
+    # the 4 int16 read from one int64 must not be correlated: neighbours agree half the time
+    agree = (a[..., 1:] == a[..., :-1]).float().mean().item()
+    assert abs(agree - 0.5) < 0.01
+    assert abs(a.float().mean(1) - 0.5).max() < 0.01  # every row, not only on average
+    torch.manual_seed(3)
+    assert torch.equal(dropout(torch.ones(4, 50_000), 0.5) != 0, a)  # the default generator fixes it
+
+
+def test_dropout_gradient_is_the_mask_and_eval_is_the_identity():
+    torch.manual_seed(0)
+    x = torch.randn(64, 33, requires_grad=True)
+    y = dropout(x, 0.2)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, (y / x).detach())  # dy/dx = m / (1 - p')
+    assert dropout(x, 0.2, training=False) is x and dropout(x, 0.0) is x
+    assert (dropout(x, 1.0) == 0).all()

@@ -75,6 +75,47 @@ def test_label_smoothed_loss_equals_smoothing_over_the_allowed_words():
     assert nll.item() == pytest.approx(F.cross_entropy(logits[:, cols], sub_target, reduction="sum").item())
 
 
+def test_fused_smoothed_cross_entropy_has_the_exact_gradient():
+    """SmoothedCrossEntropy's hand-written backward, w (softmax - q), against autograd (gradcheck)."""
+    torch.manual_seed(0)
+    z = torch.randn(6, 9, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor([0, 3, 8, 2, 2, 5])
+    weight = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 1.0], dtype=torch.float64)
+    both = lambda z: train.SmoothedCrossEntropy.apply(z, target, weight, 0.1)  # noqa: E731
+    assert torch.autograd.gradcheck(both, (z,))  # d/dz of loss and of NLL, any mix of the two
+    loss, nll = both(z)
+    ref_loss, ref_nll = train.label_smoothed_loss(z, target, torch.ones(9, dtype=torch.bool), 0.1, weight)
+    torch.testing.assert_close((loss, nll), (ref_loss, ref_nll), rtol=1e-12, atol=1e-12)
+
+
+def test_training_loss_on_target_words_only_equals_the_masked_full_vocabulary_loss():
+    """The training step's logits over the target words only + SmoothedCrossEntropy give the same
+    loss and the same gradients as the -inf-masked logits over all V + label_smoothed_loss."""
+    from model import ModelConfig, Transformer
+    torch.manual_seed(0)
+    V = 40
+    mask = torch.zeros(V, dtype=torch.bool)
+    mask[torch.arange(3, V, 2)] = True  # every other word is a target word
+    cfg = ModelConfig(vocab_size=V, d_model=16, heads=2, ff=32, enc_layers=1, dec_layers=1, dropout=0.0,
+                      norm="scale", prenorm=True, fixnorm=True)
+    m = Transformer(cfg, mask).double()
+    src = torch.randint(4, V, (3, 5))
+    tgt_in = torch.cat([torch.full((3, 1), data.BOS), torch.arange(3, 15, 2).repeat(3, 1)[:, :4]], 1)
+    tgt_out = torch.arange(3, 15, 2).repeat(3, 1)[:, :5]
+    tgt_out[2, 3:] = data.PAD
+    keep = tgt_out.ne(data.PAD).flatten()
+    ref = train.label_smoothed_loss(m(src, tgt_in).flatten(0, 1), tgt_out.flatten(), m.allowed, 0.1,
+                                    keep.double())
+    ref_grads = torch.autograd.grad(ref[0], list(m.parameters()))
+    column = (m.allowed.cumsum(0) - 1).clamp_min(0)
+    got = train.SmoothedCrossEntropy.apply(m(src, tgt_in, target_only=True).flatten(0, 1),
+                                           column[tgt_out.flatten()], keep, 0.1)
+    assert m(src, tgt_in, target_only=True).size(-1) == int(m.allowed.sum())
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    for a, b in zip(torch.autograd.grad(got[0], list(m.parameters())), ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
 def test_step_flops_counts_the_matmuls():
     from model import ModelConfig
     cfg = ModelConfig(vocab_size=100, d_model=8, heads=2, ff=32, enc_layers=1, dec_layers=1)
@@ -83,6 +124,7 @@ def test_step_flops_counts_the_matmuls():
     enc = S * (4 * D * D + 2 * D * FF) + 2 * S * S * D
     dec = T * (6 * D * D + 2 * D * FF) + S * 2 * D * D + 2 * T * T * D + 2 * T * S * D
     assert train.step_flops(cfg, B, S, T) == 6 * B * (enc + dec + T * D * V)
+    assert train.step_flops(cfg, B, S, T, out_vocab=30) == 6 * B * (enc + dec + T * D * 30)
 
 
 # --- bad flags ------------------------------------------------------------------------------
