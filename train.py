@@ -21,6 +21,7 @@ atomically; ``--resume RUN_DIR`` continues a killed run from its last checkpoint
   [2] Shen et al. 2020, PowerNorm.    [3] Henry et al. 2020, Query-Key Normalization.
 """
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -364,13 +365,20 @@ def prepare_data(args, run_dir, log):
         splits[split] = pairs
     if args.bpe_size is None:
         args.bpe_size = 2000 if args.data is None else 8000
-    bpe_path = run_dir / "bpe.model"
-    if not bpe_path.exists():
+    bpe_path, bpe_key_path = run_dir / "bpe.model", run_dir / "bpe.key"
+    # The BPE model is reused only for the same training text and size (a run directory reused for
+    # another corpus or --bpe-size trains a new one): the key is a hash of both.
+    h = hashlib.sha256(f"{args.bpe_size}\n".encode())
+    for s, t in splits["train"]:
+        h.update(f"{s}\t{t}\n".encode())
+    bpe_key = h.hexdigest()
+    if not bpe_path.exists() or not bpe_key_path.exists() or bpe_key_path.read_text() != bpe_key:
         t0 = time.time()
         trained = data.train_bpe([s for s, _ in splits["train"]], [t for _, t in splits["train"]],
                                  args.bpe_size, str(run_dir / "bpe"))
         if Path(trained) != bpe_path:
             os.replace(trained, bpe_path)
+        atomic_write_text(bpe_key, bpe_key_path)
         log(f"data: trained joint BPE ({args.bpe_size} requested) in {time.time() - t0:.1f}s")
     tok = data.Tokenizer(str(bpe_path))
     enc = {}

@@ -206,6 +206,16 @@ def test_every_norm_and_placement_trains_with_finite_loss(extra, tmp_path, small
     assert cfg["norm"] == extra[1]
 
 
+def test_a_run_directory_reused_for_another_bpe_size_trains_a_new_bpe(tmp_path, small_corpus):
+    import sentencepiece as spm
+    run = tmp_path / "run"
+    base = TINY[:TINY.index("--bpe-size")] + small_corpus + ["--benchmark", "1", "--out", str(run)]
+    train.main(base + ["--bpe-size", "300"])
+    assert spm.SentencePieceProcessor(model_file=str(run / "bpe.model")).get_piece_size() == 300
+    train.main(base + ["--bpe-size", "400"])  # the same directory, another size: not the stale model
+    assert spm.SentencePieceProcessor(model_file=str(run / "bpe.model")).get_piece_size() == 400
+
+
 def test_short_runs_log_finite_losses_and_decreasing_loss(tmp_path, small_corpus):
     run = tmp_path / "run"
     train.main(TINY + small_corpus + ["--max-steps", "30", "--epoch-size", "30", "--warmup", "10", "--norm", "power",
