@@ -516,7 +516,9 @@ def train_step(step_model, model, optimizer, b, lr, args, wd_gen, amp, n_tgt_glo
     with amp():
         logits = step_model(src, tgt_in, target_only=True)  # (B, T, Vt): target words only
     keep = b.tgt_out.ne(data.PAD).flatten()  # (B*T,) 0 weight at padding
-    column = (model.allowed.cumsum(0) - 1).clamp_min(0)  # word id -> its column in logits (PAD -> 0)
+    # Word id -> its column in the logits (PAD -> 0, weight 0). Every training target is a target
+    # word: data.target_vocab_mask is built from the training targets.
+    column = (model.allowed.cumsum(0) - 1).clamp_min(0)
     loss_sum, nll_sum = SmoothedCrossEntropy.apply(logits.flatten(0, 1), column[b.tgt_out.flatten()],
                                                    keep, args.label_smoothing)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -794,6 +796,7 @@ def benchmark(args, model, step_model, optimizer, next_batch, wd_gen, amp, globa
     peak = measure_matmul_flops(device, cfg.d_model, cfg.ff)
     tok = flops = 0
     t = 0.0
+    n_out = int(model.allowed.sum())  # the output layer computes these target words' logits
     for i in range(warm + args.benchmark):
         b = next_batch()
         if device.type == "cuda":
@@ -807,7 +810,7 @@ def benchmark(args, model, step_model, optimizer, next_batch, wd_gen, amp, globa
         if i >= warm:
             t += time.perf_counter() - t0
             tok += b.n_tgt
-            flops += step_flops(cfg, *b.src.shape, b.tgt_in.size(1), int(model.allowed.sum()))
+            flops += step_flops(cfg, *b.src.shape, b.tgt_in.size(1), n_out)
     if args.profile:  # a few more steps under the profiler (not in the figures above: it slows them)
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
