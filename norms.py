@@ -83,9 +83,12 @@ class ScaleNorm(nn.Module):
 
     def forward(self, x, pad_mask=None):
         # Note: statistics in fp32 even under autocast (an fp16 ||x||^2 overflows at |x|~256).
-        # The fast path is formula() with a hand-written backward (_ScaleNormFunction below):
-        # autograd of formula() runs ~6 elementwise kernels; the Function needs one dot product.
-        return _ScaleNormFunction.apply(_at_least_fp32(x), self.g, self.eps).to(x.dtype)
+        # Three implementations of one equation, tested equal (tests/test_norms.py):
+        #   formula()                 the equation, differentiated by autograd (~6 passes over x)
+        #   _ScaleNormFunction        the same with the gradient written out (one dot product)
+        #   _FusedScaleNormFunction   PyTorch's fused weight-norm kernel: one C++ pass forward,
+        #                             one backward, faster than F.layer_norm (the CPU path)
+        return _scale_norm(_at_least_fp32(x), self.g, self.eps).to(x.dtype)
 
 
 class _ScaleNormFunction(torch.autograd.Function):
@@ -114,6 +117,58 @@ class _ScaleNormFunction(torch.autograd.Function):
         return dx, dg, None
 
 
+class _FusedScaleNormFunction(torch.autograd.Function):
+    """y = g x / max(||x||, eps) through PyTorch's fused weight-normalization kernel.
+
+    Why the plain code is slower than LayerNorm: F.layer_norm is one C++ kernel that reads a
+    token's D features once for its statistics and once to normalise, and one more kernel for
+    the whole backward; formula() and _ScaleNormFunction run each step (norm, divide, dot
+    product, subtract, scale) as its own pass over the (B*T, D) activations.
+    The fix: weight normalization (Salimans & Kingma 2016) w = g v / ||v|| with one norm per row
+    of v is ScaleNorm's equation with one g per row, and PyTorch ships it fused for CPU and CUDA:
+        torch._weight_norm_interface(v, g_rows, 0)              -> (w, ||v|| per row)
+        aten._weight_norm_interface_backward(dw, v, g, n, 0)    -> (dL/dv, dL/dg_rows)
+    whose gradient is _ScaleNormFunction's: (g/n)(dy - x <dy, x>/n^2) and <dy, x>/n.
+    The kernel has no eps (a zero row gives 0/0): rows with ||x|| < eps are recomputed with the
+    clamp, y = x g/eps, a linear map (dL/dx = dy g/eps, dL/dg = <dy, x>/eps).
+    Note: the kernel needs contiguous v and g (a strided v gives wrong values, an expanded g
+    corrupts memory), hence the .contiguous() calls. Finding the clamped rows is a host sync,
+    free on the CPU; on CUDA ScaleNorm keeps _ScaleNormFunction (no sync, see _scale_norm).
+    """
+
+    @staticmethod
+    def forward(ctx, x, g, eps):
+        x2 = x.reshape(-1, x.size(-1)).contiguous()  # (N, D), N = B*T tokens
+        g_rows = g.detach().to(x2.dtype).reshape(1, 1).expand(x2.size(0), 1).contiguous()  # (N, 1)
+        y, n = torch._weight_norm_interface(x2, g_rows, 0)  # (N, D) g x/||x||,  (N, 1) ||x||
+        small = (n < eps).squeeze(1)  # (N,)  rows where the clamp max(||x||, eps) applies
+        ctx.any_small = bool(small.any())
+        if ctx.any_small:
+            y[small] = x2[small] * (g_rows[small] / eps)
+        ctx.eps, ctx.g_dtype = eps, g.dtype
+        ctx.save_for_backward(x2, g_rows, n, small)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, g_rows, n, small = ctx.saved_tensors
+        dy2 = dy.reshape(x2.shape).contiguous()
+        dx, dg_rows = torch.ops.aten._weight_norm_interface_backward(dy2, x2, g_rows, n, 0)
+        if ctx.any_small:
+            dx[small] = dy2[small] * (g_rows[small] / ctx.eps)
+            dg_rows[small] = torch.linalg.vecdot(dy2[small], x2[small]).unsqueeze(-1) / ctx.eps
+        dg = dg_rows.sum().to(ctx.g_dtype) if ctx.needs_input_grad[1] else None  # g is one scalar
+        return dx.view(dy.shape), dg, None
+
+
+def _scale_norm(x, g, eps):
+    """g x / max(||x||, eps) over the last dim: the fused kernel on the CPU (measured there:
+    `python norms.py --benchmark`), the hand-written Function elsewhere."""
+    if x.device.type == "cpu":
+        return _FusedScaleNormFunction.apply(x, g, eps)
+    return _ScaleNormFunction.apply(x, g, eps)
+
+
 # ---------------------------------------------------------------------------------------
 # RMSNorm [4]:  y_i = g_i * x_i / RMS(x),  RMS(x) = sqrt(mean_i x_i^2 + eps),  g init 1
 # TwT section 4.2: tying the g_i of RMSNorm and dividing by sqrt(D) gives ScaleNorm.
@@ -132,8 +187,10 @@ class RMSNorm(nn.Module):
         return weight * x / rms  # (B, T, D)
 
     def forward(self, x, pad_mask=None):
-        # The fast path is formula() with a hand-written backward (tests: gradcheck, = formula()).
-        return _RMSNormFunction.apply(_at_least_fp32(x), self.weight, self.eps).to(x.dtype)
+        # formula() with a hand-written backward (tests: gradcheck, = formula()): on the CPU
+        # through the fused weight-norm kernel (_FusedRMSNormFunction), elsewhere written out.
+        fn = _FusedRMSNormFunction if x.device.type == "cpu" else _RMSNormFunction
+        return fn.apply(_at_least_fp32(x), self.weight, self.eps).to(x.dtype)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -159,6 +216,46 @@ class _RMSNormFunction(torch.autograd.Function):
         return dx, dw, None
 
 
+class _FusedRMSNormFunction(torch.autograd.Function):
+    """RMSNorm's backward through two fused C++ kernels that PyTorch ships, with exact math.
+
+    dL/dx: with r = 1/RMS(x) and u = w * dy, RMSNorm's input gradient is  r u - (r^3/D) <u, x> x,
+    and the weight-norm kernel's backward (see _FusedScaleNormFunction) for g v/n computes
+    (g/n) u - (g/n^3) <u, v> v.  The two agree for
+        n = sqrt(||x||^2 + D eps) = sqrt(D) / r,     g = sqrt(D),
+    so that kernel, handed this n instead of ||x||, computes dL/dx in one pass (eps included;
+    a zero row gives r u).
+    dL/dw = sum over tokens of dy * x r: LayerNorm's backward computes dL/dgamma = sum of
+    dy * (x - mean) rstd from the mean and rstd it is handed; with mean 0 and rstd r it is
+    RMSNorm's dL/dw (its dL/dx is not: it has LayerNorm's centring term, so it is not asked for).
+    The forward is a norm and two multiplies, as in _RMSNormFunction.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        d = x.size(-1)
+        x2 = x.reshape(-1, d).contiguous()  # (N, D)
+        n = torch.sqrt(torch.linalg.vector_norm(x2, dim=-1, keepdim=True).square_() + d * eps)  # (N, 1)
+        ctx.save_for_backward(x2, weight, n)
+        return (x2 * (math.sqrt(d) / n)).mul_(weight.to(x2.dtype)).view(x.shape)  # w * x / RMS(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, n = ctx.saved_tensors
+        d = x2.size(-1)
+        dy2 = dy.reshape(x2.shape).contiguous()
+        w = weight.to(dy2.dtype)
+        g = torch.full_like(n, math.sqrt(d))  # (N, 1)
+        dx, _ = torch.ops.aten._weight_norm_interface_backward(dy2 * w, x2, g, n, 0)
+        dw = None
+        if ctx.needs_input_grad[1]:
+            r = g / n  # (N, 1)  1/RMS(x)
+            _, dw, _ = torch.ops.aten.native_layer_norm_backward(dy2, x2, [d], torch.zeros_like(r), r, w, None,
+                                                                 [False, True, False])
+            dw = dw.to(weight.dtype)
+        return dx.view(dy.shape), dw, None
+
+
 # ---------------------------------------------------------------------------------------
 # FixNorm [1, section 2.3; Nguyen & Chiang 2018]:  FixNorm(w) = w / ||w||  per embedding row
 #
@@ -170,9 +267,14 @@ class _RMSNormFunction(torch.autograd.Function):
 # the final ScaleNorm's g *is* eq. 6's learned g (a softmax temperature). model.py does
 # exactly that; this function is the row normalization.
 # ---------------------------------------------------------------------------------------
-def fixnorm(weight, eps=1e-12):
+def fixnorm_formula(weight, eps=1e-12):
     """l2-normalise each row of an embedding matrix (V, D): ||fixnorm(w)_v|| = 1."""
     return weight / torch.linalg.vector_norm(weight, dim=-1, keepdim=True).clamp_min(eps)
+
+
+def fixnorm(weight, eps=1e-12):
+    """fixnorm_formula(), computed as ScaleNorm with g = 1 (the fused kernel on the CPU)."""
+    return _scale_norm(_at_least_fp32(weight), weight.new_ones(()), eps).to(weight.dtype)
 
 
 # =======================================================================================
@@ -575,6 +677,12 @@ def benchmark(batch=64, length=64, d=512, heads=8, repeats=30, rounds=5):
     pad[: batch // 2, length - length // 8:] = True  # some padding, as in a real batch
     dy = torch.randn_like(x0)
     norms = {name: build_norm(name, d, heads=heads, warmup=1) for name in NORMS}
+    # the slower forms of the same equations, for comparison (the modules use the fused form on the CPU)
+    sn, rms = norms["scale"], norms["rms"]
+    norms["scale:formula"] = lambda x, pad: ScaleNorm.formula(x, sn.g, sn.eps)
+    norms["scale:written"] = lambda x, pad: _ScaleNormFunction.apply(x, sn.g, sn.eps)
+    norms["rms:formula"] = lambda x, pad: RMSNorm.formula(x, rms.weight, rms.eps)
+    norms["rms:written"] = lambda x, pad: _RMSNormFunction.apply(x, rms.weight, rms.eps)
     times = {name: [] for name in norms}
     for _ in range(rounds):
         for name, norm in norms.items():
@@ -609,4 +717,4 @@ if __name__ == "__main__":
     print(f"forward+backward on ({a.batch}, {a.length}, {a.d_model}) fp32, {torch.get_num_threads()} threads, "
           f"best of 5 rounds x 30:")
     for name, t in best.items():
-        print(f"  {name:12s} {t * 1e3:8.3f} ms   {t / best['layer']:5.2f} x LayerNorm")
+        print(f"  {name:14s} {t * 1e3:8.3f} ms   {t / best['layer']:5.2f} x LayerNorm")

@@ -288,3 +288,90 @@ def test_scalenorm_hand_written_backward_is_exact_in_the_clamped_region_too():
     y = norm(x)
     y.sum().backward()
     assert torch.allclose(x.grad[0, 1], torch.full((5,), norm.g.item() / 1e-5, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------
+# The fast paths. ScaleNorm, RMSNorm and FixNorm each have a readable form (formula(), the
+# equation under autograd), a written-out backward (the CUDA path) and a fused-kernel form
+# (the CPU path, PyTorch's weight-norm kernel). All must be the same function with the same
+# gradient, including the rows where eps matters and strided inputs.
+# ---------------------------------------------------------------------------------------
+from norms import (_FusedRMSNormFunction, _FusedScaleNormFunction, _RMSNormFunction,  # noqa: E402
+                   _ScaleNormFunction, fixnorm_formula)
+
+
+def hard_rows(shape=(2, 4, 6), seed=11, transpose=False):
+    """float64 activations with one zero token, one token of norm 1e-7 (< eps = 1e-5) and, if
+    transpose, a strided (non-contiguous) layout."""
+    torch.manual_seed(seed)
+    b, t, d = shape
+    x = torch.randn(b, d, t, dtype=torch.float64).transpose(1, 2) if transpose else \
+        torch.randn(b, t, d, dtype=torch.float64)
+    with torch.no_grad():
+        x[0, 1] = 0.0
+        x[1, 2] *= 1e-7 / x[1, 2].norm()
+    return x.requires_grad_(True)
+
+
+@pytest.mark.parametrize("fn", [_ScaleNormFunction, _FusedScaleNormFunction], ids=["written", "fused"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["contiguous", "strided"])
+def test_scalenorm_implementations_equal_formula_and_gradcheck(fn, transpose):
+    x = hard_rows(transpose=transpose)
+    g = torch.tensor(2.7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, g: fn.apply(x, g, 1e-5), (x, g))
+    dy = torch.randn_like(x)
+    y = fn.apply(x, g, 1e-5)
+    dx, dg = torch.autograd.grad(y, (x, g), dy)
+    yf = ScaleNorm.formula(x, g, 1e-5)
+    dxf, dgf = torch.autograd.grad(yf, (x, g), dy)
+    for a, b in [(y, yf), (dx, dxf), (dg, dgf)]:
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert torch.equal(y[0, 1], torch.zeros(6, dtype=torch.float64))  # zero row: 0, not 0/0
+
+
+@pytest.mark.parametrize("fn", [_RMSNormFunction, _FusedRMSNormFunction], ids=["written", "fused"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["contiguous", "strided"])
+def test_rmsnorm_implementations_equal_formula_and_gradcheck(fn, transpose):
+    x = hard_rows(transpose=transpose)
+    w = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    eps = 1e-3  # large enough that its place (inside the sqrt) shows in the values
+    assert torch.autograd.gradcheck(lambda x, w: fn.apply(x, w, eps), (x, w))
+    dy = torch.randn_like(x)
+    y = fn.apply(x, w, eps)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    yf = RMSNorm.formula(x, w, eps)
+    dxf, dwf = torch.autograd.grad(yf, (x, w), dy)
+    for a, b in [(y, yf), (dx, dxf), (dw, dwf)]:
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_fixnorm_equals_its_formula_with_gradient():
+    torch.manual_seed(12)
+    w = torch.randn(7, 6, dtype=torch.float64)
+    with torch.no_grad():
+        w[3] = 0.0  # a zero row: stays 0 (eps clamp), not NaN
+    w.requires_grad_(True)
+    dy = torch.randn(7, 6, dtype=torch.float64)
+    y, yf = fixnorm(w), fixnorm_formula(w)
+    torch.testing.assert_close(y, yf, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(y, w, dy)[0], torch.autograd.grad(yf, w, dy)[0],
+                               rtol=1e-12, atol=1e-12)
+    # finite differences of step 1e-6 leave the clamp region of eps = 1e-12: check off zero
+    assert torch.autograd.gradcheck(fixnorm, (w.detach()[:3].clone().requires_grad_(True),))
+
+
+def test_fused_paths_in_float32_match_float64_formula():
+    """The fused kernels in the training dtype: fp32 results within fp32 rounding of the
+    float64 equation (ScaleNorm and RMSNorm, forward and input gradient)."""
+    x64 = hard_rows((8, 16, 64), seed=13)
+    dy = torch.randn_like(x64)
+    w = torch.randn(64, dtype=torch.float64)
+    for fn, formula, p in [(_FusedScaleNormFunction, ScaleNorm.formula, torch.tensor(8.0, dtype=torch.float64)),
+                           (_FusedRMSNormFunction, RMSNorm.formula, w)]:
+        x32 = x64.detach().float().requires_grad_(True)
+        y32 = fn.apply(x32, p.float(), 1e-5)
+        (dx32,) = torch.autograd.grad(y32, x32, dy.float())
+        y = formula(x64, p, 1e-5)
+        (dx,) = torch.autograd.grad(y, x64, dy)
+        torch.testing.assert_close(y32.double(), y, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dx32.double(), dx, rtol=1e-4, atol=1e-3)
