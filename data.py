@@ -1,65 +1,34 @@
-"""Data for the translation experiments: corpus, subwords, batches, word dropout.
+"""data.py -- chapter 3: corpus, subwords, batches, word dropout.
 
-What this file covers, in reading order:
-  1. a built-in synthetic language pair (no download) that needs what real
-     translation needs: reordering, agreement, a long tail of rare words;
-  2. reading a user's parallel corpus DIR/{train,dev,test}.{src,tgt} with
-     one-line error messages that name the file and line;
-  3. joint BPE with sentencepiece and a small Tokenizer wrapper;
-  4. encoding (with an optional on-disk cache);
-  5. the target-vocabulary mask of Transformers without Tears [1];
-  6. token-budget batching with length buckets, and `collate` into tensors;
-  7. word dropout [1, 3];
-  8. the sequence-length statistic L that initialises QKNorm's g [2];
-  9. `python data.py prepare NAME`: download and check the papers' corpora
-     (CORPORA: en-vi, gl-en, sk-en, ar-en, en-he, de-en) into data/NAME/.
+Reading order: norms.py -> model.py -> data.py -> decode.py -> train.py.
+Run ``python data.py`` to build the built-in corpus (data/toy/) and print a summary of it;
+``python data.py prepare NAME`` downloads and checks one of the papers' corpora.
 
-Run `python data.py` to build the toy corpus (under data/toy/) and print a
-summary of it.  Offline, pass a downloaded copy: `python data.py prepare
-en-vi --url /path/to/folder` (or set NMT_DATA_MIRROR to a folder or URL that
-holds the source files under their original names).
+Contents
+  1. Reading a parallel corpus DIR/{train,dev,test}.{SRC,TGT}, with one-line errors that name
+     the file and line (the project's one line reader)
+  2. Joint BPE with sentencepiece, and a small Tokenizer
+  3. Encoding, with an on-disk cache
+  4. The target-vocabulary mask of [1]
+  5. Token-budget batches with length buckets, and collate (the project's one batcher)
+  6. Word dropout [1, 3]
+  7. QKNorm's length statistic L and g0 [2]
+  8. Writing files atomically (the project's one atomic writer)
+  Appendix A: the built-in corpus, a synthetic language pair (no download)
+  Appendix B: the papers' corpora: python data.py prepare NAME (download, check, lay out)
 
-Shapes: B = sentences in a batch, S = source length, T = target length (after
-the BOS/EOS shift), V = vocabulary size.
+Shapes: B sentences in a batch, S source length, T target length (after the BOS/EOS shift).
 
-References
-  [1] Nguyen & Salazar 2019, "Transformers without Tears: Improving the
-      Normalization of Self-Attention" (appendix A: word dropout, vocabulary
-      masking, 4k-token batches).
-  [2] Henry et al. 2020, "Query-Key Normalization for Transformers" (eq. 3:
-      g0 = log2(L^2 - L), L the 97.5th percentile of training lengths).
-  [3] Sennrich, Haddow & Birch 2016, "Edinburgh Neural Machine Translation
-      Systems for WMT 16" (word dropout).
-
-The toy language pair ("src" -> "tgt")
-  The source is English-like (subject-verb-object, determiners and adjectives
-  before the noun, prepositions, relative clauses with "that", "and" between
-  clauses, time adverbs at the end).  The target is an invented language that
-  is a deterministic function of the source:
-    - word order: the verb goes last (SOV), a sentence-level place phrase moves
-      right after the subject, time adverbs move to the front; inside a noun
-      phrase everything is mirrored: noun, adjectives (reversed), determiner;
-      prepositions become postpositions; a relative clause stays after its
-      noun but is verb-final too ("that sees the cat" -> "ke <cat>-k <see>");
-    - morphology: nouns take plural "-li" and accusative "-k"/"-ek";
-      adjectives agree in number ("-n"); verbs take tense ("-ta" past, "-su"
-      future) and a person/number suffix ("-m", "-s", "", "-mos", "-n");
-      "a"/"an" disappears, negation "does not" becomes "ma" before the verb;
-    - vocabulary: 243 nouns, 57 verbs and 47 adjectives drawn with Zipf
-      frequencies, plus 3000 invented proper names drawn with a very long Zipf
-      tail (most occur once or never in training).  Names are transliterated
-      letter by letter (c,q->k  w->v  y->i  j->y  x->ks), so the model has to
-      learn to copy and rewrite subword pieces it may never have seen whole.
-  Example pair (seed 1, line 83 of train.src / train.tgt):
-    src: the green man that likes us will not take Thullockmeyth beside a table .
-    tgt: mibiso pida na ke nosek riko neto kana Thullokkmeithek ma pavisu .
-  gloss: man green the | that us-ACC like | table beside |
-         Thullockmeyth-ACC | NEG take-FUT .
+  [1] Nguyen & Salazar 2019, Transformers without Tears (appendix A: word dropout,
+      vocabulary masking, 4k-token batches).
+  [2] Henry et al. 2020, Query-Key Normalization for Transformers (eq. 3: g0 = log2(L^2 - L),
+      L the 97.5th percentile of training lengths).
+  [3] Sennrich, Haddow & Birch 2016, Edinburgh Neural Machine Translation Systems for WMT 16.
 """
-
-from __future__ import annotations
-
+import argparse
 import hashlib
+import http.client
+import io
 import itertools
 import json
 import math
@@ -67,26 +36,400 @@ import os
 import random
 import re
 import sys
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import sentencepiece as spm
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-# Special ids.  sentencepiece is trained with exactly these (see train_bpe), so
-# the same numbers hold for every corpus.
-PAD, UNK, BOS, EOS = 0, 1, 2, 3
+from model import BOS, EOS, PAD, UNK
 
 SPLITS = ("train", "dev", "test")
 
 
 class DataError(ValueError):
-    """A problem with the input data; the message is one line naming the file."""
+    """A problem with an input file or value; the message is one line naming the file (and line)."""
 
 
-# ---------------------------------------------------------------------------
-# 1. The built-in toy corpus
-# ---------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------
+# 1. Reading a parallel corpus
+# ---------------------------------------------------------------------------------------
+def corpus_paths(data_dir, src, tgt):
+    """{split: (DIR/split.src, DIR/split.tgt)}, e.g. DIR/train.en, DIR/train.de."""
+    d = Path(data_dir)
+    return {s: (d / f"{s}.{src}", d / f"{s}.{tgt}") for s in SPLITS}
 
+
+def split_lines(raw, name):
+    """UTF-8 bytes -> stripped lines, split on "\\n" only; DataError naming `name` and the line.
+
+    Note: str.splitlines() would also split on \\x0b, \\x1c, U+2028 ..., which would silently
+    break the line alignment of a parallel corpus.
+    """
+    lines, offset = raw.split(b"\n"), 0
+    if lines and lines[-1] == b"":
+        lines.pop()  # the final newline does not start another line
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(line.decode("utf-8").strip())
+        except UnicodeDecodeError as e:
+            raise DataError(f"{name}: line {i + 1}: invalid UTF-8 byte 0x{line[e.start]:02x} at byte offset "
+                            f"{offset + e.start} (convert it with e.g. iconv -f latin1 -t utf-8)") from None
+        offset += len(line) + 1
+    return out
+
+
+def read_lines(path):
+    """The stripped lines of a UTF-8 text file; DataError (one line, naming the file) if unreadable."""
+    path = Path(path)
+    try:
+        return split_lines(path.read_bytes(), path)
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or type(e).__name__})") from None
+
+
+def read_parallel(src_path, tgt_path, max_len=None, drop_empty=True):
+    """Aligned files -> (pairs [(src_line, tgt_line)], stats {"lines", "empty", "long", "kept"}).
+
+    A pair with an empty side is dropped and counted in stats["empty"], on every split: an empty
+    source has nothing to translate and an empty reference cannot be scored, so BLEU on dev/test
+    is over the kept pairs (the caller prints the count). drop_empty=False keeps them. max_len
+    (whitespace words, either side) drops long pairs, counted in stats["long"]. DataError if a
+    file is missing, the files disagree, or nothing is left.
+    """
+    for p in (src_path, tgt_path):
+        if not Path(p).is_file():
+            raise DataError(f"{p}: file not found (a corpus directory holds {{train,dev,test}}.LANG, one "
+                            f"sentence per line, e.g. train.en and train.de aligned line by line)")
+    src_lines, tgt_lines = read_lines(src_path), read_lines(tgt_path)
+    if len(src_lines) != len(tgt_lines):
+        raise DataError(f"{src_path} has {len(src_lines)} lines but {tgt_path} has {len(tgt_lines)}; "
+                        f"the two sides must be aligned line by line")
+    pairs, n_empty, n_long = [], 0, 0
+    for s, t in zip(src_lines, tgt_lines):
+        if not s or not t:
+            n_empty += 1
+            if drop_empty:
+                continue
+        if max_len is not None and max(len(s.split()), len(t.split())) > max_len:
+            n_long += 1
+            continue
+        pairs.append((s, t))
+    if not pairs:
+        raise DataError(f"{src_path} / {tgt_path}: no usable sentence pairs ({len(src_lines)} lines, "
+                        f"{n_empty} with an empty side, {n_long} longer than max_len={max_len})")
+    return pairs, {"lines": len(src_lines), "empty": n_empty, "long": n_long, "kept": len(pairs)}
+
+
+# ---------------------------------------------------------------------------------------
+# 2. Joint BPE (sentencepiece)
+# ---------------------------------------------------------------------------------------
+def train_bpe(src_lines, tgt_lines, vocab_size, model_prefix):
+    """Trains one BPE model on source + target training text; returns the .model path.
+
+    Paper: [1] uses joint BPE (fastBPE, 8000 merges); one vocabulary lets the source embedding,
+    target embedding and output layer be one matrix. Note: we use sentencepiece BPE with
+    vocab_size pieces instead of a number of merges, and the "identity" normalization, so
+    decode(encode(s)) == s and BLEU compares the output with the untouched reference text.
+    If the corpus is too small for vocab_size, the largest possible size is used instead, with
+    a message on stderr.
+    """
+    model_prefix = Path(model_prefix)
+    model_prefix.parent.mkdir(parents=True, exist_ok=True)
+    lines = [l for l in list(src_lines) + list(tgt_lines) if l]
+
+    def train(v):
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_prefix=str(model_prefix), vocab_size=v, model_type="bpe",
+            character_coverage=1.0, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+            normalization_rule_name="identity",
+            # Deterministic: read every sentence (0 = no limit), in order, no sampling.
+            input_sentence_size=0, shuffle_input_sentence=False, max_sentence_length=1 << 16,
+            num_threads=min(4, os.cpu_count() or 1), minloglevel=2)  # quiet
+
+    try:
+        train(vocab_size)
+    except RuntimeError as e:
+        m = re.search(r"Vocabulary size too high \((\d+)\).*<= (\d+)", str(e))
+        if not m:
+            raise
+        print(f"note: vocab_size {vocab_size} is too large for this corpus; using {m.group(2)}", file=sys.stderr)
+        train(int(m.group(2)))
+    return str(model_prefix) + ".model"
+
+
+class Tokenizer:
+    """A thin wrapper around a sentencepiece model (a file, or its bytes) with our special ids."""
+
+    def __init__(self, model_path=None, model_proto=None):
+        self.sp = spm.SentencePieceProcessor(model_file=str(model_path)) if model_proto is None else \
+            spm.SentencePieceProcessor(model_proto=bytes(model_proto))
+        self.model_path = str(model_path)
+        self.vocab_size = self.sp.get_piece_size()
+        if (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id()) != (PAD, UNK, BOS, EOS):
+            raise DataError(f"{model_path}: a sentencepiece model not made by data.train_bpe (other special ids)")
+
+    def encode(self, text):
+        """str -> [ids], without BOS/EOS. A list of str gives a list of lists (C++ threads)."""
+        return self.sp.encode(text, out_type=int, num_threads=os.cpu_count() or 1)
+
+    def decode(self, ids):
+        """[ids] -> str: stops at the first EOS, skips PAD and BOS."""
+        out = []
+        for i in (ids.tolist() if torch.is_tensor(ids) else ids):
+            if i == EOS:
+                break
+            if i not in (PAD, BOS):
+                out.append(int(i))
+        return self.sp.decode(out)
+
+    def piece(self, i):
+        return self.sp.id_to_piece(int(i))
+
+
+# ---------------------------------------------------------------------------------------
+# 3. Encoding, with a cache
+# ---------------------------------------------------------------------------------------
+def encode_pairs(tok, pairs):
+    """[(src, tgt)] -> [([src ids], [tgt ids])], no BOS/EOS (collate adds them)."""
+    return list(zip(tok.encode([p[0] for p in pairs]), tok.encode([p[1] for p in pairs])))
+
+
+def load_or_encode(tok, pairs, cache_path):
+    """encode_pairs, cached in cache_path keyed by the BPE model and the text: a repeated or
+    resumed run loads the ids; anything different encodes again and overwrites the cache."""
+    h = hashlib.sha256(Path(tok.model_path).read_bytes())
+    for s, t in pairs:
+        h.update(s.encode("utf-8") + b"\t" + t.encode("utf-8") + b"\n")
+    key, cache_path = h.hexdigest(), Path(cache_path)
+    if cache_path.exists():
+        try:
+            blob = torch.load(cache_path, weights_only=True)
+            if blob["key"] == key:
+                split = lambda side: [t.tolist() for t in torch.split(blob[side], blob[side + "_len"].tolist())]
+                return list(zip(split("src"), split("tgt")))
+        except Exception:  # an unreadable or old cache: encode again
+            pass
+    enc = encode_pairs(tok, pairs)
+    blob = {"key": key}
+    for side, seqs in (("src", [e[0] for e in enc]), ("tgt", [e[1] for e in enc])):  # ragged -> flat + lengths
+        blob[side] = torch.tensor([i for s in seqs for i in s], dtype=torch.int32)
+        blob[side + "_len"] = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+    atomic_write(cache_path, blob)
+    return enc
+
+
+def filter_long(encoded_pairs, max_len):
+    """Drops pairs with more than max_len BPE tokens on either side: (kept, n_dropped).
+    Note: for training data only; dropping dev or test sentences would change what BLEU is on."""
+    if max_len is None:
+        return list(encoded_pairs), 0
+    kept = [(x, y) for x, y in encoded_pairs if len(x) <= max_len and len(y) <= max_len]
+    return kept, len(encoded_pairs) - len(kept)
+
+
+# ---------------------------------------------------------------------------------------
+# 4. The target vocabulary mask
+# ---------------------------------------------------------------------------------------
+def target_vocab_mask(encoded_tgt_seqs, vocab_size):
+    """(V,) bool, True where the decoder may output that id.
+
+    Paper: [1] appendix A: the embeddings are shared, "but we mask out words that are not in
+    the target's vocabulary at the final output layer before softmax, by setting their logits
+    to -inf". Note: as in the authors' code, the target vocabulary is UNK, EOS and every id seen
+    in the BPE'd target training data; PAD and BOS are never outputs.
+    """
+    mask = torch.zeros(vocab_size, dtype=torch.bool)  # (V,)
+    for seq in encoded_tgt_seqs:
+        mask[torch.as_tensor(seq, dtype=torch.long)] = True
+    mask[UNK] = mask[EOS] = True
+    mask[PAD] = mask[BOS] = False
+    return mask
+
+
+# ---------------------------------------------------------------------------------------
+# 5. Batches by tokens, and collate
+# ---------------------------------------------------------------------------------------
+def _lengths(encoded_pairs):
+    return [(len(x), len(y) + 1) for x, y in encoded_pairs]  # the decoder reads BOS + y: T = len(y) + 1
+
+
+def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
+    """Groups example indices into batches of at most batch_tokens; a list of lists.
+
+    Cost of a batch = B * max(S, T), "sentences x the longer side's padded length" as in the
+    authors' code (REFERENCE.md); a single pair longer than batch_tokens gets a batch of its own.
+    Examples are sorted by (longer side, source length, target length), so that a batch holds
+    similar lengths and little padding, then cut greedily. Note: sorting by the longer side
+    first, the quantity the budget counts, packs tighter than by (source, target): padding falls
+    from 6.0% to 3.9% at 4096 tokens on the built-in corpus. With shuffle, equal lengths are
+    tie-broken at random and the batch order is shuffled, both from (seed, epoch) only, so an
+    epoch can be replayed exactly; without, the sorted order (for evaluation and translation:
+    pairs with an empty target batch by source length alone).
+    """
+    lens = _lengths(encoded_pairs)
+    rng = random.Random(seed * 1000003 + epoch)
+    tie = [rng.random() for _ in lens] if shuffle else list(range(len(lens)))
+    order = sorted(range(len(lens)), key=lambda i: (max(lens[i]), *lens[i], tie[i]))
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        m = max(cur_max, *lens[i])
+        if cur and (len(cur) + 1) * m > batch_tokens:
+            batches.append(cur)
+            cur, m = [], max(lens[i])
+        cur.append(i)
+        cur_max = m
+    if cur:
+        batches.append(cur)
+    if shuffle:
+        rng.shuffle(batches)
+    return batches
+
+
+def padding_share(encoded_pairs, batches):
+    """Fraction of padded positions in src + tgt over all batches."""
+    lens = _lengths(encoded_pairs)
+    real = padded = 0
+    for b in batches:
+        S, T = max(lens[i][0] for i in b), max(lens[i][1] for i in b)
+        real += sum(lens[i][0] + lens[i][1] for i in b)
+        padded += len(b) * (S + T)
+    return 1.0 - real / padded if padded else 0.0
+
+
+@dataclass
+class Batch:
+    """One padded batch, batch-first; made by collate."""
+
+    src: torch.Tensor  # (B, S) source ids, PAD-padded, no BOS/EOS
+    tgt_in: torch.Tensor  # (B, T) [BOS] + y, the decoder's input
+    tgt_out: torch.Tensor  # (B, T) y + [EOS], what it must predict
+    n_src: int  # non-pad source tokens
+    n_tgt: int  # non-pad target tokens (= tokens in the loss)
+    idx: list  # example indices, to put outputs back in order
+
+
+def collate(encoded_pairs, idx, device=None):
+    """Pads the examples idx into a Batch (on device, if given)."""
+    xs, ys = [encoded_pairs[i][0] for i in idx], [encoded_pairs[i][1] for i in idx]
+    S, T = max(len(x) for x in xs), max(len(y) for y in ys) + 1
+    # Decoder input and output are the same target, shifted by one position:
+    #   tgt_in  = BOS y1 ... yn        tgt_out = y1 ... yn EOS
+    tensors = [torch.tensor([x + [PAD] * (S - len(x)) for x in xs]),  # (B, S)
+               torch.tensor([[BOS] + y + [PAD] * (T - 1 - len(y)) for y in ys]),  # (B, T)
+               torch.tensor([y + [EOS] + [PAD] * (T - 1 - len(y)) for y in ys])]  # (B, T)
+    if device is not None and torch.device(device).type == "cuda":  # pinned host memory: the copy
+        tensors = [t.pin_memory().to(device, non_blocking=True) for t in tensors]  # overlaps the last step
+    elif device is not None:
+        tensors = [t.to(device) for t in tensors]
+    return Batch(*tensors, n_src=sum(len(x) for x in xs), n_tgt=sum(len(y) + 1 for y in ys), idx=list(idx))
+
+
+# ---------------------------------------------------------------------------------------
+# 6. Word dropout
+# ---------------------------------------------------------------------------------------
+def word_dropout(x, p, generator=None):
+    """A copy of x where each non-PAD token is replaced by UNK with probability p.
+
+    Paper: [1] appendix A: "we also do word dropout (Sennrich et al., 2016a) with probability
+    0.1. However, instead of zeroing the word embeddings, we randomly replace tokens with UNK."
+    Training only, on src and tgt_in, never on tgt_out (the labels). Note: like the authors'
+    code, BOS in tgt_in can be dropped too. Unlike it, we never write into x: their in-place
+    version corrupted cached batches (the UNK rate grew every epoch).
+    """
+    if p <= 0:
+        return x.clone()
+    drop = torch.rand(x.shape, generator=generator, device=x.device) < p  # same shape as x
+    return x.masked_fill(drop & (x != PAD), UNK)
+
+
+# ---------------------------------------------------------------------------------------
+# 7. QKNorm's length statistic
+# ---------------------------------------------------------------------------------------
+def length_percentile(encoded_pairs, q=97.5, count_bos_eos=False):
+    """The q-th percentile of training lengths in BPE tokens (QKNorm's L).
+
+    Paper: [2] eq. 3, "L is the 97.5th percentile sequence length across all training data
+    sequences for source and target". Note: we pool source and target lengths into one list
+    (the paper does not say how; the authors hard-coded L per language pair) and interpolate
+    linearly like numpy.percentile. BOS/EOS are not counted unless count_bos_eos (then the
+    +1 the decoder sees, T = len(y) + 1).
+    """
+    extra = 1 if count_bos_eos else 0
+    lens = [len(x) for x, _ in encoded_pairs] + [len(y) + extra for _, y in encoded_pairs]
+    if not lens:
+        raise ValueError("length_percentile: no sequences")
+    return torch.quantile(torch.tensor(lens, dtype=torch.float64), q / 100.0).item()
+
+
+def qk_g0(L):
+    """QKNorm's initial scale g0 = log2(L^2 - L) ([2] eq. 3); e.g. L=72 -> 12.32."""
+    if not L >= 2:  # Note: L^2 - L = 2 at L = 2 (g0 = 1); below, g0 falls to 0 and then is negative
+        raise ValueError(f"qk_g0 needs a length L >= 2, got {L}")
+    return math.log2(L * L - L)  # L^2 - L = number of off-diagonal entries of the L x L matrix QK^T
+
+
+# ---------------------------------------------------------------------------------------
+# 8. Writing files atomically: a temporary file with a unique name in the same folder, flushed
+# to disk, then renamed over the target. A kill at any moment leaves the old file or the new
+# one, never half of one, and two processes never share a temporary file.
+# ---------------------------------------------------------------------------------------
+def atomic_write(path, content):
+    """Write content to path atomically: str (UTF-8), bytes, or any object for torch.save."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(content, str):
+                f.write(content.encode("utf-8"))
+            elif isinstance(content, (bytes, bytearray)):
+                f.write(content)
+            else:
+                torch.save(content, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# =======================================================================================
+# Appendix A: the built-in corpus, a synthetic language pair ("src" -> "tgt") that needs what
+# real translation needs: reordering, agreement, a long tail of rare words. No download.
+#
+#   The source is English-like (subject-verb-object, determiners and adjectives before the
+#   noun, prepositions, relative clauses with "that", "and" between clauses, time adverbs at
+#   the end). The target is an invented language that is a deterministic function of it:
+#   - word order: the verb goes last (SOV), a sentence-level place phrase moves right after
+#     the subject, time adverbs move to the front; inside a noun phrase everything is mirrored:
+#     noun, adjectives (reversed), determiner; prepositions become postpositions; a relative
+#     clause stays after its noun but is verb-final too ("that sees the cat" -> "ke <cat>-k <see>");
+#   - morphology: nouns take plural "-li" and accusative "-k"/"-ek"; adjectives agree in number
+#     ("-n"); verbs take tense ("-ta" past, "-su" future) and a person/number suffix ("-m",
+#     "-s", "", "-mos", "-n"); "a"/"an" disappears, negation "does not" becomes "ma";
+#   - vocabulary: 243 nouns, 57 verbs and 47 adjectives drawn with Zipf frequencies, plus 3000
+#     invented proper names with a very long Zipf tail (most occur once or never in training).
+#     Names are transliterated letter by letter (c,q->k  w->v  y->i  j->y  x->ks), so the model
+#     must learn to copy and rewrite subword pieces it may never have seen whole.
+#   Example pair (seed 1, line 83 of train.src / train.tgt):
+#     src: the green man that likes us will not take Thullockmeyth beside a table .
+#     tgt: mibiso pida na ke nosek riko neto kana Thullokkmeithek ma pavisu .
+#     gloss: man green the | that us-ACC like | table beside | Thullockmeyth-ACC | NEG take-FUT .
+# =======================================================================================
 # Bump when the generator changes, so old data/toy/ files get rebuilt.
 TOY_VERSION = 2
 
@@ -376,11 +719,6 @@ class _ToyGrammar:
         return " ".join(src + ["."]), " ".join(tgt + ["."])
 
 
-def _write_atomic(path, text):
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)  # readers never see a half-written file
-
 
 def make_toy_corpus(out_dir, seed=1, n_train=20000, n_dev=500, n_test=500):
     """Writes {train,dev,test}.{src,tgt} into out_dir; returns out_dir (a Path).
@@ -413,9 +751,9 @@ def make_toy_corpus(out_dir, seed=1, n_train=20000, n_dev=500, n_test=500):
     stamp_path.unlink(missing_ok=True)  # the stamp is written last
     for split, (a, b) in bounds.items():
         for side, lang in ((0, "src"), (1, "tgt")):
-            _write_atomic(out_dir / f"{split}.{lang}",
+            atomic_write(out_dir / f"{split}.{lang}",
                           "".join(p[side] + "\n" for p in pairs[a:b]))
-    _write_atomic(stamp_path, json.dumps(stamp) + "\n")
+    atomic_write(stamp_path, json.dumps(stamp) + "\n")
     return out_dir
 
 
@@ -429,389 +767,9 @@ def ensure_toy_corpus():
     return make_toy_corpus(toy_corpus_dir())
 
 
-# ---------------------------------------------------------------------------
-# 2. Reading a parallel corpus
-# ---------------------------------------------------------------------------
-
-def corpus_paths(data_dir, src, tgt):
-    """{split: (DIR/split.src, DIR/split.tgt)}, e.g. DIR/train.en, DIR/train.de."""
-    d = Path(data_dir)
-    return {s: (d / f"{s}.{src}", d / f"{s}.{tgt}") for s in SPLITS}
-
-
-def _read_lines(path):
-    """Lines of a UTF-8 file, split on "\\n" only, each stripped."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(
-            f"{path}: file not found (a corpus directory holds "
-            f"{{train,dev,test}}.LANG, one sentence per line, e.g. "
-            f"train.en and train.de aligned line by line)")
-    data = path.read_bytes()
-    # Note: split on b"\n" only.  str.splitlines() would also split on \x0b,
-    # \x1c, U+2028 ... which would silently break the line alignment.
-    raw = data.split(b"\n")
-    if raw and raw[-1] == b"":
-        raw.pop()  # the final newline does not start another line
-    lines, offset = [], 0
-    for i, line in enumerate(raw):
-        try:
-            lines.append(line.decode("utf-8").strip())
-        except UnicodeDecodeError as e:
-            raise DataError(
-                f"{path}: line {i + 1}: invalid UTF-8 byte 0x{line[e.start]:02x} "
-                f"at byte offset {offset + e.start} of the file "
-                f"(convert it with e.g. iconv -f latin1 -t utf-8)") from None
-        offset += len(line) + 1
-    return lines
-
-
-def read_parallel(src_path, tgt_path, max_len=None, drop_empty=True):
-    """Reads aligned files -> (pairs, stats).
-
-    pairs: [(src_line, tgt_line)], stripped.  stats: {"lines", "empty", "long",
-    "kept"}.  A pair with an empty side is dropped and counted in
-    stats["empty"], on every split: an empty source has nothing to translate
-    and an empty reference cannot be scored.  BLEU on dev/test is therefore
-    over the kept pairs; the caller prints the count.  drop_empty=False keeps
-    them (for translating a file whose output must stay line-aligned).
-    max_len (whitespace words, either side) drops long pairs, counted in
-    stats["long"].  Raises DataError if the files disagree or nothing is left.
-    """
-    src_lines, tgt_lines = _read_lines(src_path), _read_lines(tgt_path)
-    if len(src_lines) != len(tgt_lines):
-        raise DataError(
-            f"{src_path} has {len(src_lines)} lines but {tgt_path} has "
-            f"{len(tgt_lines)}; the two sides must be aligned line by line")
-    pairs, n_empty, n_long = [], 0, 0
-    for s, t in zip(src_lines, tgt_lines):
-        if not s or not t:
-            n_empty += 1
-            if drop_empty:
-                continue
-        if max_len is not None and max(len(s.split()), len(t.split())) > max_len:
-            n_long += 1
-            continue
-        pairs.append((s, t))
-    stats = {"lines": len(src_lines), "empty": n_empty, "long": n_long,
-             "kept": len(pairs)}
-    if not pairs:
-        raise DataError(
-            f"{src_path} / {tgt_path}: no usable sentence pairs "
-            f"({len(src_lines)} lines, {n_empty} with an empty side, "
-            f"{n_long} longer than max_len={max_len})")
-    return pairs, stats
-
-
-# ---------------------------------------------------------------------------
-# 3. Joint BPE (sentencepiece)
-# ---------------------------------------------------------------------------
-
-def train_bpe(src_lines, tgt_lines, vocab_size, model_prefix):
-    """Trains one BPE model on source + target training text; returns the path.
-
-    Paper: [1] uses joint BPE (fastBPE, 8000 merges); one vocabulary lets the
-    source embedding, target embedding and output layer be one matrix.
-    Note: we use sentencepiece BPE with vocab_size pieces instead of a number
-    of merges, and the "identity" normalization, so decode(encode(s)) == s and
-    BLEU compares the model's output with the untouched reference text.
-    If the corpus is too small for vocab_size, the largest possible size is
-    used instead, with a message on stderr.
-    """
-    import sentencepiece as spm
-
-    model_prefix = Path(model_prefix)
-    model_prefix.parent.mkdir(parents=True, exist_ok=True)
-    lines = [l for l in list(src_lines) + list(tgt_lines) if l]
-
-    def train(v):
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines), model_prefix=str(model_prefix),
-            vocab_size=v, model_type="bpe", character_coverage=1.0,
-            pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
-            normalization_rule_name="identity",
-            # Deterministic: read every sentence (0 = no limit), in order, no sampling.
-            input_sentence_size=0, shuffle_input_sentence=False,
-            max_sentence_length=1 << 16, num_threads=min(4, os.cpu_count() or 1),
-            minloglevel=2)  # quiet
-
-    try:
-        train(vocab_size)
-    except RuntimeError as e:
-        m = re.search(r"Vocabulary size too high \((\d+)\).*<= (\d+)", str(e))
-        if not m:
-            raise
-        print(f"note: vocab_size {vocab_size} is too large for this corpus; "
-              f"using {m.group(2)}", file=sys.stderr)
-        train(int(m.group(2)))
-    return str(model_prefix) + ".model"
-
-
-class Tokenizer:
-    """A thin wrapper around a sentencepiece model with our special ids."""
-
-    def __init__(self, model_path):
-        import sentencepiece as spm
-
-        self.model_path = str(model_path)
-        self.sp = spm.SentencePieceProcessor(model_file=self.model_path)
-        self.vocab_size = self.sp.get_piece_size()
-        self.pad, self.unk, self.bos, self.eos = PAD, UNK, BOS, EOS
-        assert (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(),
-                self.sp.eos_id()) == (PAD, UNK, BOS, EOS), "not trained by train_bpe"
-
-    def encode(self, text):
-        """str -> [ids], without BOS/EOS.  A list of str gives a list of lists."""
-        return self.sp.encode(text, out_type=int, num_threads=os.cpu_count() or 1)
-
-    def decode(self, ids):
-        """[ids] -> str: stops at the first EOS, skips PAD and BOS."""
-        out = []
-        for i in (ids.tolist() if torch.is_tensor(ids) else ids):
-            if i == EOS:
-                break
-            if i not in (PAD, BOS):
-                out.append(int(i))
-        return self.sp.decode(out)
-
-    def piece(self, i):
-        return self.sp.id_to_piece(int(i))
-
-
-# ---------------------------------------------------------------------------
-# 4. Encoding, with an optional cache
-# ---------------------------------------------------------------------------
-
-def encode_pairs(tok, pairs):
-    """[(src, tgt)] -> [([src ids], [tgt ids])], no BOS/EOS (collate adds them)."""
-    # sentencepiece encodes a whole list in C++ threads: ~50x faster than a loop.
-    src = tok.encode([p[0] for p in pairs])
-    tgt = tok.encode([p[1] for p in pairs])
-    return list(zip(src, tgt))
-
-
-def _flatten(seqs):  # ragged lists -> one int32 tensor + lengths (fast to save)
-    lens = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
-    flat = torch.tensor([i for s in seqs for i in s], dtype=torch.int32)
-    return flat, lens
-
-
-def _unflatten(flat, lens):
-    return [t.tolist() for t in torch.split(flat, lens.tolist())]
-
-
-def load_or_encode(tok, pairs, cache_path):
-    """encode_pairs, cached in cache_path keyed by the BPE model and the text.
-
-    A repeated or resumed run with the same model file and corpus loads the
-    ids instead of encoding again; anything different re-encodes and
-    overwrites the cache.
-    """
-    h = hashlib.sha256(Path(tok.model_path).read_bytes())
-    for s, t in pairs:
-        h.update(s.encode("utf-8") + b"\t" + t.encode("utf-8") + b"\n")
-    key = h.hexdigest()
-    cache_path = Path(cache_path)
-    if cache_path.exists():
-        try:
-            blob = torch.load(cache_path, weights_only=True)
-            if blob["key"] == key:
-                return list(zip(_unflatten(blob["src"], blob["src_len"]),
-                                _unflatten(blob["tgt"], blob["tgt_len"])))
-        except Exception:  # unreadable or old cache: encode again
-            pass
-    enc = encode_pairs(tok, pairs)
-    src, src_len = _flatten([e[0] for e in enc])
-    tgt, tgt_len = _flatten([e[1] for e in enc])
-    cache_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_path.with_name(f"{cache_path.name}.{os.getpid()}.tmp")
-    torch.save({"key": key, "src": src, "src_len": src_len, "tgt": tgt,
-                "tgt_len": tgt_len}, tmp)
-    os.replace(tmp, cache_path)
-    return enc
-
-
-def filter_long(encoded_pairs, max_len):
-    """Drops pairs with more than max_len BPE tokens on either side.
-
-    Returns (kept, n_dropped) so the caller can say how many went; max_len
-    None keeps everything.  Note: use it on training data only; dropping dev
-    or test sentences would change what BLEU is computed on.
-    """
-    if max_len is None:
-        return list(encoded_pairs), 0
-    kept = [(x, y) for x, y in encoded_pairs if len(x) <= max_len and len(y) <= max_len]
-    return kept, len(encoded_pairs) - len(kept)
-
-
-# ---------------------------------------------------------------------------
-# 5. Target vocabulary mask
-# ---------------------------------------------------------------------------
-
-def target_vocab_mask(encoded_tgt_seqs, vocab_size):
-    """(V,) bool, True where the decoder may output that id.
-
-    Paper: [1] appendix A: the embeddings are shared, "but we mask out words
-    that are not in the target's vocabulary at the final output layer before
-    softmax, by setting their logits to -inf".
-    Note: as in the authors' code, the target vocabulary is UNK, EOS and every
-    id seen in the BPE'd target training data; PAD and BOS are never outputs.
-    """
-    mask = torch.zeros(vocab_size, dtype=torch.bool)  # (V,)
-    for seq in encoded_tgt_seqs:
-        mask[torch.as_tensor(seq, dtype=torch.long)] = True
-    mask[UNK] = mask[EOS] = True
-    mask[PAD] = mask[BOS] = False
-    return mask
-
-
-# ---------------------------------------------------------------------------
-# 6. Batching by tokens, and collate
-# ---------------------------------------------------------------------------
-
-def _lengths(encoded_pairs):
-    # The decoder reads BOS + y and predicts y + EOS: T = len(y) + 1.
-    return [(len(x), len(y) + 1) for x, y in encoded_pairs]
-
-
-def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
-    """Groups example indices into batches of at most batch_tokens; a list of lists.
-
-    Cost of a batch = B * max(S, T), "sentences x the longer side's padded
-    length" as in the authors' code (REFERENCE.md); a single pair longer than
-    batch_tokens still gets a batch of its own.  Examples are sorted by
-    (longer side, source length, target length) so that a batch holds similar
-    lengths and little padding, then cut greedily.
-    Note: sorting by the longer side first, the quantity the budget counts,
-    packs tighter than sorting by (source, target): on the toy corpus padding
-    falls from 6.0% to 3.9% at 4096 tokens (12.3% to 6.6% on 6k pairs).
-    With shuffle, equal lengths are
-    tie-broken at random and the batch order is shuffled; both depend only on
-    (seed, epoch), so an epoch can be replayed exactly.  Without shuffle the
-    order is the sorted one (for evaluation).
-    """
-    lens = _lengths(encoded_pairs)
-    rng = random.Random(seed * 1000003 + epoch)
-    tie = [rng.random() for _ in lens] if shuffle else list(range(len(lens)))
-    order = sorted(range(len(lens)), key=lambda i: (max(lens[i]), *lens[i], tie[i]))
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        m = max(cur_max, *lens[i])
-        if cur and (len(cur) + 1) * m > batch_tokens:
-            batches.append(cur)
-            cur, m = [], max(lens[i])
-        cur.append(i)
-        cur_max = m
-    if cur:
-        batches.append(cur)
-    if shuffle:
-        rng.shuffle(batches)
-    return batches
-
-
-def padding_share(encoded_pairs, batches):
-    """Fraction of padded positions in src + tgt over all batches."""
-    lens = _lengths(encoded_pairs)
-    real = padded = 0
-    for b in batches:
-        S = max(lens[i][0] for i in b)
-        T = max(lens[i][1] for i in b)
-        real += sum(lens[i][0] + lens[i][1] for i in b)
-        padded += len(b) * (S + T)
-    return 1.0 - real / padded if padded else 0.0
-
-
-@dataclass
-class Batch:
-    """One padded batch, batch-first; made by collate."""
-
-    src: torch.Tensor      # (B, S) source ids, PAD-padded, no BOS/EOS
-    tgt_in: torch.Tensor   # (B, T) [BOS] + y, the decoder's input
-    tgt_out: torch.Tensor  # (B, T) y + [EOS], what it must predict
-    n_src: int             # non-pad source tokens
-    n_tgt: int             # non-pad target tokens (= tokens in the loss)
-    idx: list              # example indices, to put outputs back in order
-
-    def to(self, device, non_blocking=False):
-        """Moves the three tensors; returns a new Batch."""
-        mv = lambda t: t.to(device, non_blocking=non_blocking)
-        return Batch(mv(self.src), mv(self.tgt_in), mv(self.tgt_out),
-                     self.n_src, self.n_tgt, self.idx)
-
-
-def collate(encoded_pairs, idx, device=None):
-    """Pads the examples idx into a Batch (on device, if given)."""
-    xs = [encoded_pairs[i][0] for i in idx]
-    ys = [encoded_pairs[i][1] for i in idx]
-    S, T = max(len(x) for x in xs), max(len(y) for y in ys) + 1
-    # Decoder input and output are the same target, shifted by one position:
-    #   tgt_in  = BOS y1 ... yn        tgt_out = y1 ... yn EOS
-    src = torch.tensor([x + [PAD] * (S - len(x)) for x in xs])                 # (B, S)
-    tgt_in = torch.tensor([[BOS] + y + [PAD] * (T - 1 - len(y)) for y in ys])  # (B, T)
-    tgt_out = torch.tensor([y + [EOS] + [PAD] * (T - 1 - len(y)) for y in ys])  # (B, T)
-    batch = Batch(src, tgt_in, tgt_out, n_src=sum(len(x) for x in xs),
-                  n_tgt=sum(len(y) + 1 for y in ys), idx=list(idx))
-    if device is not None and torch.device(device).type == "cuda":
-        # Pinned host memory lets the copy overlap with the previous step.
-        batch = Batch(src.pin_memory(), tgt_in.pin_memory(), tgt_out.pin_memory(),
-                      batch.n_src, batch.n_tgt, batch.idx)
-        return batch.to(device, non_blocking=True)
-    return batch.to(device) if device is not None else batch
-
-
-# ---------------------------------------------------------------------------
-# 7. Word dropout
-# ---------------------------------------------------------------------------
-
-def word_dropout(x, p, generator=None):
-    """A copy of x where each non-PAD token is replaced by UNK with probability p.
-
-    Paper: [1] appendix A: "we also do word dropout (Sennrich et al., 2016a)
-    with probability 0.1. However, instead of zeroing the word embeddings, we
-    randomly replace tokens with UNK."  Training only, on src and tgt_in, never
-    on tgt_out (the labels).
-    Note: like the authors' code, BOS in tgt_in can be dropped too.  Unlike it,
-    we never write into x: their in-place version corrupted cached batches (the
-    UNK rate grew every epoch).
-    """
-    if p <= 0:
-        return x.clone()
-    drop = torch.rand(x.shape, generator=generator, device=x.device) < p  # same shape as x
-    return x.masked_fill(drop & (x != PAD), UNK)
-
-
-# ---------------------------------------------------------------------------
-# 8. QKNorm's length statistic
-# ---------------------------------------------------------------------------
-
-def length_percentile(encoded_pairs, q=97.5, count_bos_eos=False):
-    """The q-th percentile of training lengths in BPE tokens (QKNorm's L).
-
-    Paper: [2] eq. 3, "L is the 97.5th percentile sequence length across all
-    training data sequences for source and target".
-    Note: we pool source and target lengths into one list (the paper does not
-    say how; the authors hard-coded L per language pair) and interpolate
-    linearly like numpy.percentile.  By default BOS/EOS are not counted;
-    count_bos_eos=True counts the +1 the decoder sees (T = len(y) + 1).
-    """
-    extra = 1 if count_bos_eos else 0
-    lens = [len(x) for x, _ in encoded_pairs] + [len(y) + extra for _, y in encoded_pairs]
-    if not lens:
-        raise ValueError("length_percentile: no sequences")
-    return torch.quantile(torch.tensor(lens, dtype=torch.float64), q / 100.0).item()
-
-
-def qk_g0(L):
-    """QKNorm's initial scale g0 = log2(L^2 - L) ([2] eq. 3); e.g. L=72 -> 12.32."""
-    if not L > 1:
-        raise ValueError(f"qk_g0 needs a length L > 1, got {L}")
-    # L^2 - L = number of off-diagonal entries of the L x L matrix QK^T.
-    return math.log2(L * L - L)
-
-
-# ---------------------------------------------------------------------------
-# 9. The papers' corpora: python data.py prepare NAME
-# ---------------------------------------------------------------------------
+# =======================================================================================
+# Appendix B: the papers' corpora: python data.py prepare NAME
+# =======================================================================================
 # One pipeline for every corpus: download (resumable) -> open the archive or
 # folder -> select and clean each split's lines -> write DIR/split.LANG ->
 # check the line counts -> print the train.py command.  BPE is not applied
@@ -871,13 +829,9 @@ def download(url, dest, hint="/path/to/the/file", timeout=30):
     checked when the server gives one.  Unreachable hosts raise a one-line
     DataError that names --url hint; the .part file stays.
     """
-    import http.client
-    import urllib.error
-    import urllib.parse
-    import urllib.request
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
+    # Note: torch.hub.download_url_to_file does the same job but cannot resume a broken
+    # download (the TED archive is 336 MB); this one can (tests: over HTTP and file://).
     dest = Path(dest)
     if dest.exists():
         return dest
@@ -932,8 +886,6 @@ def _opener(root):
     folder or "./").  Nothing is extracted to disk.  errors="replace": one bad
     byte must not stop a 336 MB run.
     """
-    import io
-    import tarfile
 
     root = Path(root)
     if root.is_dir():
@@ -1044,7 +996,7 @@ def prepare(name, out_dir=None, url=None, expected=None):
         for step in (s for s in steps if s in _PAIR_STEPS):
             pairs = _PAIR_STEPS[step](pairs)
         for side in (0, 1):
-            _write_atomic(files[split][side], "".join(p[side] + "\n" for p in pairs))
+            atomic_write(files[split][side], "".join(p[side] + "\n" for p in pairs))
         counts[split] = len(pairs)
     # Exact counts must match; approximate ones (the papers' rounded numbers,
     # or a pipeline we only approximate) print a warning when 2% or more off.
@@ -1057,7 +1009,7 @@ def prepare(name, out_dir=None, url=None, expected=None):
         if w is not None and split not in exact and abs(n - w) >= 0.02 * w:
             print(f"warning: {name} {split}: {n:,} pairs where the papers give about {w:,}; "
                   f"this count is not certain, so it is not an error", file=sys.stderr)
-    _write_atomic(stamp, json.dumps({"name": name, "source": url, "counts": counts}) + "\n")
+    atomic_write(stamp, json.dumps({"name": name, "source": url, "counts": counts}) + "\n")
     print(f"{out}: {name} " + ", ".join(f"{s} {n:,}" for s, n in counts.items())
           + f" pairs; train.py trains the {c['bpe']}-piece joint BPE\n{command}")
     return out
@@ -1065,7 +1017,6 @@ def prepare(name, out_dir=None, url=None, expected=None):
 
 def prepare_main(argv=None):
     """CLI: python data.py prepare NAME [--dir DIR] [--url URL]; returns the exit status."""
-    import argparse
 
     p = argparse.ArgumentParser(prog="data.py prepare",
                                 description="Download, check and lay out a corpus of the papers.")
@@ -1102,24 +1053,38 @@ if __name__ == "__main__":
     train = data["train"]
     for side, name in ((0, "src"), (1, "tgt")):
         words = [w for p in train for w in p[side].split()]
+
+
+def summary():
+    """python data.py: build the built-in corpus and print what it is like."""
+    t0 = time.time()
+    d = ensure_toy_corpus()
+    t_make = time.time() - t0
+    paths = corpus_paths(d, "src", "tgt")
+    splits = {s: read_parallel(*paths[s])[0] for s in SPLITS}
+    print(f"toy corpus in {d} ({t_make:.1f}s): " + ", ".join(f"{s} {len(p)} pairs" for s, p in splits.items()))
+    train = splits["train"]
+    for side, name in ((0, "src"), (1, "tgt")):
+        words = [w for p in train for w in p[side].split()]
         counts = {}
         for w in words:
             counts[w] = counts.get(w, 0) + 1
         rare = sum(1 for c in counts.values() if c <= 2)
-        print(f"  {name}: {len(words) / len(train):.1f} words/sentence, "
-              f"{len(counts)} types, {rare} of them seen once or twice")
-    import tempfile
-
+        print(f"  {name}: {len(words) / len(train):.1f} words/sentence, {len(counts)} types, "
+              f"{rare} of them seen once or twice")
     t0 = time.time()
-    model = train_bpe([p[0] for p in train], [p[1] for p in train], 2000,
-                      Path(tempfile.mkdtemp()) / "bpe")
-    tok = Tokenizer(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = Tokenizer(train_bpe([p[0] for p in train], [p[1] for p in train], 2000, Path(tmp) / "bpe"))
     enc = encode_pairs(tok, train)
-    t_bpe = time.time() - t0
     L = length_percentile(enc)
     pad = padding_share(enc, make_batches(enc, 4096, shuffle=True, seed=1))
-    print(f"  BPE: {tok.vocab_size} pieces ({t_bpe:.1f}s to train and encode), "
-          f"L(97.5%) = {L:.1f}, g0 = {qk_g0(L):.2f}, padding at 4096 tokens "
-          f"{pad:.1%}")
+    print(f"  BPE: {tok.vocab_size} pieces ({time.time() - t0:.1f}s to train and encode), L(97.5%) = {L:.1f}, "
+          f"g0 = {qk_g0(L):.2f}, padding at 4096 tokens {pad:.1%}")
     for s, t in train[:3]:
         print(f"  src: {s}\n  tgt: {t}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["prepare"]:
+        sys.exit(prepare_main(sys.argv[2:]))
+    summary()

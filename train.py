@@ -1,329 +1,735 @@
-"""train.py -- train a translator with the recipes of Transformers without Tears [1].
+"""train.py -- chapter 5: training a translator with the recipes of the three papers.
 
-Reading order: norms.py -> model.py -> data.py -> train.py -> decode.py.
+Reading order: norms.py -> model.py -> data.py -> decode.py -> train.py (this file).
 
     python train.py --norm scale --prenorm --fixnorm            # quick start, built-in corpus
     python train.py --data DIR --src en --tgt de --out runs/ende  # your corpus: DIR/train.en ...
+    python train.py --preset list                                 # the papers' rows, by name
     python train.py --help                                        # every flag, with its paper
 
-The defaults are the quick start (d 128, 2+2 layers, peak LR 2e-3 after 200 warmup steps,
-4 epochs of 100 steps): about 5 minutes on a 2-core CPU. The papers' base model is
-``--layers 6 --d-model 512 --heads 8 --ff 2048 --dropout 0.3 --lr-scale 1 --warmup 8000``.
+One run reads (or generates) the corpus, trains a joint BPE, encodes the data, builds the model
+and trains it with Adam and a schedule of [1] section 2.4; every --epoch-size steps it computes
+dev BLEU and keeps the best checkpoint; at the end it reports test BLEU of the best checkpoint.
+The run directory (--out) holds config.json, metrics.jsonl, bpe.model and the checkpoints, each
+written atomically; ``--resume RUN_DIR`` continues a killed run from its last checkpoint.
 
-What one run does: reads (or generates) the corpus, trains a joint BPE, encodes and caches
-the data, builds the model, and trains with Adam and the inverse square root schedule
-(eq. 7 of [1]); every --epoch-size steps it computes dev BLEU and keeps the best
-checkpoint; at the end it reports test BLEU of the best checkpoint. The run directory
-(--out) holds config.json, metrics.jsonl, bpe.model and the checkpoints, each written
-atomically; ``--resume RUN_DIR`` continues a killed run from its last checkpoint.
+Contents
+  1. The learning rate: eq. 7 (INVSQRTDECAY), VALDECAY, NOWARMUP [1, section 2.4]
+  2. Data: read, BPE, encode, into the run directory
+  3. One training step: word dropout, forward + loss, backward, clipping, Adam
+  4. The training state, the run, checkpoints
+  5. The loop
+  6. End of an epoch: dev BLEU, validation decay, stopping, checkpoints; the final test
+  7. main
+  Appendix A: the flags (python train.py --help)
+  Appendix B: presets, the papers' table rows as named sets of flags (--preset NAME)
+  Appendix C: speed: FLOPs, MFU, --benchmark, --profile, keeping freed memory
+  Appendix D: several processes (torchrun, DistributedDataParallel)
 
   [1] Nguyen & Salazar 2019, Transformers without Tears.
   [2] Shen et al. 2020, PowerNorm.    [3] Henry et al. 2020, Query-Key Normalization.
 """
 import argparse
+import contextlib
+import ctypes
 import hashlib
 import json
 import math
 import os
 import random
+import resource
+import shutil
 import sys
+import tempfile
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from torch.profiler import ProfilerActivity, profile
 
 import data
-from model import ModelConfig, Transformer, count_parameters
-from norms import NORMS
-
-
-# ---------------------------------------------------------------------------------------
-# Flags. Every flag names the paper and equation it comes from; --help is the documentation.
-# ---------------------------------------------------------------------------------------
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)" only where there is a default worth showing."""
-
-    def _get_help_string(self, action):
-        if action.default is None or isinstance(action, (argparse._StoreFalseAction, argparse._StoreTrueAction)):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def build_parser():
-    p = argparse.ArgumentParser(
-        description="Train a Transformer translator with the normalizations of TwT [1], "
-                    "PowerNorm [2] and QKNorm [3]. [1] Nguyen & Salazar 2019, Transformers without "
-                    "Tears; [2] Shen et al. 2020, PowerNorm; [3] Henry et al. 2020, Query-Key "
-                    "Normalization for Transformers. The defaults are the quick start: a small model that "
-                    "learns the built-in corpus in about 5 minutes on 2 CPU cores. The papers' base model is "
-                    "--layers 6 --d-model 512 --heads 8 --ff 2048 --dropout 0.3 --lr-scale 1 --warmup 8000 "
-                    "--epoch-size 1000 --max-epochs 200.",
-        formatter_class=_HelpFormatter)
-    g = p.add_argument_group("data")
-    g.add_argument("--data", default=None,
-                   help="corpus directory holding {train,dev,test}.{SRC,TGT}; default: the "
-                        "built-in synthetic corpus (data.py), generated on first use")
-    g.add_argument("--src", default=None, help="source language suffix, e.g. en (DIR/train.en)")
-    g.add_argument("--tgt", default=None, help="target language suffix, e.g. de (DIR/train.de)")
-    g.add_argument("--bpe-size", type=int, default=None,
-                   help="joint sentencepiece BPE vocabulary size ([1] appendix A: 8k; 3k for gl-en); "
-                        "default 8000, or 2000 on the built-in corpus")
-    g.add_argument("--max-len", type=int, default=250,
-                   help="training pairs longer than this (BPE tokens, either side) are dropped, with a count")
-    g.add_argument("--batch-tokens", type=int, default=4096,
-                   help="tokens per batch, counted as sentences x the longer side's padded length ([1] appendix A: 4096)")
-    g.add_argument("--word-dropout", type=float, default=0.1,
-                   help="probability that an input token becomes UNK ([1] appendix A, training only)")
-
-    g = p.add_argument_group("model")
-    g.add_argument("--layers", type=int, default=2, help="encoder and decoder layers ([1]: 6; 4 for gl-en)")
-    g.add_argument("--enc-layers", type=int, default=None, help="override --layers for the encoder")
-    g.add_argument("--dec-layers", type=int, default=None, help="override --layers for the decoder")
-    g.add_argument("--d-model", type=int, default=128, help="model width d ([1]: 512)")
-    g.add_argument("--heads", type=int, default=4, help="attention heads ([1]: 8; [3] Table 4 varies it)")
-    g.add_argument("--ff", type=int, default=512, help="feed-forward width ([1]: 2048)")
-    g.add_argument("--dropout", type=float, default=0.1,
-                   help="dropout on embeddings, sublayer outputs, ReLU and attention weights ([1] appendix A: 0.3)")
-    g.add_argument("--attn-dropout", type=float, default=None, help="attention-weight dropout (default: --dropout)")
-    g.add_argument("--relu-dropout", type=float, default=None, help="ReLU dropout (default: --dropout)")
-    g.add_argument("--norm", default="scale", choices=sorted(NORMS),
-                   help="norm of every sublayer: layer (LayerNorm), scale (ScaleNorm, [1] eq. 5), "
-                        "scale_fixed (g = sqrt d, [1] Table 7), rms (RMSNorm), and the batch norms of [2]")
-    g.add_argument("--encoder-norm", default=None, choices=sorted(NORMS),
-                   help="override --norm in the encoder ([2] used PowerNorm in the encoder only)")
-    g.add_argument("--decoder-norm", default=None, choices=sorted(NORMS), help="override --norm in the decoder")
-    place = g.add_mutually_exclusive_group()
-    place.add_argument("--prenorm", dest="prenorm", action="store_true", default=True,
-                       help="PreNorm residual x + F(norm(x)) ([1] eq. 3), plus a final norm per stack (the default)")
-    place.add_argument("--postnorm", dest="prenorm", action="store_false",
-                       help="PostNorm residual norm(x + F(x)) ([1] eq. 2, the original Transformer)")
-    g.add_argument("--fixnorm", action=argparse.BooleanOptionalAction, default=True,
-                   help="l2-normalise the tied embedding rows ([1] section 2.3, eq. 6 with ScaleNorm)")
-    g.add_argument("--init", choices=["small", "xavier"], default="small",
-                   help="SmallInit (attention std sqrt(2/5d), [1] section 2.2) or Xavier normal ([1] eq. 4)")
-    g.add_argument("--qknorm", action="store_true",
-                   help="QKNorm attention: softmax(g * q^.k^) with l2-normalised q, k ([3] eq. 2-5)")
-    g.add_argument("--qk-length", type=float, default=None,
-                   help="L of g0 = log2(L^2 - L) ([3] eq. 3); default: computed from the training data")
-    g.add_argument("--qk-percentile", type=float, default=97.5,
-                   help="percentile of training lengths used as L ([3] section 3; Table 5 varies it)")
-    g.add_argument("--qk-no-g", action="store_true", help="QKNorm ablation: g fixed at 1 ([3] Table 6)")
-    g.add_argument("--qk-norm-v", action="store_true", help="QKNorm ablation: l2-normalise V too ([3] Table 6)")
-    g.add_argument("--pn-warmup", type=int, default=4000,
-                   help="PowerNorm: forwards that use batch statistics while the running one accumulates "
-                        "([2] appendix A: the LR warmup, 8000 for IWSLT14)")
-    g.add_argument("--pn-variant", choices=["paper", "code"], default="paper",
-                   help="PowerNorm: 'paper' follows [2] Algorithm 2 / eq. 12; 'code' reproduces the released "
-                        "code (backward divides by the batch psi_B after warmup; padding enters the backward means)")
-    g.add_argument("--pn-alpha-fwd", type=float, default=0.9, help="PowerNorm forward running-average alpha ([2] eq. 10)")
-    g.add_argument("--pn-alpha-bkw", type=float, default=0.9, help="PowerNorm backward running-average alpha ([2] eq. 12)")
-    g.add_argument("--sdpa", action=argparse.BooleanOptionalAction, default=True,
-                   help="use torch's scaled_dot_product_attention (off: the written-out attention)")
-
-    g = p.add_argument_group("optimisation and schedule")
-    g.add_argument("--schedule", choices=["invsqrt", "valdecay", "nowarmup", "warmupflat"], default="invsqrt",
-                   help="invsqrt: eq. 7 of [1] (INVSQRTDECAY); valdecay: eq. 7's linear warmup, then flat at its "
-                        "peak, times --decay-factor when dev BLEU stalls ([1] 2.4, VALDECAY); nowarmup: constant "
-                        "--lr (3e-4 in [1]) with the same validation decay; warmupflat: [3]'s name for valdecay "
-                        "(linear warmup then flat, x0.8 validation decay)")
-    g.add_argument("--lr-scale", type=float, default=None,
-                   help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * warmup^-1.5) ([1] 3.3: 1, "
-                        "and 2 for 2xLR); when given it overrides --lr")
-    g.add_argument("--lr", type=float, default=2e-3,
-                   help="peak LR (reached at n_warmup), i.e. lambda = lr * sqrt(d * warmup) in eq. 7; the constant "
-                        "LR of --schedule nowarmup ([1] 3.3: 3e-4)")
-    g.add_argument("--warmup", type=int, default=200, help="n_warmup of eq. 7 ([1]: 8000)")
-    g.add_argument("--decay-factor", type=float, default=0.8, help="alpha_decay of validation decay ([1] 3.3)")
-    g.add_argument("--patience", type=int, default=3,
-                   help="validation decay when dev BLEU is below each of the previous PATIENCE evaluations ([1] 3.3)")
-    g.add_argument("--stop-lr", type=float, default=1e-6,
-                   help="stop when the LR falls below this ([1] appendix A: 1e-6; TwT code 5e-5; [3]: 1e-5)")
-    g.add_argument("--early-stop", type=int, default=20,
-                   help="stop when dev BLEU has not improved for this many evaluations ([1]: 20, 50 for gl-en; 0: off)")
-    g.add_argument("--beta1", type=float, default=0.9, help="Adam beta1 ([1] appendix A)")
-    g.add_argument("--beta2", type=float, default=0.999, help="Adam beta2 ([1] appendix A)")
-    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon ([1] appendix A)")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay (AdamW; [2] used 1e-4)")
-    g.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm at this value (0: off)")
-    g.add_argument("--label-smoothing", type=float, default=0.1,
-                   help="epsilon of label smoothing, spread over the target vocabulary ([1] appendix A)")
-
-    g = p.add_argument_group("run")
-    g.add_argument("--out", default="runs/quickstart", help="run directory")
-    g.add_argument("--seed", type=int, default=1, help="fixes every random choice")
-    g.add_argument("--epoch-size", type=int, default=100,
-                   help="steps per epoch; dev BLEU after each ([1]: 1000-2000 by pair)")
-    g.add_argument("--max-epochs", type=int, default=4, help="stop after this many epochs ([1] Table 1: 200)")
-    g.add_argument("--keep-checkpoints", type=int, default=5,
-                   help="keep the last N per-epoch checkpoints, for checkpoint averaging ([2]: average of the last 5)")
-    g.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (quick checks)")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
-    g.add_argument("--log-interval", type=int, default=50, help="steps between log lines")
-    g.add_argument("--beam", type=int, default=4, help="beam size for test BLEU (Code: 4)")
-    g.add_argument("--alpha", type=float, default=0.6, help="GNMT length penalty alpha (Code: 0.6)")
-    g.add_argument("--dev-beam", type=int, default=1, help="beam size for the per-epoch dev BLEU (1 = greedy)")
-    g.add_argument("--benchmark", type=int, default=0, metavar="N",
-                   help="time N training steps after a warm-up and print tokens/s, FLOPs/token, MFU, padding "
-                        "and peak memory, then exit (no evaluation, no files but config.json)")
-    g.add_argument("--profile", action="store_true",
-                   help="with --benchmark: also print where the time of a step goes (torch.profiler, by operator)")
-    g.add_argument("--resume", default=None, metavar="RUN_DIR",
-                   help="continue the run in RUN_DIR from its last checkpoint (its saved flags are used)")
-    return p
-
+import decode
+from model import ModelConfig, Transformer, autocast, count_parameters, pick_device
+from norms import NORMS, PNV, BatchNorm, PowerNorm, timed, use_reference
 
 # ---------------------------------------------------------------------------------------
-# The learning rate: eq. 7 of [1]
-#   LR(n) = lambda / sqrt(d) * min(1/sqrt(n), n / n_warmup^1.5)
-# (linear warmup to lambda / sqrt(d * n_warmup) at n = n_warmup, then inverse square root).
+# 1. The learning rate [1, section 2.4].
+#   INVSQRTDECAY (eq. 7):  LR(n) = lambda / sqrt(d) * min(1/sqrt(n), n / n_warmup^1.5)
+#     a linear warmup to lambda / sqrt(d * n_warmup) at n = n_warmup, then the inverse square root;
+#   VALDECAY:  eq. 7's warmup, then flat at its peak, times alpha_decay each time dev BLEU stalls;
+#   NOWARMUP:  a constant LR (3e-4 in [1]), with the same validation decay.
 # ---------------------------------------------------------------------------------------
 def inverse_sqrt_lr(step, d_model, warmup, lr_scale):
     n = max(step, 1)
     return lr_scale / math.sqrt(d_model) * min(n ** -0.5, n * warmup ** -1.5)
 
 
-def lr_scale_for_peak(peak_lr, d_model, warmup):
-    """The lambda that makes eq. 7 peak at peak_lr (at n = warmup)."""
-    return peak_lr * math.sqrt(d_model) * math.sqrt(warmup)
+@dataclass
+class Schedule:
+    kind: str  # invsqrt | valdecay | warmupflat ([3]'s name for valdecay) | nowarmup
+    d_model: int
+    warmup: int  # n_warmup; none under nowarmup
+    peak: float  # the peak LR, lambda / sqrt(d * n_warmup); the constant LR under nowarmup
 
+    @classmethod
+    def from_args(cls, args):
+        peak = args.lr if args.lr_scale is None else args.lr_scale / math.sqrt(args.d_model * args.warmup)
+        return cls(args.schedule, args.d_model, 0 if args.schedule == "nowarmup" else args.warmup, peak)
 
-def scheduled_lr(step, args, lr_scale, decay):
-    """The LR of step n under --schedule; ``decay`` is the product of validation decays so far.
+    @property
+    def lr_scale(self):  # lambda of eq. 7
+        return self.peak * math.sqrt(self.d_model * max(self.warmup, 1))
 
-      invsqrt:              eq. 7
-      valdecay, warmupflat: eq. 7's warmup branch up to n_warmup, then flat at the peak, x decay
-      nowarmup:             constant --lr (3e-4), x decay
-    """
-    if args.schedule == "invsqrt":
-        return inverse_sqrt_lr(step, args.d_model, args.warmup, lr_scale)
-    if args.schedule == "nowarmup":
-        return args.lr * decay
-    return inverse_sqrt_lr(min(step, args.warmup), args.d_model, args.warmup, lr_scale) * decay
+    @property
+    def decays(self):  # [1] 2.4: validation-based decay, for VALDECAY and NOWARMUP
+        return self.kind != "invsqrt"
+
+    def __call__(self, step, decay=1.0):
+        """The LR of step n; decay is the product of the validation decays so far."""
+        if self.kind == "invsqrt":
+            return inverse_sqrt_lr(step, self.d_model, self.warmup, self.lr_scale)
+        if self.kind == "nowarmup":
+            return self.peak * decay
+        return inverse_sqrt_lr(min(step, self.warmup), self.d_model, self.warmup, self.lr_scale) * decay
 
 
 def validation_decay(history, patience):
-    """[1] 3.3 VALDECAY. Code: decay when the newest dev BLEU is strictly below each of the
-    previous `patience` ones (no cooldown); returns True when the LR should be multiplied."""
+    """[1] 3.3 VALDECAY. Code: decay when the newest dev BLEU is strictly below each of the previous
+    `patience` ones (no cooldown); returns True when the LR should be multiplied."""
     if len(history) <= patience:
         return False
     return history[-1] < min(history[-1 - patience:-1])
 
 
 # ---------------------------------------------------------------------------------------
-# The loss: label-smoothed cross entropy [1 appendix A; Szegedy et al. 2016]
-#   q = (1 - eps) * onehot(y) + eps * uniform over the allowed target types
-#   loss = -sum_w q_w log p_w = (1 - eps) * NLL + eps * mean_{w allowed} (-log p_w)
-# Code: smoothing is spread over the target vocabulary only (masked words have p = 0).
-# With log p_w = z_w - logsumexp(z):  mean_{allowed}(-log p_w) = logsumexp(z) - mean_{allowed} z_w.
+# 2. Data: read every split, train the joint BPE into the run directory (reused by a later run
+# only for the same training text and size), encode (cached there too).
 # ---------------------------------------------------------------------------------------
-def label_smoothed_loss(logits, target, allowed, eps, weight=None):
-    """logits (N, V) with -inf outside `allowed` (V,); target (N,); weight (N,) or None, e.g. 0 at
-    padding. Returns the (weighted) summed loss and NLL.
-
-    Note: weighting the padded rows by 0 is cheaper than selecting the real rows with
-    logits[keep], which copies (N, V) forward and scatters it back in the backward.
-    """
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 (or fp64) softmax
-    if weight is not None:  # a 0-weight row's target may be PAD, whose logit is -inf: score EOS there
-        target = target.masked_fill(weight == 0, data.EOS)
-    lse = torch.logsumexp(logits, dim=-1)  # (N,)
-    nll = lse - logits.gather(-1, target[:, None]).squeeze(-1)  # (N,)  -log p_y
-    if eps > 0:
-        mean_allowed = torch.where(allowed, logits, 0.0).sum(-1) / allowed.sum()  # (N,)
-        smooth = lse - mean_allowed  # (N,)  mean over allowed w of -log p_w
-        loss = (1 - eps) * nll + eps * smooth
+def read_corpus(args, log):
+    """{split: [(src, tgt)]} of raw text, and the language suffixes."""
+    if args.data is None:
+        data_dir, langs = data.ensure_toy_corpus(), ("src", "tgt")
+        log(f"data: built-in synthetic corpus in {data_dir}")
     else:
-        loss = nll
-    if weight is not None:
-        loss, nll = loss * weight, nll * weight
-    return loss.sum(), nll.sum()
+        data_dir, langs = Path(args.data), (args.src, args.tgt)
+    paths, pairs = data.corpus_paths(data_dir, *langs), {}
+    for split in data.SPLITS:
+        pairs[split], stats = data.read_parallel(*paths[split], drop_empty=True)
+        if stats["empty"]:
+            log(f"data: {split}: dropped {stats['empty']} pairs with an empty side")
+    return pairs, langs
 
 
-class SmoothedCrossEntropy(torch.autograd.Function):
-    """The loss above on logits z (N, C) over the C target words only (model(..., target_only=True)),
-    in one fused pass each way. With logp = log_softmax(z) and q = (1 - eps) onehot(y) + eps / C:
-
-        loss = sum_n w_n * (-sum_c q_c logp_c) = sum_n w_n ((1 - eps) NLL_n + eps * mean_c(-logp_c))
-        dloss/dz = w_n * (softmax(z) - q)              (dNLL/dz = w_n * (softmax(z) - onehot(y)))
-
-    Note (speed): autograd of label_smoothed_loss() runs logsumexp, where, gather and their
-    backward kernels over (N, V), ~10 passes; this saves log p once and reads it twice.
-    Tests: gradcheck in float64 and equality with label_smoothed_loss() on the masked logits.
-    Returns (loss sum, NLL sum), both weighted.
-    """
-
-    @staticmethod
-    def forward(ctx, z, target, weight, eps):
-        logp = torch.log_softmax(z.to(torch.promote_types(z.dtype, torch.float32)), dim=-1)  # (N, C)
-        weight = weight.to(logp.dtype)
-        nll = -logp.gather(-1, target[:, None]).squeeze(-1)  # (N,)
-        loss = (1 - eps) * nll - eps * logp.mean(-1)  # (N,)
-        ctx.save_for_backward(logp, target, weight)
-        ctx.eps, ctx.z_dtype = eps, z.dtype
-        return (loss * weight).sum(), (nll * weight).sum()
-
-    @staticmethod
-    def backward(ctx, d_loss, d_nll):
-        logp, target, weight = ctx.saved_tensors
-        eps, C = ctx.eps, logp.size(-1)
-        grad = logp.exp()  # softmax(z)
-        grad.mul_((weight * (d_loss + d_nll))[:, None])  # w (dL + dNLL) softmax
-        grad.sub_((weight * d_loss * eps / C)[:, None])  # - w dL eps / C
-        grad.scatter_add_(-1, target[:, None], -(weight * (d_loss * (1 - eps) + d_nll))[:, None])  # - onehot
-        return grad.to(ctx.z_dtype), None, None, None
+def corpus_key(pairs, bpe_size):
+    """A hash of the training text and the BPE size: what the BPE model depends on."""
+    h = hashlib.sha256(f"{bpe_size}\n".encode())
+    for s, t in pairs["train"]:
+        h.update(f"{s}\t{t}\n".encode())
+    return h.hexdigest()
 
 
-# ---------------------------------------------------------------------------------------
-# Small utilities: atomic writes, the run directory, devices.
-# ---------------------------------------------------------------------------------------
-def atomic_save(obj, path):
-    """torch.save to a temporary file, then rename: a kill never leaves a broken file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def atomic_write_text(text, path):
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def append_jsonl(path, record):
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-
-
-def pick_device(name):
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: --device cuda: no CUDA device is available (use --device cpu or auto)")
-    return torch.device(name)
+def prepare_data(args, pairs, run_dir, log):
+    """(tokenizer, encoded training pairs, encoded dev pairs), made in run_dir."""
+    bpe_path, key_path, key = run_dir / "bpe.model", run_dir / "bpe.key", corpus_key(pairs, args.bpe_size)
+    if not bpe_path.exists() or not key_path.exists() or key_path.read_text() != key:
+        t0 = time.time()
+        with tempfile.TemporaryDirectory(dir=run_dir) as tmp:
+            trained = data.train_bpe([s for s, _ in pairs["train"]], [t for _, t in pairs["train"]], args.bpe_size,
+                                     Path(tmp) / "bpe")
+            data.atomic_write(bpe_path, Path(trained).read_bytes())
+        data.atomic_write(key_path, key)
+        log(f"data: trained joint BPE ({args.bpe_size} requested) in {time.time() - t0:.1f}s")
+    tok = data.Tokenizer(bpe_path)
+    train, dropped = data.filter_long(data.load_or_encode(tok, pairs["train"], run_dir / "train.enc.pt"), args.max_len)
+    if dropped:
+        log(f"data: dropped {dropped} training pairs longer than --max-len {args.max_len}")
+    if not train:
+        raise data.DataError(f"no training pair left after --max-len {args.max_len}")
+    dev = data.load_or_encode(tok, pairs["dev"], run_dir / "dev.enc.pt")
+    log(f"data: {len(train)} train / {len(pairs['dev'])} dev / {len(pairs['test'])} test pairs, "
+        f"vocabulary {tok.vocab_size}")
+    return tok, train, dev
 
 
 def model_config_from_args(args, vocab_size, qk_g0=1.0):
+    power = {"warmup": args.pn_warmup, "variant": args.pn_variant, "alpha_fwd": args.pn_alpha_fwd,
+             "alpha_bkw": args.pn_alpha_bkw}
     return ModelConfig(
         vocab_size=vocab_size, d_model=args.d_model, heads=args.heads, ff=args.ff,
         enc_layers=args.enc_layers or args.layers, dec_layers=args.dec_layers or args.layers,
         dropout=args.dropout, attn_dropout=args.attn_dropout, relu_dropout=args.relu_dropout,
-        norm=args.norm, encoder_norm=args.encoder_norm, decoder_norm=args.decoder_norm,
-        norm_options=norm_options_from_args(args), prenorm=args.prenorm, fixnorm=args.fixnorm,
-        init=args.init, qknorm=args.qknorm, qk_g0=qk_g0, qk_learn_g=not args.qk_no_g,
-        qk_norm_v=args.qk_norm_v, sdpa=args.sdpa)
+        norm=args.norm, encoder_norm=args.encoder_norm, decoder_norm=args.decoder_norm, norm_options=power,
+        prenorm=args.prenorm, fixnorm=args.fixnorm, init=args.init, qknorm=args.qknorm, qk_g0=qk_g0,
+        qk_learn_g=not args.qk_no_g, qk_norm_v=args.qk_norm_v, sdpa=args.sdpa)
 
 
-def norm_options_from_args(args):
-    """Options handed to every norm (each norm takes the ones its constructor names)."""
-    return {k: getattr(args, a) for k, a in
-            [("warmup", "pn_warmup"), ("variant", "pn_variant"),
-             ("alpha_fwd", "pn_alpha_fwd"), ("alpha_bkw", "pn_alpha_bkw")]}
+def qknorm_g0(args, train, log):
+    """QKNorm's g0 = log2(L^2 - L) [3, eq. 3], L from --qk-length or the training data."""
+    if args.qk_length is not None:
+        L, how = args.qk_length, "--qk-length"
+    else:
+        L = data.length_percentile(train, q=args.qk_percentile)
+        how = f"{args.qk_percentile}th percentile of BPE training lengths, source and target pooled, no BOS/EOS"
+    g0 = data.qk_g0(L)
+    log(f"qknorm: L = {L:.2f} ({how}); g0 = log2(L^2 - L) = {g0:.3f}")
+    return g0
+
+
+# ---------------------------------------------------------------------------------------
+# 3. One training step: an update from one or more micro-batches (--accumulate) of this rank.
+# ---------------------------------------------------------------------------------------
+@dataclass
+class StepOptions:
+    word_dropout: float  # [1] appendix A: 0.1, on the source and target *inputs*
+    smoothing: float  # label smoothing epsilon
+    clip: float  # clip the global gradient norm at this (0: off)
+    rng: Optional[torch.Generator] = None  # word dropout's own random generator
+
+
+def train_step(net, optimizer, batches, lr, opts: StepOptions):
+    """Forward, label-smoothed loss, backward for every micro-batch, then clip and Adam.
+    Returns this rank's (loss sum, NLL sum), the global gradient norm before clipping, and the
+    step's target tokens over all micro-batches and ranks, which the loss is divided by.
+
+    Under DDP the ranks' gradients are averaged; multiplied by the world size they are the sum,
+    the gradient of one process with the whole batch. (Scaling each rank's loss by the world size
+    instead would scale every dL/dY too, which PowerNorm's backward is not linear in.)
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    n_tgt = float(sum(b.n_tgt for b in batches))
+    if world > 1:
+        total = torch.tensor([n_tgt], dtype=torch.float64, device=batches[0].src.device)
+        dist.all_reduce(total)
+        n_tgt = total.item()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = nll_sum = 0.0
+    for i, b in enumerate(batches):
+        last = i == len(batches) - 1  # DDP all-reduces the gradients after the last micro-batch only
+        with contextlib.nullcontext() if last or world == 1 else net.no_sync():
+            # Paper (appendix A): word dropout on source and target inputs, never on the targets.
+            src = data.word_dropout(b.src, opts.word_dropout, opts.rng) if opts.word_dropout else b.src
+            tgt_in = data.word_dropout(b.tgt_in, opts.word_dropout, opts.rng) if opts.word_dropout else b.tgt_in
+            with autocast(b.src.device):
+                loss, nll = net(src, tgt_in, b.tgt_out, opts.smoothing)  # sums over the target tokens
+            (loss / n_tgt).backward()  # Code: summed over non-pad targets, divided by their count
+        loss_sum, nll_sum = loss_sum + loss.detach(), nll_sum + nll.detach()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if world > 1:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(world)
+    # Paper (appendix A): "Gradients are clipped when global norm exceeds 1.0"; the norm before
+    # clipping is what [1] Figure 2 plots.
+    gnorm = torch.nn.utils.clip_grad_norm_(params, opts.clip if opts.clip > 0 else float("inf"))
+    optimizer.step()
+    return loss_sum, nll_sum, gnorm.detach(), n_tgt
+
+
+# ---------------------------------------------------------------------------------------
+# 4. The training state, the run, checkpoints.
+# ---------------------------------------------------------------------------------------
+@dataclass
+class TrainState:
+    """Everything resume needs besides the model, the optimizer and the random generators."""
+    step: int = 0  # optimizer updates so far
+    epoch: int = 0  # evaluations so far (an epoch is --epoch-size steps, as in [1]'s code)
+    data_epoch: int = 0  # passes over the training data so far
+    batch_pos: int = 0  # position in this pass's shuffled batch order
+    best_bleu: float = -1.0
+    best_step: int = 0
+    dev_bleu: Optional[float] = None
+    history: list = field(default_factory=list)  # dev BLEU of every evaluation
+    lr_decay: float = 1.0  # the product of the validation decays so far
+    since_best: int = 0  # evaluations since the best dev BLEU
+    stopped: Optional[str] = None  # why training stopped
+
+
+@dataclass
+class Run:
+    """One training run, built once by setup(); what the loop and its helpers read."""
+    args: argparse.Namespace
+    dir: Path
+    device: torch.device
+    rank: int  # this process's rank and the number of processes (Appendix D)
+    world: int
+    console: Console  # rank 0's log lines; the other ranks' console is quiet
+    tok: data.Tokenizer
+    langs: tuple  # the source and target language suffixes
+    pairs: dict  # raw text pairs per split: dev and test BLEU
+    train: list  # encoded training pairs
+    dev: list  # encoded dev pairs: dev perplexity
+    model: Transformer
+    net: torch.nn.Module  # what a step calls: the model, or its DDP or compiled wrapper
+    optimizer: torch.optim.Optimizer
+    schedule: Schedule
+    step_options: StepOptions
+    state: TrainState = field(default_factory=TrainState)
+    order: list = field(default_factory=list)  # this data epoch's shuffled batches
+
+    @property
+    def master(self):  # rank 0 alone logs and writes files
+        return self.rank == 0
+
+    def log(self, msg):
+        self.console.print(msg, highlight=False, markup=False)
+
+    def metrics(self, record):
+        if self.master:
+            with open(self.dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def next_batches(self):
+        """This rank's micro-batches of the next step: each step takes world x accumulate
+        consecutive batches of the shuffled order; rank r trains on every world-th from the r-th."""
+        n = self.world * self.args.accumulate
+        s = self.state
+        if s.batch_pos + n > len(self.order):  # the data ran out: the next shuffled pass
+            s.data_epoch, s.batch_pos = s.data_epoch + 1, 0
+            self.order = data.make_batches(self.train, self.args.batch_tokens, True, self.args.seed, s.data_epoch)
+        idx = self.order[s.batch_pos + self.rank: s.batch_pos + n: self.world]
+        s.batch_pos += n
+        return [data.collate(self.train, i, self.device) for i in idx]
+
+
+def make_checkpoint(run):
+    """Only tensors and plain Python values: read back with torch.load(weights_only=True)."""
+    return {"model_config": run.model.cfg.to_dict(), "model": run.model.state_dict(),
+            "optimizer": run.optimizer.state_dict(), "bpe_model_proto": (run.dir / "bpe.model").read_bytes(),
+            "src_lang": run.langs[0], "tgt_lang": run.langs[1], "step": run.state.step,
+            "dev_bleu": run.state.dev_bleu, "train_state": asdict(run.state), "args": vars(run.args),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                    "word_dropout": run.step_options.rng.get_state()}}
+
+
+def restore(run, ckpt):
+    run.model.load_state_dict(ckpt["model"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    run.state = TrainState(**ckpt["train_state"])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    random.setstate(ckpt["rng"]["python"])
+    if ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    run.step_options.rng.set_state(ckpt["rng"]["word_dropout"])
+
+
+def setup(args):
+    """Everything before the first step: threads, processes, data, model, optimizer, resume."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    use_reference(args.reference)
+    rank, world, device = setup_distributed(args)
+    if device.type == "cpu" and not args.reference:
+        keep_freed_memory()  # Appendix C: +10-15% tokens/s on the CPU
+    console = Console(soft_wrap=True, quiet=rank != 0)  # log lines never wrap in a log file
+
+    def log(msg):
+        console.print(msg, highlight=False, markup=False)
+
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    run_dir = Path(tempfile.mkdtemp(prefix="benchmark-")) if args.benchmark else Path(args.out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = None
+    if args.resume and (run_dir / "checkpoint_last.pt").exists():
+        ckpt = decode.read_checkpoint(run_dir / "checkpoint_last.pt")
+        log(f"resume: {run_dir}/checkpoint_last.pt at step {ckpt['step']}")
+    if rank == 0 and not args.benchmark:
+        if ckpt is None:
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh log
+        elif (run_dir / "metrics.jsonl").exists():  # drop what the killed run logged after its checkpoint
+            lines = [l for l in (run_dir / "metrics.jsonl").read_text().splitlines()
+                     if l and json.loads(l).get("step", 1 << 62) <= ckpt["step"]]
+            data.atomic_write(run_dir / "metrics.jsonl", "".join(l + "\n" for l in lines))
+    pairs, langs = read_corpus(args, log)
+    if world > 1 and rank != 0:
+        dist.barrier()  # rank 0 prepares the BPE model and the caches first
+    tok, train, dev = prepare_data(args, pairs, run_dir, log)
+    if world > 1 and rank == 0:
+        dist.barrier()
+    if rank == 0 and not args.benchmark:
+        data.atomic_write(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
+    allowed = data.target_vocab_mask([t for _, t in train], tok.vocab_size)
+    cfg = model_config_from_args(args, tok.vocab_size, qknorm_g0(args, train, log) if args.qknorm else 1.0)
+    model = Transformer(cfg, allowed).to(device)
+    log(f"model: {count_parameters(model) / 1e6:.2f}M parameters, {'PreNorm' if cfg.prenorm else 'PostNorm'}, "
+        f"norm={cfg.encoder_norm or cfg.norm}/{cfg.decoder_norm or cfg.norm}, fixnorm={cfg.fixnorm}, "
+        f"init={cfg.init}, qknorm={cfg.qknorm}, device={device}, threads={torch.get_num_threads()}"
+        + (f", {world} ranks" if world > 1 else "") + (", --reference" if args.reference else ""))
+    adam = torch.optim.AdamW if args.weight_decay > 0 else torch.optim.Adam
+    optimizer = adam(model.parameters(), lr=0.0, betas=(args.beta1, args.beta2), eps=args.adam_eps,
+                     weight_decay=args.weight_decay, fused=True if device.type == "cuda" else None)
+    net = model
+    if world > 1:  # PyTorch's DDP: gradients all-reduced (averaged) across ranks in backward
+        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.compile:
+        net = torch.compile(net)  # checkpoints save `model`, the unwrapped module
+    # Word dropout draws from its own generator, on the device the batches live on.
+    options = StepOptions(args.word_dropout, args.label_smoothing, args.clip,
+                          torch.Generator(device=device).manual_seed(args.seed + rank))
+    run = Run(args, run_dir, device, rank, world, console, tok, langs, pairs, train, dev, model, net, optimizer,
+              Schedule.from_args(args), options)
+    if ckpt is not None:
+        restore(run, ckpt)
+    run.order = data.make_batches(train, args.batch_tokens, True, args.seed, run.state.data_epoch)
+    model.train()
+    return run
+
+
+# ---------------------------------------------------------------------------------------
+# 5. The loop: one log line per --log-interval steps, dev BLEU every --epoch-size steps.
+# ---------------------------------------------------------------------------------------
+def train(args):
+    run = setup(args)
+    if args.benchmark:
+        try:
+            return benchmark(run)
+        finally:
+            shutil.rmtree(run.dir, ignore_errors=True)  # --benchmark writes no run directory
+    s, peak = run.state, matmul_flops(run.device, args.d_model, args.ff)
+    n_out = int(run.model.allowed.sum())  # the output layer computes these target words' logits
+    run.log(f"speed: dense {args.d_model}x{args.ff} matmul runs at {peak / 1e9:.1f} GFLOP/s here (MFU's denominator)")
+    total = min(args.max_epochs * args.epoch_size, args.max_steps or math.inf)
+    bar = Progress(TextColumn("[bold]train[/]"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                   TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                   console=run.console, disable=not run.console.is_terminal)
+    win, train_time = dict.fromkeys(("loss", "nll", "tok", "flops", "t", "gnorm", "n"), 0.0), 0.0
+    with bar:
+        task = bar.add_task("train", total=total, completed=s.step, info="")
+        while s.step < total and not s.stopped:
+            t0 = time.perf_counter()
+            batches = run.next_batches()
+            s.step += 1
+            lr = run.schedule(s.step, s.lr_decay)
+            track_batch_statistics(run.model, s.step % args.log_interval == 0)
+            loss, nll, gnorm, n_tgt = train_step(run.net, run.optimizer, batches, lr, run.step_options)
+            if run.world > 1:  # the whole batch's sums, so that every rank logs and stops alike
+                sums = torch.stack([loss.double(), nll.double()])
+                dist.all_reduce(sums)
+                loss, nll = sums[0], sums[1]
+            loss, nll, gnorm = loss.item(), nll.item(), gnorm.item()  # waits for the step
+            dt = time.perf_counter() - t0
+            train_time += dt
+            flops = sum(step_flops(run.model.cfg, *b.src.shape, b.tgt_in.size(1), n_out) for b in batches) * run.world
+            for k, v in (("loss", loss), ("nll", nll), ("tok", n_tgt), ("t", dt), ("gnorm", gnorm), ("n", 1),
+                         ("flops", flops)):
+                win[k] += v
+            run.metrics({"step": s.step, "loss": loss / n_tgt, "gnorm": gnorm, "lr": lr, "tokens": n_tgt})  # [1] Fig. 2
+            if not math.isfinite(loss):
+                s.stopped = (f"the loss became {loss} at step {s.step} (try a smaller --lr-scale, --prenorm, "
+                             "--init small or more --warmup)")
+                run.log("error: " + s.stopped)
+                break
+            if s.step % args.log_interval == 0 or s.step == total:
+                log_window(run, win, lr, peak)
+                win = dict.fromkeys(win, 0.0)
+                bar.update(task, info=f"loss {loss / n_tgt:.3f}")
+            bar.update(task, completed=s.step)
+            if s.step % args.epoch_size == 0 or s.step == total:
+                end_of_epoch(run)
+    result = finish(run, train_time)
+    if run.world > 1:
+        dist.destroy_process_group()
+    return result
+
+
+def log_window(run, win, lr, peak):
+    """One log line (and metrics record) for the steps since the last one."""
+    tl, nll = win["loss"] / max(win["tok"], 1), win["nll"] / max(win["tok"], 1)
+    tps, mfu = win["tok"] / win["t"], win["flops"] / win["t"] / (peak * run.world)
+    run.log(f"step {run.state.step:6d} | loss {tl:6.3f} | ppl {math.exp(min(nll, 50)):8.2f} | lr {lr:.2e} | "
+            f"{tps:7.0f} tok/s | MFU {100 * mfu:4.1f}% | gnorm {win['gnorm'] / win['n']:6.3f}")
+    run.metrics({"step": run.state.step, "train_loss": tl, "train_ppl": math.exp(min(nll, 50)),
+                 "tok_per_s": tps, "mfu": mfu})
+    stats = {name: m.stats for name, m in run.model.named_modules()
+             if isinstance(m, (BatchNorm, PNV, PowerNorm)) and m.stats}
+    if stats:  # [2] Figures 2-4: batch vs running statistics, and the batch statistics' gradient terms
+        run.metrics({"step": run.state.step, "batch_norm_stats": stats})
+
+
+def track_batch_statistics(model, on):
+    """Batch norms keep their [2] Figures 2-4 diagnostics on logged steps only (they cost host syncs)."""
+    for m in model.modules():
+        if isinstance(m, (BatchNorm, PNV, PowerNorm)):
+            m.track, m.stats = on, {}
+
+
+# ---------------------------------------------------------------------------------------
+# 6. End of an epoch: dev perplexity and BLEU, validation decay, stopping, checkpoints (rank 0).
+# ---------------------------------------------------------------------------------------
+def end_of_epoch(run):
+    args, s = run.args, run.state
+    s.epoch += 1
+    t0, bleu = time.time(), None
+    if run.master:
+        dev_loss, dev_nll, n = decode.evaluate_loss(run.model, run.dev, args.batch_tokens, args.label_smoothing)
+        hyps = decode.translate(run.model, run.tok, [x for x, _ in run.pairs["dev"]], args.dev_beam, args.alpha,
+                                args.batch_tokens)
+        bleu = decode.bleu(hyps, [y for _, y in run.pairs["dev"]]).score
+    if run.world > 1:  # every rank takes the same decisions: share rank 0's score
+        box = [bleu]
+        dist.broadcast_object_list(box, src=0)
+        bleu = box[0]
+    s.dev_bleu = bleu
+    s.history.append(bleu)
+    improved = bleu > s.best_bleu
+    if improved:
+        s.best_bleu, s.best_step, s.since_best = bleu, s.step, 0
+    else:
+        s.since_best += 1
+    # Validation decay ([1] 2.4), for the schedules that have it.
+    if run.schedule.decays and validation_decay(s.history, args.patience):
+        s.lr_decay *= args.decay_factor
+        run.log(f"dev BLEU below each of the previous {args.patience}: LR x {args.decay_factor}")
+    next_lr = run.schedule(s.step + 1, s.lr_decay)
+    # Stopping ([1] appendix A): the LR too small, or no dev improvement for a while.
+    if next_lr < args.stop_lr and s.step >= run.schedule.warmup:
+        s.stopped = f"the LR {next_lr:.2e} fell below --stop-lr {args.stop_lr:g}"
+    elif args.early_stop and s.since_best >= args.early_stop:
+        s.stopped = f"dev BLEU has not improved for {args.early_stop} evaluations"
+    elif s.epoch >= args.max_epochs:
+        s.stopped = f"--max-epochs {args.max_epochs} reached"
+    if not run.master:
+        return
+    dev_ppl = math.exp(min(dev_nll / max(n, 1), 50))
+    run.log(f"epoch {s.epoch:3d} | step {s.step:6d} | dev BLEU {bleu:6.2f} | dev ppl {dev_ppl:7.2f} | best "
+            f"{s.best_bleu:6.2f} (step {s.best_step}) | eval {time.time() - t0:.1f}s")
+    # [1] Figure 1 (dev BLEU per epoch) and Figures 3-4 (learned g's) come from these records.
+    run.metrics({"step": s.step, "epoch": s.epoch, "dev_bleu": bleu, "dev_loss": dev_loss / max(n, 1),
+                 "dev_ppl": dev_ppl, "lr": next_lr, "g": run.model.learned_scales()})
+    ckpt = make_checkpoint(run)
+    if improved:
+        data.atomic_write(run.dir / "checkpoint_best.pt", ckpt)
+    if args.keep_checkpoints > 0:  # per-epoch checkpoints, for averaging ([2]: the last 5)
+        data.atomic_write(run.dir / f"checkpoint_epoch{s.epoch}.pt", ckpt)
+        (run.dir / f"checkpoint_epoch{s.epoch - args.keep_checkpoints}.pt").unlink(missing_ok=True)
+    data.atomic_write(run.dir / "checkpoint_last.pt", ckpt)  # written last: the resume point
+    if s.stopped:
+        run.log(f"stopping: {s.stopped}")
+
+
+def finish(run, train_time):
+    """Test BLEU of the best checkpoint (by dev BLEU), with beam search; the learned g's."""
+    best, args = run.dir / "checkpoint_best.pt", run.args
+    if not run.master:
+        return None
+    if not best.exists():
+        run.log("no checkpoint was written (the run ended before its first epoch)")
+        return None
+    ckpt = decode.read_checkpoint(best, run.device)
+    run.model.load_state_dict(ckpt["model"])
+    run.model.eval()
+    result = {"best_step": ckpt["step"], "best_dev_bleu": ckpt["dev_bleu"], "train_seconds": train_time,
+              "stopped": run.state.stopped}
+    decode.print_g_table(run.model)  # [1] Figures 3-4: learned g versus depth
+    decode.save_g_values(run.model, run.dir / "g_values.json")
+    if run.pairs["test"]:
+        hyps = decode.translate(run.model, run.tok, [x for x, _ in run.pairs["test"]], args.beam, args.alpha,
+                                args.batch_tokens)
+        score = decode.bleu(hyps, [y for _, y in run.pairs["test"]])
+        data.atomic_write(run.dir / "test.hyp", "\n".join(hyps) + "\n")
+        result.update(test_bleu=score.score, test_signature=score.signature)
+        run.log(f"test BLEU (best checkpoint, step {ckpt['step']}, beam {args.beam}, alpha {args.alpha}): "
+                f"{score.score:.2f}  {score.signature}")
+    run.metrics({"final": result})
+    data.atomic_write(run.dir / "results.json", json.dumps(result, indent=2) + "\n")
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# 7. main
+# ---------------------------------------------------------------------------------------
+RESUME_KEEPS = {"max_steps", "max_epochs", "device", "threads", "log_interval"}  # may change on --resume
+
+
+def main(argv=None):
+    args, given = resolve_flags(argv)
+    if args.resume:
+        cfg_path = Path(args.resume) / "config.json"
+        if not cfg_path.exists():
+            sys.exit(f"error: --resume {args.resume}: no config.json there (is it a run directory?)")
+        saved = json.loads(cfg_path.read_text())
+        args = argparse.Namespace(**{**DEFAULTS, **saved, **{k: v for k, v in given.items() if k in RESUME_KEEPS},
+                                     "resume": args.resume, "out": args.resume})
+    validate_args(args)
+    try:
+        return train(args)
+    except data.DataError as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit("interrupted: resume with --resume " + str(args.out))
+
+
+# =======================================================================================
+# Appendix A: the flags. Every flag names the paper and equation it comes from; --help is their
+# documentation. The parser's own defaults are suppressed, so that parse_args returns exactly the
+# flags given on the command line; DEFAULTS holds the defaults. A run's flags are
+#     DEFAULTS, then the --preset's flags (Appendix B), then the command line's   (resolve_flags)
+# =======================================================================================
+DEFAULTS = {}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        argument_default=argparse.SUPPRESS,
+        description="Train a Transformer translator with the normalizations of TwT [1], PowerNorm [2] and QKNorm "
+                    "[3]. [1] Nguyen & Salazar 2019, Transformers without Tears; [2] Shen et al. 2020, PowerNorm; "
+                    "[3] Henry et al. 2020, Query-Key Normalization for Transformers. The defaults are the quick "
+                    "start: a small model that learns the built-in corpus in about 4 minutes on 2 CPU cores. "
+                    "The papers' rows are presets: --preset list.")
+
+    def add(group, *names, default=None, help="", **kw):
+        if default is not None and not isinstance(default, bool):
+            help += f" (default: {default})"
+        DEFAULTS[group.add_argument(*names, help=help, **kw).dest] = default
+
+    g = p.add_argument_group("presets")
+    add(g, "--preset", metavar="NAME", help="apply one row of a paper's table (train.py Appendix B); flags given "
+        "with it override it; 'list' prints them all")
+    add(g, "--pair", metavar="NAME", help="use this language pair's corpus and per-pair flags instead of the "
+        "preset's (" + ", ".join(PAIRS) + ")")
+    g = p.add_argument_group("data")
+    add(g, "--data", help="corpus directory holding {train,dev,test}.{SRC,TGT}; default: the built-in synthetic "
+        "corpus (data.py), generated on first use")
+    add(g, "--src", help="source language suffix, e.g. en (DIR/train.en)")
+    add(g, "--tgt", help="target language suffix, e.g. de (DIR/train.de)")
+    add(g, "--bpe-size", type=int, help="joint sentencepiece BPE vocabulary size ([1] appendix A: 8k; 3k for "
+        "gl-en); default 8000, or 2000 on the built-in corpus")
+    add(g, "--max-len", type=int, default=250, help="training pairs longer than this (BPE tokens, either side) "
+        "are dropped, with a count")
+    add(g, "--batch-tokens", type=int, default=4096, help="tokens per batch, counted as sentences x the longer "
+        "side's padded length ([1] appendix A: 4096)")
+    add(g, "--accumulate", type=int, default=1, metavar="N", help="micro-batches of --batch-tokens per update "
+        "(gradient accumulation); batch statistics are per micro-batch ([2] Figure 5)")
+    add(g, "--word-dropout", type=float, default=0.1, help="probability that an input token becomes UNK "
+        "([1] appendix A, training only)")
+    g = p.add_argument_group("model")
+    add(g, "--layers", type=int, default=2, help="encoder and decoder layers ([1]: 6; 4 for gl-en)")
+    add(g, "--enc-layers", type=int, help="override --layers for the encoder")
+    add(g, "--dec-layers", type=int, help="override --layers for the decoder")
+    add(g, "--d-model", type=int, default=128, help="model width d ([1]: 512)")
+    add(g, "--heads", type=int, default=4, help="attention heads ([1]: 8; [3] Table 4 varies it)")
+    add(g, "--ff", type=int, default=512, help="feed-forward width ([1]: 2048)")
+    add(g, "--dropout", type=float, default=0.1, help="dropout on embeddings, sublayer outputs, ReLU and "
+        "attention weights ([1] appendix A: 0.3)")
+    add(g, "--attn-dropout", type=float, help="attention-weight dropout (default: --dropout)")
+    add(g, "--relu-dropout", type=float, help="ReLU dropout (default: --dropout)")
+    add(g, "--norm", default="scale", choices=sorted(NORMS), help="norm of every sublayer: layer (LayerNorm), "
+        "scale (ScaleNorm, [1] eq. 5), scale_fixed (g = sqrt d, [1] Table 7), rms (RMSNorm), the batch norms "
+        "of [2] (batch, pnv, power), none ([3] Table 6)")
+    add(g, "--encoder-norm", choices=sorted(NORMS), help="override --norm in the encoder ([2]: PN in the "
+        "encoder only)")
+    add(g, "--decoder-norm", choices=sorted(NORMS), help="override --norm in the decoder")
+    place = g.add_mutually_exclusive_group()
+    add(place, "--prenorm", dest="prenorm", action="store_true", default=True, help="PreNorm residual "
+        "x + F(norm(x)) ([1] eq. 3), plus a final norm per stack (the default)")
+    add(place, "--postnorm", dest="prenorm", action="store_false", default=True, help="PostNorm residual "
+        "norm(x + F(x)) ([1] eq. 2, the original Transformer)")
+    add(g, "--fixnorm", action=argparse.BooleanOptionalAction, default=True, help="l2-normalise the tied "
+        "embedding rows ([1] section 2.3, eq. 6 with ScaleNorm; default on)")
+    add(g, "--init", choices=["small", "xavier"], default="small", help="SmallInit (attention std sqrt(2/5d), "
+        "[1] section 2.2) or Xavier normal ([1] eq. 4)")
+    add(g, "--qknorm", action="store_true", default=False, help="QKNorm attention: softmax(g * q^.k^) with "
+        "l2-normalised q, k ([3] eqs. 2-5)")
+    add(g, "--qk-length", type=float, help="L of g0 = log2(L^2 - L) ([3] eq. 3); default: computed from the "
+        "training data")
+    add(g, "--qk-percentile", type=float, default=97.5, help="percentile of training lengths used as L "
+        "([3] section 3; Table 5 varies it)")
+    add(g, "--qk-no-g", action="store_true", default=False, help="QKNorm ablation: g fixed at 1 ([3] Table 6)")
+    add(g, "--qk-norm-v", action="store_true", default=False, help="QKNorm ablation: l2-normalise V too "
+        "([3] Table 6)")
+    add(g, "--pn-warmup", type=int, help="PowerNorm: training forwards that use batch statistics while the "
+        "running one accumulates ([2] appendix A: the LR warmup); default: the LR warmup")
+    add(g, "--pn-variant", choices=["paper", "code"], default="paper", help="PowerNorm: 'paper' follows [2] "
+        "Algorithm 2 / eq. 12; 'code' the released code (backward divides by the batch psi_B after warmup; "
+        "padding enters the backward means)")
+    add(g, "--pn-alpha-fwd", type=float, default=0.9, help="PowerNorm forward running-average alpha ([2] eq. 10)")
+    add(g, "--pn-alpha-bkw", type=float, default=0.9, help="PowerNorm backward running-average alpha ([2] eq. 13)")
+    add(g, "--sdpa", action=argparse.BooleanOptionalAction, default=True, help="torch's "
+        "scaled_dot_product_attention (off: the written-out attention; default on)")
+    g = p.add_argument_group("optimisation and schedule")
+    add(g, "--schedule", choices=["invsqrt", "valdecay", "nowarmup", "warmupflat"], default="invsqrt",
+        help="invsqrt: eq. 7 of [1] (INVSQRTDECAY); valdecay: eq. 7's linear warmup, then flat at its peak, "
+             "times --decay-factor when dev BLEU stalls ([1] 2.4, VALDECAY); nowarmup: constant --lr (3e-4 in "
+             "[1]) with the same validation decay; warmupflat: [3]'s name for valdecay")
+    add(g, "--lr-scale", type=float, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
+        "warmup^-1.5) ([1] 3.3: 1, and 2 for 2xLR); when given it overrides --lr, whose value is "
+        "lambda / sqrt(d * warmup)")
+    add(g, "--lr", type=float, default=2e-3, help="peak LR (reached at n_warmup), i.e. lambda = lr * "
+        "sqrt(d * warmup) in eq. 7; the constant LR of --schedule nowarmup ([1] 3.3: 3e-4)")
+    add(g, "--warmup", type=int, default=200, help="n_warmup of eq. 7 ([1]: 8000)")
+    add(g, "--decay-factor", type=float, default=0.8, help="alpha_decay of validation decay ([1] 3.3)")
+    add(g, "--patience", type=int, default=3, help="validation decay when dev BLEU is below each of the "
+        "previous PATIENCE evaluations ([1] 3.3)")
+    add(g, "--stop-lr", type=float, default=1e-6, help="stop when the LR falls below this ([1] appendix A: "
+        "1e-6; TwT code 5e-5; [3]: 1e-5)")
+    add(g, "--early-stop", type=int, default=20, help="stop when dev BLEU has not improved for this many "
+        "evaluations ([1]: 20, 50 for gl-en; 0: off)")
+    add(g, "--beta1", type=float, default=0.9, help="Adam beta1 ([1] appendix A)")
+    add(g, "--beta2", type=float, default=0.999, help="Adam beta2 ([1] appendix A)")
+    add(g, "--adam-eps", type=float, default=1e-8, help="Adam epsilon ([1] appendix A)")
+    add(g, "--weight-decay", type=float, default=0.0, help="decoupled weight decay (AdamW; [2] used 1e-4)")
+    add(g, "--clip", type=float, default=1.0, help="clip the global gradient norm at this value (0: off)")
+    add(g, "--label-smoothing", type=float, default=0.1, help="epsilon of label smoothing, spread over the "
+        "target vocabulary ([1] appendix A)")
+    g = p.add_argument_group("run")
+    add(g, "--out", default="runs/quickstart", help="run directory")
+    add(g, "--seed", type=int, default=1, help="fixes every random choice")
+    add(g, "--epoch-size", type=int, default=100, help="steps per epoch; dev BLEU after each ([1]: 1000-2000 "
+        "by pair)")
+    add(g, "--max-epochs", type=int, default=4, help="stop after this many epochs ([1] Table 1: 200)")
+    add(g, "--keep-checkpoints", type=int, default=5, help="keep the last N per-epoch checkpoints, for "
+        "checkpoint averaging ([2]: the last 5)")
+    add(g, "--max-steps", type=int, help="stop after this many steps (quick checks)")
+    add(g, "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+    add(g, "--threads", type=int, help="CPU threads (torch.set_num_threads)")
+    add(g, "--compile", action="store_true", default=False, help="torch.compile the model (CUDA)")
+    add(g, "--reference", action="store_true", default=False, help="run every equation as written, with no "
+        "fast path anywhere (norms.py section 1): slower, for checking an edited equation")
+    add(g, "--log-interval", type=int, default=50, help="steps between log lines")
+    add(g, "--beam", type=int, default=4, help="beam size for test BLEU (Code: 4)")
+    add(g, "--alpha", type=float, default=0.6, help="GNMT length penalty alpha (Code: 0.6)")
+    add(g, "--dev-beam", type=int, default=1, help="beam size for the per-epoch dev BLEU (1 = greedy)")
+    add(g, "--benchmark", type=int, default=0, metavar="N", help="time N training steps after a warm-up and "
+        "print tokens/s, FLOPs/token, MFU, padding and peak memory, then exit (writes no run directory)")
+    add(g, "--profile", action="store_true", default=False, help="with --benchmark: also print where the time "
+        "of a step goes (torch.profiler, by operator)")
+    add(g, "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint (its "
+        "saved flags are used)")
+    return p
+
+
+def resolve_flags(argv=None):
+    """The command line -> (args, given): every flag's value, and the flags given explicitly."""
+    given = vars(build_parser().parse_args(argv))
+    if given.get("preset") == "list":
+        print_presets()
+        sys.exit(0)
+    flags = dict(DEFAULTS)
+    if "preset" in given:
+        if given["preset"] not in PRESETS:
+            sys.exit(f"error: --preset {given['preset']}: unknown; --preset list shows the {len(PRESETS)} presets")
+        pair, _, row = PRESETS[given["preset"]]
+        flags.update(PAIRS[given.get("pair", pair)], **row)
+    elif "pair" in given:
+        flags.update(PAIRS.get(given["pair"], {}))
+    flags.update(given)
+    args = argparse.Namespace(**flags)
+    if args.pair is not None and args.pair not in PAIRS:
+        sys.exit(f"error: --pair {args.pair}: unknown; choose one of {', '.join(PAIRS)}")
+    # Values that depend on other flags are fixed here, once, and recorded in config.json.
+    if args.bpe_size is None:
+        args.bpe_size = 2000 if args.data is None else 8000
+    if args.pn_warmup is None:  # Paper [2] appendix A: the same as the LR schedule's warmup
+        args.pn_warmup = 0 if args.schedule == "nowarmup" else args.warmup
+    return args, given
 
 
 def validate_args(args):
@@ -331,7 +737,8 @@ def validate_args(args):
         sys.exit(f"error: {flag}: {why}")
     if args.d_model % args.heads:
         bad("--d-model", f"{args.d_model} is not divisible by --heads {args.heads}")
-    for flag in ("batch_tokens", "epoch_size", "d_model", "heads", "ff", "layers", "warmup", "bpe_size", "max_len"):
+    for flag in ("batch_tokens", "epoch_size", "d_model", "heads", "ff", "layers", "warmup", "bpe_size", "max_len",
+                 "accumulate"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             bad("--" + flag.replace("_", "-"), "must be positive")
     for flag in ("dropout", "word_dropout", "label_smoothing"):
@@ -343,126 +750,122 @@ def validate_args(args):
         bad("--data", "also give --src and --tgt, e.g. --src en --tgt de for DIR/train.en and DIR/train.de")
     if not 0 < args.qk_percentile <= 100:
         bad("--qk-percentile", "must be in (0, 100]")
-    if args.qk_length is not None and args.qk_length <= 1:
-        bad("--qk-length", "must be > 1 (g0 = log2(L^2 - L))")
+    if args.qk_length is not None and args.qk_length < 2:
+        bad("--qk-length", "must be at least 2 (g0 = log2(L^2 - L) >= 1)")
 
 
-# ---------------------------------------------------------------------------------------
-# Data: read, BPE, encode (cached in the run directory).
-# ---------------------------------------------------------------------------------------
-def prepare_data(args, run_dir, log):
-    if args.data is None:
-        data_dir, src, tgt = data.ensure_toy_corpus(), "src", "tgt"
-        log(f"data: built-in synthetic corpus in {data_dir}")
-    else:
-        data_dir, src, tgt = Path(args.data), args.src, args.tgt
-    paths = data.corpus_paths(data_dir, src, tgt)
-    splits = {}
-    for split in ("train", "dev", "test"):
-        pairs, stats = data.read_parallel(*paths[split], drop_empty=True)
-        if stats.get("empty"):
-            log(f"data: {split}: dropped {stats['empty']} pairs with an empty side")
-        splits[split] = pairs
-    if args.bpe_size is None:
-        args.bpe_size = 2000 if args.data is None else 8000
-    bpe_path, bpe_key_path = run_dir / "bpe.model", run_dir / "bpe.key"
-    # The BPE model is reused only for the same training text and size (a run directory reused for
-    # another corpus or --bpe-size trains a new one): the key is a hash of both.
-    h = hashlib.sha256(f"{args.bpe_size}\n".encode())
-    for s, t in splits["train"]:
-        h.update(f"{s}\t{t}\n".encode())
-    bpe_key = h.hexdigest()
-    if not bpe_path.exists() or not bpe_key_path.exists() or bpe_key_path.read_text() != bpe_key:
-        t0 = time.time()
-        trained = data.train_bpe([s for s, _ in splits["train"]], [t for _, t in splits["train"]],
-                                 args.bpe_size, str(run_dir / "bpe"))
-        if Path(trained) != bpe_path:
-            os.replace(trained, bpe_path)
-        atomic_write_text(bpe_key, bpe_key_path)
-        log(f"data: trained joint BPE ({args.bpe_size} requested) in {time.time() - t0:.1f}s")
-    tok = data.Tokenizer(str(bpe_path))
-    enc = {}
-    for split in ("train", "dev"):
-        enc[split] = data.load_or_encode(tok, splits[split], run_dir / f"{split}.enc.pt")
-    train, dropped = data.filter_long(enc["train"], args.max_len)
-    if dropped:
-        log(f"data: dropped {dropped} training pairs longer than --max-len {args.max_len}")
-    if not train:
-        raise data.DataError(f"{paths['train'][0]}: no training pair left after --max-len {args.max_len}")
-    log(f"data: {len(train)} train / {len(splits['dev'])} dev / {len(splits['test'])} test pairs, "
-        f"vocabulary {tok.vocab_size}")
-    return tok, splits, train, enc["dev"], (src, tgt)
+# =======================================================================================
+# Appendix B: presets. Each is one row of a paper's table as a set of flags, applied after the
+# defaults and before the flags of the command line (which override it): --preset NAME.
+# A row names its language pair (PAIRS); --pair NAME swaps in another pair's corpus and
+# per-pair flags ([1] Table 1 and appendix A; REFERENCE.md). `python data.py prepare NAME`
+# lays each corpus out under data/NAME.
+# =======================================================================================
+_TWT_PAIR = dict(bpe_size=8000, layers=6, heads=8, dropout=0.3, max_epochs=200, early_stop=20)
+PAIRS = {
+    "gl-en": dict(data="data/gl-en", src="gl", tgt="en", bpe_size=3000, layers=4, heads=4, dropout=0.4,
+                  epoch_size=100, max_epochs=1000, early_stop=50),
+    "sk-en": dict(_TWT_PAIR, data="data/sk-en", src="sk", tgt="en", epoch_size=600),
+    "en-vi": dict(_TWT_PAIR, data="data/en-vi", src="en", tgt="vi", epoch_size=1500),
+    "en-he": dict(_TWT_PAIR, data="data/en-he", src="en", tgt="he", epoch_size=2000),
+    "ar-en": dict(_TWT_PAIR, data="data/ar-en", src="ar", tgt="en", epoch_size=2000),
+    "de-en": dict(data="data/de-en", src="de", tgt="en", bpe_size=10000),  # PowerNorm's IWSLT'14
+}
+# The shared recipes. TwT appendix A: d 512, FFN 2048, word dropout and label smoothing 0.1,
+# 4096-token batches, beam 4 with alpha 0.6 (dev BLEU with beam 4 too, as the authors' code).
+TWT = dict(d_model=512, ff=2048, word_dropout=0.1, label_smoothing=0.1, batch_tokens=4096, beam=4, alpha=0.6,
+           dev_beam=4, init="small")
+TWT_LN = dict(TWT, norm="layer", fixnorm=False)  # [1] 3.1 and Table 5: before FixNorm and ScaleNorm
+TWT_FINAL = dict(TWT, prenorm=True, norm="scale", fixnorm=True)  # PreNorm + FixNorm + ScaleNorm
+INVSQRT = dict(schedule="invsqrt", lr_scale=1.0, warmup=8000)  # [1] 3.2: lambda 1, 8k warmup
+NOWARMUP = dict(schedule="nowarmup", lr=3e-4)  # [1] 3.3: a constant 3e-4, x0.8 decay
+# QKNorm's released configs: LayerNorm, PreNorm, FixNorm; linear warmup to ~4.94e-4 then flat,
+# x0.8 validation decay; stop when the LR falls below 1e-5, no early stop.
+QK = dict(TWT, norm="layer", prenorm=True, fixnorm=True, qknorm=True, schedule="warmupflat", lr_scale=1.0,
+          warmup=8000, stop_lr=1e-5, early_stop=0)
+# PowerNorm's released IWSLT'14 recipe: pre-norm, 6+6 layers, d 512, FFN 1024, 4 heads, the batch
+# norms in the encoder only, Adam (0.9, 0.98), decoupled weight decay 1e-4, inverse-sqrt LR peaking
+# at 0.0015 after 8000 steps, no clipping, dropout 0.3 (attention, ReLU 0.1), no word dropout,
+# average of the last 5 epoch checkpoints, beam 5, length penalty 1.0.
+PN = dict(layers=6, d_model=512, heads=4, ff=1024, dropout=0.3, attn_dropout=0.1, relu_dropout=0.1,
+          word_dropout=0.0, label_smoothing=0.1, batch_tokens=4096, prenorm=True, fixnorm=False, init="xavier",
+          schedule="invsqrt", lr=0.0015, warmup=8000, beta2=0.98, weight_decay=1e-4, clip=0.0, stop_lr=1e-9,
+          epoch_size=1000, max_epochs=100, early_stop=5, keep_checkpoints=5, beam=5, alpha=1.0, norm="layer")
+
+def row(*parts, **flags):
+    """The flags of a row: the parts merged left to right, then flags (later ones win)."""
+    return {k: v for part in parts + (flags,) for k, v in part.items()}
 
 
-# ---------------------------------------------------------------------------------------
-# Evaluation.
-# ---------------------------------------------------------------------------------------
-def evaluate_bleu(model, tok, pairs, beam, alpha, device, batch_tokens):
-    import decode  # imported here: decode.py imports train inside its functions too
-    hyps = decode.translate(model, tok, [s for s, _ in pairs], beam=beam, alpha=alpha,
-                            batch_tokens=batch_tokens, device=device)
-    return decode.bleu(hyps, [t for _, t in pairs]), hyps
+PRESETS = {  # name: (language pair, the paper's row, flags)
+    **{f"twt2-{init}-{place}-w{w // 1000}k": ("en-vi", f"TwT Table 2: {init} init, {place}, {w // 1000}k warmup",
+                                             row(TWT_LN, INVSQRT, init=init, prenorm=place == "prenorm", warmup=w))
+       for init in ("xavier", "small") for place in ("postnorm", "prenorm") for w in (4000, 8000, 16000)},
+    "twt3-postnorm": ("en-vi", "TwT Table 3 (1): PostNorm + LayerNorm", row(TWT_LN, INVSQRT, prenorm=False)),
+    "twt3-prenorm": ("en-vi", "TwT Table 3 (2): PreNorm + LayerNorm", row(TWT_LN, INVSQRT, prenorm=True)),
+    "twt3-prenorm-fixnorm": ("en-vi", "TwT Table 3 (3): PreNorm + FixNorm + LayerNorm",
+                             row(TWT, INVSQRT, prenorm=True, norm="layer", fixnorm=True)),
+    "twt3-scalenorm": ("en-vi", "TwT Table 3 (4): PreNorm + FixNorm + ScaleNorm", row(TWT_FINAL, INVSQRT)),
+    "twt4-nowarmup": ("en-vi", "TwT Table 4: NOWARMUP", row(TWT_FINAL, NOWARMUP)),
+    "twt4-invsqrt": ("en-vi", "TwT Table 4: INVSQRTDECAY", row(TWT_FINAL, INVSQRT)),
+    "twt4-valdecay": ("en-vi", "TwT Table 4: VALDECAY", row(TWT_FINAL, INVSQRT, schedule="valdecay")),
+    "twt4-invsqrt-2xlr": ("en-vi", "TwT Table 4: INVSQRTDECAY + 2xLR", row(TWT_FINAL, INVSQRT, lr_scale=2.0)),
+    "twt4-valdecay-2xlr": ("en-vi", "TwT Table 4: VALDECAY + 2xLR",
+                           row(TWT_FINAL, INVSQRT, schedule="valdecay", lr_scale=2.0)),
+    **{f"twt5-{place}-{n}l": ("en-vi", f"TwT Table 5: {place}, {n} layers, NOWARMUP",
+                              row(TWT_LN, NOWARMUP, prenorm=place == "prenorm", layers=n))
+       for place in ("postnorm", "prenorm") for n in (4, 5, 6)},
+    "twt7-rmsnorm": ("en-vi", "TwT Table 7: RMSNorm + FixNorm", row(TWT_FINAL, INVSQRT, norm="rms")),
+    "twt7-scalenorm": ("en-vi", "TwT Table 7: ScaleNorm + FixNorm (= Table 3 (4))", row(TWT_FINAL, INVSQRT)),
+    "twt7-fixed-g": ("en-vi", "TwT Table 7: ScaleNorm (g = sqrt d) + FixNorm (learned)",
+                     row(TWT_FINAL, INVSQRT, norm="scale_fixed")),
+    "twt7-fixed-g-valdecay": ("en-vi", "TwT Table 7: ScaleNorm (g = sqrt d) + FixNorm + VALDECAY",
+                              row(TWT_FINAL, INVSQRT, norm="scale_fixed", schedule="valdecay")),
+    "twt7-fixed-g-valdecay-2xlr": ("en-vi", "TwT Table 7: ScaleNorm (g = sqrt d) + FixNorm + VALDECAY + 2xLR",
+                                   row(TWT_FINAL, INVSQRT, norm="scale_fixed", schedule="valdecay", lr_scale=2.0)),
+    "pn1-layernorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer LN", PN),
+    "pn1-batchnorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer BN", row(PN, encoder_norm="batch")),
+    "pn1-pnv": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer PN-V", row(PN, encoder_norm="pnv")),
+    "pn1-powernorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer PN (the released backward)",
+                      row(PN, encoder_norm="power", pn_variant="code")),
+    "qk2-twt": ("en-vi", "QKNorm Table 2: Nguyen and Salazar (2019), the TwT code's defaults",
+                row(TWT_FINAL, NOWARMUP, stop_lr=5e-5, early_stop=0)),
+    "qk2-qknorm": ("en-vi", "QKNorm Table 2: QKNorm + LayerNorm", QK),
+    **{f"qk4-heads{h}": ("en-vi", f"QKNorm Table 4: {h} heads", row(QK, heads=h)) for h in (2, 4, 8, 16, 32)},
+    **{f"qk5-p{p:g}": ("en-vi", f"QKNorm Table 5: L at the {p:g}th percentile", row(QK, qk_percentile=p))
+       for p in (75, 90, 92.5, 95, 97.5, 99, 100)},
+    "qk6-no-g": ("en-vi", "QKNorm Table 6: without g (fixed at 1)", row(QK, qk_no_g=True)),
+    "qk6-scalenorm": ("en-vi", "QKNorm Table 6: without LayerNorm, read as QKNorm + ScaleNorm (the code's "
+                               "other norm)", row(QK, norm="scale")),
+    "qk6-no-norm": ("en-vi", "QKNorm Table 6: without LayerNorm, literally (no norm at all)", row(QK, norm="none")),
+    "qk6-no-fixnorm": ("en-vi", "QKNorm Table 6: without FixNorm", row(QK, fixnorm=False)),
+    "qk6-no-fixnorm-postnorm": ("en-vi", "QKNorm Table 6: without FixNorm or PreNorm",
+                                row(QK, fixnorm=False, prenorm=False)),
+    "qk6-norm-v": ("en-vi", "QKNorm Table 6: l2-normalizing V along with Q and K", row(QK, qk_norm_v=True)),
+}
 
 
-@torch.no_grad()
-def evaluate_loss(model, encoded, batch_tokens, device, eps, amp=None):
-    """Teacher-forced held-out loss: (label-smoothed loss sum, NLL sum, target tokens).
-
-    exp(sum / tokens) is the (label-smoothed) perplexity of [1] Table 8.
-    Note: a reference token outside the target vocabulary (a BPE piece seen only on the
-    source side of the training data) can never be produced (its logit is -inf); it is
-    scored as UNK, so the perplexity stays finite.
-    """
-    was_training = model.training
-    model.eval()
-    total = nll_total = 0.0
-    n = 0
-    try:
-        for idx in data.make_batches(encoded, batch_tokens, shuffle=False, seed=0):
-            b = data.collate(encoded, idx, device)
-            with (amp() if amp is not None else torch.autocast("cpu", enabled=False)):
-                logits = model(b.src, b.tgt_in)  # (B, T, V)
-            keep = b.tgt_out.ne(data.PAD).flatten()  # (B*T,)
-            target = b.tgt_out.flatten()
-            target = torch.where(model.allowed[target] | ~keep, target, data.UNK)
-            loss, nll = label_smoothed_loss(logits.flatten(0, 1), target, model.allowed, eps, keep.to(logits.dtype))
-            total, nll_total, n = total + loss.item(), nll_total + nll.item(), n + int(keep.sum())
-    finally:
-        model.train(was_training)
-    return total, nll_total, n
+def print_presets():
+    for name, (pair, row, _) in PRESETS.items():
+        print(f"{name:30s} {pair:6s} {row}")
+    print(f"{len(PRESETS)} presets; --pair NAME swaps the language pair ({', '.join(PAIRS)}); "
+          f"any flag given with --preset overrides it")
 
 
-# ---------------------------------------------------------------------------------------
-# Checkpoints: everything needed to resume exactly, and to decode with nothing else.
-# ---------------------------------------------------------------------------------------
-def make_checkpoint(model, optimizer, tok_proto, state, args, langs):
-    return {
-        "model_config": model.cfg.to_dict(),
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "bpe_model_proto": tok_proto,
-        "src_lang": langs[0], "tgt_lang": langs[1],
-        "step": state["step"], "dev_bleu": state.get("dev_bleu"),
-        "train_state": state,
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-        "args": vars(args),
-    }
-
-
-# ---------------------------------------------------------------------------------------
-# Speed: model FLOPs and the machine's own matmul throughput (for MFU).
-# ---------------------------------------------------------------------------------------
+# =======================================================================================
+# Appendix C: speed. Model FLOPs, the machine's own matmul throughput (MFU), --benchmark,
+# --profile, and keeping freed memory. Figures are printed, never asserted.
+# =======================================================================================
 def step_flops(cfg, B, S, T, out_vocab=None):
     """Training FLOPs of one step on a (B, S) source / (B, T) target batch, padding included.
 
-    Counts the matmuls (2 FLOPs per multiply-add) of the forward pass and multiplies by 3
-    (the backward costs about two forwards). Per token, per layer:
-      encoder:  Q, K, V, O projections 4 D^2 + FFN 2 D FF            + scores Q K^T, A V: 2 S D
-      decoder:  self 4 D^2 + cross Q, O 2 D^2 + FFN 2 D FF            + scores 2 T D + 2 S D
+    Counts the matmuls (2 FLOPs per multiply-add) of the forward pass and multiplies by 3 (the
+    backward costs about two forwards). Per token, per layer:
+      encoder:  Q, K, V, O projections 4 D^2 + FFN 2 D FF          + scores Q K^T, A V: 2 S D
+      decoder:  self 4 D^2 + cross Q, O 2 D^2 + FFN 2 D FF          + scores 2 T D + 2 S D
                 (+ cross K, V 2 D^2 per *source* token)
-      output:   D Vt per target token (the tied embedding as the output layer; training computes
-                only the Vt = out_vocab target words' logits, default all V)
+      output:   D Vt per target token (training computes only the Vt = out_vocab target words'
+                logits, default all V)
     """
     D, FF, V = cfg.d_model, cfg.ff, out_vocab or cfg.vocab_size
     enc = cfg.enc_layers * (S * (4 * D * D + 2 * D * FF) + 2 * S * S * D)
@@ -470,17 +873,18 @@ def step_flops(cfg, B, S, T, out_vocab=None):
     return 3 * 2 * B * (enc + dec + T * D * V)
 
 
-def measure_matmul_flops(device, d, ff, tokens=4096, dtype=torch.float32, seconds=1.0):
-    """FLOP/s of a dense (tokens x d) @ (d x ff) GEMM, the model's largest matmul shape, measured
-    in this process: the denominator of MFU (model FLOPs utilisation)."""
+def matmul_flops(device, d, ff, tokens=4096, seconds=1.0):
+    """FLOP/s of a dense (tokens x d) @ (d x ff) fp32 GEMM, the model's largest matmul shape, in this
+    process: the denominator of MFU. The best of 5 short windows: a busy moment on a shared machine
+    would otherwise understate the peak (and inflate MFU)."""
     gen = torch.Generator(device=device).manual_seed(0)  # its own RNG: training's stays untouched
-    a = torch.randn(tokens, d, device=device, dtype=dtype, generator=gen)
-    b = torch.randn(d, ff, device=device, dtype=dtype, generator=gen)
+    a = torch.randn(tokens, d, device=device, generator=gen)
+    b = torch.randn(d, ff, device=device, generator=gen)
     for _ in range(3):  # warm-up
         a @ b
     best = 0.0
-    for _ in range(5):  # the best of 5 short windows: a busy moment on a shared machine
-        n, t0 = 0, time.perf_counter()  # would otherwise understate the peak (and inflate MFU)
+    for _ in range(5):
+        n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds / 5:
             a @ b
             n += 1
@@ -493,65 +897,43 @@ def measure_matmul_flops(device, d, ff, tokens=4096, dtype=torch.float32, second
 def peak_memory_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2 ** 20
-    import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB
 
 
-# ---------------------------------------------------------------------------------------
-# One training step, shared by training and --benchmark.
-# ---------------------------------------------------------------------------------------
-def train_step(step_model, model, optimizer, b, lr, args, wd_gen, amp, n_tgt_global):
-    """Forward, label-smoothed loss, backward, clip, Adam. Returns (loss sum, NLL sum, grad norm).
-
-    n_tgt_global: target tokens of this step over all ranks (= b.n_tgt on one process); the
-    loss is divided by it, and DDP's average of the ranks' gradients is multiplied by the world
-    size: their sum is the gradient of one process with the whole batch. (Scaling the loss by the
-    world size instead would scale every dL/dY too, which PowerNorm's backward is not linear in.)
-    """
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    # Paper (appendix A): word dropout on source and target *inputs*, never on the targets.
-    src = data.word_dropout(b.src, args.word_dropout, wd_gen) if args.word_dropout else b.src
-    tgt_in = data.word_dropout(b.tgt_in, args.word_dropout, wd_gen) if args.word_dropout else b.tgt_in
-    with amp():
-        logits = step_model(src, tgt_in, target_only=True)  # (B, T, Vt): target words only
-    keep = b.tgt_out.ne(data.PAD).flatten()  # (B*T,) 0 weight at padding
-    # Word id -> its column in the logits (PAD -> 0, weight 0). Every training target is a target
-    # word: data.target_vocab_mask is built from the training targets.
-    column = (model.allowed.cumsum(0) - 1).clamp_min(0)
-    loss_sum, nll_sum = SmoothedCrossEntropy.apply(logits.flatten(0, 1), column[b.tgt_out.flatten()],
-                                                   keep, args.label_smoothing)
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    loss = loss_sum / n_tgt_global  # Code: summed over non-pad targets, divided by their count
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    if world > 1:  # DDP averaged the gradients over the ranks; the whole batch's is their sum
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(world)
-    # Paper (appendix A): "Gradients are clipped when global norm exceeds 1.0".
-    # The norm before clipping is what [1] Figure 2 plots.
-    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip if args.clip > 0 else float("inf"))
-    optimizer.step()
-    return loss_sum.detach(), nll_sum.detach(), gnorm.detach()
-
-
-# ---------------------------------------------------------------------------------------
-# Training.
-# ---------------------------------------------------------------------------------------
-def setup_distributed(args):
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: PyTorch's DistributedDataParallel, gloo on CPU
-    and NCCL on CUDA. Returns (rank, world size, device)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = pick_device(args.device)
-    if world == 1:
-        return 0, 1, device
-    import torch.distributed as dist
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), world, device
+def benchmark(run):
+    """--benchmark N: time N training steps after 3 warm-up steps; print figures, assert nothing."""
+    args, cfg, warm = run.args, run.model.cfg, 3
+    peak = matmul_flops(run.device, cfg.d_model, cfg.ff)
+    tok = flops = secs = 0.0
+    n_out = int(run.model.allowed.sum())
+    losses = []
+    for i in range(warm + args.benchmark):
+        batches = run.next_batches()
+        (loss, _, _, n_tgt), dt = timed(lambda: train_step(run.net, run.optimizer, batches, run.schedule(i + 1),
+                                                           run.step_options), run.device)
+        losses.append(loss.item() / n_tgt)
+        if i >= warm:
+            secs, tok = secs + dt, tok + n_tgt
+            flops += sum(step_flops(cfg, *b.src.shape, b.tgt_in.size(1), n_out) for b in batches)
+    if args.profile:  # a few more steps under the profiler (not in the figures above: it slows them)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for i in range(3):
+                train_step(run.net, run.optimizer, run.next_batches(), run.schedule(i + 1), run.step_options)[0].item()
+        key = "self_cuda_time_total" if run.device.type == "cuda" else "self_cpu_time_total"
+        run.log(prof.key_averages().table(sort_by=key, row_limit=25))
+    peak = max(peak, matmul_flops(run.device, cfg.d_model, cfg.ff))  # the probe again, the larger kept
+    pad = data.padding_share(run.train, run.order)
+    result = {"steps": args.benchmark, "tgt_tok_per_s": tok / secs, "flops_per_tgt_token": flops / tok,
+              "achieved_flops": flops / secs, "matmul_peak_flops": peak, "mfu": flops / secs / peak,
+              "padding_share": pad, "peak_memory_mb": peak_memory_mb(run.device), "threads": torch.get_num_threads(),
+              "device": str(run.device), "losses": losses, "model_config": cfg.to_dict()}
+    run.log(f"benchmark: {args.benchmark} steps | {result['tgt_tok_per_s']:.0f} target tok/s | "
+            f"{result['flops_per_tgt_token'] / 1e6:.1f} MFLOP/target token | achieved "
+            f"{result['achieved_flops'] / 1e9:.1f} GFLOP/s | matmul peak {peak / 1e9:.1f} GFLOP/s | MFU "
+            f"{100 * result['mfu']:.1f}% | padding {100 * pad:.1f}% | peak memory {result['peak_memory_mb']:.0f} MiB "
+            f"| {result['threads']} threads")
+    return result
 
 
 def keep_freed_memory():
@@ -559,12 +941,10 @@ def keep_freed_memory():
 
     By default a block over 32 MiB (a batch's logits, an FFN activation) is mmap'ed fresh at
     every allocation and unmapped when freed, so each training step faults every page of it in
-    again, zero-filled by the kernel: a tenth of a CPU step on Multi30k (system time halves
-    without it). With these limits the freed blocks stay in malloc's heap; the process's peak
-    memory is about the same. Linux/glibc only; elsewhere (and if libc is not found) a no-op.
-    (The usual alternative is preloading jemalloc or tcmalloc, which this project does not need.)
+    again, zero-filled by the kernel (system time was a sixth of a Multi30k step). With these
+    limits the freed blocks stay in malloc's heap: +10-15% tokens/s, the same peak memory.
+    Linux/glibc only; elsewhere a no-op. (The usual alternative is preloading jemalloc.)
     """
-    import ctypes
     try:
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # <malloc.h>
@@ -575,337 +955,26 @@ def keep_freed_memory():
         pass
 
 
-def train(args):
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    validate_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    rank, world, device = setup_distributed(args)
-    if device.type == "cpu":
-        keep_freed_memory()
-    master = rank == 0  # only rank 0 logs and writes files
-    console = Console(soft_wrap=True, quiet=not master)  # log lines never wrap in a log file
-
-    def log(msg):
-        console.print(msg, highlight=False, markup=False)
-
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    run_dir = Path(args.out)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    resume_ckpt = None
-    if args.resume and (run_dir / "checkpoint_last.pt").exists():
-        resume_ckpt = torch.load(run_dir / "checkpoint_last.pt", map_location="cpu", weights_only=False)
-        log(f"resume: {run_dir}/checkpoint_last.pt at step {resume_ckpt['step']}")
-    metrics_path = run_dir / "metrics.jsonl"
-    if master:
-        if resume_ckpt is None:
-            metrics_path.unlink(missing_ok=True)  # a fresh run starts a fresh log
-        elif metrics_path.exists():  # drop what the killed run logged after its last checkpoint
-            lines = [l for l in metrics_path.read_text().splitlines()
-                     if l and json.loads(l).get("step", 1 << 62) <= resume_ckpt["step"]]
-            atomic_write_text("".join(l + "\n" for l in lines), metrics_path)
-
-    def write_metrics(record):
-        if master:
-            append_jsonl(metrics_path, record)
-
-    if world > 1 and not master:
-        torch.distributed.barrier()  # rank 0 prepares the BPE model and caches first
-    tok, splits, train_pairs, dev_encoded, langs = prepare_data(args, run_dir, log)
-    if world > 1 and master:
-        torch.distributed.barrier()
-    if master:
-        atomic_write_text(json.dumps(vars(args), indent=2) + "\n", run_dir / "config.json")
-    allowed = data.target_vocab_mask([t for _, t in train_pairs], tok.vocab_size)
-    qk_g0 = 1.0
-    if args.qknorm:
-        if args.qk_length is not None:
-            L, how = args.qk_length, "--qk-length"
-        else:
-            L = data.length_percentile(train_pairs, q=args.qk_percentile)
-            how = f"{args.qk_percentile}th percentile of BPE training lengths, source and target pooled, no BOS/EOS"
-        qk_g0 = data.qk_g0(L)
-        log(f"qknorm: L = {L:.2f} ({how}); g0 = log2(L^2 - L) = {qk_g0:.3f}")
-
-    cfg = model_config_from_args(args, tok.vocab_size, qk_g0)
-    model = Transformer(cfg, allowed).to(device)
-    log(f"model: {count_parameters(model) / 1e6:.2f}M parameters, "
-        f"{'PreNorm' if cfg.prenorm else 'PostNorm'}, norm={cfg.encoder_norm or cfg.norm}/"
-        f"{cfg.decoder_norm or cfg.norm}, fixnorm={cfg.fixnorm}, init={cfg.init}, qknorm={cfg.qknorm}, "
-        f"device={device}, threads={torch.get_num_threads()}" + (f", {world} ranks" if world > 1 else ""))
-
-    lr_scale = args.lr_scale if args.lr_scale is not None else lr_scale_for_peak(args.lr, args.d_model, args.warmup)
-    opt_cls = torch.optim.AdamW if args.weight_decay > 0 else torch.optim.Adam
-    optimizer = opt_cls(model.parameters(), lr=0.0, betas=(args.beta1, args.beta2), eps=args.adam_eps,
-                        weight_decay=args.weight_decay, **({"fused": True} if device.type == "cuda" else {}))
-    step_model = model
-    if world > 1:  # PyTorch's DDP: gradients all-reduced (averaged) across ranks in backward
-        step_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
-    if args.compile:
-        step_model = torch.compile(step_model)  # checkpoints always save `model`, the unwrapped module
-
-    def amp():
-        if device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
-
-    # -- training state (everything resume needs besides model/optimizer/RNG) -----------
-    state = {"step": 0, "epoch": 0, "data_epoch": 0, "batch_pos": 0, "best_bleu": -1.0,
-             "best_step": 0, "dev_bleu": None, "history": [], "lr_decay": 1.0, "since_best": 0,
-             "stopped": None}
-    # Word-dropout randomness: its own generator, on the device the batches live on.
-    wd_gen = torch.Generator(device=device).manual_seed(args.seed + rank)
-    if resume_ckpt is not None:
-        model.load_state_dict(resume_ckpt["model"])
-        optimizer.load_state_dict(resume_ckpt["optimizer"])
-        state.update(resume_ckpt["train_state"])
-        torch.set_rng_state(resume_ckpt["rng"]["torch"])
-        random.setstate(resume_ckpt["rng"]["python"])
-        if resume_ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(resume_ckpt["rng"]["cuda"])
-        wd_gen.set_state(state.pop("wd_gen_state"))
-    tok_proto = (run_dir / "bpe.model").read_bytes()  # so a checkpoint alone can decode
-
-    def batches_of(data_epoch):
-        return data.make_batches(train_pairs, args.batch_tokens, shuffle=True, seed=args.seed, epoch=data_epoch)
-
-    def next_batch():
-        """The next batch of this rank: each global step takes `world` consecutive batches of the
-        shuffled order and rank r trains on the r-th (batches are sharded by rank)."""
-        nonlocal order
-        if state["batch_pos"] + world > len(order):  # the data ran out: next shuffled pass
-            state["data_epoch"] += 1
-            state["batch_pos"] = 0
-            order = batches_of(state["data_epoch"])
-        idx = order[state["batch_pos"] + rank]
-        state["batch_pos"] += world
-        return data.collate(train_pairs, idx, device)
-
-    def global_tokens(b):
-        if world == 1:
-            return b.n_tgt
-        n = torch.tensor([b.n_tgt], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(n)
-        return n.item()
-
-    order = batches_of(state["data_epoch"])
-    model.train()
-    if args.benchmark:
-        return benchmark(args, model, step_model, optimizer, next_batch, wd_gen, amp, global_tokens,
-                         lr_scale, device, log, train_pairs, order)
-    peak_flops = measure_matmul_flops(device, cfg.d_model, cfg.ff)
-    n_out = int(model.allowed.sum())  # the output layer computes these target words' logits
-    log(f"speed: dense {cfg.d_model}x{cfg.ff} matmul runs at {peak_flops / 1e9:.1f} GFLOP/s here (MFU's denominator)")
-
-    total_steps = args.max_epochs * args.epoch_size
-    if args.max_steps is not None:
-        total_steps = min(total_steps, args.max_steps)
-    progress = Progress(TextColumn("[bold]train[/]"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                        TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                        console=console, transient=False, disable=not console.is_terminal)
-    win = {"loss": 0.0, "nll": 0.0, "tok": 0, "flops": 0.0, "t": 0.0, "gnorm": 0.0, "n": 0}
-    train_time = 0.0
-    with progress:
-        task = progress.add_task("train", total=total_steps, completed=state["step"], info="")
-        while state["step"] < total_steps and not state["stopped"]:
-            # -- one step ---------------------------------------------------------------
-            t_step = time.perf_counter()
-            b = next_batch()
-            state["step"] += 1
-            lr = scheduled_lr(state["step"], args, lr_scale, state["lr_decay"])
-            n_tgt = global_tokens(b)  # target tokens of this step on all ranks
-            loss_sum, nll_sum, gnorm = train_step(step_model, model, optimizer, b, lr, args, wd_gen, amp, n_tgt)
-            if world > 1:  # the whole batch's sums, so that every rank logs and stops alike
-                sums = torch.stack([loss_sum.double(), nll_sum.double()])
-                torch.distributed.all_reduce(sums)
-                loss_sum, nll_sum = sums[0], sums[1]
-            loss_sum, nll_sum, gnorm = loss_sum.item(), nll_sum.item(), gnorm.item()  # waits for the step
-            dt = time.perf_counter() - t_step
-            train_time += dt
-            for k, v in (("loss", loss_sum), ("nll", nll_sum), ("tok", n_tgt), ("t", dt), ("gnorm", gnorm),
-                         ("n", 1), ("flops", step_flops(cfg, *b.src.shape, b.tgt_in.size(1), n_out) * world)):
-                win[k] += v
-            # [1] Figure 2: the global gradient norm of every step.
-            write_metrics({"step": state["step"], "loss": loss_sum / n_tgt, "gnorm": gnorm, "lr": lr,
-                           "tokens": n_tgt})
-            if not math.isfinite(loss_sum):
-                state["stopped"] = (f"the loss became {loss_sum} at step {state['step']} "
-                                    "(try a smaller --lr-scale, --prenorm, --init small or more --warmup)")
-                log("error: " + state["stopped"])
-                break
-            # -- one log line per interval ---------------------------------------------
-            if state["step"] % args.log_interval == 0 or state["step"] == total_steps:
-                tl, nll = win["loss"] / max(win["tok"], 1), win["nll"] / max(win["tok"], 1)
-                tps, mfu = win["tok"] / win["t"], win["flops"] / win["t"] / (peak_flops * world)
-                log(f"step {state['step']:6d} | loss {tl:6.3f} | ppl {math.exp(min(nll, 50)):8.2f} | "
-                    f"lr {lr:.2e} | {tps:7.0f} tok/s | MFU {100 * mfu:4.1f}% | gnorm {win['gnorm'] / win['n']:6.3f}")
-                progress.update(task, info=f"loss {tl:.3f}")
-                write_metrics({"step": state["step"], "train_loss": tl, "train_ppl": math.exp(min(nll, 50)),
-                               "tok_per_s": tps, "mfu": mfu})
-                win = {k: 0.0 if k != "tok" else 0 for k in win}
-            progress.update(task, completed=state["step"])
-            # -- end of an epoch: dev BLEU, validation decay, stopping, checkpoints ------
-            if state["step"] % args.epoch_size == 0 or state["step"] == total_steps:
-                end_of_epoch(args, model, optimizer, tok, splits, dev_encoded, state, lr_scale, wd_gen, amp,
-                             tok_proto, langs, device, run_dir, log, write_metrics, master, world)
-    result = finish(args, model, tok, splits, state, device, run_dir, metrics_path, log, train_time, master)
-    if world > 1:
-        torch.distributed.destroy_process_group()
-    return result
-
-
-def end_of_epoch(args, model, optimizer, tok, splits, dev_encoded, state, lr_scale, wd_gen, amp,
-                 tok_proto, langs, device, run_dir, log, write_metrics, master, world):
-    """Dev perplexity and BLEU, validation decay, stopping decisions, checkpoints (rank 0)."""
-    state["epoch"] += 1
-    t0 = time.time()
-    if master:
-        dev_loss, dev_nll, n = evaluate_loss(model, dev_encoded, args.batch_tokens, device, args.label_smoothing, amp)
-        dev_loss, dev_nll = dev_loss / max(n, 1), dev_nll / max(n, 1)
-        score, _ = evaluate_bleu(model, tok, splits["dev"], args.dev_beam, args.alpha, device, args.batch_tokens)
-        model.train()
-        bleu = score.score
-    if world > 1:  # every rank takes the same decisions: share rank 0's score
-        box = [bleu if master else None]
-        torch.distributed.broadcast_object_list(box, src=0)
-        bleu = box[0]
-    state["dev_bleu"] = bleu
-    state["history"].append(bleu)
-    improved = bleu > state["best_bleu"]
-    if improved:
-        state["best_bleu"], state["best_step"], state["since_best"] = bleu, state["step"], 0
-    else:
-        state["since_best"] += 1
-    # Validation decay ([1] 3.3), for the schedules that have it.
-    if args.schedule != "invsqrt" and validation_decay(state["history"], args.patience):
-        state["lr_decay"] *= args.decay_factor
-        log(f"dev BLEU below each of the previous {args.patience}: LR x {args.decay_factor}")
-    next_lr = scheduled_lr(state["step"] + 1, args, lr_scale, state["lr_decay"])
-    # Stopping ([1] appendix A): the LR too small, or no dev improvement for a while.
-    if next_lr < args.stop_lr and state["step"] >= args.warmup:
-        state["stopped"] = f"the LR {next_lr:.2e} fell below --stop-lr {args.stop_lr:g}"
-    elif args.early_stop and state["since_best"] >= args.early_stop:
-        state["stopped"] = f"dev BLEU has not improved for {args.early_stop} evaluations"
-    elif state["epoch"] >= args.max_epochs:
-        state["stopped"] = f"--max-epochs {args.max_epochs} reached"
-    if not master:
-        return
-    log(f"epoch {state['epoch']:3d} | step {state['step']:6d} | dev BLEU {bleu:6.2f} "
-        f"| dev ppl {math.exp(min(dev_nll, 50)):7.2f} | best {state['best_bleu']:6.2f} "
-        f"(step {state['best_step']}) | eval {time.time() - t0:.1f}s")
-    # [1] Figure 1 (dev BLEU per epoch) and Figures 3-4 (learned g's) come from these records.
-    write_metrics({"step": state["step"], "epoch": state["epoch"], "dev_bleu": bleu, "dev_loss": dev_loss,
-                   "dev_ppl": math.exp(min(dev_nll, 50)), "lr": next_lr, "g": model.learned_scales()})
-    ckpt = make_checkpoint(model, optimizer, tok_proto, dict(state, wd_gen_state=wd_gen.get_state()), args, langs)
-    if improved:
-        atomic_save(ckpt, run_dir / "checkpoint_best.pt")
-    if args.keep_checkpoints > 0:  # per-epoch checkpoints, for averaging ([2]: the last 5)
-        atomic_save(ckpt, run_dir / f"checkpoint_epoch{state['epoch']}.pt")
-        (run_dir / f"checkpoint_epoch{state['epoch'] - args.keep_checkpoints}.pt").unlink(missing_ok=True)
-    atomic_save(ckpt, run_dir / "checkpoint_last.pt")  # written last: the resume point
-    if state["stopped"]:
-        log(f"stopping: {state['stopped']}")
-
-
-def benchmark(args, model, step_model, optimizer, next_batch, wd_gen, amp, global_tokens, lr_scale, device,
-              log, train_pairs, order):
-    """--benchmark N: time N training steps after a warm-up; print figures, assert nothing."""
-    cfg = model.cfg
-    warm = 3
-    peak = measure_matmul_flops(device, cfg.d_model, cfg.ff)
-    tok = flops = 0
-    t = 0.0
-    n_out = int(model.allowed.sum())  # the output layer computes these target words' logits
-    for i in range(warm + args.benchmark):
-        b = next_batch()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss, _, _ = train_step(step_model, model, optimizer, b, scheduled_lr(i + 1, args, lr_scale, 1.0), args,
-                                wd_gen, amp, global_tokens(b))
-        loss.item()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warm:
-            t += time.perf_counter() - t0
-            tok += b.n_tgt
-            flops += step_flops(cfg, *b.src.shape, b.tgt_in.size(1), n_out)
-    if args.profile:  # a few more steps under the profiler (not in the figures above: it slows them)
-        from torch.profiler import ProfilerActivity, profile
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=acts) as prof:
-            for i in range(3):
-                b = next_batch()
-                train_step(step_model, model, optimizer, b, scheduled_lr(i + 1, args, lr_scale, 1.0), args,
-                           wd_gen, amp, global_tokens(b))[0].item()
-        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        log(prof.key_averages().table(sort_by=key, row_limit=25))
-    # The probe again after the steps, the larger of the two kept: a probe that ran in a slow
-    # moment of this shared machine would understate the peak and inflate MFU.
-    peak = max(peak, measure_matmul_flops(device, cfg.d_model, cfg.ff))
-    pad = data.padding_share(train_pairs, order)
-    result = {"steps": args.benchmark, "tgt_tok_per_s": tok / t, "flops_per_tgt_token": flops / tok,
-              "achieved_flops": flops / t, "matmul_peak_flops": peak, "mfu": flops / t / peak,
-              "padding_share": pad, "peak_memory_mb": peak_memory_mb(device), "threads": torch.get_num_threads(),
-              "device": str(device)}
-    log(f"benchmark: {args.benchmark} steps | {result['tgt_tok_per_s']:.0f} target tok/s | "
-        f"{result['flops_per_tgt_token'] / 1e6:.1f} MFLOP/target token | achieved {result['achieved_flops'] / 1e9:.1f} "
-        f"GFLOP/s | matmul peak {peak / 1e9:.1f} GFLOP/s | MFU {100 * result['mfu']:.1f}% | padding "
-        f"{100 * pad:.1f}% | peak memory {result['peak_memory_mb']:.0f} MiB | {result['threads']} threads")
-    return result
-
-
-def finish(args, model, tok, splits, state, device, run_dir, metrics_path, log, train_time, master=True):
-    """Test BLEU of the best checkpoint (by dev BLEU), with beam search; the learned g's."""
-    best = run_dir / "checkpoint_best.pt"
-    if not master:
-        return None
-    if not best.exists():
-        log("no checkpoint was written (the run ended before its first epoch)")
-        return None
-    import decode
-    ckpt = torch.load(best, map_location=device, weights_only=False)
-    model.load_state_dict(ckpt["model"])
-    model.eval()
-    result = {"best_step": ckpt["step"], "best_dev_bleu": ckpt["dev_bleu"], "train_seconds": train_time,
-              "stopped": state["stopped"]}
-    decode.print_g_table(model)  # [1] Figures 3-4: learned g versus depth
-    decode.save_g_values(model, run_dir / "g_values.json")
-    if splits["test"]:
-        score, hyps = evaluate_bleu(model, tok, splits["test"], args.beam, args.alpha, device, args.batch_tokens)
-        atomic_write_text("\n".join(hyps) + "\n", run_dir / "test.hyp")
-        result.update(test_bleu=score.score, test_signature=score.signature)
-        log(f"test BLEU (best checkpoint, step {ckpt['step']}, beam {args.beam}, alpha {args.alpha}): "
-            f"{score.score:.2f}  {score.signature}")
-    append_jsonl(metrics_path, {"final": result})
-    atomic_write_text(json.dumps(result, indent=2) + "\n", run_dir / "results.json")
-    return result
-
-
-def main(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.resume:
-        cfg_path = Path(args.resume) / "config.json"
-        if not cfg_path.exists():
-            parser.error(f"--resume {args.resume}: no config.json there (is it a run directory?)")
-        saved = json.loads(cfg_path.read_text())
-        given = {a.dest for a in parser._actions if any(o in (argv or sys.argv[1:]) for o in a.option_strings)}
-        keep_new = {"max_steps", "max_epochs", "device", "threads", "log_interval"} & given
-        for k, v in saved.items():
-            if k not in keep_new and k != "resume":
-                setattr(args, k, v)
-        args.out = args.resume
+# =======================================================================================
+# Appendix D: several processes. torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: PyTorch's
+# DistributedDataParallel, gloo on the CPU and NCCL on CUDA. Each step's batches are sharded by
+# rank (Run.next_batches); the batch norms sum their statistics over the ranks (norms.py
+# Appendix A); rank 0 alone evaluates, logs and writes, and shares its dev BLEU.
+# =======================================================================================
+def setup_distributed(args):
+    """(rank, world size, device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        return train(args)
-    except data.DataError as e:
+        device = pick_device(args.device)
+    except ValueError as e:
         sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        sys.exit("interrupted: resume with --resume " + str(args.out))
+    if world == 1:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), world, device
 
 
 if __name__ == "__main__":

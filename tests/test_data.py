@@ -165,7 +165,7 @@ def test_lines_split_on_newline_only(tmp_path):
 
 def test_bpe_round_trip_and_special_ids(toy):
     _, train, tok, _ = toy
-    assert (tok.pad, tok.unk, tok.bos, tok.eos) == (0, 1, 2, 3) == (PAD, UNK, BOS, EOS)
+    assert (tok.sp.pad_id(), tok.sp.unk_id(), tok.sp.bos_id(), tok.sp.eos_id()) == (0, 1, 2, 3) == (PAD, UNK, BOS, EOS)
     assert [tok.piece(i) for i in range(4)] == ["<pad>", "<unk>", "<s>", "</s>"]
     for s, t in train[:200]:
         assert tok.decode(tok.encode(s)) == s

@@ -25,7 +25,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -60,7 +59,7 @@ CONFIGS = {
 }
 
 
-# Negative controls, BatchNorm with norms._all_reduce_sum replaced: they must *not* match, or the
+# Negative controls, BatchNorm with norms.all_reduce_sum replaced: they must *not* match, or the
 # comparison could not see anything. "unsynced": per-rank statistics (the authors' code).
 # "not differentiable": the right sums in the forward, but through plain dist.all_reduce, which
 # autograd does not see: the backward misses the other ranks' share of the gradient.
@@ -106,7 +105,8 @@ class SGD:
     same, but importing torch.optim's step machinery costs each process seconds of torch._dynamo.)"""
 
     def __init__(self, params, lr):
-        self.params, self.param_groups = list(params), [{"lr": lr}]
+        self.params = list(params)
+        self.param_groups = [{"lr": lr, "params": self.params}]
 
     def zero_grad(self, set_to_none=True):
         for p in self.params:
@@ -127,15 +127,11 @@ def build(norm, options):
     return m, SGD(m.parameters(), lr=LR)
 
 
-def no_amp():
-    return torch.autocast("cpu", enabled=False)
-
-
 def run_config(name, rank=0, world=1):
     """STEPS train_steps of configuration `name`; rank r of `world` trains on its half of each batch.
     Returns the final state_dict and the per-step (local loss sum, global target tokens, grad norm)."""
     norm, options, even, clip = CONFIGS["batch" if name in CONTROLS else name]
-    args = SimpleNamespace(word_dropout=0.0, label_smoothing=0.1, clip=clip)  # train_step's flags
+    step_options = train.StepOptions(word_dropout=0.0, smoothing=0.1, clip=clip)
     m, opt = build(norm, options)
     step_model = m
     if world > 1:
@@ -145,13 +141,10 @@ def run_config(name, rank=0, world=1):
     for pairs in make_batches(seed=1, even=even):
         half = len(pairs) // world
         b = data.collate(pairs, list(range(rank * half, (rank + 1) * half)))  # rank r: its half
-        n = torch.tensor([float(b.n_tgt)], dtype=torch.float64)
-        if world > 1:
-            torch.distributed.all_reduce(n)  # as train.py's global_tokens
-        loss, _, gnorm = train.train_step(step_model, m, opt, b, LR, args, None, no_amp, n.item())
+        loss, _, gnorm, n = train.train_step(step_model, opt, [b], LR, step_options)  # n: all ranks' target tokens
         losses.append(loss.item())
         gnorms.append(gnorm.item())
-        totals.append(n.item())
+        totals.append(n)
     return {"state": {k: v.clone() for k, v in m.state_dict().items()}, "loss": losses, "gnorm": gnorms,
             "tokens": totals}
 
@@ -162,13 +155,13 @@ def worker(out_dir):
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     results = {name: run_config(name, rank, world) for name in CONFIGS}
-    synced = norms._all_reduce_sum
+    synced = norms.all_reduce_sum
     for name, replacement in CONTROLS.items():
-        norms._all_reduce_sum = replacement
+        norms.all_reduce_sum = replacement
         try:
             results[name] = run_config(name, rank, world)
         finally:
-            norms._all_reduce_sum = synced
+            norms.all_reduce_sum = synced
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
@@ -275,7 +268,7 @@ def test_batchnorm_without_differentiable_cross_rank_sums_does_not_match(ranks, 
 
 def test_all_reduce_sum_is_the_identity_on_one_process():
     a, b = torch.randn(3, requires_grad=True), torch.tensor(2.0)
-    out = norms._all_reduce_sum(a, b)
+    out = norms.all_reduce_sum(a, b)
     assert out[0] is a and out[1] is b
 
 
@@ -307,7 +300,7 @@ def test_train_py_under_torchrun_with_two_processes(tmp_path):
     for f in ("config.json", "bpe.model", "checkpoint_last.pt", "checkpoint_best.pt", "results.json"):
         assert (run / f).exists(), f
     assert not list(run.glob("*.tmp"))
-    ckpt = torch.load(run / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    ckpt = torch.load(run / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert ckpt["step"] == 6
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decode  # noqa: E402
-from decode import DecodeError  # noqa: E402
+from data import DataError as DecodeError  # noqa: E402  (decode.py raises data.DataError)
 from model import BOS, EOS, ModelConfig, MultiHeadAttention, Transformer  # noqa: E402
 
 WORDS = "the cat dog sat on a mat and ran to house big small red blue".split()

@@ -9,14 +9,15 @@ Run: python -m pytest -q tests/test_model.py   (CPU, small models, a few seconds
 """
 import itertools
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (BOS, EOS, PAD, FeedForward, ModelConfig, MultiHeadAttention, Transformer,
-                   attention_math, dropout, residual)
-from norms import ScaleNorm
+from model import (BOS, EOS, PAD, FeedForward, ModelConfig, MultiHeadAttention, SmoothedCrossEntropy, Transformer,
+                   attention_math, decode_step, dropout, fast_dropout, label_smoothed_loss, residual, start_decoding)
+from norms import ScaleNorm, use_reference
 
 V = 60
 
@@ -165,8 +166,8 @@ def test_target_vocab_mask_gives_minus_inf_outside_and_for_pad_bos():
     src, tgt = batch()
     with torch.no_grad():
         logits = m(src, tgt)  # (B, T, V)
-        state = m.start_decoding(src)
-        step = m.decode_step(tgt[:, 0], state)  # (B, V)
+        state = start_decoding(m, src)
+        step = decode_step(m, tgt[:, 0], state)  # (B, V)
     expect_ok = allowed.clone()
     expect_ok[PAD] = expect_ok[BOS] = False
     for lg in (logits, step):
@@ -197,7 +198,7 @@ def test_prenorm_has_final_norms_postnorm_has_none():
         m.eval()
         randomize_scales(m, seed=3)
         with torch.no_grad():
-            mem, src_pad = m.encode(src)
+            mem, src_pad = m.encode(src, m.embedding_matrix())
         norms = torch.linalg.vector_norm(mem, dim=-1)
         torch.testing.assert_close(norms, torch.full_like(norms, last(m).g.item()), rtol=1e-5, atol=0)
 
@@ -216,12 +217,14 @@ def test_residual_computes_eq2_and_eq3():
     mask = torch.zeros(2, 3, dtype=torch.bool)
     eq3 = x + f(norm(x, mask))  # PreNorm:  x + F(norm(x))
     eq2 = norm(x + f(x), mask)  # PostNorm: norm(x + F(x))
-    torch.testing.assert_close(residual(x, f, norm, mask, True, 0.3, False), eq3)
-    torch.testing.assert_close(residual(x, f, norm, mask, False, 0.3, False), eq2)
+    pre, post = SimpleNamespace(prenorm=True, dropout=0.3), SimpleNamespace(prenorm=False, dropout=0.3)
+    torch.testing.assert_close(residual(x, f, norm, mask, pre, False), eq3)
+    torch.testing.assert_close(residual(x, f, norm, mask, post, False), eq2)
     assert not torch.allclose(eq2, eq3)
     # dropout sits on the sublayer output, before the sum: with p = 1 F(.) is dropped whole
-    torch.testing.assert_close(residual(x, f, norm, mask, True, 1.0, True), x)
-    torch.testing.assert_close(residual(x, f, norm, mask, False, 1.0, True), norm(x, mask))
+    pre.dropout = post.dropout = 1.0
+    torch.testing.assert_close(residual(x, f, norm, mask, pre, True), x)
+    torch.testing.assert_close(residual(x, f, norm, mask, post, True), norm(x, mask))
 
 
 # ---------------------------------------------------------------------------------------
@@ -287,12 +290,12 @@ def test_incremental_decoding_equals_full_decoding(name):
     src, tgt = batch(seed=2, src_lengths=(7, 3, 5), tgt_len=8)
     with torch.no_grad():
         full = m(src, tgt)  # (B, T, V)
-        state = m.start_decoding(src)
-        steps = torch.stack([m.decode_step(tgt[:, t], state) for t in range(tgt.size(1))], dim=1)
+        state = start_decoding(m, src)
+        steps = torch.stack([decode_step(m, tgt[:, t], state) for t in range(tgt.size(1))], dim=1)
     ok = m.allowed
     torch.testing.assert_close(steps[..., ok], full[..., ok], rtol=1e-4, atol=1e-4)
     assert torch.isneginf(steps[..., ~ok]).all()
-    assert state["step"] == tgt.size(1)
+    assert state.step == tgt.size(1)
 
 
 def test_reorder_state_equals_decoding_the_selected_rows():
@@ -301,22 +304,22 @@ def test_reorder_state_equals_decoding_the_selected_rows():
     index = torch.tensor([2, 0, 0, 1, 2])  # permute and duplicate (beams)
     k = 3  # reorder after k steps
     with torch.no_grad():
-        ref_state = m.start_decoding(src)
-        ref = [m.decode_step(tgt[:, t], ref_state) for t in range(tgt.size(1))]
-        state = m.start_decoding(src)
+        ref_state = start_decoding(m, src)
+        ref = [decode_step(m, tgt[:, t], ref_state) for t in range(tgt.size(1))]
+        state = start_decoding(m, src)
         for t in range(k):
-            m.decode_step(tgt[:, t], state)
-        Transformer.reorder_state(state, index)
+            decode_step(m, tgt[:, t], state)
+        state.select(index)
         tgt_r = tgt[index]
         for t in range(k, tgt.size(1)):
-            got = m.decode_step(tgt_r[:, t], state)
+            got = decode_step(m, tgt_r[:, t], state)
             torch.testing.assert_close(got[:, m.allowed], ref[t][index][:, m.allowed], rtol=1e-5, atol=1e-5)
     # rows can also be dropped (a finished sentence leaves the batch)
     with torch.no_grad():
-        state = m.start_decoding(src)
-        m.decode_step(tgt[:, 0], state)
-        Transformer.reorder_state(state, torch.tensor([1]))
-        got = m.decode_step(tgt[1:2, 1], state)
+        state = start_decoding(m, src)
+        decode_step(m, tgt[:, 0], state)
+        state.select(torch.tensor([1]))
+        got = decode_step(m, tgt[1:2, 1], state)
     torch.testing.assert_close(got[:, m.allowed], ref[1][1:2][:, m.allowed], rtol=1e-5, atol=1e-5)
 
 
@@ -553,16 +556,29 @@ def test_scale_fixed_keeps_the_fixnorm_output_g_learned():
     assert list(m.learned_scales()) == ["dec_final_norm.g"]
 
 
-# --- dropout (inverted; the CPU sampler draws 16 random bits per element) ---------------------
+# --- dropout (inverted); its CPU fast path draws 16 random bits per element -------------------
+@pytest.fixture
+def reference():
+    use_reference(True)
+    yield
+    use_reference(False)
+
+
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
-def test_dropout_keeps_1_minus_p_and_rescales_to_keep_the_mean(p):
+@pytest.mark.parametrize("path", ["fast", "written"])
+def test_dropout_keeps_1_minus_p_and_rescales_to_keep_the_mean(p, path):
     torch.manual_seed(0)
     x = torch.rand(200_000) + 0.5
-    y = dropout(x, p)
+    use_reference(path == "written")
+    try:
+        y = dropout(x, p)
+    finally:
+        use_reference(False)
     kept = y != 0
     n = x.numel()
-    # P(drop) = p' = round(p 2^16) / 2^16; the kept share is within 5 binomial std of 1 - p'
-    p_q = round(p * 65536) / 65536
+    # The fast path's P(drop) = p' = round(p 2^16) / 2^16 (the written one's is p itself);
+    # the kept share is within 5 binomial std of 1 - p'
+    p_q = round(p * 65536) / 65536 if path == "fast" else p
     assert abs(kept.float().mean().item() - (1 - p_q)) < 5 * math.sqrt(p_q * (1 - p_q) / n)
     torch.testing.assert_close(y[kept], x[kept] / (1 - p_q))  # kept values scaled by 1 / (1 - p')
     assert (y[~kept] == 0).all()
@@ -571,20 +587,92 @@ def test_dropout_keeps_1_minus_p_and_rescales_to_keep_the_mean(p):
 
 def test_dropout_masks_are_independent_across_positions_and_reproducible():
     torch.manual_seed(3)
-    a = dropout(torch.ones(4, 50_000), 0.5) != 0
+    a = fast_dropout(torch.ones(4, 50_000), 0.5) != 0
     # the 4 int16 read from one int64 must not be correlated: neighbours agree half the time
     agree = (a[..., 1:] == a[..., :-1]).float().mean().item()
     assert abs(agree - 0.5) < 0.01
     assert abs(a.float().mean(1) - 0.5).max() < 0.01  # every row, not only on average
     torch.manual_seed(3)
-    assert torch.equal(dropout(torch.ones(4, 50_000), 0.5) != 0, a)  # the default generator fixes it
+    assert torch.equal(fast_dropout(torch.ones(4, 50_000), 0.5) != 0, a)  # the default generator fixes it
 
 
-def test_dropout_gradient_is_the_mask_and_eval_is_the_identity():
+@pytest.mark.parametrize("path", ["fast", "written"])
+def test_dropout_gradient_is_the_mask_and_eval_is_the_identity(path):
     torch.manual_seed(0)
     x = torch.randn(64, 33, requires_grad=True)
-    y = dropout(x, 0.2)
-    y.sum().backward()
-    torch.testing.assert_close(x.grad, (y / x).detach())  # dy/dx = m / (1 - p')
-    assert dropout(x, 0.2, training=False) is x and dropout(x, 0.0) is x
-    assert (dropout(x, 1.0) == 0).all()
+    use_reference(path == "written")
+    try:
+        y = dropout(x, 0.2)
+        y.sum().backward()
+        torch.testing.assert_close(x.grad, (y / x).detach())  # dy/dx = m / (1 - p')
+        assert dropout(x, 0.2, training=False) is x and dropout(x, 0.0) is x
+        assert (dropout(x, 1.0) == 0).all()
+    finally:
+        use_reference(False)
+
+
+# --- the fast paths compute the reference's math ---------------------------------------------
+FAST_CFGS = {
+    "scale-fixnorm": dict(norm="scale"),
+    "layer-qknorm": dict(norm="layer", qknorm=True, qk_g0=4.0),
+    "postnorm-layer": dict(norm="layer", prenorm=False, fixnorm=False),
+    "rms-norm-v": dict(norm="rms", qknorm=True, qk_norm_v=True),
+}
+
+
+@pytest.mark.parametrize("name", list(FAST_CFGS))
+def test_the_fast_paths_give_the_reference_loss_and_gradients(name):
+    """The training loss over the target words only (fast path) equals the -inf-masked loss over
+    all V words, and SDPA and F.layer_norm equal their written-out equations: the same loss and
+    the same parameter gradients, in float64, with and without --reference."""
+    torch.manual_seed(0)
+    mask = torch.zeros(V, dtype=torch.bool)
+    mask[torch.arange(3, V, 2)] = True  # every other word is a target word
+    mask[1] = True  # and UNK, as data.target_vocab_mask makes it
+    m = build(tgt_vocab_mask=mask, dropout=0.0, **FAST_CFGS[name]).double().train()
+    randomize_scales(m, seed=5, lo=1.0, hi=5.0)
+    src, tgt = batch(seed=4, src_lengths=(6, 4, 2), tgt_len=6)
+    tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:].clone()
+    tgt_out[2, 3:] = PAD
+    tgt_out[0, 0] = 4  # a word outside the target vocabulary: scored as UNK on both paths
+    # Note: torch's CPU SDPA kernel computes float64 attention at about float32 precision (1.5e-7
+    # from the written-out attention on the same inputs, measured with torch 2.13); the other fast
+    # paths agree to float64 rounding. So: without SDPA to 1e-10, with SDPA to 1e-6.
+    for sdpa, tol in ((False, 1e-10), (True, 1e-6)):
+        for mod in m.modules():
+            if isinstance(mod, MultiHeadAttention):
+                mod.sdpa = sdpa
+        results = []
+        for ref in (False, True):
+            use_reference(ref)
+            try:
+                loss, nll = m(src, tgt_in, tgt_out, 0.1)
+                results.append((loss, nll, torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)))
+            finally:
+                use_reference(False)
+        (fl, fn, fg), (rl, rn, rg) = results
+        torch.testing.assert_close((fl, fn), (rl, rn), rtol=tol, atol=tol)
+        for a, b in zip(fg, rg):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=100 * tol, atol=tol)
+    # the loss is the label-smoothed cross entropy of the masked full-vocabulary logits
+    logits = m(src, tgt_in)
+    target = torch.where(m.allowed[tgt_out] | tgt_out.eq(PAD), tgt_out, 1)  # UNK = 1
+    torch.testing.assert_close(fl.float() / tgt_out.ne(PAD).sum(), smoothed_ce(logits, target, m.allowed, 0.1),
+                               rtol=1e-6, atol=1e-6)  # smoothed_ce works in float32
+
+
+def test_the_fast_loss_has_the_exact_gradient_of_the_equation():
+    """SmoothedCrossEntropy's written-out backward, w (softmax - q), against autograd (gradcheck), and
+    its values against label_smoothed_loss, padding rows (w = 0) included."""
+    torch.manual_seed(0)
+    z = torch.randn(6, 9, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor([0, 3, 8, 2, 2, 5])
+    real = torch.tensor([True, True, False, True, True, True])
+    both = lambda z: SmoothedCrossEntropy.apply(z, target, real, 0.1)  # noqa: E731
+    assert torch.autograd.gradcheck(both, (z,))  # d/dz of loss and of NLL, any mix of the two
+    got, ref = both(z), label_smoothed_loss(z, target, 0.1, real)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got[0] + 0.3 * got[1], z), torch.autograd.grad(ref[0] + 0.3 * ref[1], z)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

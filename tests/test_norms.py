@@ -14,8 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from norms import (NORMS, LayerNorm, RMSNorm, ScaleNorm, _FusedRMSNormFunction, _FusedScaleNormFunction,
-                   _RMSNormFunction, _ScaleNormFunction, build_norm, fixnorm, fixnorm_formula)
+from norms import NORMS, LayerNorm, NoNorm, RMSNorm, ScaleNorm, build_norm, fixnorm, use_reference
 
 B, T, D = 3, 5, 16
 
@@ -28,6 +27,29 @@ def rand(*shape, seed=0, dtype=torch.float64, scale=3.0):
     forgets to centre or to rescale is caught)."""
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + 0.7).to(dtype)
+
+
+# The papers' equations, written out here independently of norms.py.
+def eq5(x, g, eps=1e-5):
+    """TwT eq. 5 with the authors' clamp: g x / max(||x||, eps)."""
+    return g * x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(eps)
+
+
+def rmsnorm_eq(x, w, eps):
+    """[4]: w_i x_i / sqrt(mean_j x_j^2 + eps)."""
+    return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def fixnorm_eq(w, eps=1e-12):
+    return w / torch.linalg.vector_norm(w, dim=-1, keepdim=True).clamp_min(eps)
+
+
+@pytest.fixture
+def reference():
+    """--reference for one test: every equation as written, no fast path."""
+    use_reference(True)
+    yield
+    use_reference(False)
 
 
 def pad_mask(b=B, t=T):
@@ -54,13 +76,22 @@ def test_layernorm_equals_f_layer_norm():
     torch.testing.assert_close(ln(x), eq, rtol=1e-12, atol=1e-12)
 
 
-def test_layernorm_formula_equals_f_layer_norm():
+def test_written_out_layernorm_equals_f_layer_norm_with_gradients(reference):
+    """Under --reference LayerNorm runs its equation as written; the fast path is F.layer_norm."""
     torch.manual_seed(1)
-    w, b = torch.randn(D, dtype=torch.float64), torch.randn(D, dtype=torch.float64)
-    x = rand(B, T, D, seed=1)
+    ln = LayerNorm(D).double()
+    with torch.no_grad():
+        ln.weight.copy_(torch.randn(D, dtype=torch.float64))
+        ln.bias.copy_(torch.randn(D, dtype=torch.float64))
+    x = rand(B, T, D, seed=1).requires_grad_(True)
+    dy = torch.randn_like(x)
     for eps in (1e-5, 1e-2):  # a large eps too, so that eps inside the sqrt is checked
-        torch.testing.assert_close(LayerNorm.formula(x, w, b, eps),
-                                   F.layer_norm(x, (D,), w, b, eps), rtol=1e-12, atol=1e-12)
+        ln.eps = eps
+        y, ref = ln(x), F.layer_norm(x, (D,), ln.weight, ln.bias, eps)
+        torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+        for a, b in zip(torch.autograd.grad(y, (x, ln.weight, ln.bias), dy),
+                        torch.autograd.grad(ref, (x, ln.weight, ln.bias), dy)):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_layernorm_init_is_identity_affine():
@@ -89,7 +120,6 @@ def test_scalenorm_equals_eq5():
     x = rand(B, T, D, seed=2, dtype=torch.float32)
     eq5 = 1.7 * x / x.pow(2).sum(-1, keepdim=True).sqrt()  # g x / ||x||
     torch.testing.assert_close(sn(x, pad_mask()), eq5, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ScaleNorm.formula(x, sn.g, sn.eps), eq5, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("d", [16, 512])
@@ -112,9 +142,6 @@ def test_scalenorm_eps_clamps_the_norm():
     assert torch.isfinite(y).all()
     assert torch.equal(y[0, 0], torch.zeros(D))
     torch.testing.assert_close(y[0, 1], sn.g.detach() * tiny / 1e-5, rtol=1e-5, atol=0)
-    yf = ScaleNorm.formula(x, sn.g.detach(), sn.eps)  # the written-out equation clamps too
-    assert torch.equal(yf[0, 0], torch.zeros(D))
-    torch.testing.assert_close(yf[0, 1], sn.g.detach() * tiny / 1e-5, rtol=1e-5, atol=0)
     # gradients are finite at zero too
     x0 = torch.zeros(1, 1, D, requires_grad=True)
     sn(x0).sum().backward()
@@ -145,7 +172,6 @@ def test_rmsnorm_equals_formula():
     x = rand(B, T, D, seed=3, dtype=torch.float32)
     ref = rn.weight * x / torch.sqrt((x * x).sum(-1, keepdim=True) / D + 1e-8)
     torch.testing.assert_close(rn(x, pad_mask()), ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(RMSNorm.formula(x, rn.weight, rn.eps), ref, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("a", [1e-2, 0.5, 7.0, 1e3])
@@ -240,46 +266,33 @@ def test_build_norm_unknown_name_raises_value_error_naming_choices():
 @pytest.mark.parametrize("name,cls", [("layer", LayerNorm), ("scale", ScaleNorm),
                                       ("scale_fixed", ScaleNorm), ("rms", RMSNorm)])
 def test_registry_builds_the_named_class(name, cls):
-    n = build_norm(name, D, heads=4, unused_option=1)  # unknown options are ignored
+    n = build_norm(name, D, 4)
     assert type(n) is cls
     assert (name == "scale_fixed") == (isinstance(n, ScaleNorm) and not isinstance(n.g, nn.Parameter))
 
 
 # ---------------------------------------------------------------------------------------
-# Gradients: the modules' backward passes (written out by hand, fused on the CPU) are meant
-# to be exact, so float64 gradcheck must pass.
+# Gradients: the norms are their equations under autograd, so gradcheck in float64 must pass,
+# with respect to the input and the learned scale, including where eps matters.
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cls", [ScaleNorm, RMSNorm])
-def test_formula_gradcheck_float64(cls):
-    """The written-out equations (staticmethod formula) are differentiable in float64."""
+def test_gradcheck_float64_input_and_parameter(cls):
     torch.manual_seed(9)
-    x = rand(2, 3, 6, seed=9).requires_grad_(True)
-    if cls is ScaleNorm:
-        g = torch.tensor(1.3, dtype=torch.float64, requires_grad=True)
-        assert torch.autograd.gradcheck(lambda x, g: ScaleNorm.formula(x, g, 1e-5), (x, g))
-    else:
-        w = torch.randn(6, dtype=torch.float64, requires_grad=True)
-        assert torch.autograd.gradcheck(lambda x, w: RMSNorm.formula(x, w, 1e-8), (x, w))
-
-
-@pytest.mark.parametrize("cls", [ScaleNorm, RMSNorm])
-def test_module_gradcheck_float64(cls):
-    torch.manual_seed(10)
     norm = cls(6).double()
-    if cls is RMSNorm:
-        with torch.no_grad():
-            norm.weight.copy_(torch.randn(6, dtype=torch.float64))
-    x = rand(2, 3, 6, seed=10).requires_grad_(True)
+    name = "g" if cls is ScaleNorm else "weight"
+    p = (torch.tensor(1.3, dtype=torch.float64) if cls is ScaleNorm else torch.randn(6, dtype=torch.float64))
+    x = rand(2, 3, 6, seed=9).requires_grad_(True)
+    f = lambda x, p: torch.func.functional_call(norm, {name: p}, (x,))  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x, p.requires_grad_(True)))
     assert norm(x).dtype == torch.float64
-    assert torch.autograd.gradcheck(lambda x: norm(x), (x,))
     # the float64 forward is float64-accurate
-    ref = cls.formula(x, norm.g, norm.eps) if cls is ScaleNorm else cls.formula(x, norm.weight, norm.eps)
+    ref = eq5(x, norm.g, norm.eps) if cls is ScaleNorm else rmsnorm_eq(x, norm.weight, norm.eps)
     torch.testing.assert_close(norm(x), ref, rtol=1e-12, atol=1e-12)
 
 
-def test_scalenorm_hand_written_backward_is_exact_in_the_clamped_region_too():
-    """The module's backward (on the CPU the fused path) against finite differences, with one token
-    whose norm is below eps (there y = g x / eps, so the projection term must vanish)."""
+def test_scalenorm_backward_is_exact_in_the_clamped_region_too():
+    """Finite differences, with one token whose norm is below eps (there y = g x / eps, so the
+    projection term must vanish)."""
     torch.manual_seed(3)
     norm = ScaleNorm(5).double()
     x = torch.randn(2, 3, 5, dtype=torch.float64)
@@ -291,12 +304,6 @@ def test_scalenorm_hand_written_backward_is_exact_in_the_clamped_region_too():
     assert torch.allclose(x.grad[0, 1], torch.full((5,), norm.g.item() / 1e-5, dtype=torch.float64))
 
 
-# ---------------------------------------------------------------------------------------
-# The fast paths. ScaleNorm, RMSNorm and FixNorm each have a readable form (formula(), the
-# equation under autograd), a written-out backward (the CUDA path) and a fused-kernel form
-# (the CPU path, PyTorch's weight-norm kernel). All must be the same function with the same
-# gradient, including the rows where eps matters and strided inputs.
-# ---------------------------------------------------------------------------------------
 def hard_rows(shape=(2, 4, 6), seed=11, transpose=False):
     """float64 activations with one zero token, one token of norm 1e-7 (< eps = 1e-5) and, if
     transpose, a strided (non-contiguous) layout."""
@@ -310,46 +317,38 @@ def hard_rows(shape=(2, 4, 6), seed=11, transpose=False):
     return x.requires_grad_(True)
 
 
-@pytest.mark.parametrize("fn", [_ScaleNormFunction, _FusedScaleNormFunction], ids=["written", "fused"])
+@pytest.mark.parametrize("cls", [ScaleNorm, RMSNorm])
 @pytest.mark.parametrize("transpose", [False, True], ids=["contiguous", "strided"])
-def test_scalenorm_implementations_equal_formula_and_gradcheck(fn, transpose):
+def test_norms_equal_their_equations_with_gradients_on_hard_rows(cls, transpose):
+    """Values and gradients (input and parameter) equal the equations written above, with a zero
+    row, a row below eps and a strided input; gradcheck too."""
     x = hard_rows(transpose=transpose)
-    g = torch.tensor(2.7, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, g: fn.apply(x, g, 1e-5), (x, g))
+    norm = cls(6).double()
+    with torch.no_grad():
+        if cls is ScaleNorm:
+            norm.g.fill_(2.7)
+        else:
+            norm.weight.copy_(torch.randn(6, dtype=torch.float64))
+            norm.eps = 1e-3  # large enough that its place (inside the sqrt) shows in the values
+    p = norm.g if cls is ScaleNorm else norm.weight
     dy = torch.randn_like(x)
-    y = fn.apply(x, g, 1e-5)
-    dx, dg = torch.autograd.grad(y, (x, g), dy)
-    yf = ScaleNorm.formula(x, g, 1e-5)
-    dxf, dgf = torch.autograd.grad(yf, (x, g), dy)
-    for a, b in [(y, yf), (dx, dxf), (dg, dgf)]:
+    y = norm(x)
+    yf = eq5(x, p, norm.eps) if cls is ScaleNorm else rmsnorm_eq(x, p, norm.eps)
+    for a, b in zip((y,) + torch.autograd.grad(y, (x, p), dy), (yf,) + torch.autograd.grad(yf, (x, p), dy)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    assert torch.equal(y[0, 1], torch.zeros(6, dtype=torch.float64))  # zero row: 0, not 0/0
+    assert torch.autograd.gradcheck(lambda x: norm(x), (x,))
+    if cls is ScaleNorm:
+        assert torch.equal(y[0, 1], torch.zeros(6, dtype=torch.float64))  # zero row: 0, not 0/0
 
 
-@pytest.mark.parametrize("fn", [_RMSNormFunction, _FusedRMSNormFunction], ids=["written", "fused"])
-@pytest.mark.parametrize("transpose", [False, True], ids=["contiguous", "strided"])
-def test_rmsnorm_implementations_equal_formula_and_gradcheck(fn, transpose):
-    x = hard_rows(transpose=transpose)
-    w = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    eps = 1e-3  # large enough that its place (inside the sqrt) shows in the values
-    assert torch.autograd.gradcheck(lambda x, w: fn.apply(x, w, eps), (x, w))
-    dy = torch.randn_like(x)
-    y = fn.apply(x, w, eps)
-    dx, dw = torch.autograd.grad(y, (x, w), dy)
-    yf = RMSNorm.formula(x, w, eps)
-    dxf, dwf = torch.autograd.grad(yf, (x, w), dy)
-    for a, b in [(y, yf), (dx, dxf), (dw, dwf)]:
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-
-
-def test_fixnorm_equals_its_formula_with_gradient():
+def test_fixnorm_equals_its_equation_with_gradient():
     torch.manual_seed(12)
     w = torch.randn(7, 6, dtype=torch.float64)
     with torch.no_grad():
         w[3] = 0.0  # a zero row: stays 0 (eps clamp), not NaN
     w.requires_grad_(True)
     dy = torch.randn(7, 6, dtype=torch.float64)
-    y, yf = fixnorm(w), fixnorm_formula(w)
+    y, yf = fixnorm(w), fixnorm_eq(w)
     torch.testing.assert_close(y, yf, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(torch.autograd.grad(y, w, dy)[0], torch.autograd.grad(yf, w, dy)[0],
                                rtol=1e-12, atol=1e-12)
@@ -357,18 +356,28 @@ def test_fixnorm_equals_its_formula_with_gradient():
     assert torch.autograd.gradcheck(fixnorm, (w.detach()[:3].clone().requires_grad_(True),))
 
 
-def test_fused_paths_in_float32_match_float64_formula():
-    """The fused kernels in the training dtype: fp32 results within fp32 rounding of the
-    float64 equation (ScaleNorm and RMSNorm, forward and input gradient)."""
+def test_float32_norms_match_the_float64_equations():
+    """In the training dtype: fp32 results within fp32 rounding of the float64 equation
+    (ScaleNorm and RMSNorm, forward and input gradient)."""
     x64 = hard_rows((8, 16, 64), seed=13)
     dy = torch.randn_like(x64)
     w = torch.randn(64, dtype=torch.float64)
-    for fn, formula, p in [(_FusedScaleNormFunction, ScaleNorm.formula, torch.tensor(8.0, dtype=torch.float64)),
-                           (_FusedRMSNormFunction, RMSNorm.formula, w)]:
+    sn, rn = ScaleNorm(64), RMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        sn.g.fill_(8.0)
+        rn.weight.copy_(w.float())
+    for norm, eq in [(sn, lambda x: eq5(x, 8.0, 1e-5)), (rn, lambda x: rmsnorm_eq(x, w, 1e-5))]:
         x32 = x64.detach().float().requires_grad_(True)
-        y32 = fn.apply(x32, p.float(), 1e-5)
+        y32 = norm(x32)
         (dx32,) = torch.autograd.grad(y32, x32, dy.float())
-        y = formula(x64, p, 1e-5)
+        y = eq(x64)
         (dx,) = torch.autograd.grad(y, x64, dy)
         torch.testing.assert_close(y32.double(), y, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dx32.double(), dx, rtol=1e-4, atol=1e-3)
+
+
+def test_no_norm_is_the_identity():
+    """--norm none (QKNorm Table 6 "without LayerNorm", literally): y = x, no parameters."""
+    n = build_norm("none", D)
+    x = rand(B, T, D)
+    assert isinstance(n, NoNorm) and n(x, pad_mask()) is x and not list(n.parameters())

@@ -233,7 +233,7 @@ def test_the_two_variants_differ_only_where_reference_md_says():
 def test_powernorm_eval_uses_only_the_running_statistic():
     gen = torch.Generator().manual_seed(6)
     D = 8
-    norm = PowerNorm(D, heads=2, warmup=2)
+    norm = PowerNorm(D, groups=2, warmup=2)
     for _ in range(3):
         norm(torch.randn(3, 4, D, generator=gen), None).sum().backward()
     norm.eval()
@@ -257,8 +257,8 @@ def test_powernorm_padding_never_changes_real_tokens(variant):
     neither its values, nor its amount, nor its upstream gradient."""
     gen = torch.Generator().manual_seed(7)
     B, T, D, W = 2, 4, 8, 2
-    a = PowerNorm(D, heads=2, warmup=W, variant=variant).to(F64)
-    b = PowerNorm(D, heads=2, warmup=W, variant=variant).to(F64)
+    a = PowerNorm(D, groups=2, warmup=W, variant=variant).to(F64)
+    b = PowerNorm(D, groups=2, warmup=W, variant=variant).to(F64)
     for _ in range(2 * W):
         x = torch.randn(B, T, D, generator=gen, dtype=F64)
         pad = random_pad_mask(gen, B, T)
@@ -284,7 +284,7 @@ def test_powernorm_padding_never_changes_real_tokens(variant):
 
 @pytest.mark.parametrize("name", ["batch", "pnv", "power"])
 def test_all_padding_batch_raises_instead_of_nan(name):
-    norm = build_norm(name, 8, heads=2)
+    norm = build_norm(name, 8, 2)
     with pytest.raises(ValueError, match="padding"):
         norm(torch.randn(2, 3, 8), torch.ones(2, 3, dtype=torch.bool))
     if name == "power":
@@ -295,13 +295,13 @@ def test_uint8_pad_mask_is_read_as_boolean():
     x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(8))
     pad = torch.tensor([[0, 0, 1], [0, 1, 1]])
     for name in ("batch", "pnv", "power"):
-        a, b = build_norm(name, 8, heads=2), build_norm(name, 8, heads=2)
+        a, b = build_norm(name, 8, 2), build_norm(name, 8, 2)
         torch.testing.assert_close(a(x, pad.to(torch.uint8)), b(x, pad.bool()))
 
 
 def test_powernorm_under_bf16_autocast_keeps_fp32_statistics():
     gen = torch.Generator().manual_seed(9)
-    norm = PowerNorm(8, heads=2, warmup=1)
+    norm = PowerNorm(8, groups=2, warmup=1)
     pad = torch.zeros(2, 3, dtype=torch.bool)
     pad[1, 2] = True
     for _ in range(3):  # across the warmup boundary
@@ -318,7 +318,7 @@ def test_powernorm_under_bf16_autocast_keeps_fp32_statistics():
     # fp16 activations with |x| > 256: x^2 would overflow fp16; the statistics are fp32.
     for name in ("batch", "pnv", "power"):
         x = (torch.full((2, 3, 8), 300.0) + torch.arange(8.0)).half()
-        y = build_norm(name, 8, heads=2)(x, None)
+        y = build_norm(name, 8, 2)(x, None)
         assert torch.isfinite(y).all(), name
 
 
@@ -335,14 +335,13 @@ def test_powernorm_counter_counts_training_forwards_only():
 def test_build_norm_passes_heads_and_options():
     assert {"batch", "pnv", "power"} <= set(NORMS)
     opts = {"warmup": 7, "variant": "code", "alpha_fwd": 0.95}
-    pn = build_norm("power", 16, heads=4, **opts)
-    got = (pn.groups, pn.warmup, pn.variant, pn.alpha_fwd, pn.alpha_bkw)
+    pn = build_norm("power", 16, 4, opts)  # GroupScaling's groups = heads (Code)
+    got = (pn.group_scaling.groups, pn.warmup, pn.options["variant"], pn.alpha_fwd, pn.options["alpha_bkw"])
     assert got == (4, 7, "code", 0.95, 0.9)
-    assert PowerNorm(16, groups=2, heads=4).groups == 2  # an explicit groups wins
-    assert isinstance(build_norm("batch", 16, heads=4, **opts), BatchNorm)
-    assert isinstance(build_norm("pnv", 16, heads=4, **opts), PNV)
+    assert isinstance(build_norm("batch", 16, 4, opts), BatchNorm)
+    assert isinstance(build_norm("pnv", 16, 4, opts), PNV)
     with pytest.raises(ValueError):
-        PowerNorm(10, heads=4)
+        PowerNorm(10, groups=4)
     with pytest.raises(ValueError):
         PowerNorm(8, variant="fairseq")
-    assert math.isclose(pn.eps, 1e-5)
+    assert math.isclose(pn.options["eps"], 1e-5)

@@ -1,0 +1,37 @@
+"""The five files read as one tutorial: imports run one way, all at the top of each file.
+
+norms.py <- model.py <- data.py <- decode.py <- train.py: each file imports only files before it,
+at its top, so every file can be read with what came before and there is no import cycle.
+"""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ORDER = ["norms", "model", "data", "decode", "train"]
+
+
+def project_imports(name):
+    """[(module, lineno, at_top)] of the project modules that file `name` imports."""
+    tree = ast.parse((ROOT / f"{name}.py").read_text(encoding="utf-8"))
+    top = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods = [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            mods = [(node.module or "").split(".")[0]]
+        else:
+            continue
+        found += [(m, node.lineno, id(node) in top) for m in mods if m in ORDER]
+    return found
+
+
+def test_project_imports_are_at_the_top_of_each_file():
+    inner = [f"{name}.py:{line} imports {m}" for name in ORDER for m, line, top in project_imports(name) if not top]
+    assert not inner, "project imports inside functions: " + "; ".join(inner)
+
+
+def test_imports_run_one_way_so_there_is_no_cycle():
+    for i, name in enumerate(ORDER):
+        for m, line, _ in project_imports(name):
+            assert ORDER.index(m) < i, f"{name}.py:{line} imports {m}, which comes after it in the reading order"
