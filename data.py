@@ -1,8 +1,8 @@
 """data.py -- chapter 3: corpus, subwords, batches, word dropout.
 
 Reading order: norms.py -> model.py -> data.py -> decode.py -> train.py.
-Run ``python data.py`` to build the built-in corpus (data/toy/) and print a summary of it;
-``python data.py prepare NAME`` downloads and checks one of the papers' corpora.
+Run ``python data.py`` to build the built-in corpus (data/toy/) and print a summary of it (summary(),
+Appendix A); ``python data.py prepare NAME`` downloads and checks one of the papers' corpora.
 
 Contents
   1. Reading a parallel corpus DIR/{train,dev,test}.{SRC,TGT}, with one-line errors that name
@@ -11,8 +11,8 @@ Contents
   3. Encoding, with an on-disk cache
   4. The target-vocabulary mask of [1]
   5. Token-budget batches with length buckets, and collate (the project's one batcher)
-  6. Word dropout [1, 3]
-  7. QKNorm's length statistic L and g0 [2]
+  6. Word dropout [1, 11]
+  7. QKNorm's length statistic L and g0 [3]
   8. Writing files atomically (the project's one atomic writer)
   Appendix A: the built-in corpus, a synthetic language pair (no download)
   Appendix B: the papers' corpora: python data.py prepare NAME (download, check, lay out)
@@ -21,9 +21,9 @@ Shapes: B sentences in a batch, S source length, T target length (after the BOS/
 
   [1] Nguyen & Salazar 2019, Transformers without Tears (appendix A: word dropout,
       vocabulary masking, 4k-token batches).
-  [2] Henry et al. 2020, Query-Key Normalization for Transformers (eq. 3: g0 = log2(L^2 - L),
+  [3] Henry et al. 2020, Query-Key Normalization for Transformers (eq. 3: g0 = log2(L^2 - L),
       L the 97.5th percentile of training lengths).
-  [3] Sennrich, Haddow & Birch 2016, Edinburgh Neural Machine Translation Systems for WMT 16.
+  [11] Sennrich, Haddow & Birch 2016, Edinburgh Neural Machine Translation Systems for WMT 16.
 """
 import argparse
 import hashlib
@@ -360,7 +360,7 @@ def word_dropout(x, p, generator=None):
 def length_percentile(encoded_pairs, q=97.5, count_bos_eos=False):
     """The q-th percentile of training lengths in BPE tokens (QKNorm's L).
 
-    Paper: [2] eq. 3, "L is the 97.5th percentile sequence length across all training data
+    Paper: [3] eq. 3, "L is the 97.5th percentile sequence length across all training data
     sequences for source and target". Note: we pool source and target lengths into one list
     (the paper does not say how; the authors hard-coded L per language pair) and interpolate
     linearly like numpy.percentile. BOS/EOS are not counted unless count_bos_eos (then the
@@ -374,7 +374,7 @@ def length_percentile(encoded_pairs, q=97.5, count_bos_eos=False):
 
 
 def qk_g0(L):
-    """QKNorm's initial scale g0 = log2(L^2 - L) ([2] eq. 3); e.g. L=72 -> 12.32."""
+    """QKNorm's initial scale g0 = log2(L^2 - L) ([3] eq. 3); e.g. L=72 -> 12.32."""
     if not L >= 2:  # Note: L^2 - L = 2 at L = 2 (g0 = 1); below, g0 falls to 0 and then is negative
         raise ValueError(f"qk_g0 needs a length L >= 2, got {L}")
     return math.log2(L * L - L)  # L^2 - L = number of off-diagonal entries of the L x L matrix QK^T
@@ -767,6 +767,35 @@ def ensure_toy_corpus():
     return make_toy_corpus(toy_corpus_dir())
 
 
+def summary():
+    """python data.py: build the built-in corpus and print what it is like."""
+    t0 = time.time()
+    d = ensure_toy_corpus()
+    t_make = time.time() - t0
+    paths = corpus_paths(d, "src", "tgt")
+    splits = {s: read_parallel(*paths[s])[0] for s in SPLITS}
+    print(f"toy corpus in {d} ({t_make:.1f}s): " + ", ".join(f"{s} {len(p)} pairs" for s, p in splits.items()))
+    train = splits["train"]
+    for side, name in ((0, "src"), (1, "tgt")):
+        words = [w for p in train for w in p[side].split()]
+        counts = {}
+        for w in words:
+            counts[w] = counts.get(w, 0) + 1
+        rare = sum(1 for c in counts.values() if c <= 2)
+        print(f"  {name}: {len(words) / len(train):.1f} words/sentence, {len(counts)} types, "
+              f"{rare} of them seen once or twice")
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = Tokenizer(train_bpe([p[0] for p in train], [p[1] for p in train], 2000, Path(tmp) / "bpe"))
+    enc = encode_pairs(tok, train)
+    L = length_percentile(enc)
+    pad = padding_share(enc, make_batches(enc, 4096, shuffle=True, seed=1))
+    print(f"  BPE: {tok.vocab_size} pieces ({time.time() - t0:.1f}s to train and encode), L(97.5%) = {L:.1f}, "
+          f"g0 = {qk_g0(L):.2f}, padding at 4096 tokens {pad:.1%}")
+    for s, t in train[:3]:
+        print(f"  src: {s}\n  tgt: {t}")
+
+
 # =======================================================================================
 # Appendix B: the papers' corpora: python data.py prepare NAME
 # =======================================================================================
@@ -776,7 +805,7 @@ def ensure_toy_corpus():
 # here: train.py trains the joint sentencepiece model itself (--bpe-size).
 
 _TED_NOTE = ("TED talks of Qi et al. 2018 (github.com/neulab/word-embeddings-for-nmt), read as "
-             "its ted_reader.py (used by [2]) does: a pair with an empty side or 'NULL' is dropped; "
+             "its ted_reader.py (used by [1] and [3]) does: a pair with an empty side or 'NULL' is dropped; "
              "Moses-tokenized as shipped.  qi18naacl-dataset.tar.gz has gl_to_en but no sk, ar or "
              "he, so all four pairs come from ted_talks.tar.gz (336 MB).  Train size: [1] Table 1, "
              "rounded (a warning if 2% off); dev/test sizes are not published.")
@@ -1034,54 +1063,6 @@ def prepare_main(argv=None):
         print("data.py: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
     return 0
-
-
-# ---------------------------------------------------------------------------
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["prepare"]:
-        sys.exit(prepare_main(sys.argv[2:]))
-    import time
-
-    t0 = time.time()
-    d = ensure_toy_corpus()
-    t_make = time.time() - t0
-    paths = corpus_paths(d, "src", "tgt")
-    data = {s: read_parallel(*paths[s])[0] for s in SPLITS}
-    print(f"toy corpus in {d} ({t_make:.1f}s): "
-          + ", ".join(f"{s} {len(p)} pairs" for s, p in data.items()))
-    train = data["train"]
-    for side, name in ((0, "src"), (1, "tgt")):
-        words = [w for p in train for w in p[side].split()]
-
-
-def summary():
-    """python data.py: build the built-in corpus and print what it is like."""
-    t0 = time.time()
-    d = ensure_toy_corpus()
-    t_make = time.time() - t0
-    paths = corpus_paths(d, "src", "tgt")
-    splits = {s: read_parallel(*paths[s])[0] for s in SPLITS}
-    print(f"toy corpus in {d} ({t_make:.1f}s): " + ", ".join(f"{s} {len(p)} pairs" for s, p in splits.items()))
-    train = splits["train"]
-    for side, name in ((0, "src"), (1, "tgt")):
-        words = [w for p in train for w in p[side].split()]
-        counts = {}
-        for w in words:
-            counts[w] = counts.get(w, 0) + 1
-        rare = sum(1 for c in counts.values() if c <= 2)
-        print(f"  {name}: {len(words) / len(train):.1f} words/sentence, {len(counts)} types, "
-              f"{rare} of them seen once or twice")
-    t0 = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        tok = Tokenizer(train_bpe([p[0] for p in train], [p[1] for p in train], 2000, Path(tmp) / "bpe"))
-    enc = encode_pairs(tok, train)
-    L = length_percentile(enc)
-    pad = padding_share(enc, make_batches(enc, 4096, shuffle=True, seed=1))
-    print(f"  BPE: {tok.vocab_size} pieces ({time.time() - t0:.1f}s to train and encode), L(97.5%) = {L:.1f}, "
-          f"g0 = {qk_g0(L):.2f}, padding at 4096 tokens {pad:.1%}")
-    for s, t in train[:3]:
-        print(f"  src: {s}\n  tgt: {t}")
 
 
 if __name__ == "__main__":

@@ -11,27 +11,28 @@ Shapes: B sentences, S source length, K beam size, V vocabulary, n the rows stil
     python decode.py RUN --g-table          python decode.py RUN --input dev.src --benchmark
 
 Contents
-  1. The length penalty (GNMT [2])
-  2. Greedy search
-  3. Beam search (batched over sentences and beams, cached keys/values)
-  4. Checkpoints: reading one safely
-  5. Translating many lines
-  6. Scores: tokenized BLEU, SacreBLEU, chrF [3, 4]
-  7. Held-out loss and perplexity ([1] Table 8)
-  8. The command line
-  Appendix A: significance, paired bootstrap resampling [6]
-  Appendix B: checkpoint averaging [7]
-  Appendix C: looking inside: the learned g's ([1] Figures 3-4), attention maps ([5] Figures 1-2)
+  1. Incremental decoding: encode once, then one token per step with cached keys/values
+  2. The length penalty (GNMT [7])
+  3. Greedy search
+  4. Beam search (batched over sentences and beams)
+  5. Checkpoints: reading one safely
+  6. Translating many lines
+  7. Scores: tokenized BLEU, SacreBLEU, chrF [8, 9]
+  8. Held-out loss and perplexity ([1] Table 8)
+  9. The command line
+  Appendix A: significance, paired bootstrap resampling [10]
+  Appendix B: checkpoint averaging [2]
+  Appendix C: looking inside: the learned g's ([1] Figures 3-4), attention maps ([3] Figures 1-2)
   Appendix D: --benchmark, the speed and BLEU of greedy and beam search
   Appendix E: the command line's flags
 
   [1] Nguyen & Salazar 2019, Transformers without Tears (TwT): beam 4, alpha 0.6, maximum
       output length = source length + 50 (the authors' code, REFERENCE.md).
-  [2] Wu et al. 2016, Google's Neural Machine Translation System (GNMT), eq. 14.
-  [3] Post 2018, A Call for Clarity in Reporting BLEU Scores (SacreBLEU).
-  [4] Popovic 2015, chrF.   [5] Henry et al. 2020, Query-Key Normalization (QKNorm).
-  [6] Koehn 2004, Statistical Significance Tests for Machine Translation Evaluation.
-  [7] Shen et al. 2020, PowerNorm: the average of the last 5 epoch checkpoints.
+  [2] Shen et al. 2020, PowerNorm: translations from an average of the last epoch checkpoints.
+  [3] Henry et al. 2020, Query-Key Normalization (QKNorm).
+  [7] Wu et al. 2016, Google's Neural Machine Translation System (GNMT), eq. 14.
+  [8] Post 2018, A Call for Clarity in Reporting BLEU Scores (SacreBLEU).
+  [9] Popovic 2015, chrF.   [10] Koehn 2004, Statistical Significance Tests for MT Evaluation.
 Comment markers: ``# Paper:``, ``# Note:`` (ours), ``# Code:`` (the authors' released code).
 """
 import argparse
@@ -54,14 +55,55 @@ from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 import data
 from data import DataError
-from model import EOS, PAD, ModelConfig, Transformer, autocast, decode_step, pick_device, start_decoding
+from dataclasses import dataclass
+from model import BOS, EOS, PAD, ModelConfig, MultiHeadAttention, Transformer, autocast, pick_device
 from norms import timed, use_reference
 
 NEG_INF = float("-inf")
 
 
 # ---------------------------------------------------------------------------------------
-# 1. Length penalty [2, eq. 14]:   s(Y) = log P(Y | X) / lp(Y),   lp(Y) = ((5 + |Y|) / 6)^alpha
+# 1. Incremental decoding: encode the source once, then one output token per step. Each
+# decoder layer's self-attention keys/values are cached and the new step's appended, so the
+# prefix is never recomputed; each layer's cross-attention keys/values are computed once.
+# ---------------------------------------------------------------------------------------
+@dataclass
+class DecoderCache:
+    """What incremental decoding carries from step to step; one row per hypothesis."""
+    E: torch.Tensor  # (V, D) the (FixNorm'ed) embedding matrix, computed once
+    src_pad: torch.Tensor  # (n, S) bool
+    mem_kv: list  # per decoder layer: the cross-attention (k, v), each (n, H, S, Dh)
+    self_kv: list  # per decoder layer: {"k", "v"} of the self-attention so far, (n, H, t, Dh)
+    step: int = 0
+
+    def select(self, rows):
+        """Keep or reorder rows (beams, sentences): rows (n',) long. Returns self."""
+        self.src_pad = self.src_pad.index_select(0, rows)
+        self.mem_kv = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.mem_kv]
+        for kv in self.self_kv:
+            for key in kv:
+                kv[key] = kv[key].index_select(0, rows)
+        return self
+
+
+def start_decoding(model, src):
+    """Encode src (B, S) once: the cache for decode_step()."""
+    E = model.embedding_matrix()
+    memory, src_pad = model.encode(src, E)
+    return DecoderCache(E, src_pad, model.memory_kv(memory), [{} for _ in model.decoder])
+
+
+def decode_step(model, y, cache):
+    """y (n,) the last output token of each row -> logits (n, V) of the next one; the cache advances."""
+    h = model.decode(y[:, None], cache.src_pad, cache.E, cache.mem_kv, cache.self_kv, start=cache.step)
+    cache.step += 1
+    return model.output_logits(h[:, -1], cache.E)
+
+
+
+
+# ---------------------------------------------------------------------------------------
+# 2. Length penalty [7, eq. 14]:   s(Y) = log P(Y | X) / lp(Y),   lp(Y) = ((5 + |Y|) / 6)^alpha
 #
 # Note: |Y| counts every scored token of the hypothesis, EOS included. A hypothesis that emits
 # EOS at step t (t = 0 for the first output token) has |Y| = t + 1, which is the authors'
@@ -74,15 +116,15 @@ def length_penalty(length, alpha):
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def _max_lengths(src, max_len, max_len_b):
+def _max_lengths(src, max_len):
     """Maximum number of output tokens (EOS not counted) per sentence: (B,) long.
 
-    None: source length + max_len_b (Code: + 50); an int: the same for all; a tensor: one value
-    per sentence. A hypothesis that reaches the limit is closed as it is, without EOS. Note: the
-    authors' loop lets it take one more step, in which it may still emit EOS.
+    None: source length + 50 (Code); an int: the same for all; a tensor: one value per sentence.
+    A hypothesis that reaches the limit is closed as it is, without EOS. Note: the authors' loop
+    lets it take one more step, in which it may still emit EOS.
     """
     if max_len is None:
-        return src.ne(PAD).sum(1) + max_len_b  # (B,)  |x| + b
+        return src.ne(PAD).sum(1) + 50  # (B,)  |x| + 50
     if torch.is_tensor(max_len):
         return max_len.to(device=src.device, dtype=torch.long).reshape(src.size(0))
     return torch.full((src.size(0),), int(max_len), dtype=torch.long, device=src.device)
@@ -99,10 +141,10 @@ def _strip(tokens):
 
 
 # ---------------------------------------------------------------------------------------
-# 2. Greedy search:  y_t = argmax_w log P(w | y_<t, x),  until EOS or the maximum length.
+# 3. Greedy search:  y_t = argmax_w log P(w | y_<t, x),  until EOS or the maximum length.
 # ---------------------------------------------------------------------------------------
 @torch.no_grad()
-def greedy_search(model, src, max_len=None, max_len_b=50):
+def greedy_search(model, src, max_len=None):
     """src (B, S) long, PAD-padded, each row with at least one token -> B token lists (no BOS/EOS).
 
     Batched, with the cached keys/values of decode_step (the prefix is never recomputed); a
@@ -110,10 +152,10 @@ def greedy_search(model, src, max_len=None, max_len_b=50):
     first step, as in beam search, so that greedy_search equals beam_search(beam=1).
     """
     B, dev = src.size(0), src.device
-    limit = _max_lengths(src, max_len, max_len_b)  # (B,)
-    state = start_decoding(model, src)
+    limit = _max_lengths(src, max_len)  # (B,)
+    cache = start_decoding(model, src)
     active = torch.arange(B, device=dev)  # (n,) original index of each row
-    y = torch.full((B,), data.BOS, dtype=torch.long, device=dev)  # (n,) last token
+    y = torch.full((B,), BOS, dtype=torch.long, device=dev)  # (n,) last token
     hist = torch.empty(B, 0, dtype=torch.long, device=dev)  # (n, t) tokens so far
     ended = torch.zeros(B, dtype=torch.bool, device=dev)  # (n,) emitted EOS
     results, t = [None] * B, 0
@@ -126,8 +168,8 @@ def greedy_search(model, src, max_len=None, max_len_b=50):
             if keep.numel() == 0:
                 break
             active, y, hist, ended = active[keep], y[keep], hist[keep], ended[keep]
-            state.select(keep)  # later steps compute less
-        logp = decode_step(model, y, state).float().log_softmax(-1)  # (n, V)  log P(w | y_<t, x)
+            cache.select(keep)  # later steps compute less
+        logp = decode_step(model, y, cache).float().log_softmax(-1)  # (n, V)  log P(w | y_<t, x)
         if t == 0:
             logp[:, EOS] = NEG_INF  # Code: EOS is never the first token
         y = logp.argmax(-1)  # (n,)  masked words have log P = -inf: never chosen
@@ -138,7 +180,7 @@ def greedy_search(model, src, max_len=None, max_len_b=50):
 
 
 # ---------------------------------------------------------------------------------------
-# 3. Beam search [1, Code: REFERENCE.md "Beam search"].
+# 4. Beam search [1, Code: REFERENCE.md "Beam search"].
 #
 # Each sentence keeps K hypotheses ("beams"); all n*K of them are rows of one decoding state, so
 # one decode_step advances every beam of every sentence. At step t:
@@ -152,16 +194,16 @@ def greedy_search(model, src, max_len=None, max_len_b=50):
 # A sentence leaves the batch when all its K beams have finished (Code: the same rule).
 # ---------------------------------------------------------------------------------------
 @torch.no_grad()
-def beam_search(model, src, beam=4, alpha=0.6, max_len=None, max_len_b=50, return_scores=False):
+def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False):
     """src (B, S) long, PAD-padded, each row with at least one token -> B token lists: each
     sentence's best finished hypothesis without BOS and EOS (with return_scores, (tokens, score)
-    pairs). max_len: None (source length + max_len_b), an int, or a (B,) tensor.
+    pairs). max_len: None (source length + 50), an int, or a (B,) tensor.
     With beam=1 the result is the greedy one (up to exact floating-point ties)."""
     B, K, dev, V = src.size(0), beam, src.device, model.cfg.vocab_size
-    limit = _max_lengths(src, max_len, max_len_b)  # (B,)
-    state = start_decoding(model, src).select(torch.arange(B, device=dev).repeat_interleave(K))  # B*K rows
+    limit = _max_lengths(src, max_len)  # (B,)
+    cache = start_decoding(model, src).select(torch.arange(B, device=dev).repeat_interleave(K))  # B*K rows
     active = torch.arange(B, device=dev)  # (n,) original index of each sentence
-    y = torch.full((B * K,), data.BOS, dtype=torch.long, device=dev)  # (n*K,) last token of each beam
+    y = torch.full((B * K,), BOS, dtype=torch.long, device=dev)  # (n*K,) last token of each beam
     cum = torch.full((B, K), NEG_INF, device=dev)  # (n, K) log P(y | x) of each beam
     cum[:, 0] = 0.0  # Note: at step 0 only beam 0 is live, so the K beams are not K copies
     score = torch.full((B, K), NEG_INF, device=dev)  # (n, K) final score of a finished beam
@@ -183,9 +225,9 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, max_len_b=50, retur
                 break
             rows = (keep[:, None] * K + torch.arange(K, device=dev)).flatten()  # (n'*K,)
             active, cum, score, finished, hist, y = active[keep], cum[keep], score[keep], finished[keep], hist[keep], y[rows]
-            state.select(rows)  # later steps compute less
+            cache.select(rows)  # later steps compute less
         n = active.numel()
-        logp = decode_step(model, y, state).float().log_softmax(-1)  # (n*K, V)  log P(w | y, x)
+        logp = decode_step(model, y, cache).float().log_softmax(-1)  # (n*K, V)  log P(w | y, x)
         # Note: masked words have log P = -inf; -inf only meets finite numbers or -inf in sums,
         # divisions by lp > 0 and topk, so no NaN appears.
         if t == 0:
@@ -205,14 +247,14 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, max_len_b=50, retur
         finished = ~is_ext | word.eq(EOS) | dead  # (n, K)
         score = top.masked_fill(~finished, NEG_INF)  # EOS: c / lp(t+1); kept: unchanged
         hist = torch.cat([hist.gather(1, parent[:, :, None].expand(-1, -1, t)), word[:, :, None]], dim=2)
-        state.select((torch.arange(n, device=dev)[:, None] * K + parent).flatten())  # each beam takes its parent's cache
+        cache.select((torch.arange(n, device=dev)[:, None] * K + parent).flatten())  # each beam takes its parent's cache
         y = word.masked_fill(finished, EOS).flatten()  # finished rows are fed EOS, output ignored
         t += 1
     return results
 
 
 # ---------------------------------------------------------------------------------------
-# 4. Checkpoints (written by train.py). A checkpoint holds only tensors and plain Python
+# 5. Checkpoints (written by train.py). A checkpoint holds only tensors and plain Python
 # values, and is read with torch.load(weights_only=True): unpickling anything else could run
 # code, so a file that holds anything else is refused, never retried with the full unpickler.
 # ---------------------------------------------------------------------------------------
@@ -290,89 +332,100 @@ def load_checkpoint(path, device="cpu", average=0):
 
 
 # ---------------------------------------------------------------------------------------
-# 5. Translating many lines: BPE-encode, batch by length with data.make_batches (longest batch
+# 6. Translating many lines: BPE-encode, batch by length with data.make_batches (longest batch
 # first, so an out-of-memory error shows at once), search, put back in order, detokenize.
 # ---------------------------------------------------------------------------------------
-def translate_ids(model, tokenizer, lines, beam=4, alpha=0.6, batch_tokens=4096, progress=False, max_len_b=50):
+@dataclass
+class Search:
+    """How to search: beam size (1 = greedy search), the GNMT alpha, and the length limit
+    |x| + max_len_b. The defaults are TwT's (Code: beam 4, alpha 0.6, + 50)."""
+    beam: int = 4
+    alpha: float = 0.6
+    max_len_b: int = 50
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    """model.eval() for a while (no dropout, running statistics), then the mode it had."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def translate_ids(model, tokenizer, lines, search=Search(), batch_tokens=4096, progress=False):
     """Like translate(), but returns the output token ids (no BOS/EOS) of each line."""
     device = next(model.parameters()).device
     encoded = tokenizer.encode(list(lines)) if lines else []  # sentencepiece encodes a list in C++
     outputs = [[] for _ in encoded]  # an empty (or blank) line translates to an empty line
     todo = [i for i, x in enumerate(encoded) if x]
     sources = [(encoded[i], []) for i in todo]  # no target: batched by source length alone
-    was_training = model.training
-    model.eval()  # no dropout; train.py calls us mid-training: the mode is restored below
     bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                    TimeRemainingColumn(), console=Console(stderr=True), transient=True, disable=not progress)
-    try:
-        with bar, autocast(device):
-            task = bar.add_task("translating", total=len(todo))
-            for b in reversed(data.make_batches(sources, batch_tokens, shuffle=False)):
-                src = data.collate(sources, b, device).src  # (B, S)
-                hyps = greedy_search(model, src, max_len_b=max_len_b) if beam == 1 else \
-                    beam_search(model, src, beam=beam, alpha=alpha, max_len_b=max_len_b)
-                for j, h in zip(b, hyps):  # back to the original order
-                    outputs[todo[j]] = h
-                bar.update(task, advance=len(b))
-    finally:
-        model.train(was_training)
+    with bar, evaluating(model), autocast(device):  # train.py calls us mid-training: its mode comes back
+        task = bar.add_task("translating", total=len(todo))
+        for b in reversed(data.make_batches(sources, batch_tokens, shuffle=False)):
+            src = data.collate(sources, b, device).src  # (B, S)
+            limit = src.ne(PAD).sum(1) + search.max_len_b  # (B,)  |x| + b output tokens at most
+            hyps = greedy_search(model, src, limit) if search.beam == 1 else \
+                beam_search(model, src, search.beam, search.alpha, limit)
+            for j, h in zip(b, hyps):  # back to the original order
+                outputs[todo[j]] = h
+            bar.update(task, advance=len(b))
     return outputs
 
 
-def translate(model, tokenizer, lines, beam=4, alpha=0.6, batch_tokens=4096, progress=False, max_len_b=50):
-    """Source lines -> detokenized outputs in the same order; beam=1 is greedy search. Batches hold
-    at most batch_tokens source tokens (sentences x longest length); an empty line gives an empty
-    output; bf16 autocast on CUDA (model.autocast)."""
-    ids = translate_ids(model, tokenizer, lines, beam, alpha, batch_tokens, progress, max_len_b)
-    return [tokenizer.decode(h) for h in ids]
+def translate(model, tokenizer, lines, search=Search(), batch_tokens=4096, progress=False):
+    """Source lines -> detokenized outputs in the same order. Batches hold at most batch_tokens
+    source tokens (sentences x longest length); an empty line gives an empty output; bf16 autocast
+    on CUDA (model.autocast)."""
+    return [tokenizer.decode(h) for h in translate_ids(model, tokenizer, lines, search, batch_tokens, progress)]
 
 
 # ---------------------------------------------------------------------------------------
-# 6. Scoring [3, 4]: the same outputs, three numbers.
+# 7. Scoring [8, 9]: the same outputs, three numbers.
 #
 #   tokenized BLEU  what the papers report. Paper [1] appendix A: "We report tokenized BLEU with
-#                   multi-bleu.perl"; [5] and [7] do the same. multi-bleu.perl splits on
+#                   multi-bleu.perl"; [3] and [2] do the same. multi-bleu.perl splits on
 #                   whitespace only, so the number depends on the tokenization before scoring;
 #                   SacreBLEU with tokenize="none" on the same text reproduces it exactly (Code:
 #                   32.49 and 33.24 on the authors' shipped tst2013 outputs, REFERENCE.md).
 #   SacreBLEU       BLEU on detokenized text with SacreBLEU's 13a tokenizer, with its signature.
-#   chrF            character n-gram F-score [4] (beta 2): no tokenization at all.
+#   chrF            character n-gram F-score [9] (beta 2): no tokenization at all.
 # Note: our corpora are raw text and the model writes raw text: for a multi-bleu.perl-style
 # number both sides are 13a-tokenized first, then scored with tokenize="none" (on raw text that
 # equals SacreBLEU's 13a BLEU). On corpora tokenized beforehand (IWSLT'15 en-vi as the TwT
 # authors ship it) pass already_tokenized=True (--tokenized): scored as they are.
 # ---------------------------------------------------------------------------------------
-def bleu(hyps, refs):
-    """Corpus BLEU of detokenized hyps against one reference each: a sacrebleu BLEUScore with
-    .signature, e.g. "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"."""
-    # Note: force=True silences SacreBLEU's "you forgot to detokenize" warning: the built-in
-    # corpus writes " ." like tokenized text; the score and signature are unchanged by it.
-    metric = BLEU(force=True)
+def _score(metric, hyps, refs):
+    """The corpus score of hyps against one reference each, with the metric's .signature."""
     score = metric.corpus_score(list(hyps), [list(refs)])
     score.signature = str(metric.get_signature())
     return score
+
+
+def bleu(hyps, refs):
+    """SacreBLEU (13a, detokenized), with .signature, e.g. "nrefs:1|case:mixed|eff:no|tok:13a|...".
+    Note: force=True silences SacreBLEU's "you forgot to detokenize" warning: the built-in corpus
+    writes " ." like tokenized text; the score and signature are unchanged by it."""
+    return _score(BLEU(force=True), hyps, refs)
 
 
 def tokenized_bleu(hyps, refs, already_tokenized=False):
     """multi-bleu.perl-style corpus BLEU (with .signature): 13a-tokenize both sides unless
     already_tokenized, then BLEU with tokenize="none". Note: smooth_method="none" as in
     multi-bleu.perl (0 when some n-gram order has no match)."""
-    hyps, refs = list(hyps), list(refs)
     if not already_tokenized:
         tok = Tokenizer13a()
         hyps, refs = [tok(h.rstrip()) for h in hyps], [tok(r.rstrip()) for r in refs]
-    metric = BLEU(tokenize="none", smooth_method="none")
-    score = metric.corpus_score(hyps, [refs])
-    score.signature = str(metric.get_signature())
-    return score
+    return _score(BLEU(tokenize="none", smooth_method="none"), hyps, refs)
 
 
 def chrf(hyps, refs):
-    """Corpus chrF2 [4]: a sacrebleu CHRFScore (with .signature)."""
-    metric = CHRF()
-    score = metric.corpus_score(list(hyps), [list(refs)])
-    score.signature = str(metric.get_signature())
-    return score
+    """Corpus chrF2 [9]: a sacrebleu CHRFScore (with .signature)."""
+    return _score(CHRF(), hyps, refs)
 
 
 def score_report(hyps, refs, already_tokenized=False):
@@ -384,7 +437,7 @@ def score_report(hyps, refs, already_tokenized=False):
 
 
 # ---------------------------------------------------------------------------------------
-# 7. Held-out loss and perplexity ([1] Table 8). Teacher forcing over held-out pairs, n = all
+# 8. Held-out loss and perplexity ([1] Table 8). Teacher forcing over held-out pairs, n = all
 # target tokens y_1..y_m, EOS:
 #   NLL      = sum_t -log p(y_t | y_<t, x)                                   ppl = exp(NLL / n)
 #   smoothed = sum_t (1 - eps) (-log p(y_t)) + eps mean_{w in A} (-log p(w))    exp(smoothed / n)
@@ -392,20 +445,14 @@ def score_report(hyps, refs, already_tokenized=False):
 # perplexity is what [1] Table 8 lists; by Jensen, per token smoothed >= (1-eps) NLL + eps log|A|.
 # ---------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate_loss(model, encoded, batch_tokens, eps):
+def evaluate_loss(model, encoded, batch_tokens, smoothing):
     """(label-smoothed loss sum, NLL sum, target tokens) of encoded pairs, teacher-forced, in eval mode."""
-    device, was_training = next(model.parameters()).device, model.training
-    model.eval()
-    total = nll_total = 0.0
-    n = 0
-    try:
+    device, total, nll_total, n = next(model.parameters()).device, 0.0, 0.0, 0
+    with evaluating(model), autocast(device):
         for idx in data.make_batches(encoded, batch_tokens, shuffle=False):
             b = data.collate(encoded, idx, device)
-            with autocast(device):
-                loss, nll = model(b.src, b.tgt_in, b.tgt_out, eps)
+            loss, nll = model(b.src, b.tgt_in, b.tgt_out, smoothing)
             total, nll_total, n = total + loss.item(), nll_total + nll.item(), n + b.n_tgt
-    finally:
-        model.train(was_training)
     return total, nll_total, n
 
 
@@ -421,7 +468,7 @@ def perplexity(model, tokenizer, pairs, label_smoothing=0.1, batch_tokens=4096):
 
 
 # ---------------------------------------------------------------------------------------
-# 8. The command line (its flags: Appendix E, python decode.py --help).
+# 9. The command line (its flags: Appendix E, python decode.py --help).
 # ---------------------------------------------------------------------------------------
 def run(args):
     """Everything main() does, raising DataError for the user's mistakes."""
@@ -447,7 +494,7 @@ def run(args):
           f"{ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')}{avg})", file=sys.stderr)
     if args.benchmark:
         return benchmark(model, tokenizer, lines, refs, args)
-    hyps = translate(model, tokenizer, lines, args.beam, args.alpha, args.batch_tokens, args.progress, args.max_len_b)
+    hyps = translate(model, tokenizer, lines, Search(args.beam, args.alpha, args.max_len_b), args.batch_tokens, args.progress)
     text = "".join(h + "\n" for h in hyps)
     if args.output:
         data.atomic_write(args.output, text)
@@ -475,7 +522,7 @@ def main(argv=None):
 
 
 # =======================================================================================
-# Appendix A: paired bootstrap resampling [6] (Koehn 2004), the significance test of [1] and [5].
+# Appendix A: paired bootstrap resampling [10] (Koehn 2004), the significance test of [1] and [3].
 #
 # Draw n_samples test sets of the same size from the real one, with replacement, the same
 # sentence indices for both systems; on each draw compute both corpus BLEUs. The spread of a
@@ -556,10 +603,11 @@ def compare(args):
 
 
 # =======================================================================================
-# Appendix B: checkpoint averaging [7]:  theta_avg = (1/N) sum_{i=1..N} theta_i   over the last N epochs.
+# Appendix B: checkpoint averaging [2]:  theta_avg = (1/N) sum_{i=1..N} theta_i   over the last N epochs.
 #
-# Paper/Code [7]: PowerNorm's translations come from the average of the last 5 epoch checkpoints
-# (fairseq's average_checkpoints.py); averaging nearby points of one run acts like an ensemble at
+# Paper [2] (section 5.1) averages the last 10 checkpoints; Code [2]: the released script averages
+# the last 5 epoch checkpoints (fairseq's average_checkpoints.py). Averaging nearby points of one
+# run acts like an ensemble at
 # the cost of one model. Only floating-point tensors are averaged. Integer and bool buffers are
 # copied from the last checkpoint: PowerNorm's num_batches_tracked (a long) decides whether the
 # layer still uses batch statistics, and the mean of counters is not a count (Code: fairseq's
@@ -599,7 +647,7 @@ def average_checkpoints(paths):
 # =======================================================================================
 # Appendix C: looking inside the model.
 #
-# The learned g's ([1] Figures 3-4: the g of every ScaleNorm, by depth; [5]: QKNorm's g).
+# The learned g's ([1] Figures 3-4: the g of every ScaleNorm, by depth; [3]: QKNorm's g).
 #
 # Every scalar g of the model, from model.learned_scales(), in depth order:
 #   ScaleNorm:  y = g * x / ||x||       one g per norm (per sublayer, plus a final one per stack)
@@ -634,10 +682,10 @@ def g_values(model):
                 sub = "final (temp.)"  # FixNorm: logit = g cos(h, e_w) + b_w
         else:
             stack, layer, sub = "-", -1, parts[0]
-        kind = "QKNorm" if type(owner).__name__ == "MultiHeadAttention" else type(owner).__name__
+        kind = "QKNorm" if isinstance(owner, MultiHeadAttention) else type(owner).__name__
         out.append({"name": name, "stack": stack, "layer": layer, "sublayer": sub, "kind": kind,
                     "value": value})
-    return out
+    return sorted(out, key=lambda r: (r["stack"] != "encoder", r["layer"]))  # encoder first, by depth (stable)
 
 
 def g_table(model, bar_width=12):
@@ -678,7 +726,7 @@ def save_g_values(model, path):
 
 
 # ---------------------------------------------------------------------------------------
-# Attention heatmaps ([5] Figures 1-2: attention weights with and without QKNorm).
+# Attention heatmaps ([3] Figures 1-2: attention weights with and without QKNorm).
 #
 # One teacher-forced forward of (x, BOS y) with keep_weights on the chosen module: its
 # written-out path stores softmax(scores) (B, H, Tq, Tk) as last_weights; we take head h.
@@ -720,18 +768,16 @@ def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0
     if not x:
         raise DataError("--attention: the source sentence is empty")
     src = torch.tensor([x], device=device)  # (1, S)
-    was_training = model.training
-    model.eval()
     old = (module.keep_weights, module.last_weights)
     try:
-        y = greedy_search(model, src)[0] if tgt_line is None else tokenizer.encode(tgt_line)
-        tgt_in = torch.tensor([[data.BOS] + y], device=device)  # (1, T)  BOS y_1..y_m
-        module.keep_weights = True  # the written-out attention path, which returns the weights
-        model(src, tgt_in)
-        w = module.last_weights[0, head].float().cpu()  # (Tq, Tk)
+        with evaluating(model):
+            y = greedy_search(model, src)[0] if tgt_line is None else tokenizer.encode(tgt_line)
+            tgt_in = torch.tensor([[BOS] + y], device=device)  # (1, T)  BOS y_1..y_m
+            module.keep_weights = True  # the written-out attention path, which returns the weights
+            model(src, tgt_in)
+            w = module.last_weights[0, head].float().cpu()  # (Tq, Tk)
     finally:
         module.keep_weights, module.last_weights = old
-        model.train(was_training)
     src_pieces = [tokenizer.piece(i) for i in x]
     if kind == "enc":
         return w, src_pieces, src_pieces
@@ -823,15 +869,15 @@ def analyse(args, model, tokenizer):
 def benchmark(model, tokenizer, lines, refs, args):
     device = next(model.parameters()).device
     beams = [1, args.beam if args.beam > 1 else 4]
-    for k in beams:  # warm-up
-        translate_ids(model, tokenizer, lines[:32], k, args.alpha, args.batch_tokens, False, args.max_len_b)
+    searches = [Search(k, args.alpha, args.max_len_b) for k in beams]
+    for search in searches:  # warm-up
+        translate_ids(model, tokenizer, lines[:32], search, args.batch_tokens)
     print(f"benchmark: {len(lines)} sentences on {device} (torch threads {torch.get_num_threads()}), "
           f"batch_tokens {args.batch_tokens}", file=sys.stderr)
-    for k in beams:
-        ids, secs = timed(lambda: translate_ids(model, tokenizer, lines, k, args.alpha, args.batch_tokens, False,
-                                                args.max_len_b), device)
+    for search in searches:
+        ids, secs = timed(lambda: translate_ids(model, tokenizer, lines, search, args.batch_tokens), device)
         n_tok = sum(len(h) + 1 for h in ids)  # output tokens, EOS counted (as in training)
-        name = "greedy (beam 1)" if k == 1 else f"beam {k}, alpha {args.alpha}"
+        name = "greedy (beam 1)" if search.beam == 1 else f"beam {search.beam}, alpha {args.alpha}"
         line = f"{name:>22}: {len(lines) / secs:8.1f} sentences/s {n_tok / secs:9.0f} target tokens/s ({secs:.2f} s)"
         if refs is not None:
             line += f"  BLEU {bleu([tokenizer.decode(h) for h in ids], refs).score:.2f}"
@@ -868,7 +914,8 @@ def build_parser():
     ev = ap.add_argument_group("evaluation and analysis")
     ev.add_argument("--average", type=int, default=0, metavar="N",
                     help="translate with the average of the run directory's last N checkpoint_epoch*.pt "
-                         "(PowerNorm [7]: 5); floats are averaged, integer/bool buffers copied")
+                         "(PowerNorm's released script: 5; its paper: 10); floats are averaged, integer/bool "
+                         "buffers copied")
     ev.add_argument("--ppl", action="store_true",
                     help="with --ref: also print the label-smoothed and plain perplexity (teacher forced, [1] Table 8)")
     ev.add_argument("--label-smoothing", type=float, default=None,
@@ -879,7 +926,7 @@ def build_parser():
     ev.add_argument("--samples", type=int, default=1000, help="bootstrap resamples for --compare")
     ev.add_argument("--seed", type=int, default=12345, help="resampling seed for --compare (SacreBLEU's default)")
     ev.add_argument("--attention", metavar="SOURCE", help="print the attention map of this source sentence (QKNorm "
-                    "[5] Figures 1-2), teacher-forced on --attention-target or the model's own greedy translation")
+                    "[3] Figures 1-2), teacher-forced on --attention-target or the model's own greedy translation")
     ev.add_argument("--attention-target", metavar="TARGET", help="the target sentence for --attention")
     ev.add_argument("--layer", type=int, default=0, help="layer of --attention (0-based)")
     ev.add_argument("--head", type=int, default=0, help="head of --attention (0-based)")

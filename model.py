@@ -4,22 +4,20 @@ Reading order: norms.py -> model.py -> data.py -> decode.py -> train.py.
 
 Contents
   1. ModelConfig and the special token ids
-  2. Sinusoidal positions [4]
+  2. Sinusoidal positions [6]
   3. Dropout (inverted)
-  4. Attention [4, eq. 1] with QKNorm [3, eqs. 2-5]
-  5. Feed-forward [4, eq. 2]
+  4. Attention [6, eq. 1] with QKNorm [3, eqs. 2-5]
+  5. Feed-forward [6, eq. 2]
   6. The residual placement: PostNorm (eq. 2) and PreNorm (eq. 3) of [1], side by side
   7. Encoder and decoder layers
   8. The model: tied embeddings, FixNorm, the output layer with the target-vocabulary mask
      ([1] appendix A), initialisation (Xavier normal eq. 4 vs SmallInit, [1] section 2.2)
   9. The training objective: label-smoothed cross entropy ([1] appendix A)
- 10. Incremental decoding with cached keys/values (for beam search)
- 11. Where the model runs: device and precision
+ 10. Where the model runs: device and precision
   Appendix A: fast paths (the same math, measured faster for a whole training step)
 
-  [1] Nguyen & Salazar 2019, Transformers without Tears.
-  [2] Shen et al. 2020, PowerNorm.     [3] Henry et al. 2020, Query-Key Normalization.
-  [4] Vaswani et al. 2017, Attention Is All You Need.
+  [1] Nguyen & Salazar 2019, Transformers without Tears.     [2] Shen et al. 2020, PowerNorm.
+  [3] Henry et al. 2020, Query-Key Normalization.           [6] Vaswani et al. 2017, Attention Is All You Need.
 """
 import contextlib
 import math
@@ -61,8 +59,8 @@ class ModelConfig:
     init: str = "small"  # "small" (SmallInit) or "xavier" (Xavier normal, eq. 4)
     qknorm: bool = False  # QKNorm [3]
     qk_g0: float = 1.0  # g0 = log2(L^2 - L) [3, eq. 3], computed by data.py
-    qk_learn_g: bool = True  # False: the "no g" ablation of [3] Table 6 (g fixed at 1)
-    qk_norm_v: bool = False  # the "normalize V as well" ablation of [3] Table 6
+    qk_learn_g: bool = True  # False: [3] Table 6, "Without g" (g fixed at 1)
+    qk_norm_v: bool = False  # [3] Table 6, "l2-normalizing V along with Q and K"
     sdpa: bool = True  # F.scaled_dot_product_attention (False: the written-out attention)
 
     def to_dict(self):
@@ -70,7 +68,7 @@ class ModelConfig:
 
 
 # ---------------------------------------------------------------------------------------
-# 2. Sinusoidal positions [4, section 3.5]:
+# 2. Sinusoidal positions [6, section 3.5]:
 #   PE(pos, 2i) = sin(pos / 10000^(2i/D)),   PE(pos, 2i+1) = cos(pos / 10000^(2i/D))
 # Code: TwT uses sin on even and cos on odd dimensions (its 2021 fix); so do we.
 # ---------------------------------------------------------------------------------------
@@ -92,14 +90,14 @@ def dropout(x, p, training=True):
         return x
     if p >= 1:  # everything is dropped (and 1 / (1 - p) is undefined)
         return torch.zeros_like(x)
-    if fast_paths():  # Appendix A: the same distribution, 1.13x faster training steps on the CPU
+    if fast_paths():  # Appendix A: the same distribution (p to 1/65536), 1.13x faster steps on the CPU
         return fast_dropout(x, p)
     keep = torch.rand_like(x) >= p  # m_i ~ Bernoulli(1 - p)
     return x * keep / (1 - p)
 
 
 # ---------------------------------------------------------------------------------------
-# 4. Attention [4, eq. 1]:  Attention(Q, K, V) = softmax(Q K^T * scale + mask) V
+# 4. Attention [6, eq. 1]:  Attention(Q, K, V) = softmax(Q K^T * scale + mask) V
 #   scaled dot product:  scale = 1/sqrt(Dh)
 #   QKNorm [3, eqs. 2-5]: Q^ = Q/||Q||, K^ = K/||K|| along Dh (after the head split), and
 #                         softmax(g * Q^ K^T) V, no 1/sqrt(Dh); g learnable, init g0.
@@ -165,7 +163,7 @@ class MultiHeadAttention(nn.Module):
                 v = F.normalize(v.float(), dim=-1, eps=1e-12).to(q.dtype)
             scale = 1.0  # Paper [3]: no 1/sqrt(Dh); g is the scale
         p = self.dropout_p if self.training else 0.0
-        if self.sdpa and fast_paths() and not self.keep_weights:  # torch's fused kernel (flash on CUDA)
+        if self.sdpa and fast_paths() and not self.keep_weights:  # torch's fused attention kernels
             mask = None if key_mask is None else key_mask.expand(-1, -1, q.size(2), -1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale)
         else:
@@ -176,7 +174,7 @@ class MultiHeadAttention(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# 5. Feed-forward [4, eq. 2]:  FFN(x) = W2 dropout(ReLU(W1 x + b1)) + b2
+# 5. Feed-forward [6, eq. 2]:  FFN(x) = W2 dropout(ReLU(W1 x + b1)) + b2
 # ---------------------------------------------------------------------------------------
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -233,18 +231,18 @@ class DecoderLayer(nn.Module):
         self.ff = FeedForward(cfg)
         self.norm_self, self.norm_cross, self.norm_ff = (_norm(cfg, norm_name) for _ in range(3))
 
-    def forward(self, x, pad_mask, mem_kv, mem_key_mask, cache=None):
+    def forward(self, x, pad_mask, mem_kv, mem_key_mask, self_kv=None):
         """x (B, T, D). mem_kv: this layer's cross-attention (k, v) of the encoder output.
-        cache: None for a full (teacher-forced) pass with a causal mask; in incremental decoding
-        a dict with this layer's self-attention keys/values so far, which the new step's are
-        appended to (so the prefix is never recomputed)."""
+        self_kv: None for a full (teacher-forced) pass with a causal mask; in incremental decoding
+        (decode.py) a dict with this layer's self-attention keys/values so far, which the new
+        step's are appended to (so the prefix is never recomputed)."""
         def self_attn(h):
             k, v = self.self_attn.project_kv(h)  # (B, H, T, Dh)
-            if cache is None:
+            if self_kv is None:
                 return self.self_attn(h, k, v, None, causal=True)
-            if "k" in cache:  # append this step to the cached prefix
-                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
-            cache["k"], cache["v"] = k, v
+            if "k" in self_kv:  # append this step to the cached prefix
+                k, v = torch.cat([self_kv["k"], k], dim=2), torch.cat([self_kv["v"], v], dim=2)
+            self_kv["k"], self_kv["v"] = k, v
             return self.self_attn(h, k, v, None, causal=False)  # the new query sees the whole prefix
 
         def cross_attn(h):
@@ -290,8 +288,8 @@ class Transformer(nn.Module):
         # Paper [1] Table 7, "ScaleNorm (g = sqrt d) + FixNorm (learned)": with fixed-g ScaleNorm the
         # output layer's g (the decoder's final norm, eq. 6) is still learned.
         self.dec_final_norm = _norm(cfg, "scale" if dec_norm == "scale_fixed" else dec_norm) if cfg.prenorm else None
-        self.register_load_state_dict_post_hook(lambda module, keys: module.index_target_words())
-        self.index_target_words()
+        index_target_words(self)  # Appendix A (and again whenever a checkpoint's mask is loaded):
+        self.register_load_state_dict_post_hook(lambda module, keys: index_target_words(module))
         self.reset_parameters()
 
     # -- initialisation [1, sections 2.2 and 3.2] ---------------------------------------
@@ -333,7 +331,8 @@ class Transformer(nn.Module):
     def embed_tokens(self, tokens, E, start=0):
         if start + tokens.size(1) > self.pe.size(0):  # grow the position table on demand
             self.pe = sinusoidal_positions(2 * (start + tokens.size(1)), self.cfg.d_model).to(self.pe.device)
-        # Paper [1] 2.2: "one scales the word embeddings by sqrt(d)" (kept with FixNorm too).
+        # Paper [1] 2.2: "one scales the word embeddings by a large value (e.g., sqrt(d) ...)";
+        # Code: kept with FixNorm too.
         x = E[tokens] * math.sqrt(self.cfg.d_model) + self.pe[start:start + tokens.size(1)]  # (B, L, D)
         return dropout(x, self.cfg.dropout, self.training)
 
@@ -356,20 +355,22 @@ class Transformer(nn.Module):
         """Each decoder layer's cross-attention keys/values, computed once per sentence."""
         return [layer.cross_attn.project_kv(memory) for layer in self.decoder]
 
-    def decode(self, tgt_in, src_pad, E, mem_kv, caches=None, start=0):
-        """tgt_in (B, T) -> decoder output h (B, T, D), before the output layer."""
-        tgt_pad = tgt_in.eq(PAD) if caches is None else None  # (B, T)
+    def decode(self, tgt_in, src_pad, E, mem_kv, self_kv=None, start=0):
+        """tgt_in (B, T) -> decoder output h (B, T, D), before the output layer. self_kv: None, or
+        per layer the cached self-attention keys/values of incremental decoding (decode.py)."""
+        tgt_pad = tgt_in.eq(PAD) if self_kv is None else None  # (B, T)
         mem_key_mask = ~src_pad[:, None, None, :]  # (B, 1, 1, S)
         x = self.embed_tokens(tgt_in, E, start)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, tgt_pad, mem_kv[i], mem_key_mask, None if caches is None else caches[i])
+            x = layer(x, tgt_pad, mem_kv[i], mem_key_mask, None if self_kv is None else self_kv[i])
         if self.dec_final_norm is not None:
             x = self.dec_final_norm(x, tgt_pad)
         return x
 
     def forward(self, src, tgt_in, tgt_out=None, smoothing=0.0):
-        """Teacher-forced pass: src (B, S), tgt_in (B, T) -> logits (B, T, V); with the
-        references tgt_out (B, T), PAD-padded: (label-smoothed loss sum, NLL sum) instead."""
+        """Teacher-forced pass: src (B, S), tgt_in (B, T) -> logits (B, T, V); given the references
+        tgt_out (B, T), PAD-padded: (label-smoothed loss sum, NLL sum) instead. (The loss is
+        computed in forward, as nanoGPT does, so that DDP and torch.compile cover it.)"""
         E = self.embedding_matrix()  # normalised once per forward
         memory, src_pad = self.encode(src, E)
         h = self.decode(tgt_in, src_pad, E, self.memory_kv(memory))  # (B, T, D)
@@ -383,14 +384,8 @@ class Transformer(nn.Module):
             return target_words_loss(self, h, E, tgt_out, smoothing)
         return label_smoothed_loss(self.output_logits(h, E), tgt_out, smoothing, tgt_out.ne(PAD), self.allowed)
 
-    def index_target_words(self):
-        """The target words' ids (Vt,) and each word's column among them (V,): what the fast
-        training loss needs; recomputed whenever the mask is loaded from a checkpoint."""
-        self.register_buffer("target_ids", self.allowed.nonzero().squeeze(1), persistent=False)  # (Vt,)
-        self.register_buffer("target_column", (self.allowed.cumsum(0) - 1).clamp_min(0), persistent=False)  # (V,)
-
     def learned_scales(self):
-        """Name -> value of every scalar g (ScaleNorm g, QKNorm g), in depth order."""
+        """Name -> value of every scalar g (ScaleNorm g, QKNorm g), in the order modules are built."""
         return {n: p.detach().float().item() for n, p in self.named_parameters()
                 if p.dim() == 0 and n.split(".")[-1] == "g"}
 
@@ -424,44 +419,7 @@ def label_smoothed_loss(logits, target, eps, real=None, allowed=None):
 
 
 # ---------------------------------------------------------------------------------------
-# 10. Incremental decoding: encode once, then one token per step, with each decoder layer's
-# self-attention keys/values cached so the prefix is never recomputed (decode.py's searches).
-# ---------------------------------------------------------------------------------------
-@dataclass
-class DecodingState:
-    """What incremental decoding carries from step to step; one row per hypothesis."""
-    E: torch.Tensor  # (V, D) the (FixNorm'ed) embedding matrix, computed once
-    src_pad: torch.Tensor  # (n, S) bool
-    mem_kv: list  # per decoder layer: the cross-attention (k, v), each (n, H, S, Dh)
-    caches: list  # per decoder layer: {"k", "v"} of the self-attention so far, (n, H, t, Dh)
-    step: int = 0
-
-    def select(self, rows):
-        """Keep or reorder rows (beams, sentences): rows (n',) long. Returns self."""
-        self.src_pad = self.src_pad.index_select(0, rows)
-        self.mem_kv = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.mem_kv]
-        for cache in self.caches:
-            for key in cache:
-                cache[key] = cache[key].index_select(0, rows)
-        return self
-
-
-def start_decoding(model, src):
-    """Encode src (B, S) once; the state for decode_step()."""
-    E = model.embedding_matrix()
-    memory, src_pad = model.encode(src, E)
-    return DecodingState(E, src_pad, model.memory_kv(memory), [{} for _ in model.decoder])
-
-
-def decode_step(model, y, state):
-    """y (n,) the last output token of each row -> logits (n, V) of the next one; state advances."""
-    h = model.decode(y[:, None], state.src_pad, state.E, state.mem_kv, state.caches, start=state.step)
-    state.step += 1
-    return model.output_logits(h[:, -1], state.E)
-
-
-# ---------------------------------------------------------------------------------------
-# 11. Where the model runs. On a CUDA GPU: bf16 autocast (statistics stay fp32, see norms.py),
+# 10. Where the model runs. On a CUDA GPU: bf16 autocast (statistics stay fp32, see norms.py),
 # SDPA, fused Adam (train.py), pinned-memory batches (data.py) -- the nanoGPT recipe.
 # ---------------------------------------------------------------------------------------
 def pick_device(name="auto"):
@@ -481,13 +439,14 @@ def autocast(device):
 
 
 # =======================================================================================
-# Appendix A: fast paths. Each computes exactly the math of the main text (tests check it)
-# and is there because a whole training step measured faster with it (Multi30k config, 3+3
-# layers, d 256, 4096-token batches, 2 CPU threads, in-process interleaved A/B, 2026-11-23).
-# --reference turns them off.
+# Appendix A: fast paths. Each computes the math of the main text (tests check it; dropout's
+# distribution to 1/65536) and is there because a whole training step measured faster with it
+# (Multi30k, 3+3 layers, d 256, 4096-token batches, 2 CPU threads, 2026-11-23). --reference
+# turns them off.
 # =======================================================================================
 def fast_dropout(x, p):
-    """dropout(x, p) in training, the same distribution. On CUDA, F.dropout's fused kernel.
+    """dropout(x, p) in training: the same distribution with p rounded to 1/65536, drawn from other
+    random numbers. On CUDA, F.dropout's fused kernel.
     On the CPU F.dropout draws each m_i with a Bernoulli sampler that costs ~20 multiplies per
     element (a training step with it is 1.13x slower). Here: 64 random bits per int64, read as
     four int16 u_i, uniform on [-2^15, 2^15), and
@@ -547,3 +506,9 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         grad.sub_((w * d_loss * eps / C)[:, None])  # - w dL eps / C
         grad.scatter_add_(-1, target[:, None], -(w * (d_loss * (1 - eps) + d_nll))[:, None])  # - onehot
         return grad.to(ctx.z_dtype), None, None, None
+
+
+def index_target_words(model):
+    """The target words' ids (Vt,) and each word's column among them (V,), from the mask."""
+    model.register_buffer("target_ids", model.allowed.nonzero().squeeze(1), persistent=False)  # (Vt,)
+    model.register_buffer("target_column", (model.allowed.cumsum(0) - 1).clamp_min(0), persistent=False)  # (V,)

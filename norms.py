@@ -10,12 +10,13 @@ Contents
   4. RMSNorm [4]
   5. The batch-statistics norms of PowerNorm [2]: BatchNorm (Algorithm 1), PN-V (Definition 1),
      GroupScaling, PowerNorm (Definition 3, Algorithm 2, the approximate backward)
-  6. No norm (QKNorm Table 6, "without LayerNorm")
+  6. No norm ([3] Table 6, "Without LayerNorm")
   7. The registry: --norm NAME -> the class
   Appendix A: batch statistics over several processes (torch.distributed)
-  Appendix B: the timing harness (every --benchmark uses it) and python norms.py --benchmark
+  Appendix B: diagnostics of the batch statistics ([2] Figures 2-4)
+  Appendix C: the timing harness and python norms.py --benchmark
 
-Papers (numbers used in comments):
+Papers (one numbering for the whole project):
   [1] Nguyen & Salazar 2019, Transformers without Tears (TwT).
   [2] Shen et al. 2020, PowerNorm: Rethinking Batch Normalization in Transformers.
   [3] Henry et al. 2020, Query-Key Normalization for Transformers (QKNorm; in model.py).
@@ -27,6 +28,7 @@ authors' released code does (../shared/REFERENCE.md).
 import argparse
 import math
 import time
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -81,8 +83,8 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(d))  # beta
 
     def forward(self, x, pad_mask=None):
-        if fast_paths():  # PyTorch's fused kernel, the same equation (tests): the written form
-            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)  # costs a LayerNorm model 5-8% a step
+        if fast_paths():  # PyTorch's fused kernel, the same equation (tests); the written-out one
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)  # costs 5-8% of a step
         xf = at_least_fp32(x)
         mu = xf.mean(-1, keepdim=True)  # (B, T, 1)  mu
         var = (xf - mu).pow(2).mean(-1, keepdim=True)  # (B, T, 1)  sigma^2 (biased)
@@ -116,13 +118,13 @@ class ScaleNorm(nn.Module):
         return (xf * (self.g / norm.clamp_min(self.eps))).to(x.dtype)  # (B, T, D)  g x / ||x||
 
 
-# FixNorm [1, section 2.3; Nguyen & Chiang 2018]:  FixNorm(w) = w / ||w||   per embedding row
+# FixNorm [1, section 2.3; Nguyen & Chiang 2018]:  FixNorm(w) = g * w / ||w||, g fixed
 #
 # Paper (eq. 6): with ScaleNorm + FixNorm the final linear layer computes
 #     g * (w . x) / (||w|| ||x||)     (cosine normalization with a learned scale g).
-# Code: there is no separate FixNorm g. The embedding rows are l2-normalised on every forward
-# and the decoder's final PreNorm ScaleNorm makes ||x|| = g, so  logit_w = g cos(x, w) + b_w:
-# the final ScaleNorm's g *is* eq. 6's g (a softmax temperature). model.py does exactly that.
+# Code: FixNorm has no g of its own: each embedding row is l2-normalised on every forward
+# (w / ||w||, below), and the decoder's final PreNorm ScaleNorm makes ||x|| = g, so
+# logit_w = g cos(x, w) + b_w: the final ScaleNorm's g *is* eq. 6's g (a softmax temperature).
 def fixnorm(weight, eps=1e-12):
     """Each row of an embedding matrix (V, D) divided by its l2 norm: ||fixnorm(w)_v|| = 1."""
     return weight / torch.linalg.vector_norm(weight, dim=-1, keepdim=True).clamp_min(eps)
@@ -151,12 +153,10 @@ class RMSNorm(nn.Module):
 # statistics run over the batch: over every *real* token of the batch, per channel.
 # Paper [2, footnote 1]: "the batch size actually corresponds to all non-padded words".
 # So a batch of B sentences of T positions is, for these norms, a set of N <= B*T tokens.
-#
-# Diagnostics ([2] Figures 2-4): with ``track = True`` a batch norm keeps, after each training
-# forward and backward, in ``self.stats``: the distance between its batch statistics and its
-# running ones, dist(a, b) = ||a - b|| / D, and the norm of the part of dL/dx contributed by each
-# batch statistic, averaged over the real tokens (g_mu, g_sigma2 of eq. 3; g_psi2 of eq. 6;
-# for PN the nu X^ term of eq. 11). train.py logs them to metrics.jsonl.
+# On several processes (DDP) each rank holds a shard of the batch, and batch_mean averages over
+# the real tokens of every rank (Appendix A): the ranks normalise as one process with the whole
+# batch would. Code: the authors' BN/PN use each GPU's own shard ("never synchronised").
+# With ``track = True`` a batch norm keeps [2] Figures 2-4's diagnostics in ``stats`` (Appendix B).
 # =======================================================================================
 def real_tokens(x, pad_mask):
     """The (B, T) bool mask of real (non-padding) tokens; a clear error for an all-padding batch."""
@@ -170,19 +170,10 @@ def real_tokens(x, pad_mask):
     return real
 
 
-def _dist(a, b):
-    """[2] section 3.1: dist(a, b) = ||a - b|| / D."""
-    return (torch.linalg.vector_norm(a - b) / a.numel()).item()
-
-
-def _track_gradient_terms(y, stats, terms):
-    """Hook on output y: stats[name] = mean over tokens of ||term(dL/dy)|| for each (name, term)."""
-    if y.requires_grad:
-        def hook(dy):
-            with torch.no_grad():
-                for name, term in terms:
-                    stats[name] = torch.linalg.vector_norm(term(dy), dim=-1).mean().item()
-        y.register_hook(hook)
+def batch_mean(v):
+    """The per-channel mean of v (N_r, D) over the real tokens of the batch (every rank's), and N."""
+    total, n = all_reduce_sum(v.sum(0), v.new_tensor(float(v.shape[0])))  # (D,), ()
+    return total / n, int(n)
 
 
 # ---------------------------------------------------------------------------------------
@@ -199,8 +190,7 @@ class BatchNorm(nn.Module):
     are normalized with the real tokens' statistics and never enter them. Plain autograd, which
     gives the paper's eq. 3 (both batch statistics get gradient). Note: a nonzero upstream
     gradient at padding would reach the real tokens through mu_B and sigma_B; in the Transformer
-    it is zero (loss and attention mask padding). Under torch.distributed the statistics run over
-    the real tokens of every rank (Appendix A), as one process with the whole batch would.
+    it is zero (loss and attention mask padding).
 
     Differs from the authors' code: their BN first RMS-scales each token over all D channels,
     overwrites padding rows with the real rows' mean, then runs ordinary BN (momentum 0.05)
@@ -224,24 +214,14 @@ class BatchNorm(nn.Module):
             return y.to(x.dtype)
         real = real_tokens(xf, pad_mask)
         xr = xf[real]  # (N_r, D)  the real tokens of this rank
-        # Note: sums and N over every rank's real tokens (Appendix A); on one process, this batch's.
-        # Two passes (mean, then centred squares) rather than E[x^2] - mu^2, which cancels badly.
-        x_sum, n = all_reduce_sum(xr.sum(0), xr.new_tensor(float(xr.shape[0])))  # (D,), ()
-        n = int(n)  # N, real tokens of the whole batch
+        mu, n = batch_mean(xr)  # (D,)  Paper (Alg. 1): mu_B = 1/N sum_i x_i
         if n < 2:  # Note: the unbiased running variance needs two tokens (torch raises too)
             raise ValueError(f"BatchNorm in training needs more than 1 real token, got {n}")
-        mu = x_sum / n  # (D,)  Paper (Alg. 1): mu_B = 1/N sum_i x_i
-        (sq_sum,) = all_reduce_sum((xr - mu).pow(2).sum(0))
-        var = sq_sum / n  # (D,)  Paper (Alg. 1): sigma_B^2 = 1/N sum_i (x_i - mu_B)^2  (biased)
-        sigma = torch.sqrt(var + self.eps)
-        y = self.weight * (xf - mu) / sigma + self.bias  # (B, T, D)  Paper (Alg. 1, eqs. 1-2)
+        # Note: two passes (mean, then centred squares) rather than E[x^2] - mu^2, which cancels badly.
+        var, _ = batch_mean((xr - mu).pow(2))  # (D,)  Paper (Alg. 1): sigma_B^2 = 1/N sum_i (x_i - mu_B)^2
+        y = self.weight * (xf - mu) / torch.sqrt(var + self.eps) + self.bias  # (B, T, D)  Paper (eqs. 1-2)
         if self.track:
-            self.stats = {"dist_mu": _dist(mu.detach(), self.running_mean), "dist_sigma2": _dist(var.detach(), self.running_var)}
-            x_tilde = ((xf - mu) / sigma).detach()[real]  # (N_r, D)
-            scale = (self.weight / sigma).detach()  # gamma / sigma_B
-            _track_gradient_terms(y, self.stats, [  # Paper (eq. 3): the two batch-statistics terms of dL/dx_i
-                ("g_mu", lambda dy: (scale * dy[real].mean(0)).expand_as(x_tilde)),
-                ("g_sigma2", lambda dy: scale * (dy[real] * x_tilde).mean(0) * x_tilde)])
+            self.stats = batchnorm_diagnostics(self, y, xf, real, mu, var)
         with torch.no_grad():
             m = self.momentum  # the paper's alpha = 1 - momentum
             # Paper (Alg. 1): mu = alpha mu + (1 - alpha) mu_B
@@ -265,7 +245,7 @@ class PNV(nn.Module):
     too and kept out of psi_B^2 (same gradient note as BatchNorm). Eval uses the running quadratic
     mean phi (starts at 1), updated in training as phi = (1 - momentum) phi + momentum psi_B^2,
     momentum 0.1 (alpha = 0.9). No N/(N-1) factor: a mean of squares is already unbiased for E[x^2].
-    Note: the paper gives no inference rule for PN-V; the running phi is ours (eq. 10's EMA).
+    Note: the paper gives no inference rule for PN-V; the running phi is ours (PN's EMA, eq. 10).
     Appendix A of [2] puts a "layer-scale layer" before every BN/PN; PN-V here is exactly
     Definition 1 (PowerNorm below has GroupScaling).
     """
@@ -282,17 +262,10 @@ class PNV(nn.Module):
         if not self.training:
             return (self.weight * xf / torch.sqrt(self.running_phi + self.eps) + self.bias).to(x.dtype)
         real = real_tokens(xf, pad_mask)
-        xr = xf[real]  # (N_r, D)  the real tokens of this rank
-        sq_sum, n = all_reduce_sum(xr.pow(2).sum(0), xr.new_tensor(float(xr.shape[0])))
-        psi2 = sq_sum / n  # (D,)  Paper (Def. 1): psi_B^2 = 1/N sum_i x_i^2
-        psi = torch.sqrt(psi2 + self.eps)
-        y = self.weight * xf / psi + self.bias  # (B, T, D)  Paper (eqs. 4-5): y = gamma x / psi_B + beta
+        psi2, _ = batch_mean(xf[real].pow(2))  # (D,)  Paper (Def. 1): psi_B^2 = 1/N sum_i x_i^2
+        y = self.weight * xf / torch.sqrt(psi2 + self.eps) + self.bias  # (B, T, D)  Paper (eqs. 4-5)
         if self.track:
-            self.stats = {"dist_psi2": _dist(psi2.detach(), self.running_phi)}
-            x_hat = (xf / psi).detach()[real]
-            scale = (self.weight / psi).detach()
-            _track_gradient_terms(y, self.stats, [  # Paper (eq. 6): the psi_B^2 term of dL/dx_i
-                ("g_psi2", lambda dy: scale * (dy[real] * x_hat).mean(0) * x_hat)])
+            self.stats = pnv_diagnostics(self, y, xf, real, psi2)
         with torch.no_grad():  # Note: phi = (1 - momentum) phi + momentum psi_B^2   (eq. 10's EMA)
             self.running_phi.copy_((1 - self.momentum) * self.running_phi + self.momentum * psi2)
         return y.to(x.dtype)
@@ -325,7 +298,7 @@ class GroupScaling(nn.Module):
 # PowerNorm (PN) [2, Definition 3, Algorithm 2]. At training step t, per channel:
 #   forward:   X^ = X / psi_{t-1}                                          (eq. 8)
 #              Y  = gamma X^ + beta                                         (eq. 9)
-#              psi_t^2 = alpha_fwd psi_{t-1}^2 + (1 - alpha_fwd) psi_B^2    (eq. 10)
+#              psi_t^2 = alpha_fwd psi_{t-1}^2 + (1 - alpha_fwd) psi_B^2    (eq. 10, Alg. 2's form)
 #   backward:  the statistics get no gradient; instead ("approximate backpropagation")
 #              X^' = dL/dX^ - nu_{t-1} X^                                   (eq. 11)
 #              dL/dX = X^' / psi_{t-1}                                      (eq. 12)
@@ -364,21 +337,19 @@ class _PowerNormFunction(torch.autograd.Function):
         # Paper (eq. 12): dL/dX = X^' / psi_{t-1}.  Code: divides by the batch psi_B even after
         # warmup (the module passes that as bwd_stat).
         dx = g_tilde / torch.sqrt(bwd_stat + opt["eps"])  # (B, T, D)
-        # Note: under torch.distributed the sums and counts of the two means run over every rank
-        # (Code: per GPU). A collective inside backward is safe: every rank runs the same backward
-        # graph, so they meet in the same order (as nn.SyncBatchNorm does). Eqs. 11-13 are not
-        # linear in dL/dY (nu X^ does not scale with it), so every rank's dL/dY must be the whole
-        # batch's, not world x it: see train_step in train.py.
-        if code:  # Code: Gamma and Lambda are means over all B*T positions, padding included.
-            zz, gz, n = all_reduce_sum((z * z).sum((0, 1)), (g * z).sum((0, 1)), z.new_tensor(float(real.numel())))
-        else:  # Paper: means over the N real tokens (footnote 1); padding gets zero gradient.
-            zz, gz, n = all_reduce_sum((z * z)[real].sum(0), (g * z)[real].sum(0), z.new_tensor(float(real.sum())))
+        # Note: a collective inside backward (batch_mean over the ranks) is safe: every rank runs the
+        # same backward graph, so they meet in the same order (as nn.SyncBatchNorm does). Eqs. 11-13
+        # are not linear in dL/dY (nu X^ does not scale with it), so every rank's dL/dY must be the
+        # whole batch's, not world x it: see train_step in train.py.
+        used = torch.ones_like(real) if code else real  # Code: means over all B*T positions, padding included
+        Gamma_t, _ = batch_mean((z * z)[used])  # (D,)  Gamma = mean_i x^_i x^_i
+        Lambda_t, _ = batch_mean((g * z)[used])  # (D,)  Lambda = mean_i dL/dx^_i x^_i
+        if not code:  # Paper: means over the N real tokens (footnote 1); padding gets zero gradient.
             dx = torch.where(real.unsqueeze(-1), dx, 0.0)
-        gamma_t, lambda_t = zz / n, gz / n  # (D,)  Gamma = mean x^ x^,  Lambda = mean dL/dx^ x^
-        if opt["stats"] is not None:  # [2] Fig. 4 analogue: the nu X^ term of eq. 11, through eq. 12
+        if opt["stats"] is not None:  # Appendix B: the nu X^ term's share of dL/dX (eqs. 11-12)
             opt["stats"]["g_nu"] = torch.linalg.vector_norm(nu * z[real] / torch.sqrt(bwd_stat + opt["eps"]), dim=-1).mean().item()
         # Paper (eq. 13): nu_t = nu_{t-1} (1 - (1 - alpha) Gamma) + (1 - alpha) Lambda
-        nu.copy_(nu * (1 - (1 - a) * gamma_t) + (1 - a) * lambda_t)
+        nu.copy_(nu * (1 - (1 - a) * Gamma_t) + (1 - a) * Lambda_t)
         return dx, (dy * z).sum((0, 1)), dy.sum((0, 1)), None, None, None, None, None  # dgamma, dbeta
 
 
@@ -397,7 +368,7 @@ class PowerNorm(nn.Module):
     released module (../shared/REFERENCE.md), which differs in three places:
       - backward divides by the batch psi_B even after warmup (paper: psi_{t-1}, eq. 12);
       - Gamma and Lambda average over all B*T positions, padding included, and padding
-        positions get gradient (paper: real tokens only; here padding gets zero gradient);
+        positions get gradient (the paper variant: real tokens only, padding gets zero gradient);
       - during warmup phi first becomes the cumulative mean of the psi_B^2 so far and then
         takes the EMA step (paper: the EMA of eq. 10 at every step).
     Both variants normalize padding with the same statistic (finite outputs) and never let
@@ -407,7 +378,7 @@ class PowerNorm(nn.Module):
     """
 
     def __init__(self, num_features, groups=1, warmup=4000, alpha_fwd=0.9, alpha_bkw=0.9, eps=1e-5,
-                 variant="paper"):
+                 variant="paper"):  # Paper: warmup = the LR warmup (train.py passes it)
         super().__init__()
         if num_features % groups:
             raise ValueError(f"num_features {num_features} is not divisible by groups {groups}")
@@ -440,9 +411,7 @@ class PowerNorm(nn.Module):
         self.num_batches_tracked += 1
         t = int(self.num_batches_tracked)  # this step, counted from 1
         with torch.no_grad():  # the statistics get no gradient (approximate backpropagation)
-            xr = xs[real]  # (N_r, D)   Note: sum and N over every rank's real tokens (Appendix A)
-            sq_sum, n = all_reduce_sum(xr.pow(2).sum(0), xr.new_tensor(float(xr.shape[0])))
-            psi2 = sq_sum / n  # (D,)  Paper (Alg. 2): psi_B^2 = 1/N sum_i x_i^2  over the real tokens
+            psi2, _ = batch_mean(xs[real].pow(2))  # (D,)  Paper (Alg. 2): psi_B^2 = 1/N sum_i x_i^2
             phi = self.running_phi.clone()  # (D,)  psi_{t-1}^2
         # Paper (appendix A) says only that a warmup "for accumulating psi" is used, W = the LR
         # warmup. Code: the batch psi_B divides while t <= W (as in PN-V), then eq. 8's psi_{t-1}.
@@ -452,7 +421,7 @@ class PowerNorm(nn.Module):
         # in the code. Code: always by the batch psi_B.
         bwd_stat = psi2 if code else fwd_stat
         if self.track:
-            self.stats = {"dist_psi2": _dist(psi2, phi)}
+            self.stats = {"dist_psi2": dist(psi2, phi)}  # Appendix B
         options = dict(self.options, stats=self.stats if self.track else None)
         y = _PowerNormFunction.apply(xs, self.weight, self.bias, fwd_stat, bwd_stat, self.running_nu, real, options)
         with torch.no_grad():
@@ -460,13 +429,13 @@ class PowerNorm(nn.Module):
                 # Code: phi <- (t-1)/t phi + 1/t psi_B^2 (cumulative mean) before the EMA step,
                 # for t < W. Not in the paper: Algorithm 2 has only the EMA below.
                 phi = phi * (t - 1) / t + psi2 / t
-            # Paper (eq. 10): psi_t^2 = alpha psi_{t-1}^2 + (1 - alpha) psi_B^2
+            # Paper (eq. 10, as Alg. 2 writes it): psi_t^2 = alpha psi_{t-1}^2 + (1 - alpha) psi_B^2
             self.running_phi.copy_(self.alpha_fwd * phi + (1 - self.alpha_fwd) * psi2)
         return y.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------
-# 6. No norm: y = x. QKNorm [3] Table 6, "Without LayerNorm", taken literally (--norm none).
+# 6. No norm: y = x. [3] Table 6, "Without LayerNorm", taken literally (--norm none).
 # ---------------------------------------------------------------------------------------
 class NoNorm(nn.Module):
     def __init__(self, d):
@@ -482,24 +451,23 @@ class NoNorm(nn.Module):
 NORMS = {
     "layer": LayerNorm,
     "scale": ScaleNorm,
-    "scale_fixed": ScaleNorm,  # TwT Table 7: g fixed at sqrt(D), only the output g learned
+    "scale_fixed": partial(ScaleNorm, learn_g=False),  # [1] Table 7: g fixed at sqrt(D)
     "rms": RMSNorm,
-    "batch": BatchNorm,  # PowerNorm [2] Algorithm 1, over the real tokens
-    "pnv": PNV,  # PowerNorm [2] Definition 1
-    "power": PowerNorm,  # PowerNorm [2] Definition 3 / Algorithm 2, GroupScaling in front
-    "none": NoNorm,  # QKNorm [3] Table 6 "without LayerNorm"
+    "batch": BatchNorm,  # [2] Algorithm 1, over the real tokens
+    "pnv": PNV,  # [2] Definition 1
+    "power": PowerNorm,  # [2] Definition 3 / Algorithm 2, GroupScaling in front
+    "none": NoNorm,  # [3] Table 6 "Without LayerNorm"
 }
+BATCH_NORMS = (BatchNorm, PNV, PowerNorm)  # the norms with batch statistics
 
 
-def build_norm(name, d, heads=1, power_options=None):
-    """One norm of kind ``name`` for width d. PowerNorm takes GroupScaling's groups = heads (Code)
-    and ``power_options`` (warmup, variant, alpha_fwd, alpha_bkw); the other norms take neither."""
+def build_norm(name, d, heads=1, norm_options=None):
+    """One norm of kind ``name`` for width d. PowerNorm also takes GroupScaling's groups = heads
+    (Code) and ``norm_options`` (warmup, variant, alpha_fwd, alpha_bkw)."""
     if name not in NORMS:
         raise ValueError(f"unknown norm {name!r}; choose one of {sorted(NORMS)}")
-    if name == "scale_fixed":
-        return ScaleNorm(d, learn_g=False)
     if name == "power":
-        return PowerNorm(d, groups=heads, **(power_options or {}))
+        return PowerNorm(d, groups=heads, **(norm_options or {}))
     return NORMS[name](d)
 
 
@@ -540,7 +508,49 @@ def all_reduce_sum(*tensors):
 
 
 # =======================================================================================
-# Appendix B: the timing harness, and python norms.py --benchmark.
+# Appendix B: diagnostics of the batch statistics ([2] Figures 2-4), kept in ``norm.stats`` on
+# the steps where train.py sets ``norm.track`` (its log lines; they cost host syncs):
+#   forward:  the distance between a batch statistic and the running one before it is updated,
+#             dist(a, b) = ||a - b|| / D  ([2] section 3.1): dist_mu, dist_sigma2 (BN), dist_psi2
+#   backward: the norm of the part of dL/dx_i that each batch statistic contributes, averaged over
+#             the real tokens: g_mu, g_sigma2 (BN, eq. 3), g_psi2 (PN-V, eq. 6); for PN, whose
+#             statistics get no gradient, the nu X^ term of eqs. 11-12 (g_nu, in its backward)
+# =======================================================================================
+def dist(a, b):
+    return (torch.linalg.vector_norm(a.detach() - b) / a.numel()).item()
+
+
+def _on_backward(y, stats, terms):
+    """When dL/dy arrives: stats[name] = mean over tokens of ||term(dL/dy)|| for each (name, term)."""
+    if y.requires_grad:
+        def hook(dy):
+            with torch.no_grad():
+                for name, term in terms:
+                    stats[name] = torch.linalg.vector_norm(term(dy), dim=-1).mean().item()
+        y.register_hook(hook)
+
+
+def batchnorm_diagnostics(norm, y, x, real, mu, var):
+    stats = {"dist_mu": dist(mu, norm.running_mean), "dist_sigma2": dist(var, norm.running_var)}
+    sigma = torch.sqrt(var.detach() + norm.eps)
+    x_tilde, scale = ((x.detach() - mu.detach()) / sigma)[real], norm.weight.detach() / sigma  # (N_r, D), (D,)
+    # Paper (eq. 3): dL/dx_i = gamma/sigma_B dL/dy_i - gamma/(sigma_B N) sum_j (dL/dy_j + dL/dy_j x~_j x~_i)
+    _on_backward(y, stats, [("g_mu", lambda dy: (scale * dy[real].mean(0)).expand_as(x_tilde)),
+                            ("g_sigma2", lambda dy: scale * (dy[real] * x_tilde).mean(0) * x_tilde)])
+    return stats
+
+
+def pnv_diagnostics(norm, y, x, real, psi2):
+    stats = {"dist_psi2": dist(psi2, norm.running_phi)}
+    psi = torch.sqrt(psi2.detach() + norm.eps)
+    x_hat, scale = (x.detach() / psi)[real], norm.weight.detach() / psi  # (N_r, D), (D,)
+    # Paper (eq. 6): dL/dx_i = gamma/psi_B dL/dy_i - gamma/(N psi_B) sum_j dL/dy_j x^_j x^_i
+    _on_backward(y, stats, [("g_psi2", lambda dy: scale * (dy[real] * x_hat).mean(0) * x_hat)])
+    return stats
+
+
+# =======================================================================================
+# Appendix C: the timing harness, and python norms.py --benchmark.
 #
 # Every benchmark of the project (norms, a training step, decoding) times with timed() below.
 # Figures are printed, never asserted: these machines are shared and noisy, so compare ratios
@@ -586,7 +596,7 @@ if __name__ == "__main__":
     p.add_argument("--d-model", type=int, default=512, help="D of the activations (base model: 512)")
     p.add_argument("--heads", type=int, default=8, help="PowerNorm's GroupScaling groups")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--reference", action="store_true", help="time the written-out LayerNorm too")
+    p.add_argument("--reference", action="store_true", help="time the written-out LayerNorm in place of F.layer_norm")
     a = p.parse_args()
     if not a.benchmark:
         p.print_help()

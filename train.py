@@ -55,7 +55,7 @@ from torch.profiler import ProfilerActivity, profile
 import data
 import decode
 from model import ModelConfig, Transformer, autocast, count_parameters, pick_device
-from norms import NORMS, PNV, BatchNorm, PowerNorm, timed, use_reference
+from norms import BATCH_NORMS, NORMS, fast_paths, timed, use_reference
 
 # ---------------------------------------------------------------------------------------
 # 1. The learning rate [1, section 2.4].
@@ -71,7 +71,7 @@ def inverse_sqrt_lr(step, d_model, warmup, lr_scale):
 
 @dataclass
 class Schedule:
-    kind: str  # invsqrt | valdecay | warmupflat ([3]'s name for valdecay) | nowarmup
+    kind: str  # invsqrt | valdecay | warmupflat (valdecay, as QKNorm's configs name it) | nowarmup
     d_model: int
     warmup: int  # n_warmup; none under nowarmup
     peak: float  # the peak LR, lambda / sqrt(d * n_warmup); the constant LR under nowarmup
@@ -99,7 +99,7 @@ class Schedule:
 
 
 def validation_decay(history, patience):
-    """[1] 3.3 VALDECAY. Code: decay when the newest dev BLEU is strictly below each of the previous
+    """[1] 2.4 VALDECAY. Code: decay when the newest dev BLEU is strictly below each of the previous
     `patience` ones (no cooldown); returns True when the LR should be multiplied."""
     if len(history) <= patience:
         return False
@@ -240,7 +240,7 @@ class TrainState:
     """Everything resume needs besides the model, the optimizer and the random generators."""
     step: int = 0  # optimizer updates so far
     epoch: int = 0  # evaluations so far (an epoch is --epoch-size steps, as in [1]'s code)
-    data_epoch: int = 0  # passes over the training data so far
+    data_pass: int = 0  # passes over the training data so far (an epoch here is not one)
     batch_pos: int = 0  # position in this pass's shuffled batch order
     best_bleu: float = -1.0
     best_step: int = 0
@@ -260,7 +260,7 @@ class Run:
     rank: int  # this process's rank and the number of processes (Appendix D)
     world: int
     console: Console  # rank 0's log lines; the other ranks' console is quiet
-    tok: data.Tokenizer
+    tokenizer: data.Tokenizer
     langs: tuple  # the source and target language suffixes
     pairs: dict  # raw text pairs per split: dev and test BLEU
     train: list  # encoded training pairs
@@ -271,7 +271,7 @@ class Run:
     schedule: Schedule
     step_options: StepOptions
     state: TrainState = field(default_factory=TrainState)
-    order: list = field(default_factory=list)  # this data epoch's shuffled batches
+    order: list = field(default_factory=list)  # this pass's shuffled batches
 
     @property
     def master(self):  # rank 0 alone logs and writes files
@@ -291,8 +291,8 @@ class Run:
         n = self.world * self.args.accumulate
         s = self.state
         if s.batch_pos + n > len(self.order):  # the data ran out: the next shuffled pass
-            s.data_epoch, s.batch_pos = s.data_epoch + 1, 0
-            self.order = data.make_batches(self.train, self.args.batch_tokens, True, self.args.seed, s.data_epoch)
+            s.data_pass, s.batch_pos = s.data_pass + 1, 0
+            self.order = data.make_batches(self.train, self.args.batch_tokens, True, self.args.seed, s.data_pass)
         idx = self.order[s.batch_pos + self.rank: s.batch_pos + n: self.world]
         s.batch_pos += n
         return [data.collate(self.train, i, self.device) for i in idx]
@@ -351,13 +351,13 @@ def setup(args):
     pairs, langs = read_corpus(args, log)
     if world > 1 and rank != 0:
         dist.barrier()  # rank 0 prepares the BPE model and the caches first
-    tok, train, dev = prepare_data(args, pairs, run_dir, log)
+    tokenizer, train, dev = prepare_data(args, pairs, run_dir, log)
     if world > 1 and rank == 0:
         dist.barrier()
     if rank == 0 and not args.benchmark:
         data.atomic_write(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
-    allowed = data.target_vocab_mask([t for _, t in train], tok.vocab_size)
-    cfg = model_config_from_args(args, tok.vocab_size, qknorm_g0(args, train, log) if args.qknorm else 1.0)
+    allowed = data.target_vocab_mask([t for _, t in train], tokenizer.vocab_size)
+    cfg = model_config_from_args(args, tokenizer.vocab_size, qknorm_g0(args, train, log) if args.qknorm else 1.0)
     model = Transformer(cfg, allowed).to(device)
     log(f"model: {count_parameters(model) / 1e6:.2f}M parameters, {'PreNorm' if cfg.prenorm else 'PostNorm'}, "
         f"norm={cfg.encoder_norm or cfg.norm}/{cfg.decoder_norm or cfg.norm}, fixnorm={cfg.fixnorm}, "
@@ -374,11 +374,11 @@ def setup(args):
     # Word dropout draws from its own generator, on the device the batches live on.
     options = StepOptions(args.word_dropout, args.label_smoothing, args.clip,
                           torch.Generator(device=device).manual_seed(args.seed + rank))
-    run = Run(args, run_dir, device, rank, world, console, tok, langs, pairs, train, dev, model, net, optimizer,
+    run = Run(args, run_dir, device, rank, world, console, tokenizer, langs, pairs, train, dev, model, net, optimizer,
               Schedule.from_args(args), options)
     if ckpt is not None:
         restore(run, ckpt)
-    run.order = data.make_batches(train, args.batch_tokens, True, args.seed, run.state.data_epoch)
+    run.order = data.make_batches(train, args.batch_tokens, True, args.seed, run.state.data_pass)
     model.train()
     return run
 
@@ -393,9 +393,9 @@ def train(args):
             return benchmark(run)
         finally:
             shutil.rmtree(run.dir, ignore_errors=True)  # --benchmark writes no run directory
-    s, peak = run.state, matmul_flops(run.device, args.d_model, args.ff)
-    n_out = int(run.model.allowed.sum())  # the output layer computes these target words' logits
-    run.log(f"speed: dense {args.d_model}x{args.ff} matmul runs at {peak / 1e9:.1f} GFLOP/s here (MFU's denominator)")
+    s, matmul_peak = run.state, matmul_flops(run.device, args.d_model, args.ff)
+    n_out = output_columns(run.model)
+    run.log(f"speed: dense {args.d_model}x{args.ff} matmul runs at {matmul_peak / 1e9:.1f} GFLOP/s here (MFU's denominator)")
     total = min(args.max_epochs * args.epoch_size, args.max_steps or math.inf)
     bar = Progress(TextColumn("[bold]train[/]"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
@@ -428,7 +428,7 @@ def train(args):
                 run.log("error: " + s.stopped)
                 break
             if s.step % args.log_interval == 0 or s.step == total:
-                log_window(run, win, lr, peak)
+                log_window(run, win, lr, matmul_peak)
                 win = dict.fromkeys(win, 0.0)
                 bar.update(task, info=f"loss {loss / n_tgt:.3f}")
             bar.update(task, completed=s.step)
@@ -440,16 +440,16 @@ def train(args):
     return result
 
 
-def log_window(run, win, lr, peak):
+def log_window(run, win, lr, matmul_peak):
     """One log line (and metrics record) for the steps since the last one."""
     tl, nll = win["loss"] / max(win["tok"], 1), win["nll"] / max(win["tok"], 1)
-    tps, mfu = win["tok"] / win["t"], win["flops"] / win["t"] / (peak * run.world)
+    tps, mfu = win["tok"] / win["t"], win["flops"] / win["t"] / (matmul_peak * run.world)
     run.log(f"step {run.state.step:6d} | loss {tl:6.3f} | ppl {math.exp(min(nll, 50)):8.2f} | lr {lr:.2e} | "
             f"{tps:7.0f} tok/s | MFU {100 * mfu:4.1f}% | gnorm {win['gnorm'] / win['n']:6.3f}")
     run.metrics({"step": run.state.step, "train_loss": tl, "train_ppl": math.exp(min(nll, 50)),
                  "tok_per_s": tps, "mfu": mfu})
     stats = {name: m.stats for name, m in run.model.named_modules()
-             if isinstance(m, (BatchNorm, PNV, PowerNorm)) and m.stats}
+             if isinstance(m, BATCH_NORMS) and m.stats}
     if stats:  # [2] Figures 2-4: batch vs running statistics, and the batch statistics' gradient terms
         run.metrics({"step": run.state.step, "batch_norm_stats": stats})
 
@@ -457,7 +457,7 @@ def log_window(run, win, lr, peak):
 def track_batch_statistics(model, on):
     """Batch norms keep their [2] Figures 2-4 diagnostics on logged steps only (they cost host syncs)."""
     for m in model.modules():
-        if isinstance(m, (BatchNorm, PNV, PowerNorm)):
+        if isinstance(m, BATCH_NORMS):
             m.track, m.stats = on, {}
 
 
@@ -470,8 +470,8 @@ def end_of_epoch(run):
     t0, bleu = time.time(), None
     if run.master:
         dev_loss, dev_nll, n = decode.evaluate_loss(run.model, run.dev, args.batch_tokens, args.label_smoothing)
-        hyps = decode.translate(run.model, run.tok, [x for x, _ in run.pairs["dev"]], args.dev_beam, args.alpha,
-                                args.batch_tokens)
+        hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["dev"]],
+                                decode.Search(args.dev_beam, args.alpha), args.batch_tokens)
         bleu = decode.bleu(hyps, [y for _, y in run.pairs["dev"]]).score
     if run.world > 1:  # every rank takes the same decisions: share rank 0's score
         box = [bleu]
@@ -507,7 +507,7 @@ def end_of_epoch(run):
     ckpt = make_checkpoint(run)
     if improved:
         data.atomic_write(run.dir / "checkpoint_best.pt", ckpt)
-    if args.keep_checkpoints > 0:  # per-epoch checkpoints, for averaging ([2]: the last 5)
+    if args.keep_checkpoints > 0:  # per-epoch checkpoints, for averaging (Code [2]: the last 5)
         data.atomic_write(run.dir / f"checkpoint_epoch{s.epoch}.pt", ckpt)
         (run.dir / f"checkpoint_epoch{s.epoch - args.keep_checkpoints}.pt").unlink(missing_ok=True)
     data.atomic_write(run.dir / "checkpoint_last.pt", ckpt)  # written last: the resume point
@@ -531,8 +531,8 @@ def finish(run, train_time):
     decode.print_g_table(run.model)  # [1] Figures 3-4: learned g versus depth
     decode.save_g_values(run.model, run.dir / "g_values.json")
     if run.pairs["test"]:
-        hyps = decode.translate(run.model, run.tok, [x for x, _ in run.pairs["test"]], args.beam, args.alpha,
-                                args.batch_tokens)
+        hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["test"]],
+                                decode.Search(args.beam, args.alpha), args.batch_tokens)
         score = decode.bleu(hyps, [y for _, y in run.pairs["test"]])
         data.atomic_write(run.dir / "test.hyp", "\n".join(hyps) + "\n")
         result.update(test_bleu=score.score, test_signature=score.signature)
@@ -600,7 +600,7 @@ def build_parser():
         "corpus (data.py), generated on first use")
     add(g, "--src", help="source language suffix, e.g. en (DIR/train.en)")
     add(g, "--tgt", help="target language suffix, e.g. de (DIR/train.de)")
-    add(g, "--bpe-size", type=int, help="joint sentencepiece BPE vocabulary size ([1] appendix A: 8k; 3k for "
+    add(g, "--bpe-size", type=int, help="joint sentencepiece BPE vocabulary size ([1] Table 1: 8k; 3k for "
         "gl-en); default 8000, or 2000 on the built-in corpus")
     add(g, "--max-len", type=int, default=250, help="training pairs longer than this (BPE tokens, either side) "
         "are dropped, with a count")
@@ -618,7 +618,7 @@ def build_parser():
     add(g, "--heads", type=int, default=4, help="attention heads ([1]: 8; [3] Table 4 varies it)")
     add(g, "--ff", type=int, default=512, help="feed-forward width ([1]: 2048)")
     add(g, "--dropout", type=float, default=0.1, help="dropout on embeddings, sublayer outputs, ReLU and "
-        "attention weights ([1] appendix A: 0.3)")
+        "attention weights ([1] Table 1: 0.3; 0.4 for gl-en)")
     add(g, "--attn-dropout", type=float, help="attention-weight dropout (default: --dropout)")
     add(g, "--relu-dropout", type=float, help="ReLU dropout (default: --dropout)")
     add(g, "--norm", default="scale", choices=sorted(NORMS), help="norm of every sublayer: layer (LayerNorm), "
@@ -658,16 +658,17 @@ def build_parser():
     add(g, "--schedule", choices=["invsqrt", "valdecay", "nowarmup", "warmupflat"], default="invsqrt",
         help="invsqrt: eq. 7 of [1] (INVSQRTDECAY); valdecay: eq. 7's linear warmup, then flat at its peak, "
              "times --decay-factor when dev BLEU stalls ([1] 2.4, VALDECAY); nowarmup: constant --lr (3e-4 in "
-             "[1]) with the same validation decay; warmupflat: [3]'s name for valdecay")
+             "[1] 3.3) with the same validation decay; warmupflat: valdecay under the name of QKNorm's released "
+             "configs (Code [3])")
     add(g, "--lr-scale", type=float, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
         "warmup^-1.5) ([1] 3.3: 1, and 2 for 2xLR); when given it overrides --lr, whose value is "
         "lambda / sqrt(d * warmup)")
     add(g, "--lr", type=float, default=2e-3, help="peak LR (reached at n_warmup), i.e. lambda = lr * "
         "sqrt(d * warmup) in eq. 7; the constant LR of --schedule nowarmup ([1] 3.3: 3e-4)")
     add(g, "--warmup", type=int, default=200, help="n_warmup of eq. 7 ([1]: 8000)")
-    add(g, "--decay-factor", type=float, default=0.8, help="alpha_decay of validation decay ([1] 3.3)")
+    add(g, "--decay-factor", type=float, default=0.8, help="alpha_decay of validation decay ([1] 2.4; 0.8 in 3.3)")
     add(g, "--patience", type=int, default=3, help="validation decay when dev BLEU is below each of the "
-        "previous PATIENCE evaluations ([1] 3.3)")
+        "previous PATIENCE evaluations ([1] 2.4; 3 in 3.3)")
     add(g, "--stop-lr", type=float, default=1e-6, help="stop when the LR falls below this ([1] appendix A: "
         "1e-6; TwT code 5e-5; [3]: 1e-5)")
     add(g, "--early-stop", type=int, default=20, help="stop when dev BLEU has not improved for this many "
@@ -686,7 +687,7 @@ def build_parser():
         "by pair)")
     add(g, "--max-epochs", type=int, default=4, help="stop after this many epochs ([1] Table 1: 200)")
     add(g, "--keep-checkpoints", type=int, default=5, help="keep the last N per-epoch checkpoints, for "
-        "checkpoint averaging ([2]: the last 5)")
+        "checkpoint averaging (Code [2]: the last 5; its paper: 10)")
     add(g, "--max-steps", type=int, help="stop after this many steps (quick checks)")
     add(g, "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     add(g, "--threads", type=int, help="CPU threads (torch.set_num_threads)")
@@ -777,7 +778,7 @@ TWT = dict(d_model=512, ff=2048, word_dropout=0.1, label_smoothing=0.1, batch_to
            dev_beam=4, init="small")
 TWT_LN = dict(TWT, norm="layer", fixnorm=False)  # [1] 3.1 and Table 5: before FixNorm and ScaleNorm
 TWT_FINAL = dict(TWT, prenorm=True, norm="scale", fixnorm=True)  # PreNorm + FixNorm + ScaleNorm
-INVSQRT = dict(schedule="invsqrt", lr_scale=1.0, warmup=8000)  # [1] 3.2: lambda 1, 8k warmup
+INVSQRT = dict(schedule="invsqrt", lr_scale=1.0, warmup=8000)  # [1] 3.2-3.3: 8k warmup, lambda 1
 NOWARMUP = dict(schedule="nowarmup", lr=3e-4)  # [1] 3.3: a constant 3e-4, x0.8 decay
 # QKNorm's released configs: LayerNorm, PreNorm, FixNorm; linear warmup to ~4.94e-4 then flat,
 # x0.8 validation decay; stop when the LR falls below 1e-5, no early stop.
@@ -873,6 +874,11 @@ def step_flops(cfg, B, S, T, out_vocab=None):
     return 3 * 2 * B * (enc + dec + T * D * V)
 
 
+def output_columns(model):
+    """The output layer's columns a training step computes: the target words (all V under --reference)."""
+    return int(model.allowed.sum()) if fast_paths() else model.cfg.vocab_size
+
+
 def matmul_flops(device, d, ff, tokens=4096, seconds=1.0):
     """FLOP/s of a dense (tokens x d) @ (d x ff) fp32 GEMM, the model's largest matmul shape, in this
     process: the denominator of MFU. The best of 5 short windows: a busy moment on a shared machine
@@ -903,9 +909,9 @@ def peak_memory_mb(device):
 def benchmark(run):
     """--benchmark N: time N training steps after 3 warm-up steps; print figures, assert nothing."""
     args, cfg, warm = run.args, run.model.cfg, 3
-    peak = matmul_flops(run.device, cfg.d_model, cfg.ff)
-    tok = flops = secs = 0.0
-    n_out = int(run.model.allowed.sum())
+    matmul_peak = matmul_flops(run.device, cfg.d_model, cfg.ff)
+    n_tok = flops = secs = 0.0
+    n_out = output_columns(run.model)
     losses = []
     for i in range(warm + args.benchmark):
         batches = run.next_batches()
@@ -913,7 +919,7 @@ def benchmark(run):
                                                            run.step_options), run.device)
         losses.append(loss.item() / n_tgt)
         if i >= warm:
-            secs, tok = secs + dt, tok + n_tgt
+            secs, n_tok = secs + dt, n_tok + n_tgt
             flops += sum(step_flops(cfg, *b.src.shape, b.tgt_in.size(1), n_out) for b in batches)
     if args.profile:  # a few more steps under the profiler (not in the figures above: it slows them)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.type == "cuda" else [])
@@ -922,15 +928,15 @@ def benchmark(run):
                 train_step(run.net, run.optimizer, run.next_batches(), run.schedule(i + 1), run.step_options)[0].item()
         key = "self_cuda_time_total" if run.device.type == "cuda" else "self_cpu_time_total"
         run.log(prof.key_averages().table(sort_by=key, row_limit=25))
-    peak = max(peak, matmul_flops(run.device, cfg.d_model, cfg.ff))  # the probe again, the larger kept
+    matmul_peak = max(matmul_peak, matmul_flops(run.device, cfg.d_model, cfg.ff))  # the probe again, the larger kept
     pad = data.padding_share(run.train, run.order)
-    result = {"steps": args.benchmark, "tgt_tok_per_s": tok / secs, "flops_per_tgt_token": flops / tok,
-              "achieved_flops": flops / secs, "matmul_peak_flops": peak, "mfu": flops / secs / peak,
+    result = {"steps": args.benchmark, "tgt_tok_per_s": n_tok / secs, "flops_per_tgt_token": flops / n_tok,
+              "achieved_flops": flops / secs, "matmul_peak_flops": matmul_peak, "mfu": flops / secs / matmul_peak,
               "padding_share": pad, "peak_memory_mb": peak_memory_mb(run.device), "threads": torch.get_num_threads(),
               "device": str(run.device), "losses": losses, "model_config": cfg.to_dict()}
     run.log(f"benchmark: {args.benchmark} steps | {result['tgt_tok_per_s']:.0f} target tok/s | "
             f"{result['flops_per_tgt_token'] / 1e6:.1f} MFLOP/target token | achieved "
-            f"{result['achieved_flops'] / 1e9:.1f} GFLOP/s | matmul peak {peak / 1e9:.1f} GFLOP/s | MFU "
+            f"{result['achieved_flops'] / 1e9:.1f} GFLOP/s | matmul peak {matmul_peak / 1e9:.1f} GFLOP/s | MFU "
             f"{100 * result['mfu']:.1f}% | padding {100 * pad:.1f}% | peak memory {result['peak_memory_mb']:.0f} MiB "
             f"| {result['threads']} threads")
     return result

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decode  # noqa: E402
-from decode import beam_search, greedy_search, length_penalty, load_checkpoint, translate  # noqa: E402
+from decode import Search, beam_search, greedy_search, length_penalty, load_checkpoint, translate  # noqa: E402
 from model import BOS, EOS, PAD, ModelConfig, Transformer  # noqa: E402
 
 V = 40
@@ -202,21 +202,21 @@ def test_load_checkpoint_round_trip_from_file_and_run_dir(run_dir):
         for k, v in model.state_dict().items():
             assert torch.equal(v, loaded.state_dict()[k]), k
         assert ltok.vocab_size == tok.vocab_size and ltok.encode(lines[0]) == tok.encode(lines[0])
-        assert translate(loaded, ltok, lines[:5], max_len_b=B_) == translate(model, tok, lines[:5], max_len_b=B_)
+        assert translate(loaded, ltok, lines[:5], Search(max_len_b=B_)) == translate(model, tok, lines[:5], Search(max_len_b=B_))
 
 
 def test_translate_restores_order_and_handles_empty_lines(run_dir):
     _, model, tok, lines = run_dir
     inputs = lines[:9] + [""] + lines[9:12]
     model.train()  # translate() must switch to eval itself, and switch back
-    both = translate(model, tok, inputs, beam=3, batch_tokens=20, max_len_b=B_)  # several batches
+    both = translate(model, tok, inputs, Search(3, max_len_b=B_), batch_tokens=20)  # several batches
     assert model.training
     model.eval()
-    assert both == [translate(model, tok, [line], beam=3, max_len_b=B_)[0] for line in inputs]
+    assert both == [translate(model, tok, [line], Search(3, max_len_b=B_))[0] for line in inputs]
     assert both[9] == "" and translate(model, tok, []) == []
     assert len(set(both)) > 3  # the outputs differ, so a wrong order would show
-    assert translate(model, tok, inputs, beam=1, batch_tokens=20, max_len_b=B_) == [
-        tok.decode(greedy_search(model, torch.tensor([tok.encode(line)]), max_len_b=B_)[0]) if line else ""
+    assert translate(model, tok, inputs, Search(1, max_len_b=B_), batch_tokens=20) == [
+        tok.decode(greedy_search(model, torch.tensor([tok.encode(line)]), len(tok.encode(line)) + B_)[0]) if line else ""
         for line in inputs]
 
 
@@ -227,7 +227,7 @@ def test_cli_translates_a_file_and_prints_bleu(run_dir, tmp_path, capsys):
               "--max-len-b", str(B_), "--device", "cpu"]
     assert decode.main(common + ["--output", str(out), "--beam", "2"]) == 0
     hyps = out.read_text().split("\n")[:-1]
-    assert hyps == translate(model, tok, lines[:12], beam=2, max_len_b=B_)
+    assert hyps == translate(model, tok, lines[:12], Search(2, max_len_b=B_))
     err = capsys.readouterr().err
     assert "BLEU = " in err and "nrefs:1|case:mixed|eff:no|tok:13a" in err and "chrF2 = " in err
     assert decode.main(common + ["--benchmark"]) == 0
@@ -240,7 +240,7 @@ def test_cli_reads_stdin_writes_stdout(run_dir, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(("\n".join(lines[:3]) + "\n").encode())))
     assert decode.main([str(root), "--beam", "1", "--max-len-b", str(B_)]) == 0
     out = capsys.readouterr().out
-    assert out.split("\n")[:-1] == translate(model, tok, lines[:3], beam=1, max_len_b=B_)
+    assert out.split("\n")[:-1] == translate(model, tok, lines[:3], Search(1, max_len_b=B_))
 
 
 def test_bleu_helpers():
@@ -257,7 +257,7 @@ def test_cuda_search_and_bf16_translate(run_dir):
     assert beam_search(gpu, src, beam=1, max_len=12) == greedy_search(gpu, src, max_len=12)  # fp32
     assert greedy_search(gpu, src, max_len=12) == [slow_greedy(gpu, unpad(s), 12) for s in src]
     model_gpu = tiny_model(vocab_size=tok.vocab_size).cuda()
-    out = translate(model_gpu, tok, lines[:8] + [""], beam=4, max_len_b=B_)  # bf16 autocast
+    out = translate(model_gpu, tok, lines[:8] + [""], Search(4, max_len_b=B_))  # bf16 autocast
     assert len(out) == 9 and out[-1] == "" and all(out[:8])
 
 

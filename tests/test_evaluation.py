@@ -197,7 +197,7 @@ def test_load_checkpoint_average_of_run_dir(tmp_path, toy):
             assert torch.equal(v, s2[k]), k
     assert int(got["encoder.0.norm_attn.num_batches_tracked"]) == 300
     assert torch.equal(got["logit_mask"], s2["logit_mask"])
-    assert decode.translate(loaded, ltok, ["the cat sat"], max_len_b=5)[0] is not None
+    assert decode.translate(loaded, ltok, ["the cat sat"], decode.Search(max_len_b=5))[0] is not None
     with pytest.raises(DecodeError) as e:
         decode.load_checkpoint(tmp_path, average=5)
     assert str(tmp_path) in str(e.value) and "has 3" in str(e.value) and "\n" not in str(e.value)

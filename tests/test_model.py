@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from decode import decode_step, start_decoding
 from model import (BOS, EOS, PAD, FeedForward, ModelConfig, MultiHeadAttention, SmoothedCrossEntropy, Transformer,
-                   attention_math, decode_step, dropout, fast_dropout, label_smoothed_loss, residual, start_decoding)
+                   attention_math, dropout, fast_dropout, label_smoothed_loss, residual)
 from norms import ScaleNorm, use_reference
 
 V = 60
@@ -166,8 +167,8 @@ def test_target_vocab_mask_gives_minus_inf_outside_and_for_pad_bos():
     src, tgt = batch()
     with torch.no_grad():
         logits = m(src, tgt)  # (B, T, V)
-        state = start_decoding(m, src)
-        step = decode_step(m, tgt[:, 0], state)  # (B, V)
+        cache = start_decoding(m, src)
+        step = decode_step(m, tgt[:, 0], cache)  # (B, V)
     expect_ok = allowed.clone()
     expect_ok[PAD] = expect_ok[BOS] = False
     for lg in (logits, step):
@@ -290,36 +291,36 @@ def test_incremental_decoding_equals_full_decoding(name):
     src, tgt = batch(seed=2, src_lengths=(7, 3, 5), tgt_len=8)
     with torch.no_grad():
         full = m(src, tgt)  # (B, T, V)
-        state = start_decoding(m, src)
-        steps = torch.stack([decode_step(m, tgt[:, t], state) for t in range(tgt.size(1))], dim=1)
+        cache = start_decoding(m, src)
+        steps = torch.stack([decode_step(m, tgt[:, t], cache) for t in range(tgt.size(1))], dim=1)
     ok = m.allowed
     torch.testing.assert_close(steps[..., ok], full[..., ok], rtol=1e-4, atol=1e-4)
     assert torch.isneginf(steps[..., ~ok]).all()
-    assert state.step == tgt.size(1)
+    assert cache.step == tgt.size(1)
 
 
-def test_reorder_state_equals_decoding_the_selected_rows():
+def test_cache_select_equals_decoding_the_selected_rows():
     m = build(prenorm=True, norm="scale", qknorm=True).eval()
     src, tgt = batch(seed=3, src_lengths=(7, 3, 5), tgt_len=7)
     index = torch.tensor([2, 0, 0, 1, 2])  # permute and duplicate (beams)
     k = 3  # reorder after k steps
     with torch.no_grad():
-        ref_state = start_decoding(m, src)
-        ref = [decode_step(m, tgt[:, t], ref_state) for t in range(tgt.size(1))]
-        state = start_decoding(m, src)
+        ref_cache = start_decoding(m, src)
+        ref = [decode_step(m, tgt[:, t], ref_cache) for t in range(tgt.size(1))]
+        cache = start_decoding(m, src)
         for t in range(k):
-            decode_step(m, tgt[:, t], state)
-        state.select(index)
+            decode_step(m, tgt[:, t], cache)
+        cache.select(index)
         tgt_r = tgt[index]
         for t in range(k, tgt.size(1)):
-            got = decode_step(m, tgt_r[:, t], state)
+            got = decode_step(m, tgt_r[:, t], cache)
             torch.testing.assert_close(got[:, m.allowed], ref[t][index][:, m.allowed], rtol=1e-5, atol=1e-5)
     # rows can also be dropped (a finished sentence leaves the batch)
     with torch.no_grad():
-        state = start_decoding(m, src)
-        decode_step(m, tgt[:, 0], state)
-        state.select(torch.tensor([1]))
-        got = decode_step(m, tgt[1:2, 1], state)
+        cache = start_decoding(m, src)
+        decode_step(m, tgt[:, 0], cache)
+        cache.select(torch.tensor([1]))
+        got = decode_step(m, tgt[1:2, 1], cache)
     torch.testing.assert_close(got[:, m.allowed], ref[1][1:2][:, m.allowed], rtol=1e-5, atol=1e-5)
 
 
