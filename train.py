@@ -484,8 +484,9 @@ def end_of_epoch(run):
         s.best_bleu, s.best_step, s.since_best = bleu, s.step, 0
     else:
         s.since_best += 1
-    # Validation decay ([1] 2.4), for the schedules that have it.
-    if run.schedule.decays and validation_decay(s.history, args.patience):
+    # Validation decay ([1] 2.4), for the schedules that have it: "we still perform a linear warmup
+    # but then multiply by a scale alpha_decay < 1"; Code: no decay while still in the warmup.
+    if run.schedule.decays and s.step >= run.schedule.warmup and validation_decay(s.history, args.patience):
         s.lr_decay *= args.decay_factor
         run.log(f"dev BLEU below each of the previous {args.patience}: LR x {args.decay_factor}")
     next_lr = run.schedule(s.step + 1, s.lr_decay)

@@ -236,3 +236,49 @@ def test_a_short_training_run_raises_dev_bleu_well_above_its_start(tmp_path):
     assert last > 10 and last > first + 8, bleus  # measured: 0.4 -> 23 at 240 steps
     assert result["test_bleu"] > 8
     assert (run / "checkpoint_best.pt").exists() and (run / "test.hyp").exists()
+
+
+# --- faithfulness: the schedules and PowerNorm's warmup as the papers define them ----------
+def _lr_by_step(run_dir):
+    return {r["step"]: r["lr"] for r in (json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "gnorm" in r}
+
+
+def test_validation_decay_never_fires_inside_the_warmup(tmp_path, monkeypatch, small_corpus):
+    """[1] 2.4: VALDECAY is a linear warmup, *then* x alpha_decay when dev BLEU stalls (Code:
+    eval_and_decay skips annealing during warmup). Dev BLEU is driven down at every evaluation,
+    inside the warmup too: the LR stays on eq. 7's warmup line until n_warmup, and only then decays."""
+    bleus = iter(range(100, 0, -1))  # strictly falling: every evaluation after the first is worse
+    monkeypatch.setattr(train.decode, "bleu", lambda hyps, refs: type("S", (), {"score": float(next(bleus)), "signature": "stub"})())
+    run = tmp_path / "run"
+    warmup, epoch = 30, 5
+    train.main(TINY + small_corpus + ["--schedule", "valdecay", "--warmup", str(warmup), "--lr", "1e-3",
+                                      "--epoch-size", str(epoch), "--max-steps", "50", "--patience", "1",
+                                      "--early-stop", "0", "--max-epochs", "100", "--out", str(run)])
+    lr = _lr_by_step(run)
+    peak = 1e-3
+    for step in range(1, warmup + 1):  # eq. 7's linear warmup, undecayed, although BLEU fell 5 times
+        assert lr[step] == pytest.approx(peak * step / warmup, rel=1e-9), step
+    # the evaluation at step n_warmup (the peak: the warmup is over) decays, and each one after it
+    assert lr[warmup + 1] == pytest.approx(peak * 0.8, rel=1e-9)
+    assert lr[warmup + epoch + 1] == pytest.approx(peak * 0.8 ** 2, rel=1e-9)
+    assert lr[50] == pytest.approx(peak * 0.8 ** 4, rel=1e-9)
+
+
+def test_powernorm_warmup_follows_the_lr_warmup_unless_given():
+    """[2] appendix A: "we set it identical to the warmup steps for the learning rate schedule"."""
+    args, _ = train.resolve_flags(["--norm", "power", "--warmup", "200"])
+    assert args.pn_warmup == 200
+    args, _ = train.resolve_flags(["--norm", "power", "--warmup", "200", "--pn-warmup", "50"])
+    assert args.pn_warmup == 50
+    cfg = train.model_config_from_args(train.resolve_flags(["--norm", "power", "--warmup", "300"])[0], 40)
+    assert Transformer(cfg).encoder[0].norm_attn.warmup == 300
+
+
+def test_lr_scale_sets_the_constant_lr_of_nowarmup():
+    """--lr-scale (lambda of eq. 7) overrides --lr under every schedule: under NOWARMUP the constant LR
+    is eq. 7's peak lambda / sqrt(d * n_warmup), so 2xLR doubles it (it was silently ignored)."""
+    lr1 = schedule("--schedule", "nowarmup", "--lr-scale", "1", "--d-model", "512", "--warmup", "8000")
+    lr2 = schedule("--schedule", "nowarmup", "--lr-scale", "2", "--d-model", "512", "--warmup", "8000")
+    assert lr1(1) == lr1(10 ** 5) == pytest.approx(1 / math.sqrt(512 * 8000))
+    assert lr2(1) == pytest.approx(2 * lr1(1))
