@@ -26,6 +26,7 @@ Shapes: B sentences in a batch, S source length, T target length (after the BOS/
   [11] Sennrich, Haddow & Birch 2016, Edinburgh Neural Machine Translation Systems for WMT 16.
 """
 import argparse
+import gzip
 import hashlib
 import http.client
 import io
@@ -846,6 +847,14 @@ CORPORA = {
                  "but no Moses tokenizer, so cleaning counts untokenized words and train/dev "
                  "may differ a little from 160,239/7,283 (a warning); test is exact.  fairseq "
                  "learns 10k BPE merges; here a 10k sentencepiece vocabulary."},
+    "multi30k": {  # the laptop-scale corpus of the README's study (Elliott et al. 2016, task 1, raw)
+        "url": "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/", "archive": False,
+        "src": "en", "tgt": "de", "bpe": 4000, "dir": "multi30k-en-de",
+        "splits": {"train": [("train.en.gz", "train.de.gz")], "dev": [("val.en.gz", "val.de.gz")],
+                   "test": [("test_2016_flickr.en.gz", "test_2016_flickr.de.gz")]},
+        "counts": {"train": 29000, "dev": 1014, "test": 1000}, "exact": SPLITS, "args": "",
+        "notes": "Multi30k task 1 (image captions, English -> German), raw and untokenized; dev = val, "
+                 "test = test_2016_flickr. For non-commercial research and educational use (its README)."},
 }
 
 
@@ -930,7 +939,9 @@ def _opener(root):
         hits = [n for n in names if n == name or n.endswith("/" + name)]
         if not hits:
             raise DataError(f"{root}: no file {name} in it (is it the right archive?)")
-        return io.TextIOWrapper(open_(min(hits, key=len)), "utf-8", "replace", newline="\n")
+        raw = open_(min(hits, key=len))
+        return io.TextIOWrapper(gzip.GzipFile(fileobj=raw) if name.endswith(".gz") else raw, "utf-8", "replace",
+                                newline="\n")
     return open_text
 
 
@@ -989,7 +1000,7 @@ def prepare(name, out_dir=None, url=None, expected=None):
     if name not in CORPORA:
         raise DataError(f"unknown corpus {name!r}; choose from {', '.join(CORPORA)}")
     c = CORPORA[name]
-    out = Path(out_dir) if out_dir else Path("data") / name
+    out = Path(out_dir) if out_dir else Path("data") / c.get("dir", name)
     files, stamp = corpus_paths(out, c["src"], c["tgt"]), out / "prepared.json"
     command = (f"python train.py --data {out} --src {c['src']} --tgt {c['tgt']} "
                f"--bpe-size {c['bpe']} {c['args']} --out runs/{name}").replace("  ", " ")

@@ -772,6 +772,7 @@ PAIRS = {
     "en-he": dict(_TWT_PAIR, data="data/en-he", src="en", tgt="he", epoch_size=2000),
     "ar-en": dict(_TWT_PAIR, data="data/ar-en", src="ar", tgt="en", epoch_size=2000),
     "de-en": dict(data="data/de-en", src="de", tgt="en", bpe_size=10000),  # PowerNorm's IWSLT'14
+    "multi30k": dict(data="data/multi30k-en-de", src="en", tgt="de", bpe_size=4000),  # the README's study
 }
 # The shared recipes. TwT appendix A: d 512, FFN 2048, word dropout and label smoothing 0.1,
 # 4096-token batches, beam 4 with alpha 0.6 (dev BLEU with beam 4 too, as the authors' code).
@@ -845,6 +846,45 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
                                 row(QK, fixnorm=False, prenorm=False)),
     "qk6-norm-v": ("en-vi", "QKNorm Table 6: l2-normalizing V along with Q and K", row(QK, qk_norm_v=True)),
 }
+
+
+# The README's study ("Reproduced here"): the papers' comparisons at laptop scale, on Multi30k
+# en-de (`python data.py prepare multi30k`). One recipe for every row of a comparison, so budgets
+# are equal: d 128, 3+3 layers, 400 updates of 4096-token batches (~13 min on one CPU thread),
+# eq. 7 to a 2e-3 peak at step 200, greedy dev BLEU every 50 steps, beam-4 test BLEU of the best.
+M30K = dict(layers=3, d_model=128, heads=4, ff=512, dropout=0.1, word_dropout=0.1, label_smoothing=0.1,
+            batch_tokens=4096, init="small", schedule="invsqrt", lr=2e-3, warmup=200, max_steps=400, epoch_size=50,
+            max_epochs=1000, early_stop=0, stop_lr=0.0, dev_beam=1, beam=4, alpha=0.6, log_interval=10,
+            keep_checkpoints=0)
+M30K_LN = row(M30K, norm="layer", fixnorm=False)  # [1] Table 3 rows (1)-(2)
+M30K_FINAL = row(M30K, prenorm=True, norm="scale", fixnorm=True)  # [1] Table 3 (4)
+M30K_DEEP = row(M30K_LN, layers=6, schedule="nowarmup", lr=1e-3, max_steps=250)  # [1] Tables 2, 5: no warmup
+# PowerNorm's recipe at this scale: pre-norm, no FixNorm, Xavier, Adam beta2 0.98, decoupled weight
+# decay 1e-4, peak LR 1.5e-3, no clipping, no word dropout; the batch norms in the encoder only.
+M30K_PN = row(M30K, prenorm=True, norm="layer", fixnorm=False, init="xavier", beta2=0.98, weight_decay=1e-4,
+              lr=1.5e-3, clip=0.0, word_dropout=0.0)
+M30K_QK = row(M30K, prenorm=True, norm="layer", fixnorm=True, qknorm=True)  # [3]: QKNorm + LayerNorm
+PRESETS.update({
+    "m30k-postnorm": ("multi30k", "study, TwT Table 3 (1): PostNorm + LayerNorm", row(M30K_LN, prenorm=False)),
+    "m30k-prenorm": ("multi30k", "study, TwT Table 3 (2): PreNorm + LayerNorm", row(M30K_LN, prenorm=True)),
+    "m30k-scalenorm": ("multi30k", "study, TwT Table 3 (4): PreNorm + FixNorm + ScaleNorm", M30K_FINAL),
+    "m30k-postnorm-xavier": ("multi30k", "study, TwT Table 2: PostNorm + LayerNorm, Xavier normal",
+                             row(M30K_LN, prenorm=False, init="xavier")),
+    "m30k-deep-postnorm": ("multi30k", "study, TwT Table 5: 6+6 layers, PostNorm, no warmup (constant 1e-3)",
+                           row(M30K_DEEP, prenorm=False)),
+    "m30k-deep-prenorm": ("multi30k", "study, TwT Table 5: 6+6 layers, PreNorm, no warmup (constant 1e-3)",
+                          row(M30K_DEEP, prenorm=True)),
+    "m30k-rmsnorm": ("multi30k", "study, TwT Table 7: RMSNorm + FixNorm", row(M30K_FINAL, norm="rms")),
+    "m30k-fixed-g": ("multi30k", "study, TwT Table 7: ScaleNorm (g = sqrt d) + FixNorm (learned)",
+                     row(M30K_FINAL, norm="scale_fixed")),
+    "m30k-pn-layernorm": ("multi30k", "study, PowerNorm Table 1: LN", M30K_PN),
+    "m30k-pn-batchnorm": ("multi30k", "study, PowerNorm Table 1: BN in the encoder", row(M30K_PN, encoder_norm="batch")),
+    "m30k-pn-pnv": ("multi30k", "study, PowerNorm Table 1: PN-V in the encoder", row(M30K_PN, encoder_norm="pnv")),
+    "m30k-pn-powernorm": ("multi30k", "study, PowerNorm Table 1: PN in the encoder (Algorithm 2)",
+                          row(M30K_PN, encoder_norm="power")),
+    "m30k-qknorm": ("multi30k", "study, QKNorm Table 2: QKNorm + LayerNorm", M30K_QK),
+    "m30k-qknorm-no-g": ("multi30k", "study, QKNorm Table 6: without g", row(M30K_QK, qk_no_g=True)),
+})
 
 
 def print_presets():

@@ -219,7 +219,23 @@ def test_unknown_name_lists_the_choices(capsys):
 
 def test_registry_is_complete():
     for name, c in data.CORPORA.items():
-        assert c["src"] + "-" + c["tgt"] == name
+        assert c["src"] + "-" + c["tgt"] == name or (name, c["src"], c["tgt"]) == ("multi30k", "en", "de")
         assert set(c["splits"]) == set(data.SPLITS)
-        assert c["bpe"] == (3000 if name == "gl-en" else 10000 if name == "de-en" else 8000)
+        assert c["bpe"] == {"gl-en": 3000, "de-en": 10000, "multi30k": 4000}.get(name, 8000)
         assert set(c["exact"]) <= set(c["counts"])
+
+
+def test_multi30k_from_gzipped_files_in_a_folder(tmp_path, capsys):
+    """The Multi30k repository ships task 1 as gzipped files (train, val, test_2016_flickr)."""
+    import gzip
+    src = tmp_path / "raw"
+    src.mkdir()
+    sizes = {"train": 4, "val": 2, "test_2016_flickr": 3}
+    for split, n in sizes.items():
+        for lang in ("en", "de"):
+            (src / f"{split}.{lang}.gz").write_bytes(gzip.compress("".join(f"{split} {lang} {i} ä\n" for i in range(n)).encode()))
+    out = tmp_path / "m30k"
+    data.prepare("multi30k", out, str(src), expected={"train": 4, "dev": 2, "test": 3})
+    assert (out / "dev.de").read_text() == "val de 0 ä\nval de 1 ä\n"
+    assert len((out / "test.en").read_text().splitlines()) == 3
+    assert f"python train.py --data {out} --src en --tgt de --bpe-size 4000" in capsys.readouterr().out
