@@ -406,31 +406,33 @@ def _score(metric, hyps, refs):
     return score
 
 
-def bleu(hyps, refs):
-    """SacreBLEU (13a, detokenized), with .signature, e.g. "nrefs:1|case:mixed|eff:no|tok:13a|...".
-    Note: force=True silences SacreBLEU's "you forgot to detokenize" warning: the built-in corpus
-    writes " ." like tokenized text; the score and signature are unchanged by it."""
-    return _score(BLEU(force=True), hyps, refs)
+def bleu(hyps, refs, lowercase=False):
+    """SacreBLEU (13a, detokenized), with .signature, e.g. "nrefs:1|case:mixed|eff:no|tok:13a|...";
+    lowercase: case-insensitive ("case:lc"), as [2] reports on IWSLT14. Note: force=True silences
+    SacreBLEU's "you forgot to detokenize" warning: the built-in corpus writes " ." like tokenized
+    text; the score and signature are unchanged by it."""
+    return _score(BLEU(force=True, lowercase=lowercase), hyps, refs)
 
 
-def tokenized_bleu(hyps, refs, already_tokenized=False):
+def tokenized_bleu(hyps, refs, already_tokenized=False, lowercase=False):
     """multi-bleu.perl-style corpus BLEU (with .signature): 13a-tokenize both sides unless
     already_tokenized, then BLEU with tokenize="none". Note: smooth_method="none" as in
     multi-bleu.perl (0 when some n-gram order has no match)."""
     if not already_tokenized:
         tok = Tokenizer13a()
         hyps, refs = [tok(h.rstrip()) for h in hyps], [tok(r.rstrip()) for r in refs]
-    return _score(BLEU(tokenize="none", smooth_method="none"), hyps, refs)
+    return _score(BLEU(tokenize="none", smooth_method="none", lowercase=lowercase), hyps, refs)
 
 
-def chrf(hyps, refs):
+def chrf(hyps, refs, lowercase=False):
     """Corpus chrF2 [9]: a sacrebleu CHRFScore (with .signature)."""
-    return _score(CHRF(), hyps, refs)
+    return _score(CHRF(lowercase=lowercase), hyps, refs)
 
 
-def score_report(hyps, refs, already_tokenized=False):
+def score_report(hyps, refs, already_tokenized=False, lowercase=False):
     """One line: tokenized BLEU (multi-bleu.perl style), SacreBLEU with its signature, chrF."""
-    tb, sb, cs = tokenized_bleu(hyps, refs, already_tokenized), bleu(hyps, refs), chrf(hyps, refs)
+    tb, sb = tokenized_bleu(hyps, refs, already_tokenized, lowercase), bleu(hyps, refs, lowercase)
+    cs = chrf(hyps, refs, lowercase)
     how = "as given" if already_tokenized else "13a-tokenized"
     return (f"tokenized BLEU = {tb.score:.2f} ({how}, tok:none, as multi-bleu.perl) | "
             f"SacreBLEU {sb} | {sb.signature} | chrF2 = {cs.score:.2f}")
@@ -474,6 +476,8 @@ def run(args):
     """Everything main() does, raising DataError for the user's mistakes."""
     if args.compare:
         return compare(args)
+    if args.plot:
+        return plot_runs(args.plot, args.out)
     use_reference(args.reference)
     try:
         device = pick_device(args.device)
@@ -502,7 +506,7 @@ def run(args):
         sys.stdout.write(text)
         sys.stdout.flush()
     if refs is not None:
-        print(score_report(hyps, refs, args.tokenized), file=sys.stderr)
+        print(score_report(hyps, refs, args.tokenized, args.lowercase), file=sys.stderr)
         if args.ppl:
             eps = args.label_smoothing
             if eps is None:
@@ -886,6 +890,91 @@ def benchmark(model, tokenizer, lines, refs, args):
 
 
 # =======================================================================================
+# Appendix F: pictures. python decode.py --plot RUN [RUN ...] --out FILE.png overlays runs from
+# their metrics.jsonl (train.py writes it): what [1] Figures 1-4 and [2] Figures 2-4 show.
+# plot_series() picks the curves (tested); plot_runs() draws them with matplotlib, if installed.
+# =======================================================================================
+def read_metrics(run_dir):
+    """The records of RUN/metrics.jsonl; a half-written last line (a killed run) is skipped."""
+    lines, rows = data.read_lines(Path(run_dir) / "metrics.jsonl"), []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise DataError(f"{run_dir}/metrics.jsonl: line {i + 1} is not JSON") from None
+    return rows
+
+
+def _qknorm(name):
+    """Whether a g's parameter name is an attention module's (QKNorm), not a ScaleNorm's."""
+    return name.endswith(("self_attn.g", "cross_attn.g"))
+
+
+def _depth(name):
+    """Sort key of a g's parameter name: the encoder before the decoder, layer by layer, final last."""
+    parts = name.split(".")
+    return (not name.startswith("enc"), int(parts[1]) if parts[1].isdigit() else 1 << 30)
+
+
+def plot_series(run_dirs):
+    """{panel title: [(run name, xs, ys)]}: the curves of each panel of --plot, one per run."""
+    panels = {t: [] for t in ("dev BLEU", "training loss", "gradient norm (before clipping)",
+                              "learned g by depth (last evaluation)", "QKNorm g (mean over modules)",
+                              "batch vs running statistic, first encoder norm")}
+    for run in run_dirs:
+        rows, name = read_metrics(run), Path(run).name
+        def curve(key, where=lambda r: True):
+            pts = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None and where(r)]
+            return (name, [x for x, _ in pts], [y for _, y in pts])
+        panels["dev BLEU"].append(curve("dev_bleu"))
+        panels["training loss"].append(curve("train_loss"))
+        panels["gradient norm (before clipping)"].append(curve("gnorm"))
+        evals = [r for r in rows if r.get("g")]
+        if evals:
+            scale = sorted((k for k in evals[-1]["g"] if not _qknorm(k)), key=_depth)  # ScaleNorm g's
+            panels["learned g by depth (last evaluation)"].append(
+                (name, list(range(len(scale))), [evals[-1]["g"][k] for k in scale]))
+            qk = [(r["step"], [v for k, v in r["g"].items() if _qknorm(k)]) for r in evals]
+            qk = [(x, sum(gs) / len(gs)) for x, gs in qk if gs]
+            panels["QKNorm g (mean over modules)"].append((name, [x for x, _ in qk], [y for _, y in qk]))
+        stats = [(r["step"], s) for r in rows for n, s in r.get("batch_norm_stats", {}).items() if n == "encoder.0.norm_attn"]
+        key = next((k for k in ("dist_sigma2", "dist_psi2") if stats and k in stats[0][1]), None)
+        if key:
+            panels["batch vs running statistic, first encoder norm"].append(
+                (f"{name} ({key})", [x for x, _ in stats], [s[key] for _, s in stats]))
+    return panels
+
+
+def plot_runs(run_dirs, out):
+    """--plot: draw plot_series() into out (PNG); one line on stderr and exit code 1 without matplotlib."""
+    panels = plot_series(run_dirs)
+    try:
+        import matplotlib  # Note: optional (not in requirements.txt): imported only here
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("decode.py: --plot needs matplotlib, which is not installed: pip install matplotlib", file=sys.stderr)
+        return 1
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (title, curves) in zip(axes.flat, panels.items()):
+        for name, xs, ys in curves:
+            if xs:
+                ax.plot(xs, ys, label=name, marker="o" if "depth" in title else None, lw=1)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("layer (encoder, then decoder)" if "depth" in title else "step")
+        if "gradient" in title or "statistic" in title:
+            ax.set_yscale("log")
+        if any(xs for _, xs, _ in curves):
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+# =======================================================================================
 # Appendix E: the command line's flags.
 # =======================================================================================
 def build_parser():
@@ -901,6 +990,8 @@ def build_parser():
                     help="the references (and so the outputs) are already tokenized, e.g. the Moses-tokenized "
                          "IWSLT'15 en-vi of [1]: tokenized BLEU scores them as they are, which is exactly "
                          "multi-bleu.perl ([1] appendix A). Without it, raw text is 13a-tokenized first")
+    ap.add_argument("--lowercase", action="store_true",
+                    help="case-insensitive BLEU and chrF (PowerNorm [2] reports case-insensitive BLEU on IWSLT14)")
     ap.add_argument("--beam", type=int, default=4, help="beam size; 1 = greedy search (TwT: 4)")
     ap.add_argument("--alpha", type=float, default=0.6, help="GNMT length penalty ((5 + |Y|) / 6)^alpha (TwT: 0.6)")
     ap.add_argument("--max-len-b", type=int, default=50, help="maximum output length = source length + this (TwT code: 50)")
@@ -935,6 +1026,11 @@ def build_parser():
     ev.add_argument("--png", help="--attention: also save the map as a PNG (needs matplotlib)")
     ev.add_argument("--g-table", action="store_true",
                     help="print every learned scalar g (ScaleNorm, QKNorm) by depth ([1] Figures 3-4)")
+    ev.add_argument("--plot", nargs="+", metavar="RUN", help="overlay training runs' curves from RUN/metrics.jsonl "
+                    "into --out FILE.png: dev BLEU ([1] Fig. 1), training loss, gradient norm ([1] Fig. 2), learned "
+                    "g by depth ([1] Figs. 3-4), QKNorm's g, batch vs running statistics ([2] Figs. 2-4); needs "
+                    "matplotlib (pip install matplotlib)")
+    ev.add_argument("--out", metavar="FILE.png", help="the picture --plot writes")
     return ap
 
 
@@ -947,8 +1043,10 @@ def parse_args(argv=None):
         ap.error("--average must be 0 (off) or a number of checkpoints")
     if args.compare and not args.ref:
         ap.error("--compare needs --ref")
-    if not args.compare and not args.checkpoint:
-        ap.error("a checkpoint (file or run directory) is needed, except with --compare")
+    if args.plot and not args.out:
+        ap.error("--plot needs --out FILE.png")
+    if not args.compare and not args.plot and not args.checkpoint:
+        ap.error("a checkpoint (file or run directory) is needed, except with --compare or --plot")
     if args.ppl and not args.ref:
         ap.error("--ppl needs --ref (and the sources in --input or on stdin)")
     if args.attention_target is not None and args.attention is None:

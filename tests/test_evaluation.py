@@ -334,3 +334,68 @@ def test_cli_g_table_and_attention(tmp_path, toy, capsys):
                         "--output", str(tmp_path / "hyp"), "--ppl", "--beam", "1", "--max-len-b", "5"]) == 0
     err = capsys.readouterr().err
     assert "tokenized BLEU = " in err and "test perplexity: label-smoothed (eps 0.1)" in err
+
+
+# -- case-insensitive BLEU and pictures (issue: PowerNorm reports case-insensitive BLEU) ------
+def test_lowercase_bleu_ignores_case_and_says_so_in_its_signature():
+    hyps, refs = ["The Cat sat ON the mat ."], ["the cat sat on the mat ."]
+    assert decode.bleu(hyps, refs).score < 60
+    lc = decode.bleu(hyps, refs, lowercase=True)
+    assert lc.score == pytest.approx(100.0) and "case:lc" in lc.signature
+    assert decode.tokenized_bleu(hyps, refs, lowercase=True).score == pytest.approx(100.0)
+    report = decode.score_report(hyps, refs, lowercase=True)
+    assert "case:lc" in report and "chrF2 = 100.00" in report
+
+
+def _fake_run(root, name, scale_g, qk_g, bn_key=None):
+    """A metrics.jsonl as train.py writes it: steps, log windows, evaluations, batch-norm records,
+    and a half-written last line (a killed run)."""
+    run = root / name
+    run.mkdir()
+    rows = []
+    for step in range(1, 21):
+        rows.append({"step": step, "loss": 5.0 - step / 10, "gnorm": 2.0 / step, "lr": 1e-3, "tokens": 100})
+        if step % 10 == 0:
+            rows.append({"step": step, "train_loss": 5.0 - step / 10, "train_ppl": 9.0, "tok_per_s": 1.0, "mfu": 0.5})
+            rows.append({"step": step, "epoch": step // 10, "dev_bleu": float(step), "dev_loss": 1.0, "dev_ppl": 2.7,
+                         "lr": 1e-3, "g": {"encoder.0.norm_attn.g": scale_g, "encoder.0.self_attn.g": qk_g,
+                                           "dec_final_norm.g": scale_g + 1, "encoder.1.norm_ff.g": scale_g + 0.5}})
+            if bn_key:
+                rows.append({"step": step, "batch_norm_stats": {"encoder.0.norm_attn": {bn_key: 0.1 * step}}})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 21, "lo')
+    return run
+
+
+def test_plot_series_picks_each_panel_from_metrics(tmp_path):
+    a = _fake_run(tmp_path, "bn", 3.0, 7.0, "dist_sigma2")
+    b = _fake_run(tmp_path, "pn", 4.0, 9.0, "dist_psi2")
+    panels = decode.plot_series([a, b])
+    assert [c[0] for c in panels["dev BLEU"]] == ["bn", "pn"] and panels["dev BLEU"][0][1:] == ([10, 20], [10.0, 20.0])
+    assert panels["gradient norm (before clipping)"][1][1] == list(range(1, 21))  # every step; the torn line skipped
+    depth = panels["learned g by depth (last evaluation)"][0]
+    assert depth[2] == [3.0, 3.5, 4.0]  # ScaleNorm g's only, encoder by layer, then the decoder's final
+    assert panels["QKNorm g (mean over modules)"][1][2] == [9.0, 9.0]
+    stats = panels["batch vs running statistic, first encoder norm"]
+    assert [c[0] for c in stats] == ["bn (dist_sigma2)", "pn (dist_psi2)"] and stats[0][2] == [1.0, 2.0]
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    run = _fake_run(tmp_path, "r", 3.0, 7.0)
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **k):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert decode.main(["--plot", str(run), "--out", str(tmp_path / "p.png")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "pip install matplotlib" in err and len(err.splitlines()) == 1 and not (tmp_path / "p.png").exists()
+
+
+def test_plot_writes_a_png_when_matplotlib_is_there(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is an optional extra (pip install matplotlib)")
+    runs = [str(_fake_run(tmp_path, n, 3.0, 7.0, "dist_psi2")) for n in ("a", "b")]
+    assert decode.main(["--plot", *runs, "--out", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

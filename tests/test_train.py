@@ -282,3 +282,31 @@ def test_lr_scale_sets_the_constant_lr_of_nowarmup():
     lr2 = schedule("--schedule", "nowarmup", "--lr-scale", "2", "--d-model", "512", "--warmup", "8000")
     assert lr1(1) == lr1(10 ** 5) == pytest.approx(1 / math.sqrt(512 * 8000))
     assert lr2(1) == pytest.approx(2 * lr1(1))
+
+
+@pytest.mark.parametrize("norm", ["scale", "layer", "batch"])
+def test_accumulated_micro_batches_equal_one_big_batch_for_per_token_norms(norm):
+    """--accumulate N: N micro-batches per update, the loss divided by all their target tokens. With a
+    per-token norm the update equals one batch holding them all (float64); a batch norm computes its
+    statistics per micro-batch ([2] Figure 5's setting), so there the update differs."""
+    pairs = [([5, 6, 7, 3], [8, 9]), ([10, 11], [12, 13, 14, 3]), ([4, 9, 9, 30], [5, 3, 7]),
+             ([20, 21, 22], [23]), ([24, 25], [26, 27, 28, 29, 31]), ([32, 33, 34, 35, 36], [37, 38])]
+    results = []
+    for split in ([[0, 1, 2, 3, 4, 5]], [[0, 1], [2, 3, 4], [5]]):  # one batch, or 3 micro-batches
+        torch.manual_seed(0)
+        cfg = ModelConfig(vocab_size=40, d_model=16, heads=2, ff=32, enc_layers=2, dec_layers=2, dropout=0.0,
+                          norm=norm, sdpa=False)
+        m = Transformer(cfg).double()
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        batches = [data.collate(pairs, idx) for idx in split]
+        out = train.train_step(m, opt, batches, 1e-2, train.StepOptions(0.0, 0.1, 0.5))
+        results.append((out, m.state_dict()))
+    (big, big_state), (micro, micro_state) = results
+    assert big[3] == micro[3] == 23  # target tokens of the whole update, EOS included
+    same = all(torch.allclose(big_state[k], micro_state[k], rtol=1e-9, atol=1e-12) for k in big_state
+               if big_state[k].is_floating_point())
+    if norm == "batch":
+        assert not same  # the statistics came from each micro-batch
+    else:
+        torch.testing.assert_close(big[:3], micro[:3], rtol=1e-10, atol=1e-12)  # loss, NLL, gradient norm
+        assert same
