@@ -337,11 +337,13 @@ def load_checkpoint(path, device="cpu", average=0):
 # ---------------------------------------------------------------------------------------
 @dataclass
 class Search:
-    """How to search: beam size (1 = greedy search), the GNMT alpha, and the length limit
-    |x| + max_len_b. The defaults are TwT's (Code: beam 4, alpha 0.6, + 50)."""
+    """How to search: beam size (1 = greedy search), the GNMT alpha, the output length limit
+    |x| + max_len_b (TwT's defaults; Code: beam 4, alpha 0.6, + 50), and max_src_len: a longer
+    source (in BPE tokens) is cut to it, so that one huge line cannot exhaust memory."""
     beam: int = 4
     alpha: float = 0.6
     max_len_b: int = 50
+    max_src_len: int = 1024
 
 
 @contextlib.contextmanager
@@ -358,7 +360,7 @@ def evaluating(model):
 def translate_ids(model, tokenizer, lines, search=Search(), batch_tokens=4096, progress=False):
     """Like translate(), but returns the output token ids (no BOS/EOS) of each line."""
     device = next(model.parameters()).device
-    encoded = tokenizer.encode(list(lines)) if lines else []  # sentencepiece encodes a list in C++
+    encoded = [x[:search.max_src_len] for x in tokenizer.encode(list(lines))] if lines else []  # C++ threads
     outputs = [[] for _ in encoded]  # an empty (or blank) line translates to an empty line
     todo = [i for i, x in enumerate(encoded) if x]
     sources = [(encoded[i], []) for i in todo]  # no target: batched by source length alone
@@ -382,6 +384,11 @@ def translate(model, tokenizer, lines, search=Search(), batch_tokens=4096, progr
     source tokens (sentences x longest length); an empty line gives an empty output; bf16 autocast
     on CUDA (model.autocast)."""
     return [tokenizer.decode(h) for h in translate_ids(model, tokenizer, lines, search, batch_tokens, progress)]
+
+
+def count_long(tokenizer, lines, max_src_len):
+    """How many lines translate() cuts (longer than max_src_len BPE tokens), for the caller to say so."""
+    return sum(len(x) > max_src_len for x in tokenizer.encode(list(lines))) if lines else 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -484,21 +491,32 @@ def run(args):
     except ValueError as e:
         raise DataError(str(e)) from None
     # Every input is read and checked before any work; stdin is read last.
+    out_dir = Path(args.output).resolve().parent if args.output else None
+    if out_dir is not None and not (out_dir.is_dir() and os.access(out_dir, os.W_OK)):
+        raise DataError(f"--output {args.output}: its folder {out_dir} does not exist or is not writable")
     lines = data.read_lines(args.input) if args.input else None
     refs = data.read_lines(args.ref) if args.ref else None
     model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
     if args.g_table or args.attention is not None:
         return analyse(args, model, tokenizer)
     if lines is None:
-        lines = data.split_lines(sys.stdin.buffer.read(), "stdin")
+        try:
+            raw = sys.stdin.buffer.read()
+        except (AttributeError, ValueError, OSError):  # None, closed or unreadable
+            raise DataError("stdin is closed or unreadable: give the source text with --input FILE") from None
+        lines = data.split_lines(raw, "stdin")  # undecodable bytes: DataError naming the line
     if refs is not None and len(refs) != len(lines):
         raise DataError(f"{args.ref}: {len(refs)} lines, but {args.input or 'stdin'} has {len(lines)}")
+    if n_long := count_long(tokenizer, lines, args.max_len):
+        print(f"note: {n_long} source lines longer than --max-len {args.max_len} BPE tokens are cut to it",
+              file=sys.stderr)
     avg = f", average of {len(ckpt['averaged_from'])} epochs" if "averaged_from" in ckpt else ""
     print(f"loaded {args.checkpoint} (step {ckpt.get('step')}, dev BLEU {ckpt.get('dev_bleu')}, "
           f"{ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')}{avg})", file=sys.stderr)
     if args.benchmark:
         return benchmark(model, tokenizer, lines, refs, args)
-    hyps = translate(model, tokenizer, lines, Search(args.beam, args.alpha, args.max_len_b), args.batch_tokens, args.progress)
+    search = Search(args.beam, args.alpha, args.max_len_b, args.max_len)
+    hyps = translate(model, tokenizer, lines, search, args.batch_tokens, args.progress)
     text = "".join(h + "\n" for h in hyps)
     if args.output:
         data.atomic_write(args.output, text)
@@ -873,7 +891,7 @@ def analyse(args, model, tokenizer):
 def benchmark(model, tokenizer, lines, refs, args):
     device = next(model.parameters()).device
     beams = [1, args.beam if args.beam > 1 else 4]
-    searches = [Search(k, args.alpha, args.max_len_b) for k in beams]
+    searches = [Search(k, args.alpha, args.max_len_b, args.max_len) for k in beams]
     for search in searches:  # warm-up
         translate_ids(model, tokenizer, lines[:32], search, args.batch_tokens)
     print(f"benchmark: {len(lines)} sentences on {device} (torch threads {torch.get_num_threads()}), "
@@ -995,6 +1013,8 @@ def build_parser():
     ap.add_argument("--beam", type=int, default=4, help="beam size; 1 = greedy search (TwT: 4)")
     ap.add_argument("--alpha", type=float, default=0.6, help="GNMT length penalty ((5 + |Y|) / 6)^alpha (TwT: 0.6)")
     ap.add_argument("--max-len-b", type=int, default=50, help="maximum output length = source length + this (TwT code: 50)")
+    ap.add_argument("--max-len", type=int, default=1024, help="source lines longer than this (BPE tokens) are cut "
+                    "to it, with a count on stderr (one huge line must not exhaust memory)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     ap.add_argument("--batch-tokens", type=int, default=4096, help="source tokens per batch (sentences x longest length)")
     ap.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
@@ -1037,10 +1057,13 @@ def build_parser():
 def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.beam < 1:
-        ap.error("--beam must be at least 1")
-    if args.average < 0:
-        ap.error("--average must be 0 (off) or a number of checkpoints")
+    for flag, ok, why in [("beam", args.beam >= 1, "at least 1"), ("max_len_b", args.max_len_b >= 0, "0 or more"),
+                          ("max_len", args.max_len >= 1, "at least 1"), ("batch_tokens", args.batch_tokens >= 1, "at least 1"),
+                          ("alpha", args.alpha >= 0, "0 or more"), ("samples", args.samples >= 1, "at least 1"),
+                          ("average", args.average >= 0, "0 (off) or a number of checkpoints"),
+                          ("label_smoothing", args.label_smoothing is None or 0 <= args.label_smoothing < 1, "in [0, 1)")]:
+        if not ok:
+            ap.error(f"--{flag.replace('_', '-')} must be {why} (got {getattr(args, flag)!r})")
     if args.compare and not args.ref:
         ap.error("--compare needs --ref")
     if args.plot and not args.out:

@@ -38,13 +38,19 @@ import math
 import os
 import random
 import resource
-import shutil
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Optional
+
+try:
+    import fcntl  # the run directory's lock (Appendix E); POSIX only
+except ImportError:  # Windows: no lock
+    fcntl = None
 
 import torch
 import torch.distributed as dist
@@ -151,6 +157,13 @@ def prepare_data(args, pairs, run_dir, log):
     if not train:
         raise data.DataError(f"no training pair left after --max-len {args.max_len}")
     dev = data.load_or_encode(tok, pairs["dev"], run_dir / "dev.enc.pt")
+    # Dev and test are never dropped (BLEU would be over other sentences); a line longer than --max-len
+    # BPE tokens is cut to it for translation and for the dev loss, with a count, so that one huge
+    # line cannot exhaust memory at the end of an epoch.
+    for split in ("dev", "test"):
+        if n := decode.count_long(tok, [x for x, _ in pairs[split]], args.max_len):
+            log(f"data: {split}: {n} source lines longer than --max-len {args.max_len} BPE tokens are cut to it")
+    dev = [(x[:args.max_len], y[:args.max_len]) for x, y in dev]
     log(f"data: {len(train)} train / {len(pairs['dev'])} dev / {len(pairs['test'])} test pairs, "
         f"vocabulary {tok.vocab_size}")
     return tok, train, dev
@@ -278,12 +291,16 @@ class Run:
         return self.rank == 0
 
     def log(self, msg):
-        self.console.print(msg, highlight=False, markup=False)
+        log_line(self.console, msg)
 
     def metrics(self, record):
+        """Append one record to metrics.jsonl (rank 0). Strict JSON: a non-finite number is written
+        as null and its key listed under "nonfinite" (json.dumps would write the non-standard NaN)."""
         if self.master:
+            bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+            record = dict(json_safe(record), **({"nonfinite": bad} if bad else {}))
             with open(self.dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(record, allow_nan=False) + "\n")
 
     def next_batches(self):
         """This rank's micro-batches of the next step: each step takes world x accumulate
@@ -298,9 +315,22 @@ class Run:
         return [data.collate(self.train, i, self.device) for i in idx]
 
 
+def log_line(console, msg):
+    console.print(msg, highlight=False, markup=False)
+
+
+def json_safe(x):
+    """x with every non-finite float replaced by None, in nested dicts and lists too."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    return [json_safe(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
 def make_checkpoint(run):
     """Only tensors and plain Python values: read back with torch.load(weights_only=True)."""
-    return {"model_config": run.model.cfg.to_dict(), "model": run.model.state_dict(),
+    return {"model_config": run.model.cfg.to_dict(), "model": run.model.state_dict(), "run_id": run.args.run_id,
             "optimizer": run.optimizer.state_dict(), "bpe_model_proto": (run.dir / "bpe.model").read_bytes(),
             "src_lang": run.langs[0], "tgt_lang": run.langs[1], "step": run.state.step,
             "dev_bleu": run.state.dev_bleu, "train_state": asdict(run.state), "args": vars(run.args),
@@ -310,8 +340,13 @@ def make_checkpoint(run):
 
 
 def restore(run, ckpt):
-    run.model.load_state_dict(ckpt["model"])
-    run.optimizer.load_state_dict(ckpt["optimizer"])
+    """The model, optimizer, training state and random generators of a checkpoint (Appendix E found it)."""
+    try:
+        run.model.load_state_dict(ckpt["model"])
+        run.optimizer.load_state_dict(ckpt["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise data.DataError(f"{run.dir}: its checkpoint does not fit the model of its config.json "
+                             f"({str(e).splitlines()[0]})") from None
     run.state = TrainState(**ckpt["train_state"])
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
@@ -320,8 +355,10 @@ def restore(run, ckpt):
     run.step_options.rng.set_state(ckpt["rng"]["word_dropout"])
 
 
-def setup(args):
-    """Everything before the first step: threads, processes, data, model, optimizer, resume."""
+def setup(args, stack):
+    """Everything before the first step. Every input (flags, corpus, the run directory and what it
+    holds) is read and checked before anything is written; the run directory's lock is held in
+    ``stack`` until training ends (Appendix E)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     use_reference(args.reference)
@@ -329,31 +366,18 @@ def setup(args):
     if device.type == "cpu" and not args.reference:
         keep_freed_memory()  # Appendix C: +10-15% tokens/s on the CPU
     console = Console(soft_wrap=True, quiet=rank != 0)  # log lines never wrap in a log file
-
-    def log(msg):
-        console.print(msg, highlight=False, markup=False)
-
+    log = partial(log_line, console)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    run_dir = Path(tempfile.mkdtemp(prefix="benchmark-")) if args.benchmark else Path(args.out)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = None
-    if args.resume and (run_dir / "checkpoint_last.pt").exists():
-        ckpt = decode.read_checkpoint(run_dir / "checkpoint_last.pt")
-        log(f"resume: {run_dir}/checkpoint_last.pt at step {ckpt['step']}")
-    if rank == 0 and not args.benchmark:
-        if ckpt is None:
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh log
-        elif (run_dir / "metrics.jsonl").exists():  # drop what the killed run logged after its checkpoint
-            lines = [l for l in (run_dir / "metrics.jsonl").read_text().splitlines()
-                     if l and json.loads(l).get("step", 1 << 62) <= ckpt["step"]]
-            data.atomic_write(run_dir / "metrics.jsonl", "".join(l + "\n" for l in lines))
-    pairs, langs = read_corpus(args, log)
+    pairs, langs = read_corpus(args, log)  # nothing is written before this is checked
+    run_dir, ckpt = open_run_dir(args, pairs, log, stack, rank == 0)
     if world > 1 and rank != 0:
         dist.barrier()  # rank 0 prepares the BPE model and the caches first
     tokenizer, train, dev = prepare_data(args, pairs, run_dir, log)
     if world > 1 and rank == 0:
         dist.barrier()
+    if ckpt is not None and ckpt["bpe_model_proto"] != (run_dir / "bpe.model").read_bytes():
+        raise data.DataError(f"{run_dir}: bpe.model is not the BPE model its checkpoint was trained with")
     if rank == 0 and not args.benchmark:
         data.atomic_write(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
     allowed = data.target_vocab_mask([t for _, t in train], tokenizer.vocab_size)
@@ -387,12 +411,22 @@ def setup(args):
 # 5. The loop: one log line per --log-interval steps, dev BLEU every --epoch-size steps.
 # ---------------------------------------------------------------------------------------
 def train(args):
-    run = setup(args)
-    if args.benchmark:
-        try:
+    with contextlib.ExitStack() as stack:  # holds the run directory's lock until the end
+        run = setup(args, stack)
+        if args.benchmark:
             return benchmark(run)
-        finally:
-            shutil.rmtree(run.dir, ignore_errors=True)  # --benchmark writes no run directory
+        result = train_loop(run)
+    if (run.state.stopped or "").startswith("diverged"):  # a failed run exits non-zero (its last good checkpoint stays)
+        raise Diverged(run.state.stopped)
+    return result
+
+
+class Diverged(Exception):
+    """The training loss became NaN or infinite."""
+
+
+def train_loop(run):
+    args = run.args
     s, matmul_peak = run.state, matmul_flops(run.device, args.d_model, args.ff)
     n_out = output_columns(run.model)
     run.log(f"speed: dense {args.d_model}x{args.ff} matmul runs at {matmul_peak / 1e9:.1f} GFLOP/s here (MFU's denominator)")
@@ -423,8 +457,10 @@ def train(args):
                 win[k] += v
             run.metrics({"step": s.step, "loss": loss / n_tgt, "gnorm": gnorm, "lr": lr, "tokens": n_tgt})  # [1] Fig. 2
             if not math.isfinite(loss):
-                s.stopped = (f"the loss became {loss} at step {s.step} (try a smaller --lr-scale, --prenorm, "
-                             "--init small or more --warmup)")
+                last = run.dir / "checkpoint_last.pt"
+                s.stopped = (f"diverged: the training loss became {loss} at step {s.step} (try a smaller --lr, "
+                             f"--prenorm, --init small or more --warmup); "
+                             + (f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"))
                 run.log("error: " + s.stopped)
                 break
             if s.step % args.log_interval == 0 or s.step == total:
@@ -448,6 +484,12 @@ def log_window(run, win, lr, matmul_peak):
             f"{tps:7.0f} tok/s | MFU {100 * mfu:4.1f}% | gnorm {win['gnorm'] / win['n']:6.3f}")
     run.metrics({"step": run.state.step, "train_loss": tl, "train_ppl": math.exp(min(nll, 50)),
                  "tok_per_s": tps, "mfu": mfu})
+    uniform = math.log(int(run.model.allowed.sum()))  # the loss of guessing uniformly among the target words
+    if tl > uniform + 3 and run.state.step > run.schedule.warmup:  # huge but finite: say so, go on
+        warning = (f"the training loss {tl:.2f} is far above a uniform guess ({uniform:.2f}): the run may be "
+                   f"diverging (a smaller --lr, --prenorm or more --warmup may help)")
+        run.log("warning: " + warning)
+        run.metrics({"step": run.state.step, "warning": warning})
     stats = {name: m.stats for name, m in run.model.named_modules()
              if isinstance(m, BATCH_NORMS) and m.stats}
     if stats:  # [2] Figures 2-4: batch vs running statistics, and the batch statistics' gradient terms
@@ -471,7 +513,7 @@ def end_of_epoch(run):
     if run.master:
         dev_loss, dev_nll, n = decode.evaluate_loss(run.model, run.dev, args.batch_tokens, args.label_smoothing)
         hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["dev"]],
-                                decode.Search(args.dev_beam, args.alpha), args.batch_tokens)
+                                decode.Search(args.dev_beam, args.alpha, max_src_len=args.max_len), args.batch_tokens)
         bleu = decode.bleu(hyps, [y for _, y in run.pairs["dev"]]).score
     if run.world > 1:  # every rank takes the same decisions: share rank 0's score
         box = [bleu]
@@ -533,7 +575,7 @@ def finish(run, train_time):
     decode.save_g_values(run.model, run.dir / "g_values.json")
     if run.pairs["test"]:
         hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["test"]],
-                                decode.Search(args.beam, args.alpha), args.batch_tokens)
+                                decode.Search(args.beam, args.alpha, max_src_len=args.max_len), args.batch_tokens)
         score = decode.bleu(hyps, [y for _, y in run.pairs["test"]])
         data.atomic_write(run.dir / "test.hyp", "\n".join(hyps) + "\n")
         result.update(test_bleu=score.score, test_signature=score.signature)
@@ -547,25 +589,17 @@ def finish(run, train_time):
 # ---------------------------------------------------------------------------------------
 # 7. main
 # ---------------------------------------------------------------------------------------
-RESUME_KEEPS = {"max_steps", "max_epochs", "device", "threads", "log_interval"}  # may change on --resume
-
-
 def main(argv=None):
     args, given = resolve_flags(argv)
-    if args.resume:
-        cfg_path = Path(args.resume) / "config.json"
-        if not cfg_path.exists():
-            sys.exit(f"error: --resume {args.resume}: no config.json there (is it a run directory?)")
-        saved = json.loads(cfg_path.read_text())
-        args = argparse.Namespace(**{**DEFAULTS, **saved, **{k: v for k, v in given.items() if k in RESUME_KEEPS},
-                                     "resume": args.resume, "out": args.resume})
-    validate_args(args)
     try:
+        if args.resume:
+            args = resume_flags(args, given)  # Appendix E: the run's own flags, and what may change
+        validate_args(args)
         return train(args)
-    except data.DataError as e:
+    except (data.DataError, Diverged) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        sys.exit("interrupted: resume with --resume " + str(args.out))
+        sys.exit(f"interrupted: continue with python train.py --resume {args.out}")
 
 
 # =======================================================================================
@@ -703,8 +737,11 @@ def build_parser():
         "print tokens/s, FLOPs/token, MFU, padding and peak memory, then exit (writes no run directory)")
     add(g, "--profile", action="store_true", default=False, help="with --benchmark: also print where the time "
         "of a step goes (torch.profiler, by operator)")
-    add(g, "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint (its "
-        "saved flags are used)")
+    add(g, "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest good checkpoint, with "
+        "its saved flags (only " + ", ".join("--" + f.replace("_", "-") for f in sorted(RESUME_MAY_CHANGE))
+        + " may be given again to change them)")
+    add(g, "--overwrite", action="store_true", default=False, help="train into --out even if it holds a run: "
+        "that run's files are removed first (without it such a directory is refused)")
     return p
 
 
@@ -735,25 +772,39 @@ def resolve_flags(argv=None):
 
 
 def validate_args(args):
+    """Every flag checked before any work, each failure one line naming the flag and its range."""
     def bad(flag, why):
-        sys.exit(f"error: {flag}: {why}")
+        sys.exit(f"error: --{flag.replace('_', '-')}: {why} (got {getattr(args, flag, None)!r})")
+
+    def check(flags, ok, why, optional=False):
+        for f in flags:
+            v = getattr(args, f)
+            if not (optional and v is None) and not ok(v):
+                bad(f, why)
+
+    check(("batch_tokens", "epoch_size", "d_model", "heads", "ff", "layers", "warmup", "bpe_size", "max_len",
+           "accumulate", "log_interval", "beam", "dev_beam", "max_epochs", "patience"), lambda v: v >= 1, "must be at least 1")
+    check(("enc_layers", "dec_layers", "max_steps", "threads"), lambda v: v >= 1, "must be at least 1", optional=True)
+    check(("keep_checkpoints", "early_stop", "benchmark", "seed", "pn_warmup"), lambda v: v >= 0, "must be 0 or more")
+    check(("dropout", "word_dropout", "label_smoothing", "beta1", "beta2", "pn_alpha_fwd", "pn_alpha_bkw"),
+          lambda v: 0 <= v < 1, "must be in [0, 1)")
+    check(("attn_dropout", "relu_dropout"), lambda v: 0 <= v < 1, "must be in [0, 1)", optional=True)
+    check(("lr", "adam_eps"), lambda v: v > 0, "must be positive")
+    check(("lr_scale",), lambda v: v > 0, "must be positive", optional=True)
+    check(("weight_decay", "clip", "stop_lr", "alpha"), lambda v: v >= 0, "must be 0 or more")
+    check(("decay_factor",), lambda v: 0 < v <= 1, "must be in (0, 1]")
+    check(("qk_percentile",), lambda v: 0 < v <= 100, "must be in (0, 100]")
+    check(("qk_length",), lambda v: v >= 2, "must be at least 2 (g0 = log2(L^2 - L) >= 1)", optional=True)
     if args.d_model % args.heads:
-        bad("--d-model", f"{args.d_model} is not divisible by --heads {args.heads}")
-    for flag in ("batch_tokens", "epoch_size", "d_model", "heads", "ff", "layers", "warmup", "bpe_size", "max_len",
-                 "accumulate"):
-        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
-            bad("--" + flag.replace("_", "-"), "must be positive")
-    for flag in ("dropout", "word_dropout", "label_smoothing"):
-        if not 0 <= getattr(args, flag) < 1:
-            bad("--" + flag.replace("_", "-"), "must be in [0, 1)")
+        bad("d_model", f"must be divisible by --heads {args.heads}")
     if (args.src is None) != (args.tgt is None):
-        bad("--src/--tgt", "give both language suffixes or neither")
+        bad("src", "give both language suffixes, --src and --tgt, or neither")
     if args.data is not None and args.src is None:
-        bad("--data", "also give --src and --tgt, e.g. --src en --tgt de for DIR/train.en and DIR/train.de")
-    if not 0 < args.qk_percentile <= 100:
-        bad("--qk-percentile", "must be in (0, 100]")
-    if args.qk_length is not None and args.qk_length < 2:
-        bad("--qk-length", "must be at least 2 (g0 = log2(L^2 - L) >= 1)")
+        bad("data", "also give --src and --tgt, e.g. --src en --tgt de for DIR/train.en and DIR/train.de")
+    if args.data is None and args.src is not None:
+        bad("src", "names the files of a corpus in --data DIR; without --data the built-in corpus is used")
+    if args.resume and (args.benchmark or args.overwrite):
+        bad("resume", "continues a run: it takes neither --benchmark nor --overwrite")
 
 
 # =======================================================================================
@@ -1022,6 +1073,140 @@ def setup_distributed(args):
         torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), world, device
+
+
+# =======================================================================================
+# Appendix E: the run directory. A run directory holds one run. Training into one that already
+# holds a run is refused unless --resume (continue it) or --overwrite (replace it). Nothing is
+# deleted or written before every input is checked, and a lock keeps a second process out. A
+# resumed run keeps its flags (those in RESUME_MAY_CHANGE may be given again), its corpus and its
+# BPE model, and starts from the newest checkpoint that reads back (torch.load weights_only).
+# =======================================================================================
+RESUME_MAY_CHANGE = {"max_steps", "max_epochs", "early_stop", "stop_lr", "patience", "log_interval", "device",
+                     "threads", "compile", "dev_beam", "beam", "alpha", "keep_checkpoints"}
+RUN_FILES = ["config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json", "bpe.model", "bpe.vocab",
+             "bpe.key", "train.enc.pt", "dev.enc.pt", "checkpoint_*.pt"]
+
+
+def resume_flags(args, given):
+    """--resume RUN: the flags of RUN/config.json, with the given flags that may change; DataError
+    naming every other flag given with a value that differs from the run's."""
+    run_dir = Path(args.resume)
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise data.DataError(f"--resume {run_dir}: no readable config.json there (is it a run directory? "
+                             f"{type(e).__name__})") from None
+    given = {k: v for k, v in given.items() if k != "resume" and not (k == "out" and Path(v) == run_dir)}
+    refused = [f"--{k.replace('_', '-')} ({saved.get(k, DEFAULTS.get(k))!r} -> {v!r})" for k, v in given.items()
+               if k not in RESUME_MAY_CHANGE and v != saved.get(k, DEFAULTS.get(k))]
+    if refused:
+        raise data.DataError(f"--resume {run_dir}: a continued run keeps its flags, and these differ from its "
+                             f"config.json: {', '.join(refused)} (start a new run with another --out)")
+    changed = {k: v for k, v in given.items() if v != saved.get(k)}
+    return argparse.Namespace(**{**DEFAULTS, **saved, **changed, "resume": str(run_dir), "out": str(run_dir),
+                                 "overwrite": False,  # an action of the run's first start, not one of its flags
+                                 "changed_on_resume": {**saved.get("changed_on_resume", {}), **changed}})
+
+
+def corpus_hashes(pairs):
+    """{split: sha256 of its text}: what a resumed run must find unchanged."""
+    out = {}
+    for split, split_pairs in pairs.items():
+        h = hashlib.sha256()
+        for s, t in split_pairs:
+            h.update(f"{s}\t{t}\n".encode())
+        out[split] = h.hexdigest()
+    return out
+
+
+def holds_a_run(run_dir):
+    """What in run_dir makes it a run directory ("" if nothing)."""
+    found = [n for n in ("config.json", "metrics.jsonl") if (run_dir / n).exists()]
+    return ", ".join(found + [p.name for p in sorted(run_dir.glob("checkpoint_*.pt"))][:2])
+
+
+def open_run_dir(args, pairs, log, stack, master):
+    """(the run directory, the checkpoint to resume from or None), after every check; rank 0 then
+    holds its lock (in stack) and, with --overwrite, removes the old run's files. --benchmark
+    trains in a temporary directory, removed at the end."""
+    if args.benchmark:
+        args.run_id = None
+        return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="benchmark-"))), None
+    run_dir, ckpt = Path(args.out), None
+    held = holds_a_run(run_dir) if run_dir.is_dir() else ""
+    if held and not (args.resume or args.overwrite):
+        raise data.DataError(f"{run_dir} already holds a run ({held}): continue it with --resume {run_dir}, "
+                             f"or replace it with --overwrite")
+    if args.resume:
+        if not getattr(args, "corpus_sha256", None):
+            raise data.DataError(f"--resume {run_dir}: its config.json has no record of the corpus (an older "
+                                 f"train.py wrote it); start it again with --overwrite")
+        changed = [s for s, h in corpus_hashes(pairs).items() if h != args.corpus_sha256.get(s)]
+        if changed:
+            raise data.DataError(f"--resume {run_dir}: the corpus changed since the run started "
+                                 f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''})")
+        ckpt = newest_checkpoint(run_dir, log)
+        for k, v in args.changed_on_resume.items():
+            log(f"resume: --{k.replace('_', '-')} {v} (changed on resume)")
+    else:
+        args.run_id, args.corpus_sha256 = uuid.uuid4().hex, corpus_hashes(pairs)  # recorded in config.json
+    if master:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        stack.enter_context(lock(run_dir))
+        if held and args.overwrite:
+            gone = [f for pattern in RUN_FILES for f in run_dir.glob(pattern)]
+            for f in gone:
+                f.unlink()
+            log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
+        if ckpt is not None:
+            keep_metrics_until(run_dir / "metrics.jsonl", ckpt["step"])
+    return run_dir, ckpt
+
+
+@contextlib.contextmanager
+def lock(run_dir):
+    """Hold RUN/.lock while training (flock): a second process on the same run directory is refused."""
+    with open(run_dir / ".lock", "a") as f:
+        if fcntl is not None:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise data.DataError(f"{run_dir} is in use by another process (it holds {run_dir}/.lock)") from None
+        yield  # closing the file releases the lock
+
+
+def newest_checkpoint(run_dir, log):
+    """The newest checkpoint of run_dir that reads back safely and can be resumed from: the last, or
+    else an epoch checkpoint (newest first), or else the best; DataError if none can."""
+    candidates = [run_dir / "checkpoint_last.pt"] + decode.epoch_checkpoints(run_dir)[::-1] + [run_dir / "checkpoint_best.pt"]
+    for path in [c for c in candidates if c.exists()]:
+        try:
+            ckpt = decode.read_checkpoint(path)
+            if not {"optimizer", "train_state", "rng", "bpe_model_proto"} <= ckpt.keys() or "word_dropout" not in ckpt["rng"]:
+                raise data.DataError(f"{path}: not a checkpoint this train.py can resume from (another version wrote it)")
+        except data.DataError as e:
+            log(f"resume: skipped: {e}")
+            continue
+        fallback = "" if path.name == "checkpoint_last.pt" else " (the newest that reads back)"
+        log(f"resume: {path} at step {ckpt['step']}{fallback}")
+        return ckpt
+    raise data.DataError(f"--resume {run_dir}: nothing to resume from, no readable checkpoint (the run may have "
+                         f"stopped before its first evaluation); start it again with --overwrite")
+
+
+def keep_metrics_until(path, step):
+    """Drop what a killed run logged after its checkpoint, and a half-written last line."""
+    if path.exists():
+        keep = []
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("step", 1 << 62) <= step:
+                keep.append(line + "\n")
+        data.atomic_write(path, "".join(keep))
 
 
 if __name__ == "__main__":

@@ -200,13 +200,18 @@ def test_every_norm_and_placement_trains_with_finite_loss(extra, tmp_path, small
     assert not run.exists()
 
 
-def test_a_run_directory_reused_for_another_bpe_size_trains_a_new_bpe(tmp_path, small_corpus):
+def test_a_stale_bpe_model_of_another_size_is_not_reused(tmp_path, small_corpus):
+    """A run killed while preparing its data leaves bpe.model (and no config.json) behind; a new run
+    with another --bpe-size in that directory trains a new BPE instead of reusing the stale one."""
     import sentencepiece as spm
     run = tmp_path / "run"
     base = TINY[:TINY.index("--bpe-size")] + small_corpus + ["--max-steps", "1", "--out", str(run)]
     train.main(base + ["--bpe-size", "300"])
     assert spm.SentencePieceProcessor(model_file=str(run / "bpe.model")).get_piece_size() == 300
-    train.main(base + ["--bpe-size", "400"])  # the same directory, another size: not the stale model
+    for f in run.iterdir():
+        if not f.name.startswith(("bpe.", "train.enc", "dev.enc")):
+            f.unlink()  # what a kill during data preparation leaves
+    train.main(base + ["--bpe-size", "400"])
     assert spm.SentencePieceProcessor(model_file=str(run / "bpe.model")).get_piece_size() == 400
 
 
