@@ -207,13 +207,18 @@ def encode_pairs(tok, pairs):
     return list(zip(tok.encode([p[0] for p in pairs]), tok.encode([p[1] for p in pairs])))
 
 
+def pairs_sha256(pairs, prefix=b""):
+    """The sha256 (hex) of prefix and the text pairs: what a cache or a resumed run checks."""
+    h = hashlib.sha256(prefix)
+    for s, t in pairs:
+        h.update(s.encode("utf-8") + b"\t" + t.encode("utf-8") + b"\n")
+    return h.hexdigest()
+
+
 def load_or_encode(tok, pairs, cache_path):
     """encode_pairs, cached in cache_path keyed by the BPE model and the text: a repeated or
     resumed run loads the ids; anything different encodes again and overwrites the cache."""
-    h = hashlib.sha256(Path(tok.model_path).read_bytes())
-    for s, t in pairs:
-        h.update(s.encode("utf-8") + b"\t" + t.encode("utf-8") + b"\n")
-    key, cache_path = h.hexdigest(), Path(cache_path)
+    key, cache_path = pairs_sha256(pairs, Path(tok.model_path).read_bytes()), Path(cache_path)
     if cache_path.exists():
         try:
             blob = torch.load(cache_path, weights_only=True)

@@ -19,12 +19,12 @@ Contents
   6. Translating many lines
   7. Scores: tokenized BLEU, SacreBLEU, chrF [8, 9]
   8. Held-out loss and perplexity ([1] Table 8)
-  9. The command line
   Appendix A: significance, paired bootstrap resampling [10]
-  Appendix B: checkpoint averaging [2]
+  Appendix B: a run directory's checkpoints (load_checkpoint), and averaging them [2]
   Appendix C: looking inside: the learned g's ([1] Figures 3-4), attention maps ([3] Figures 1-2)
   Appendix D: --benchmark, the speed and BLEU of greedy and beam search
-  Appendix E: the command line's flags
+  Appendix E: pictures (--plot)
+  Appendix F: the command line (python decode.py --help)
 
   [1] Nguyen & Salazar 2019, Transformers without Tears (TwT): beam 4, alpha 0.6, maximum
       output length = source length + 50 (the authors' code, REFERENCE.md).
@@ -276,61 +276,6 @@ def read_checkpoint(path, device="cpu"):
     return ckpt
 
 
-def build_model(ckpt, path, device="cpu"):
-    """The model of a checkpoint dict, in eval mode on device; DataError if it does not fit."""
-    try:
-        model = Transformer(ModelConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
-    except (TypeError, ValueError, RuntimeError, KeyError) as e:
-        raise DataError(f"{path}: its model_config and weights do not make a model of this code "
-                        f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
-    return model.to(device).eval()
-
-
-def epoch_checkpoints(run_dir):
-    """A run directory's checkpoint_epoch{N}.pt files, sorted by N."""
-    found = [(int(m.group(1)), f) for f in Path(run_dir).glob("checkpoint_epoch*.pt")
-             if (m := re.fullmatch(r"checkpoint_epoch(\d+)\.pt", f.name))]
-    return [f for _, f in sorted(found)]
-
-
-def load_checkpoint(path, device="cpu", average=0):
-    """A .pt file or a run directory -> (model in eval mode on device, tokenizer, ckpt dict).
-
-    A run directory gives its checkpoint_best.pt, else checkpoint_last.pt; with average=N > 0
-    (a run directory only) the average of its N highest-numbered checkpoint_epoch{N}.pt. The
-    tokenizer is rebuilt from the sentencepiece model inside the checkpoint ("bpe_model_proto"),
-    so a checkpoint file alone can translate. DataError (one line, naming the path) otherwise.
-    """
-    p = Path(path)
-    if average > 0:
-        if not p.is_dir():
-            raise DataError(f"{p}: --average {average} needs a run directory (with checkpoint_epoch*.pt files)")
-        epochs = epoch_checkpoints(p)
-        if len(epochs) < average:
-            raise DataError(f"{p}: --average {average} needs {average} checkpoint_epoch*.pt files, "
-                            f"the run directory has {len(epochs)}")
-        ckpt, p = average_checkpoints(epochs[-average:]), epochs[-1]
-    else:
-        if p.is_dir():
-            found = [p / n for n in ("checkpoint_best.pt", "checkpoint_last.pt") if (p / n).is_file()]
-            if not found:
-                raise DataError(f"{p}: run directory has no checkpoint_best.pt or checkpoint_last.pt")
-            p = found[0]
-        ckpt = read_checkpoint(p, device)
-    model = build_model(ckpt, p, device)
-    proto = ckpt.get("bpe_model_proto")
-    if not isinstance(proto, (bytes, bytearray)):
-        raise DataError(f"{p}: has no bpe_model_proto (the sentencepiece model), so it cannot translate")
-    try:
-        tokenizer = data.Tokenizer(f"{p}:bpe_model_proto", model_proto=proto)
-    except (RuntimeError, DataError) as e:
-        raise DataError(f"{p}: its bpe_model_proto is not a usable sentencepiece model ({e})") from None
-    if tokenizer.vocab_size != model.cfg.vocab_size:
-        raise DataError(f"{p}: tokenizer has {tokenizer.vocab_size} pieces, model {model.cfg.vocab_size}")
-    return model, tokenizer, ckpt
-
-
 # ---------------------------------------------------------------------------------------
 # 6. Translating many lines: BPE-encode, batch by length with data.make_batches (longest batch
 # first, so an out-of-memory error shows at once), search, put back in order, detokenize.
@@ -476,73 +421,6 @@ def perplexity(model, tokenizer, pairs, label_smoothing=0.1, batch_tokens=4096):
             "smoothed_loss": total / n, "nll": nll_total / n, "n_tokens": n}
 
 
-# ---------------------------------------------------------------------------------------
-# 9. The command line (its flags: Appendix E, python decode.py --help).
-# ---------------------------------------------------------------------------------------
-def run(args):
-    """Everything main() does, raising DataError for the user's mistakes."""
-    if args.compare:
-        return compare(args)
-    if args.plot:
-        return plot_runs(args.plot, args.out)
-    use_reference(args.reference)
-    try:
-        device = pick_device(args.device)
-    except ValueError as e:
-        raise DataError(str(e)) from None
-    # Every input is read and checked before any work; stdin is read last.
-    out_dir = Path(args.output).resolve().parent if args.output else None
-    if out_dir is not None and not (out_dir.is_dir() and os.access(out_dir, os.W_OK)):
-        raise DataError(f"--output {args.output}: its folder {out_dir} does not exist or is not writable")
-    lines = data.read_lines(args.input) if args.input else None
-    refs = data.read_lines(args.ref) if args.ref else None
-    model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
-    if args.g_table or args.attention is not None:
-        return analyse(args, model, tokenizer)
-    if lines is None:
-        try:
-            raw = sys.stdin.buffer.read()
-        except (AttributeError, ValueError, OSError):  # None, closed or unreadable
-            raise DataError("stdin is closed or unreadable: give the source text with --input FILE") from None
-        lines = data.split_lines(raw, "stdin")  # undecodable bytes: DataError naming the line
-    if refs is not None and len(refs) != len(lines):
-        raise DataError(f"{args.ref}: {len(refs)} lines, but {args.input or 'stdin'} has {len(lines)}")
-    if n_long := count_long(tokenizer, lines, args.max_len):
-        print(f"note: {n_long} source lines longer than --max-len {args.max_len} BPE tokens are cut to it",
-              file=sys.stderr)
-    avg = f", average of {len(ckpt['averaged_from'])} epochs" if "averaged_from" in ckpt else ""
-    print(f"loaded {args.checkpoint} (step {ckpt.get('step')}, dev BLEU {ckpt.get('dev_bleu')}, "
-          f"{ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')}{avg})", file=sys.stderr)
-    if args.benchmark:
-        return benchmark(model, tokenizer, lines, refs, args)
-    search = Search(args.beam, args.alpha, args.max_len_b, args.max_len)
-    hyps = translate(model, tokenizer, lines, search, args.batch_tokens, args.progress)
-    text = "".join(h + "\n" for h in hyps)
-    if args.output:
-        data.atomic_write(args.output, text)
-    else:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    if refs is not None:
-        print(score_report(hyps, refs, args.tokenized, args.lowercase), file=sys.stderr)
-        if args.ppl:
-            eps = args.label_smoothing
-            if eps is None:
-                eps = (ckpt.get("args") or {}).get("label_smoothing", 0.1)
-            ppl = perplexity(model, tokenizer, list(zip(lines, refs)), eps, args.batch_tokens)
-            print(f"test perplexity: label-smoothed (eps {eps}) {ppl['smoothed_ppl']:.2f}, "
-                  f"plain {ppl['ppl']:.2f} over {ppl['n_tokens']} target tokens", file=sys.stderr)
-    return 0
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except DataError as e:
-        sys.exit(f"decode.py: error: {e}")
-
-
 # =======================================================================================
 # Appendix A: paired bootstrap resampling [10] (Koehn 2004), the significance test of [1] and [3].
 #
@@ -625,7 +503,8 @@ def compare(args):
 
 
 # =======================================================================================
-# Appendix B: checkpoint averaging [2]:  theta_avg = (1/N) sum_{i=1..N} theta_i   over the last N epochs.
+# Appendix B: a run directory's checkpoints (load_checkpoint), and their average [2]:
+#   theta_avg = (1/N) sum_{i=1..N} theta_i   over the last N epochs.
 #
 # Paper [2] (section 5.1) averages the last 10 checkpoints; Code [2]: the released script averages
 # the last 5 epoch checkpoints (fairseq's average_checkpoints.py). Averaging nearby points of one
@@ -664,6 +543,61 @@ def average_checkpoints(paths):
     out = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "rng")}
     out.update(model=averaged, averaged_from=[str(p) for p in paths])
     return out
+
+
+def build_model(ckpt, path, device="cpu"):
+    """The model of a checkpoint dict, in eval mode on device; DataError if it does not fit."""
+    try:
+        model = Transformer(ModelConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+        raise DataError(f"{path}: its model_config and weights do not make a model of this code "
+                        f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    return model.to(device).eval()
+
+
+def epoch_checkpoints(run_dir):
+    """A run directory's checkpoint_epoch{N}.pt files, sorted by N."""
+    found = [(int(m.group(1)), f) for f in Path(run_dir).glob("checkpoint_epoch*.pt")
+             if (m := re.fullmatch(r"checkpoint_epoch(\d+)\.pt", f.name))]
+    return [f for _, f in sorted(found)]
+
+
+def load_checkpoint(path, device="cpu", average=0):
+    """A .pt file or a run directory -> (model in eval mode on device, tokenizer, ckpt dict).
+
+    A run directory gives its checkpoint_best.pt, else checkpoint_last.pt; with average=N > 0
+    (a run directory only) the average of its N highest-numbered checkpoint_epoch{N}.pt. The
+    tokenizer is rebuilt from the sentencepiece model inside the checkpoint ("bpe_model_proto"),
+    so a checkpoint file alone can translate. DataError (one line, naming the path) otherwise.
+    """
+    p = Path(path)
+    if average > 0:
+        if not p.is_dir():
+            raise DataError(f"{p}: --average {average} needs a run directory (with checkpoint_epoch*.pt files)")
+        epochs = epoch_checkpoints(p)
+        if len(epochs) < average:
+            raise DataError(f"{p}: --average {average} needs {average} checkpoint_epoch*.pt files, "
+                            f"the run directory has {len(epochs)}")
+        ckpt, p = average_checkpoints(epochs[-average:]), epochs[-1]
+    else:
+        if p.is_dir():
+            found = [p / n for n in ("checkpoint_best.pt", "checkpoint_last.pt") if (p / n).is_file()]
+            if not found:
+                raise DataError(f"{p}: run directory has no checkpoint_best.pt or checkpoint_last.pt")
+            p = found[0]
+        ckpt = read_checkpoint(p, device)
+    model = build_model(ckpt, p, device)
+    proto = ckpt.get("bpe_model_proto")
+    if not isinstance(proto, (bytes, bytearray)):
+        raise DataError(f"{p}: has no bpe_model_proto (the sentencepiece model), so it cannot translate")
+    try:
+        tokenizer = data.Tokenizer(f"{p}:bpe_model_proto", model_proto=proto)
+    except (RuntimeError, DataError) as e:
+        raise DataError(f"{p}: its bpe_model_proto is not a usable sentencepiece model ({e})") from None
+    if tokenizer.vocab_size != model.cfg.vocab_size:
+        raise DataError(f"{p}: tokenizer has {tokenizer.vocab_size} pieces, model {model.cfg.vocab_size}")
+    return model, tokenizer, ckpt
 
 
 # =======================================================================================
@@ -908,7 +842,7 @@ def benchmark(model, tokenizer, lines, refs, args):
 
 
 # =======================================================================================
-# Appendix F: pictures. python decode.py --plot RUN [RUN ...] --out FILE.png overlays runs from
+# Appendix E: pictures. python decode.py --plot RUN [RUN ...] --out FILE.png overlays runs from
 # their metrics.jsonl (train.py writes it): what [1] Figures 1-4 and [2] Figures 2-4 show.
 # plot_series() picks the curves (tested); plot_runs() draws them with matplotlib, if installed.
 # =======================================================================================
@@ -993,7 +927,7 @@ def plot_runs(run_dirs, out):
 
 
 # =======================================================================================
-# Appendix E: the command line's flags.
+# Appendix F: the command line: its flags (python decode.py --help) and what main() does.
 # =======================================================================================
 def build_parser():
     ap = argparse.ArgumentParser(description="Translate with a trained checkpoint (beam search or greedy), score it "
@@ -1076,6 +1010,70 @@ def parse_args(argv=None):
         ap.error("--attention-target needs --attention")
     return args
 
+
+
+def run(args):
+    """Everything main() does, raising DataError for the user's mistakes."""
+    if args.compare:
+        return compare(args)
+    if args.plot:
+        return plot_runs(args.plot, args.out)
+    use_reference(args.reference)
+    try:
+        device = pick_device(args.device)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    # Every input is read and checked before any work; stdin is read last.
+    out_dir = Path(args.output).resolve().parent if args.output else None
+    if out_dir is not None and not (out_dir.is_dir() and os.access(out_dir, os.W_OK)):
+        raise DataError(f"--output {args.output}: its folder {out_dir} does not exist or is not writable")
+    lines = data.read_lines(args.input) if args.input else None
+    refs = data.read_lines(args.ref) if args.ref else None
+    model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
+    if args.g_table or args.attention is not None:
+        return analyse(args, model, tokenizer)
+    if lines is None:
+        try:
+            raw = sys.stdin.buffer.read()
+        except (AttributeError, ValueError, OSError):  # None, closed or unreadable
+            raise DataError("stdin is closed or unreadable: give the source text with --input FILE") from None
+        lines = data.split_lines(raw, "stdin")  # undecodable bytes: DataError naming the line
+    if refs is not None and len(refs) != len(lines):
+        raise DataError(f"{args.ref}: {len(refs)} lines, but {args.input or 'stdin'} has {len(lines)}")
+    if n_long := count_long(tokenizer, lines, args.max_len):
+        print(f"note: {n_long} source lines longer than --max-len {args.max_len} BPE tokens are cut to it",
+              file=sys.stderr)
+    avg = f", average of {len(ckpt['averaged_from'])} epochs" if "averaged_from" in ckpt else ""
+    print(f"loaded {args.checkpoint} (step {ckpt.get('step')}, dev BLEU {ckpt.get('dev_bleu')}, "
+          f"{ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')}{avg})", file=sys.stderr)
+    if args.benchmark:
+        return benchmark(model, tokenizer, lines, refs, args)
+    search = Search(args.beam, args.alpha, args.max_len_b, args.max_len)
+    hyps = translate(model, tokenizer, lines, search, args.batch_tokens, args.progress)
+    text = "".join(h + "\n" for h in hyps)
+    if args.output:
+        data.atomic_write(args.output, text)
+    else:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    if refs is not None:
+        print(score_report(hyps, refs, args.tokenized, args.lowercase), file=sys.stderr)
+        if args.ppl:
+            eps = args.label_smoothing
+            if eps is None:
+                eps = (ckpt.get("args") or {}).get("label_smoothing", 0.1)
+            ppl = perplexity(model, tokenizer, list(zip(lines, refs)), eps, args.batch_tokens)
+            print(f"test perplexity: label-smoothed (eps {eps}) {ppl['smoothed_ppl']:.2f}, "
+                  f"plain {ppl['ppl']:.2f} over {ppl['n_tokens']} target tokens", file=sys.stderr)
+    return 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except DataError as e:
+        sys.exit(f"decode.py: error: {e}")
 
 
 if __name__ == "__main__":

@@ -10,21 +10,21 @@ Reading order: norms.py -> model.py -> data.py -> decode.py -> train.py (this fi
 One run reads (or generates) the corpus, trains a joint BPE, encodes the data, builds the model
 and trains it with Adam and a schedule of [1] section 2.4; every --epoch-size steps it computes
 dev BLEU and keeps the best checkpoint; at the end it reports test BLEU of the best checkpoint.
-The run directory (--out) holds config.json, metrics.jsonl, bpe.model and the checkpoints, each
-written atomically; ``--resume RUN_DIR`` continues a killed run from its last checkpoint.
+The run directory (--out) holds one run: config.json, metrics.jsonl, bpe.model, the checkpoints.
 
 Contents
   1. The learning rate: eq. 7 (INVSQRTDECAY), VALDECAY, NOWARMUP [1, section 2.4]
   2. Data: read, BPE, encode, into the run directory
   3. One training step: word dropout, forward + loss, backward, clipping, Adam
-  4. The training state, the run, checkpoints
+  4. The training state and the run
   5. The loop
   6. End of an epoch: dev BLEU, validation decay, stopping, checkpoints; the final test
   7. main
-  Appendix A: the flags (python train.py --help)
+  Appendix A: the flags (python train.py --help), and the model's configuration from them
   Appendix B: presets, the papers' table rows as named sets of flags (--preset NAME)
-  Appendix C: speed: FLOPs, MFU, --benchmark, --profile, keeping freed memory
+  Appendix C: speed and the log: FLOPs, MFU, log lines, batch-norm diagnostics, --benchmark, --profile
   Appendix D: several processes (torchrun, DistributedDataParallel)
+  Appendix E: the run directory: one run, checked, locked; checkpoints; --resume
 
   [1] Nguyen & Salazar 2019, Transformers without Tears.
   [2] Shen et al. 2020, PowerNorm.    [3] Henry et al. 2020, Query-Key Normalization.
@@ -32,7 +32,6 @@ Contents
 import argparse
 import contextlib
 import ctypes
-import hashlib
 import json
 import math
 import os
@@ -131,17 +130,12 @@ def read_corpus(args, log):
     return pairs, langs
 
 
-def corpus_key(pairs, bpe_size):
-    """A hash of the training text and the BPE size: what the BPE model depends on."""
-    h = hashlib.sha256(f"{bpe_size}\n".encode())
-    for s, t in pairs["train"]:
-        h.update(f"{s}\t{t}\n".encode())
-    return h.hexdigest()
-
-
 def prepare_data(args, pairs, run_dir, log):
     """(tokenizer, encoded training pairs, encoded dev pairs), made in run_dir."""
-    bpe_path, key_path, key = run_dir / "bpe.model", run_dir / "bpe.key", corpus_key(pairs, args.bpe_size)
+    # The BPE model depends on the training text and --bpe-size: bpe.key holds their hash, so a stale
+    # bpe.model (left by a run killed while preparing its data) is trained again, never reused.
+    bpe_path, key_path = run_dir / "bpe.model", run_dir / "bpe.key"
+    key = data.pairs_sha256(pairs["train"], f"{args.bpe_size}\n".encode())
     if not bpe_path.exists() or not key_path.exists() or key_path.read_text() != key:
         t0 = time.time()
         with tempfile.TemporaryDirectory(dir=run_dir) as tmp:
@@ -167,18 +161,6 @@ def prepare_data(args, pairs, run_dir, log):
     log(f"data: {len(train)} train / {len(pairs['dev'])} dev / {len(pairs['test'])} test pairs, "
         f"vocabulary {tok.vocab_size}")
     return tok, train, dev
-
-
-def model_config_from_args(args, vocab_size, qk_g0=1.0):
-    power = {"warmup": args.pn_warmup, "variant": args.pn_variant, "alpha_fwd": args.pn_alpha_fwd,
-             "alpha_bkw": args.pn_alpha_bkw}
-    return ModelConfig(
-        vocab_size=vocab_size, d_model=args.d_model, heads=args.heads, ff=args.ff,
-        enc_layers=args.enc_layers or args.layers, dec_layers=args.dec_layers or args.layers,
-        dropout=args.dropout, attn_dropout=args.attn_dropout, relu_dropout=args.relu_dropout,
-        norm=args.norm, encoder_norm=args.encoder_norm, decoder_norm=args.decoder_norm, norm_options=power,
-        prenorm=args.prenorm, fixnorm=args.fixnorm, init=args.init, qknorm=args.qknorm, qk_g0=qk_g0,
-        qk_learn_g=not args.qk_no_g, qk_norm_v=args.qk_norm_v, sdpa=args.sdpa)
 
 
 def qknorm_g0(args, train, log):
@@ -246,7 +228,7 @@ def train_step(net, optimizer, batches, lr, opts: StepOptions):
 
 
 # ---------------------------------------------------------------------------------------
-# 4. The training state, the run, checkpoints.
+# 4. The training state and the run: what a run holds, and setting it up.
 # ---------------------------------------------------------------------------------------
 @dataclass
 class TrainState:
@@ -313,46 +295,6 @@ class Run:
         idx = self.order[s.batch_pos + self.rank: s.batch_pos + n: self.world]
         s.batch_pos += n
         return [data.collate(self.train, i, self.device) for i in idx]
-
-
-def log_line(console, msg):
-    console.print(msg, highlight=False, markup=False)
-
-
-def json_safe(x):
-    """x with every non-finite float replaced by None, in nested dicts and lists too."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    return [json_safe(v) for v in x] if isinstance(x, (list, tuple)) else x
-
-
-def make_checkpoint(run):
-    """Only tensors and plain Python values: read back with torch.load(weights_only=True)."""
-    return {"model_config": run.model.cfg.to_dict(), "model": run.model.state_dict(), "run_id": run.args.run_id,
-            "optimizer": run.optimizer.state_dict(), "bpe_model_proto": (run.dir / "bpe.model").read_bytes(),
-            "src_lang": run.langs[0], "tgt_lang": run.langs[1], "step": run.state.step,
-            "dev_bleu": run.state.dev_bleu, "train_state": asdict(run.state), "args": vars(run.args),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                    "word_dropout": run.step_options.rng.get_state()}}
-
-
-def restore(run, ckpt):
-    """The model, optimizer, training state and random generators of a checkpoint (Appendix E found it)."""
-    try:
-        run.model.load_state_dict(ckpt["model"])
-        run.optimizer.load_state_dict(ckpt["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise data.DataError(f"{run.dir}: its checkpoint does not fit the model of its config.json "
-                             f"({str(e).splitlines()[0]})") from None
-    run.state = TrainState(**ckpt["train_state"])
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    random.setstate(ckpt["rng"]["python"])
-    if ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-    run.step_options.rng.set_state(ckpt["rng"]["word_dropout"])
 
 
 def setup(args, stack):
@@ -474,33 +416,6 @@ def train_loop(run):
     if run.world > 1:
         dist.destroy_process_group()
     return result
-
-
-def log_window(run, win, lr, matmul_peak):
-    """One log line (and metrics record) for the steps since the last one."""
-    tl, nll = win["loss"] / max(win["tok"], 1), win["nll"] / max(win["tok"], 1)
-    tps, mfu = win["tok"] / win["t"], win["flops"] / win["t"] / (matmul_peak * run.world)
-    run.log(f"step {run.state.step:6d} | loss {tl:6.3f} | ppl {math.exp(min(nll, 50)):8.2f} | lr {lr:.2e} | "
-            f"{tps:7.0f} tok/s | MFU {100 * mfu:4.1f}% | gnorm {win['gnorm'] / win['n']:6.3f}")
-    run.metrics({"step": run.state.step, "train_loss": tl, "train_ppl": math.exp(min(nll, 50)),
-                 "tok_per_s": tps, "mfu": mfu})
-    uniform = math.log(int(run.model.allowed.sum()))  # the loss of guessing uniformly among the target words
-    if tl > uniform + 3 and run.state.step > run.schedule.warmup:  # huge but finite: say so, go on
-        warning = (f"the training loss {tl:.2f} is far above a uniform guess ({uniform:.2f}): the run may be "
-                   f"diverging (a smaller --lr, --prenorm or more --warmup may help)")
-        run.log("warning: " + warning)
-        run.metrics({"step": run.state.step, "warning": warning})
-    stats = {name: m.stats for name, m in run.model.named_modules()
-             if isinstance(m, BATCH_NORMS) and m.stats}
-    if stats:  # [2] Figures 2-4: batch vs running statistics, and the batch statistics' gradient terms
-        run.metrics({"step": run.state.step, "batch_norm_stats": stats})
-
-
-def track_batch_statistics(model, on):
-    """Batch norms keep their [2] Figures 2-4 diagnostics on logged steps only (they cost host syncs)."""
-    for m in model.modules():
-        if isinstance(m, BATCH_NORMS):
-            m.track, m.stats = on, {}
 
 
 # ---------------------------------------------------------------------------------------
@@ -807,6 +722,18 @@ def validate_args(args):
         bad("resume", "continues a run: it takes neither --benchmark nor --overwrite")
 
 
+def model_config_from_args(args, vocab_size, qk_g0=1.0):
+    power = {"warmup": args.pn_warmup, "variant": args.pn_variant, "alpha_fwd": args.pn_alpha_fwd,
+             "alpha_bkw": args.pn_alpha_bkw}
+    return ModelConfig(
+        vocab_size=vocab_size, d_model=args.d_model, heads=args.heads, ff=args.ff,
+        enc_layers=args.enc_layers or args.layers, dec_layers=args.dec_layers or args.layers,
+        dropout=args.dropout, attn_dropout=args.attn_dropout, relu_dropout=args.relu_dropout,
+        norm=args.norm, encoder_norm=args.encoder_norm, decoder_norm=args.decoder_norm, norm_options=power,
+        prenorm=args.prenorm, fixnorm=args.fixnorm, init=args.init, qknorm=args.qknorm, qk_g0=qk_g0,
+        qk_learn_g=not args.qk_no_g, qk_norm_v=args.qk_norm_v, sdpa=args.sdpa)
+
+
 # =======================================================================================
 # Appendix B: presets. Each is one row of a paper's table as a set of flags, applied after the
 # defaults and before the flags of the command line (which override it): --preset NAME.
@@ -946,8 +873,9 @@ def print_presets():
 
 
 # =======================================================================================
-# Appendix C: speed. Model FLOPs, the machine's own matmul throughput (MFU), --benchmark,
-# --profile, and keeping freed memory. Figures are printed, never asserted.
+# Appendix C: speed and the log. Model FLOPs, the machine's own matmul throughput (MFU), the log
+# line, the batch norms' diagnostics, --benchmark, --profile, and keeping freed memory. Figures
+# are printed, never asserted.
 # =======================================================================================
 def step_flops(cfg, B, S, T, out_vocab=None):
     """Training FLOPs of one step on a (B, S) source / (B, T) target batch, padding included.
@@ -1053,6 +981,33 @@ def keep_freed_memory():
         pass
 
 
+def log_window(run, win, lr, matmul_peak):
+    """One log line (and metrics record) for the steps since the last one."""
+    tl, nll = win["loss"] / max(win["tok"], 1), win["nll"] / max(win["tok"], 1)
+    tps, mfu = win["tok"] / win["t"], win["flops"] / win["t"] / (matmul_peak * run.world)
+    run.log(f"step {run.state.step:6d} | loss {tl:6.3f} | ppl {math.exp(min(nll, 50)):8.2f} | lr {lr:.2e} | "
+            f"{tps:7.0f} tok/s | MFU {100 * mfu:4.1f}% | gnorm {win['gnorm'] / win['n']:6.3f}")
+    run.metrics({"step": run.state.step, "train_loss": tl, "train_ppl": math.exp(min(nll, 50)),
+                 "tok_per_s": tps, "mfu": mfu})
+    uniform = math.log(int(run.model.allowed.sum()))  # the loss of guessing uniformly among the target words
+    if tl > uniform + 3 and run.state.step > run.schedule.warmup:  # huge but finite: say so, go on
+        warning = (f"the training loss {tl:.2f} is far above a uniform guess ({uniform:.2f}): the run may be "
+                   f"diverging (a smaller --lr, --prenorm or more --warmup may help)")
+        run.log("warning: " + warning)
+        run.metrics({"step": run.state.step, "warning": warning})
+    stats = {name: m.stats for name, m in run.model.named_modules()
+             if isinstance(m, BATCH_NORMS) and m.stats}
+    if stats:  # [2] Figures 2-4: batch vs running statistics, and the batch statistics' gradient terms
+        run.metrics({"step": run.state.step, "batch_norm_stats": stats})
+
+
+def track_batch_statistics(model, on):
+    """Batch norms keep their [2] Figures 2-4 diagnostics on logged steps only (they cost host syncs)."""
+    for m in model.modules():
+        if isinstance(m, BATCH_NORMS):
+            m.track, m.stats = on, {}
+
+
 # =======================================================================================
 # Appendix D: several processes. torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: PyTorch's
 # DistributedDataParallel, gloo on the CPU and NCCL on CUDA. Each step's batches are sharded by
@@ -1076,16 +1031,57 @@ def setup_distributed(args):
 
 
 # =======================================================================================
-# Appendix E: the run directory. A run directory holds one run. Training into one that already
-# holds a run is refused unless --resume (continue it) or --overwrite (replace it). Nothing is
-# deleted or written before every input is checked, and a lock keeps a second process out. A
-# resumed run keeps its flags (those in RESUME_MAY_CHANGE may be given again), its corpus and its
-# BPE model, and starts from the newest checkpoint that reads back (torch.load weights_only).
+# Appendix E: the run directory, checkpoints and --resume. A run directory holds one run.
+# Training into one that already holds a run is refused unless --resume (continue it) or
+# --overwrite (replace it). Nothing is deleted or written before every input is checked, and a
+# lock keeps a second process out. A resumed run keeps its flags (those in RESUME_MAY_CHANGE may
+# be given again), its corpus and its BPE model, and starts from the newest checkpoint that reads
+# back (torch.load weights_only). Checkpoints hold only tensors and plain Python values.
 # =======================================================================================
 RESUME_MAY_CHANGE = {"max_steps", "max_epochs", "early_stop", "stop_lr", "patience", "log_interval", "device",
                      "threads", "compile", "dev_beam", "beam", "alpha", "keep_checkpoints"}
 RUN_FILES = ["config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json", "bpe.model", "bpe.vocab",
              "bpe.key", "train.enc.pt", "dev.enc.pt", "checkpoint_*.pt"]
+
+
+def log_line(console, msg):
+    console.print(msg, highlight=False, markup=False)
+
+
+def json_safe(x):
+    """x with every non-finite float replaced by None, in nested dicts and lists too."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    return [json_safe(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
+def make_checkpoint(run):
+    """Only tensors and plain Python values: read back with torch.load(weights_only=True)."""
+    return {"model_config": run.model.cfg.to_dict(), "model": run.model.state_dict(), "run_id": run.args.run_id,
+            "optimizer": run.optimizer.state_dict(), "bpe_model_proto": (run.dir / "bpe.model").read_bytes(),
+            "src_lang": run.langs[0], "tgt_lang": run.langs[1], "step": run.state.step,
+            "dev_bleu": run.state.dev_bleu, "train_state": asdict(run.state), "args": vars(run.args),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                    "word_dropout": run.step_options.rng.get_state()}}
+
+
+def restore(run, ckpt):
+    """The model, optimizer, training state and random generators of a checkpoint (Appendix E found it)."""
+    try:
+        run.model.load_state_dict(ckpt["model"])
+        run.optimizer.load_state_dict(ckpt["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise data.DataError(f"{run.dir}: its checkpoint does not fit the model of its config.json "
+                             f"({str(e).splitlines()[0]})") from None
+    run.state = TrainState(**ckpt["train_state"])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    random.setstate(ckpt["rng"]["python"])
+    if ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    run.step_options.rng.set_state(ckpt["rng"]["word_dropout"])
 
 
 def resume_flags(args, given):
@@ -1111,13 +1107,7 @@ def resume_flags(args, given):
 
 def corpus_hashes(pairs):
     """{split: sha256 of its text}: what a resumed run must find unchanged."""
-    out = {}
-    for split, split_pairs in pairs.items():
-        h = hashlib.sha256()
-        for s, t in split_pairs:
-            h.update(f"{s}\t{t}\n".encode())
-        out[split] = h.hexdigest()
-    return out
+    return {split: data.pairs_sha256(split_pairs) for split, split_pairs in pairs.items()}
 
 
 def holds_a_run(run_dir):
