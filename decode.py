@@ -774,20 +774,23 @@ def render_heatmap(weights, rows, cols, max_label=8):
     return "\n".join(lines)
 
 
-def save_heatmap_png(weights, rows, cols, path, title=None):
-    """Saves the map as a PNG with matplotlib; True if written.
-
-    matplotlib is optional: without it this prints one line on stderr and returns False
-    (it never raises ImportError).
-    """
+def pyplot(path):
+    """matplotlib.pyplot for writing the PNG `path`, or None after one line on stderr saying how to
+    install it: matplotlib is an optional extra (not in requirements.txt), imported only here."""
     try:
-        import matplotlib  # Note: optional (not in requirements.txt): imported only here
-
+        import matplotlib
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
+        return plt
     except ImportError:
-        print(f"note: matplotlib is not installed; {path} was not written (pip install matplotlib)",
-              file=sys.stderr)
+        print(f"note: {path} needs matplotlib, which is not installed: pip install matplotlib", file=sys.stderr)
+        return None
+
+
+def save_heatmap_png(weights, rows, cols, path, title=None):
+    """Saves the map as a PNG with matplotlib; True if written, False (and a note) without it."""
+    plt = pyplot(path)
+    if plt is None:
         return False
     w = torch.as_tensor(weights, dtype=torch.float32).numpy()
     fig, ax = plt.subplots(figsize=(max(4, 0.4 * len(cols) + 2), max(3, 0.4 * len(rows) + 1.5)))
@@ -900,13 +903,8 @@ def plot_series(run_dirs):
 
 def plot_runs(run_dirs, out):
     """--plot: draw plot_series() into out (PNG); one line on stderr and exit code 1 without matplotlib."""
-    panels = plot_series(run_dirs)
-    try:
-        import matplotlib  # Note: optional (not in requirements.txt): imported only here
-        matplotlib.use("Agg")  # no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("decode.py: --plot needs matplotlib, which is not installed: pip install matplotlib", file=sys.stderr)
+    panels, plt = plot_series(run_dirs), pyplot(out)
+    if plt is None:
         return 1
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (title, curves) in zip(axes.flat, panels.items()):

@@ -63,6 +63,18 @@ def toy(tmp_path_factory):
     return Tokenizer(model_path), list(zip(lines[:40], lines[40:])), Path(model_path)
 
 
+def without_matplotlib(monkeypatch):
+    """As if matplotlib (an optional extra) were not installed."""
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **k):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+
+
 # -- BLEU two ways ------------------------------------------------------------------------
 RAW_HYP = ["The cat, it seems, sat on the mat.", "Don't go there!", "A big (red) house."]
 RAW_REF = ["The cat sat on the mat, it seems.", "Do not go there!", "A big red house."]
@@ -264,14 +276,7 @@ def test_attention_on_own_translation_and_heatmap(toy, tmp_path, monkeypatch, ca
         assert decode._label(label, 8) in text
     assert len(text.splitlines()) == len(rows) + 2
     # Without matplotlib: False and one note, never ImportError.
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *a, **k):
-        if name == "matplotlib" or name.startswith("matplotlib."):
-            raise ImportError("No module named 'matplotlib'")
-        return real_import(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    without_matplotlib(monkeypatch)
     assert decode.save_heatmap_png(w, rows, cols, tmp_path / "a.png") is False
     assert not (tmp_path / "a.png").exists()
     assert "matplotlib" in capsys.readouterr().err
@@ -381,14 +386,7 @@ def test_plot_series_picks_each_panel_from_metrics(tmp_path):
 
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch, capsys):
     run = _fake_run(tmp_path, "r", 3.0, 7.0)
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *a, **k):
-        if name == "matplotlib" or name.startswith("matplotlib."):
-            raise ImportError("No module named 'matplotlib'")
-        return real_import(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    without_matplotlib(monkeypatch)
     assert decode.main(["--plot", str(run), "--out", str(tmp_path / "p.png")]) == 1
     err = capsys.readouterr().err.strip()
     assert "pip install matplotlib" in err and len(err.splitlines()) == 1 and not (tmp_path / "p.png").exists()
