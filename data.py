@@ -326,10 +326,13 @@ class Batch:
     idx: list  # example indices, to put outputs back in order
 
 
-def collate(encoded_pairs, idx, device=None):
-    """Pads the examples idx into a Batch (on device, if given)."""
+def collate(encoded_pairs, idx, device=None, multiple=1):
+    """Pads the examples idx into a Batch (on device, if given), the lengths rounded up to a
+    multiple of ``multiple`` (train.py --compile: 8, so that every batch has the shapes' alignment
+    the compiled kernels were specialised for)."""
     xs, ys = [encoded_pairs[i][0] for i in idx], [encoded_pairs[i][1] for i in idx]
     S, T = max(len(x) for x in xs), max(len(y) for y in ys) + 1
+    S, T = -(-S // multiple) * multiple, -(-T // multiple) * multiple
     # Decoder input and output are the same target, shifted by one position:
     #   tgt_in  = BOS y1 ... yn        tgt_out = y1 ... yn EOS
     tensors = [torch.tensor([x + [PAD] * (S - len(x)) for x in xs]),  # (B, S)

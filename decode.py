@@ -289,6 +289,7 @@ class Search:
     alpha: float = 0.6
     max_len_b: int = 50
     max_src_len: int = 1024
+    bf16: bool = True  # bf16 autocast on CUDA (model.autocast); False: fp32
 
 
 @contextlib.contextmanager
@@ -311,7 +312,7 @@ def translate_ids(model, tokenizer, lines, search=Search(), batch_tokens=4096, p
     sources = [(encoded[i], []) for i in todo]  # no target: batched by source length alone
     bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                    TimeRemainingColumn(), console=Console(stderr=True), transient=True, disable=not progress)
-    with bar, evaluating(model), autocast(device):  # train.py calls us mid-training: its mode comes back
+    with bar, evaluating(model), autocast(device, search.bf16):  # train.py calls us mid-training: its mode comes back
         task = bar.add_task("translating", total=len(todo))
         for b in reversed(data.make_batches(sources, batch_tokens, shuffle=False)):
             src = data.collate(sources, b, device).src  # (B, S)
@@ -399,10 +400,10 @@ def score_report(hyps, refs, already_tokenized=False, lowercase=False):
 # perplexity is what [1] Table 8 lists; by Jensen, per token smoothed >= (1-eps) NLL + eps log|A|.
 # ---------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate_loss(model, encoded, batch_tokens, smoothing):
+def evaluate_loss(model, encoded, batch_tokens, smoothing, bf16=True):
     """(label-smoothed loss sum, NLL sum, target tokens) of encoded pairs, teacher-forced, in eval mode."""
     device, total, nll_total, n = next(model.parameters()).device, 0.0, 0.0, 0
-    with evaluating(model), autocast(device):
+    with evaluating(model), autocast(device, bf16):
         for idx in data.make_batches(encoded, batch_tokens, shuffle=False):
             b = data.collate(encoded, idx, device)
             loss, nll = model(b.src, b.tgt_in, b.tgt_out, smoothing)
@@ -828,7 +829,7 @@ def analyse(args, model, tokenizer):
 def benchmark(model, tokenizer, lines, refs, args):
     device = next(model.parameters()).device
     beams = [1, args.beam if args.beam > 1 else 4]
-    searches = [Search(k, args.alpha, args.max_len_b, args.max_len) for k in beams]
+    searches = [Search(k, args.alpha, args.max_len_b, args.max_len, args.dtype == "bf16") for k in beams]
     for search in searches:  # warm-up
         translate_ids(model, tokenizer, lines[:32], search, args.batch_tokens)
     print(f"benchmark: {len(lines)} sentences on {device} (torch threads {torch.get_num_threads()}), "
@@ -948,6 +949,8 @@ def build_parser():
     ap.add_argument("--max-len", type=int, default=1024, help="source lines longer than this (BPE tokens) are cut "
                     "to it, with a count on stderr (one huge line must not exhaust memory)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="on CUDA: bf16 autocast (default) "
+                    "or fp32 throughout; the CPU always computes in fp32")
     ap.add_argument("--batch-tokens", type=int, default=4096, help="source tokens per batch (sentences x longest length)")
     ap.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     ap.add_argument("--reference", action="store_true",
@@ -1046,7 +1049,7 @@ def run(args):
           f"{ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')}{avg})", file=sys.stderr)
     if args.benchmark:
         return benchmark(model, tokenizer, lines, refs, args)
-    search = Search(args.beam, args.alpha, args.max_len_b, args.max_len)
+    search = Search(args.beam, args.alpha, args.max_len_b, args.max_len, args.dtype == "bf16")
     hyps = translate(model, tokenizer, lines, search, args.batch_tokens, args.progress)
     text = "".join(h + "\n" for h in hyps)
     if args.output:

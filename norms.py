@@ -164,16 +164,21 @@ def real_tokens(x, pad_mask):
         return torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
     # Note: .bool() first; ~ on a uint8 mask gives 254/255, not False/True (a pitfall of the code).
     real = ~pad_mask.bool()  # (B, T)
-    if not real.any():
+    # Note: checked on the CPU only: on a GPU, reading real.any() would make the host wait for the
+    # device at every norm of every step (the batcher never makes an all-padding batch).
+    if real.device.type == "cpu" and not real.any():
         # Code: the authors' module divides 0 by 0 here and returns NaN; we refuse instead.
         raise ValueError("batch statistics need at least one non-padding token; the batch is all padding")
     return real
 
 
-def batch_mean(v):
-    """The per-channel mean of v (N_r, D) over the real tokens of the batch (every rank's), and N."""
-    total, n = all_reduce_sum(v.sum(0), v.new_tensor(float(v.shape[0])))  # (D,), ()
-    return total / n, int(n)
+def batch_mean(v, real):
+    """The per-channel mean of v (B, T, D) over the real tokens (real (B, T) True) of the batch,
+    every rank's, and their number N (a 0-dim tensor). Masked sums rather than v[real]: selecting
+    has a data-dependent shape, which makes the host wait for a GPU and breaks torch.compile's graph."""
+    masked = torch.where(real.unsqueeze(-1), v, 0.0)  # (B, T, D)  padding contributes 0
+    total, n = all_reduce_sum(masked.flatten(0, -2).sum(0), real.sum().to(v.dtype))  # (D,), ()
+    return total / n, n
 
 
 # ---------------------------------------------------------------------------------------
@@ -213,12 +218,11 @@ class BatchNorm(nn.Module):
             y = self.weight * (xf - self.running_mean) / torch.sqrt(self.running_var + self.eps) + self.bias
             return y.to(x.dtype)
         real = real_tokens(xf, pad_mask)
-        xr = xf[real]  # (N_r, D)  the real tokens of this rank
-        mu, n = batch_mean(xr)  # (D,)  Paper (Alg. 1): mu_B = 1/N sum_i x_i
-        if n < 2:  # Note: the unbiased running variance needs two tokens (torch raises too)
-            raise ValueError(f"BatchNorm in training needs more than 1 real token, got {n}")
+        mu, n = batch_mean(xf, real)  # (D,)  Paper (Alg. 1): mu_B = 1/N sum_i x_i
+        if xf.device.type == "cpu" and n < 2:  # Note: the unbiased running variance needs 2 (torch raises too)
+            raise ValueError(f"BatchNorm in training needs more than 1 real token, got {int(n)}")
         # Note: two passes (mean, then centred squares) rather than E[x^2] - mu^2, which cancels badly.
-        var, _ = batch_mean((xr - mu).pow(2))  # (D,)  Paper (Alg. 1): sigma_B^2 = 1/N sum_i (x_i - mu_B)^2
+        var, _ = batch_mean((xf - mu).pow(2), real)  # (D,)  Paper (Alg. 1): sigma_B^2 = 1/N sum_i (x_i - mu_B)^2
         y = self.weight * (xf - mu) / torch.sqrt(var + self.eps) + self.bias  # (B, T, D)  Paper (eqs. 1-2)
         if self.track:
             self.stats = batchnorm_diagnostics(self, y, xf, real, mu, var)
@@ -228,7 +232,7 @@ class BatchNorm(nn.Module):
             self.running_mean.copy_((1 - m) * self.running_mean + m * mu)
             # Note: like torch.nn.BatchNorm1d, the running variance takes the unbiased
             # N/(N-1) sigma_B^2; Algorithm 1 writes the biased sigma_B^2.
-            self.running_var.copy_((1 - m) * self.running_var + m * var * n / (n - 1))
+            self.running_var.copy_((1 - m) * self.running_var + m * var * n / (n - 1).clamp_min(1))
             self.num_batches_tracked += 1
         return y.to(x.dtype)
 
@@ -262,7 +266,7 @@ class PNV(nn.Module):
         if not self.training:
             return (self.weight * xf / torch.sqrt(self.running_phi + self.eps) + self.bias).to(x.dtype)
         real = real_tokens(xf, pad_mask)
-        psi2, _ = batch_mean(xf[real].pow(2))  # (D,)  Paper (Def. 1): psi_B^2 = 1/N sum_i x_i^2
+        psi2, _ = batch_mean(xf.pow(2), real)  # (D,)  Paper (Def. 1): psi_B^2 = 1/N sum_i x_i^2
         y = self.weight * xf / torch.sqrt(psi2 + self.eps) + self.bias  # (B, T, D)  Paper (eqs. 4-5)
         if self.track:
             self.stats = pnv_diagnostics(self, y, xf, real, psi2)
@@ -342,8 +346,8 @@ class _PowerNormFunction(torch.autograd.Function):
         # are not linear in dL/dY (nu X^ does not scale with it), so every rank's dL/dY must be the
         # whole batch's, not world x it: see train_step in train.py.
         used = torch.ones_like(real) if code else real  # Code: means over all B*T positions, padding included
-        Gamma_t, _ = batch_mean((z * z)[used])  # (D,)  Gamma = mean_i x^_i x^_i
-        Lambda_t, _ = batch_mean((g * z)[used])  # (D,)  Lambda = mean_i dL/dx^_i x^_i
+        Gamma_t, _ = batch_mean(z * z, used)  # (D,)  Gamma = mean_i x^_i x^_i
+        Lambda_t, _ = batch_mean(g * z, used)  # (D,)  Lambda = mean_i dL/dx^_i x^_i
         if not code:  # Paper: means over the N real tokens (footnote 1); padding gets zero gradient.
             dx = torch.where(real.unsqueeze(-1), dx, 0.0)
         if opt["stats"] is not None:  # Appendix B: the nu X^ term's share of dL/dX (eqs. 11-12)
@@ -409,13 +413,13 @@ class PowerNorm(nn.Module):
             return (self.weight * xs / torch.sqrt(self.running_phi + eps) + self.bias).to(x.dtype)
         real = real_tokens(xs, pad_mask)  # (B, T)
         self.num_batches_tracked += 1
-        t = int(self.num_batches_tracked)  # this step, counted from 1
+        t = self.num_batches_tracked  # this step, counted from 1 (a tensor: no host sync on a GPU)
         with torch.no_grad():  # the statistics get no gradient (approximate backpropagation)
-            psi2, _ = batch_mean(xs[real].pow(2))  # (D,)  Paper (Alg. 2): psi_B^2 = 1/N sum_i x_i^2
+            psi2, _ = batch_mean(xs.pow(2), real)  # (D,)  Paper (Alg. 2): psi_B^2 = 1/N sum_i x_i^2
             phi = self.running_phi.clone()  # (D,)  psi_{t-1}^2
         # Paper (appendix A) says only that a warmup "for accumulating psi" is used, W = the LR
         # warmup. Code: the batch psi_B divides while t <= W (as in PN-V), then eq. 8's psi_{t-1}.
-        fwd_stat = psi2 if t <= self.warmup else phi
+        fwd_stat = torch.where(t <= self.warmup, psi2, phi)
         # Paper (eq. 12): backward divides by psi_{t-1}; Note: we divide by what the forward divided
         # by, so psi_B during warmup; the approximate backward (with nu) runs during warmup too, as
         # in the code. Code: always by the batch psi_B.
@@ -425,10 +429,10 @@ class PowerNorm(nn.Module):
         options = dict(self.options, stats=self.stats if self.track else None)
         y = _PowerNormFunction.apply(xs, self.weight, self.bias, fwd_stat, bwd_stat, self.running_nu, real, options)
         with torch.no_grad():
-            if code and t < self.warmup:
+            if code:
                 # Code: phi <- (t-1)/t phi + 1/t psi_B^2 (cumulative mean) before the EMA step,
                 # for t < W. Not in the paper: Algorithm 2 has only the EMA below.
-                phi = phi * (t - 1) / t + psi2 / t
+                phi = torch.where(t < self.warmup, phi * (t - 1) / t + psi2 / t, phi)
             # Paper (eq. 10, as Alg. 2 writes it): psi_t^2 = alpha psi_{t-1}^2 + (1 - alpha) psi_B^2
             self.running_phi.copy_(self.alpha_fwd * phi + (1 - self.alpha_fwd) * psi2)
         return y.to(x.dtype)
@@ -566,25 +570,27 @@ def timed(fn, device=None):
     return out, time.perf_counter() - t0
 
 
-def benchmark(batch=64, length=64, d=512, heads=8, repeats=30, rounds=5):
-    """Best (over rounds) seconds of one forward+backward of every norm on (batch, length, d)."""
-    x0 = torch.randn(batch, length, d)
-    pad = torch.zeros(batch, length, dtype=torch.bool)
+def benchmark(batch=64, length=64, d=512, heads=8, repeats=30, rounds=5, device="cpu", bf16=False):
+    """Best (over rounds) seconds of one forward+backward of every norm on (batch, length, d);
+    bf16: a bf16 input under CUDA autocast, as in training on a GPU."""
+    x0 = torch.randn(batch, length, d, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
+    pad = torch.zeros(batch, length, dtype=torch.bool, device=device)
     pad[: batch // 2, length - length // 8:] = True  # some padding, as in a real batch
     dy = torch.randn_like(x0)
-    norms = {name: build_norm(name, d, heads, {"warmup": 1} if name == "power" else None)
+    norms = {name: build_norm(name, d, heads, {"warmup": 1} if name == "power" else None).to(device)
              for name in NORMS if name != "none"}
 
     def run(norm, x):
-        for _ in range(repeats):
-            norm(x, pad).backward(dy)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            for _ in range(repeats):
+                norm(x, pad).backward(dy)
 
     times = {name: [] for name in norms}
     for _ in range(rounds):
         for name, norm in norms.items():
             x = x0.clone().requires_grad_(True)
             run(norm, x)  # warm-up
-            times[name].append(timed(lambda: run(norm, x))[1] / repeats)
+            times[name].append(timed(lambda: run(norm, x), device)[1] / repeats)
     return {name: min(t) for name, t in times.items()}  # min over rounds: the least disturbed
 
 
@@ -597,15 +603,20 @@ if __name__ == "__main__":
     p.add_argument("--heads", type=int, default=8, help="PowerNorm's GroupScaling groups")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--reference", action="store_true", help="time the written-out LayerNorm in place of F.layer_norm")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--bf16", action="store_true", help="on CUDA: a bf16 input under autocast, as training runs")
     a = p.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
     if not a.benchmark:
         p.print_help()
         raise SystemExit(0)
     if a.threads:
         torch.set_num_threads(a.threads)
     use_reference(a.reference)
-    best = benchmark(a.batch, a.length, a.d_model, a.heads)
-    print(f"forward+backward on ({a.batch}, {a.length}, {a.d_model}) fp32, {torch.get_num_threads()} threads, "
+    best = benchmark(a.batch, a.length, a.d_model, a.heads, device=a.device, bf16=a.bf16 and a.device == "cuda")
+    where = torch.cuda.get_device_name() if a.device == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"forward+backward on ({a.batch}, {a.length}, {a.d_model}) {'bf16' if a.bf16 else 'fp32'}, {where}, "
           f"best of 5 rounds x 30{', --reference' if a.reference else ''}:")
     for name, t in best.items():
         print(f"  {name:12s} {t * 1e3:8.3f} ms   {t / best['layer']:5.2f} x LayerNorm")

@@ -60,7 +60,7 @@ from torch.profiler import ProfilerActivity, profile
 import data
 import decode
 from model import ModelConfig, Transformer, autocast, count_parameters, pick_device
-from norms import BATCH_NORMS, NORMS, fast_paths, timed, use_reference
+from norms import BATCH_NORMS, NORMS, fast_paths, use_reference
 
 # ---------------------------------------------------------------------------------------
 # 1. The learning rate [1, section 2.4].
@@ -184,6 +184,7 @@ class StepOptions:
     smoothing: float  # label smoothing epsilon
     clip: float  # clip the global gradient norm at this (0: off)
     rng: Optional[torch.Generator] = None  # word dropout's own random generator
+    bf16: bool = False  # bf16 autocast on CUDA (--dtype bf16)
 
 
 def train_step(net, optimizer, batches, lr, opts: StepOptions):
@@ -211,7 +212,7 @@ def train_step(net, optimizer, batches, lr, opts: StepOptions):
             # Paper (appendix A): word dropout on source and target inputs, never on the targets.
             src = data.word_dropout(b.src, opts.word_dropout, opts.rng) if opts.word_dropout else b.src
             tgt_in = data.word_dropout(b.tgt_in, opts.word_dropout, opts.rng) if opts.word_dropout else b.tgt_in
-            with autocast(b.src.device):
+            with autocast(b.src.device, opts.bf16):
                 loss, nll = net(src, tgt_in, b.tgt_out, opts.smoothing)  # sums over the target tokens
             (loss / n_tgt).backward()  # Code: summed over non-pad targets, divided by their count
         loss_sum, nll_sum = loss_sum + loss.detach(), nll_sum + nll.detach()
@@ -294,7 +295,7 @@ class Run:
             self.order = data.make_batches(self.train, self.args.batch_tokens, True, self.args.seed, s.data_pass)
         idx = self.order[s.batch_pos + self.rank: s.batch_pos + n: self.world]
         s.batch_pos += n
-        return [data.collate(self.train, i, self.device) for i in idx]
+        return [data.collate(self.train, i, self.device, 8 if self.args.compile else 1) for i in idx]
 
 
 def setup(args, stack):
@@ -325,9 +326,13 @@ def setup(args, stack):
     allowed = data.target_vocab_mask([t for _, t in train], tokenizer.vocab_size)
     cfg = model_config_from_args(args, tokenizer.vocab_size, qknorm_g0(args, train, log) if args.qknorm else 1.0)
     model = Transformer(cfg, allowed).to(device)
+    bf16 = device.type == "cuda" and args.dtype == "bf16"
+    if bf16 and not torch.cuda.is_bf16_supported():
+        log(f"note: {torch.cuda.get_device_name(device)} has no bf16: training in fp32 (--dtype fp32)")
+        bf16 = False
     log(f"model: {count_parameters(model) / 1e6:.2f}M parameters, {'PreNorm' if cfg.prenorm else 'PostNorm'}, "
         f"norm={cfg.encoder_norm or cfg.norm}/{cfg.decoder_norm or cfg.norm}, fixnorm={cfg.fixnorm}, "
-        f"init={cfg.init}, qknorm={cfg.qknorm}, device={device}, threads={torch.get_num_threads()}"
+        f"init={cfg.init}, qknorm={cfg.qknorm}, device={device}{' bf16' if bf16 else ''}, threads={torch.get_num_threads()}"
         + (f", {world} ranks" if world > 1 else "") + (", --reference" if args.reference else ""))
     adam = torch.optim.AdamW if args.weight_decay > 0 else torch.optim.Adam
     optimizer = adam(model.parameters(), lr=0.0, betas=(args.beta1, args.beta2), eps=args.adam_eps,
@@ -335,11 +340,11 @@ def setup(args, stack):
     net = model
     if world > 1:  # PyTorch's DDP: gradients all-reduced (averaged) across ranks in backward
         net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if args.compile:
-        net = torch.compile(net)  # checkpoints save `model`, the unwrapped module
+    if args.compile:  # checkpoints save `model`, the unwrapped module (Appendix C)
+        net = compile_model(net)
     # Word dropout draws from its own generator, on the device the batches live on.
     options = StepOptions(args.word_dropout, args.label_smoothing, args.clip,
-                          torch.Generator(device=device).manual_seed(args.seed + rank))
+                          torch.Generator(device=device).manual_seed(args.seed + rank), bf16)
     run = Run(args, run_dir, device, rank, world, console, tokenizer, langs, pairs, train, dev, model, net, optimizer,
               Schedule.from_args(args), options)
     if ckpt is not None:
@@ -369,7 +374,7 @@ class Diverged(Exception):
 
 def train_loop(run):
     args = run.args
-    s, matmul_peak = run.state, matmul_flops(run.device, args.d_model, args.ff)
+    s, matmul_peak = run.state, matmul_flops(run.device, args.d_model, args.ff, run.step_options.bf16)
     n_out = output_columns(run.model)
     run.log(f"speed: dense {args.d_model}x{args.ff} matmul runs at {matmul_peak / 1e9:.1f} GFLOP/s here (MFU's denominator)")
     total = min(args.max_epochs * args.epoch_size, args.max_steps or math.inf)
@@ -377,10 +382,10 @@ def train_loop(run):
                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
                    console=run.console, disable=not run.console.is_terminal)
     win, train_time = dict.fromkeys(("loss", "nll", "tok", "flops", "t", "gnorm", "n"), 0.0), 0.0
+    pending, t0 = [], time.perf_counter()  # the steps since the last host sync, and when it was
     with bar:
         task = bar.add_task("train", total=total, completed=s.step, info="")
         while s.step < total and not s.stopped:
-            t0 = time.perf_counter()
             batches = run.next_batches()
             s.step += 1
             lr = run.schedule(s.step, s.lr_decay)
@@ -390,28 +395,40 @@ def train_loop(run):
                 sums = torch.stack([loss.double(), nll.double()])
                 dist.all_reduce(sums)
                 loss, nll = sums[0], sums[1]
-            loss, nll, gnorm = loss.item(), nll.item(), gnorm.item()  # waits for the step
-            dt = time.perf_counter() - t0
-            train_time += dt
             flops = sum(step_flops(run.model.cfg, *b.src.shape, b.tgt_in.size(1), n_out) for b in batches) * run.world
-            for k, v in (("loss", loss), ("nll", nll), ("tok", n_tgt), ("t", dt), ("gnorm", gnorm), ("n", 1),
-                         ("flops", flops)):
-                win[k] += v
-            run.metrics({"step": s.step, "loss": loss / n_tgt, "gnorm": gnorm, "lr": lr, "tokens": n_tgt})  # [1] Fig. 2
-            if not math.isfinite(loss):
-                last = run.dir / "checkpoint_last.pt"
-                s.stopped = (f"diverged: the training loss became {loss} at step {s.step} (try a smaller --lr, "
-                             f"--prenorm, --init small or more --warmup); "
-                             + (f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"))
-                run.log("error: " + s.stopped)
+            # The step's numbers stay on the device: reading them (.item()) would wait for the GPU
+            # at every step. They are read together at each log line and before each evaluation.
+            pending.append((s.step, lr, n_tgt, flops, torch.stack([loss.double(), nll.double(), gnorm.double()])))
+            log_now = s.step % args.log_interval == 0 or s.step == total
+            if not (log_now or s.step % args.epoch_size == 0):
+                bar.update(task, completed=s.step)
+                continue
+            values = torch.stack([p[-1] for p in pending]).tolist()  # the one host sync
+            dt, t0 = time.perf_counter() - t0, time.perf_counter()
+            train_time += dt
+            win["t"] += dt
+            for (step, step_lr, n, f, _), (l, ll, g) in zip(pending, values):
+                for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
+                    win[k] += v
+                run.metrics({"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
+                if not math.isfinite(l):
+                    last = run.dir / "checkpoint_last.pt"
+                    s.stopped = (f"diverged: the training loss became {l} at step {step} (try a smaller --lr, "
+                                 f"--prenorm, --init small or more --warmup); "
+                                 + (f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"))
+                    run.log("error: " + s.stopped)
+                    break
+            pending = []
+            if s.stopped:
                 break
-            if s.step % args.log_interval == 0 or s.step == total:
+            if log_now:
                 log_window(run, win, lr, matmul_peak)
                 win = dict.fromkeys(win, 0.0)
-                bar.update(task, info=f"loss {loss / n_tgt:.3f}")
+                bar.update(task, info=f"loss {values[-1][0] / n_tgt:.3f}")
             bar.update(task, completed=s.step)
             if s.step % args.epoch_size == 0 or s.step == total:
                 end_of_epoch(run)
+                t0 = time.perf_counter()  # evaluation is not training time
     result = finish(run, train_time)
     if run.world > 1:
         dist.destroy_process_group()
@@ -426,9 +443,10 @@ def end_of_epoch(run):
     s.epoch += 1
     t0, bleu = time.time(), None
     if run.master:
-        dev_loss, dev_nll, n = decode.evaluate_loss(run.model, run.dev, args.batch_tokens, args.label_smoothing)
-        hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["dev"]],
-                                decode.Search(args.dev_beam, args.alpha, max_src_len=args.max_len), args.batch_tokens)
+        dev_loss, dev_nll, n = decode.evaluate_loss(run.model, run.dev, args.batch_tokens, args.label_smoothing,
+                                                    run.step_options.bf16)
+        search = decode.Search(args.dev_beam, args.alpha, max_src_len=args.max_len, bf16=run.step_options.bf16)
+        hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["dev"]], search, args.batch_tokens)
         bleu = decode.bleu(hyps, [y for _, y in run.pairs["dev"]]).score
     if run.world > 1:  # every rank takes the same decisions: share rank 0's score
         box = [bleu]
@@ -490,7 +508,8 @@ def finish(run, train_time):
     decode.save_g_values(run.model, run.dir / "g_values.json")
     if run.pairs["test"]:
         hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["test"]],
-                                decode.Search(args.beam, args.alpha, max_src_len=args.max_len), args.batch_tokens)
+                                decode.Search(args.beam, args.alpha, max_src_len=args.max_len, bf16=run.step_options.bf16),
+                                args.batch_tokens)
         score = decode.bleu(hyps, [y for _, y in run.pairs["test"]])
         data.atomic_write(run.dir / "test.hyp", "\n".join(hyps) + "\n")
         result.update(test_bleu=score.score, test_signature=score.signature)
@@ -640,8 +659,11 @@ def build_parser():
         "checkpoint averaging (Code [2]: the last 5; its paper: 10)")
     add(g, "--max-steps", type=int, help="stop after this many steps (quick checks)")
     add(g, "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+    add(g, "--dtype", default="bf16", choices=["bf16", "fp32"], help="on CUDA: bf16 autocast (default; fp32 where "
+        "the GPU has no bf16) or fp32 throughout; the CPU always trains in fp32")
     add(g, "--threads", type=int, help="CPU threads (torch.set_num_threads)")
-    add(g, "--compile", action="store_true", default=False, help="torch.compile the model (CUDA)")
+    add(g, "--compile", action="store_true", default=False, help="torch.compile the model, once, for "
+        "symbolic shapes, lengths padded to multiples of 8 (a minute or more to compile; for a GPU)")
     add(g, "--reference", action="store_true", default=False, help="run every equation as written, with no "
         "fast path anywhere (norms.py section 1): slower, for checking an edited equation")
     add(g, "--log-interval", type=int, default=50, help="steps between log lines")
@@ -899,25 +921,34 @@ def output_columns(model):
     return int(model.allowed.sum()) if fast_paths() else model.cfg.vocab_size
 
 
-def matmul_flops(device, d, ff, tokens=4096, seconds=1.0):
-    """FLOP/s of a dense (tokens x d) @ (d x ff) fp32 GEMM, the model's largest matmul shape, in this
-    process: the denominator of MFU. The best of 5 short windows: a busy moment on a shared machine
-    would otherwise understate the peak (and inflate MFU)."""
+def matmul_flops(device, d, ff, bf16=False, tokens=4096, seconds=1.0):
+    """FLOP/s of a dense (tokens x d) @ (d x ff) GEMM, the model's largest matmul shape, in the
+    dtype the step's matmuls run in (bf16 under CUDA autocast, else fp32), in this process: the
+    denominator of MFU. The best of 5 short windows: a busy moment on a shared machine would
+    otherwise understate the peak (and inflate MFU). On a GPU, 20 products per synchronisation."""
     gen = torch.Generator(device=device).manual_seed(0)  # its own RNG: training's stays untouched
-    a = torch.randn(tokens, d, device=device, generator=gen)
-    b = torch.randn(d, ff, device=device, generator=gen)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    a = torch.randn(tokens, d, device=device, generator=gen).to(dtype)
+    b = torch.randn(d, ff, device=device, generator=gen).to(dtype)
+    reps = 20 if device.type == "cuda" else 1
     for _ in range(3):  # warm-up
         a @ b
     best = 0.0
     for _ in range(5):
+        sync(device)
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds / 5:
-            a @ b
-            n += 1
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            for _ in range(reps):
+                a @ b
+            sync(device)
+            n += reps
         best = max(best, 2 * tokens * d * ff * n / (time.perf_counter() - t0))
     return best
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def peak_memory_mb(device):
@@ -927,39 +958,89 @@ def peak_memory_mb(device):
 
 
 def benchmark(run):
-    """--benchmark N: time N training steps after 3 warm-up steps; print figures, assert nothing."""
-    args, cfg, warm = run.args, run.model.cfg, 3
-    matmul_peak = matmul_flops(run.device, cfg.d_model, cfg.ff)
-    n_tok = flops = secs = 0.0
-    n_out = output_columns(run.model)
-    losses = []
-    for i in range(warm + args.benchmark):
+    """--benchmark N: time N training steps after 3 warm-up steps (and the compilations of
+    --compile); print figures, assert nothing. As in training, the host reads nothing back from
+    the device inside the N steps: one synchronisation at the end."""
+    args, cfg, warm, dev = run.args, run.model.cfg, 3, run.device
+    matmul_peak = matmul_flops(dev, cfg.d_model, cfg.ff, run.step_options.bf16)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    graphs = compiled_graphs() if args.compile else 0
+    n_out, n_tok, flops, losses = output_columns(run.model), 0, 0.0, []
+
+    def step(i):
         batches = run.next_batches()
-        (loss, _, _, n_tgt), dt = timed(lambda: train_step(run.net, run.optimizer, batches, run.schedule(i + 1),
-                                                           run.step_options), run.device)
-        losses.append(loss.item() / n_tgt)
-        if i >= warm:
-            secs, n_tok = secs + dt, n_tok + n_tgt
-            flops += sum(step_flops(cfg, *b.src.shape, b.tgt_in.size(1), n_out) for b in batches)
+        loss, _, _, n_tgt = train_step(run.net, run.optimizer, batches, run.schedule(i + 1), run.step_options)
+        return batches, loss / n_tgt, n_tgt
+
+    t0 = time.perf_counter()
+    for i in range(warm):
+        losses.append(step(i)[1])
+    sync(dev)
+    run.log(f"benchmark: {warm} warm-up steps{' (and compilation)' if args.compile else ''} took "
+            f"{time.perf_counter() - t0:.1f}s")
+    t0 = time.perf_counter()
+    for i in range(warm, warm + args.benchmark):
+        batches, loss, n_tgt = step(i)
+        losses.append(loss)
+        n_tok += n_tgt
+        flops += sum(step_flops(cfg, *b.src.shape, b.tgt_in.size(1), n_out) for b in batches)
+    losses = torch.stack(losses).tolist()  # the one host synchronisation
+    secs = time.perf_counter() - t0
+    result = {}
     if args.profile:  # a few more steps under the profiler (not in the figures above: it slows them)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.type == "cuda" else [])
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        prof_tok = 0
         with profile(activities=acts) as prof:
-            for i in range(3):
-                train_step(run.net, run.optimizer, run.next_batches(), run.schedule(i + 1), run.step_options)[0].item()
-        key = "self_cuda_time_total" if run.device.type == "cuda" else "self_cpu_time_total"
-        run.log(prof.key_averages().table(sort_by=key, row_limit=25))
-    matmul_peak = max(matmul_peak, matmul_flops(run.device, cfg.d_model, cfg.ff))  # the probe again, the larger kept
+            for i in range(5):
+                prof_tok += step(i)[2]
+            sync(dev)
+        events = prof.key_averages()
+        if dev.type == "cuda":  # the GPU's busy time (its kernels' rows) against the step's wall time
+            kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+            busy = sum(e.self_device_time_total for e in kernels) / 1e6 / prof_tok  # seconds per target token
+            result["host_gap_share"] = max(0.0, 1 - busy / (secs / n_tok))
+            run.log(f"profile: the GPU is busy {1e6 * busy * n_tok / args.benchmark:.0f} us of each "
+                    f"{1e6 * secs / args.benchmark:.0f} us step: {100 * result['host_gap_share']:.1f}% "
+                    f"of the step is host gaps")
+        key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        run.log(events.table(sort_by=key, row_limit=25))
+    if args.compile:  # the graphs torch.compile made in these steps (a recompilation storm shows here)
+        result["compiled_graphs"] = compiled_graphs() - graphs
+    matmul_peak = max(matmul_peak, matmul_flops(dev, cfg.d_model, cfg.ff, run.step_options.bf16))  # the larger kept
     pad = data.padding_share(run.train, run.order)
-    result = {"steps": args.benchmark, "tgt_tok_per_s": n_tok / secs, "flops_per_tgt_token": flops / n_tok,
-              "achieved_flops": flops / secs, "matmul_peak_flops": matmul_peak, "mfu": flops / secs / matmul_peak,
-              "padding_share": pad, "peak_memory_mb": peak_memory_mb(run.device), "threads": torch.get_num_threads(),
-              "device": str(run.device), "losses": losses, "model_config": cfg.to_dict()}
+    result.update({"steps": args.benchmark, "tgt_tok_per_s": n_tok / secs, "flops_per_tgt_token": flops / n_tok,
+                   "achieved_flops": flops / secs, "matmul_peak_flops": matmul_peak, "mfu": flops / secs / matmul_peak,
+                   "padding_share": pad, "peak_memory_mb": peak_memory_mb(dev), "threads": torch.get_num_threads(),
+                   "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
+                   "bf16": run.step_options.bf16, "losses": losses, "model_config": cfg.to_dict()})
     run.log(f"benchmark: {args.benchmark} steps | {result['tgt_tok_per_s']:.0f} target tok/s | "
             f"{result['flops_per_tgt_token'] / 1e6:.1f} MFLOP/target token | achieved "
             f"{result['achieved_flops'] / 1e9:.1f} GFLOP/s | matmul peak {matmul_peak / 1e9:.1f} GFLOP/s | MFU "
             f"{100 * result['mfu']:.1f}% | padding {100 * pad:.1f}% | peak memory {result['peak_memory_mb']:.0f} MiB "
-            f"| {result['threads']} threads")
+            f"| {result['threads']} threads" + (f" | {result['compiled_graphs']} compiled graphs" if args.compile else ""))
     return result
+
+
+def compile_model(net):
+    """torch.compile for batches whose shapes change at every step (sentence lengths, sentences
+    per batch): compiled once for symbolic shapes (dynamic=True), rather than for the first
+    batch's shapes, then again, or once per shape. Two more specialisations each recompiled the
+    whole base model (60-90 s each, H100, 2026-11-24), so both are off: "duck sizing" (two lengths
+    equal in the first batch were assumed equal for ever) and inductor's matmul padding, which asks
+    whether each matmul is compute-bound (with lengths padded to multiples of 8 it has nothing to
+    pad). torch's compiler modules are imported only here, with --compile."""
+    import torch._inductor.config as inductor_config
+    import torch.fx.experimental._config as fx_config
+    fx_config.use_duck_shape = False
+    inductor_config.shape_padding = False
+    return torch.compile(net, dynamic=True)
+
+
+def compiled_graphs():
+    """How many graphs torch.compile has compiled in this process (its dynamo counter)."""
+    from torch._dynamo.utils import counters  # torch.compile's own module, imported only with --compile
+    return int(counters["stats"]["unique_graphs"])
 
 
 def keep_freed_memory():
@@ -1024,7 +1105,11 @@ def setup_distributed(args):
     if world == 1:
         return 0, 1, device
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():  # one GPU per process
+            sys.exit(f"error: {world} processes on this machine need {local + 1}+ GPUs, but it has "
+                     f"{torch.cuda.device_count()} (use --nproc_per_node {torch.cuda.device_count()}, or --device cpu)")
+        device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), world, device
@@ -1039,7 +1124,7 @@ def setup_distributed(args):
 # back (torch.load weights_only). Checkpoints hold only tensors and plain Python values.
 # =======================================================================================
 RESUME_MAY_CHANGE = {"max_steps", "max_epochs", "early_stop", "stop_lr", "patience", "log_interval", "device",
-                     "threads", "compile", "dev_beam", "beam", "alpha", "keep_checkpoints"}
+                     "dtype", "threads", "compile", "dev_beam", "beam", "alpha", "keep_checkpoints"}
 RUN_FILES = ["config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json", "bpe.model", "bpe.vocab",
              "bpe.key", "train.enc.pt", "dev.enc.pt", "checkpoint_*.pt"]
 

@@ -282,7 +282,7 @@ def test_train_py_under_torchrun_with_two_processes(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(ROOT / "train.py"),
            "--d-model", "32", "--ff", "64", "--layers", "1", "--heads", "2", "--batch-tokens", "512",
-           "--max-steps", "6", "--epoch-size", "3", "--threads", "1", "--bpe-size", "300",
+           "--max-steps", "6", "--epoch-size", "3", "--threads", "1", "--bpe-size", "300", "--device", "cpu",
            "--data", str(corpus), "--src", "src", "--tgt", "tgt", "--out", str(run)]
     t0 = time.time()
     try:

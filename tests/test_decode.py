@@ -238,7 +238,7 @@ def test_cli_translates_a_file_and_prints_bleu(run_dir, tmp_path, capsys):
 def test_cli_reads_stdin_writes_stdout(run_dir, monkeypatch, capsys):
     root, model, tok, lines = run_dir
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(("\n".join(lines[:3]) + "\n").encode())))
-    assert decode.main([str(root), "--beam", "1", "--max-len-b", str(B_)]) == 0
+    assert decode.main([str(root), "--beam", "1", "--max-len-b", str(B_), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert out.split("\n")[:-1] == translate(model, tok, lines[:3], Search(1, max_len_b=B_))
 
