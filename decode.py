@@ -56,7 +56,7 @@ from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 import data
 from data import DataError
 from dataclasses import dataclass
-from model import BOS, EOS, PAD, ModelConfig, MultiHeadAttention, Transformer, autocast, pick_device
+from model import BOS, EOS, PAD, ModelConfig, MultiHeadAttention, Transformer, autocast, has_bf16, pick_device
 from norms import timed, use_reference
 
 NEG_INF = float("-inf")
@@ -411,13 +411,13 @@ def evaluate_loss(model, encoded, batch_tokens, smoothing, bf16=True):
     return total, nll_total, n
 
 
-def perplexity(model, tokenizer, pairs, label_smoothing=0.1, batch_tokens=4096):
+def perplexity(model, tokenizer, pairs, label_smoothing=0.1, batch_tokens=4096, bf16=True):
     """pairs [(src, tgt)] of raw text -> dict(smoothed_ppl, ppl, smoothed_loss, nll, n_tokens),
     the losses per target token (EOS included). Pairs with an empty source are skipped."""
     encoded = [e for e in data.encode_pairs(tokenizer, list(pairs)) if e[0]]
     if not encoded:
         raise DataError("perplexity: no pair with a non-empty source")
-    total, nll_total, n = evaluate_loss(model, encoded, batch_tokens, label_smoothing)
+    total, nll_total, n = evaluate_loss(model, encoded, batch_tokens, label_smoothing, bf16)
     return {"smoothed_ppl": math.exp(total / n), "ppl": math.exp(nll_total / n),
             "smoothed_loss": total / n, "nll": nll_total / n, "n_tokens": n}
 
@@ -1024,6 +1024,8 @@ def run(args):
         device = pick_device(args.device)
     except ValueError as e:
         raise DataError(str(e)) from None
+    if device.type == "cuda" and not has_bf16(device):
+        args.dtype = "fp32"  # this GPU only emulates bf16, slowly (model.has_bf16)
     # Every input is read and checked before any work; stdin is read last.
     out_dir = Path(args.output).resolve().parent if args.output else None
     if out_dir is not None and not (out_dir.is_dir() and os.access(out_dir, os.W_OK)):
@@ -1063,7 +1065,7 @@ def run(args):
             eps = args.label_smoothing
             if eps is None:
                 eps = (ckpt.get("args") or {}).get("label_smoothing", 0.1)
-            ppl = perplexity(model, tokenizer, list(zip(lines, refs)), eps, args.batch_tokens)
+            ppl = perplexity(model, tokenizer, list(zip(lines, refs)), eps, args.batch_tokens, args.dtype == "bf16")
             print(f"test perplexity: label-smoothed (eps {eps}) {ppl['smoothed_ppl']:.2f}, "
                   f"plain {ppl['ppl']:.2f} over {ppl['n_tokens']} target tokens", file=sys.stderr)
     return 0

@@ -439,6 +439,12 @@ def pick_device(name="auto"):
     return torch.device(name)
 
 
+def has_bf16(device):
+    """Whether a CUDA device computes in bf16 natively (compute capability 8.0+: A100, H100, RTX 30xx+);
+    older GPUs only emulate it, slowly, and train with --dtype fp32 instead."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def autocast(device, bf16=True):
     """bf16 autocast on CUDA (--dtype bf16); fp32 on the CPU, under --dtype fp32 and --reference."""
     if device.type == "cuda" and bf16 and fast_paths():

@@ -556,7 +556,8 @@ def pnv_diagnostics(norm, y, x, real, psi2):
 # =======================================================================================
 # Appendix C: the timing harness, and python norms.py --benchmark.
 #
-# Every benchmark of the project (norms, a training step, decoding) times with timed() below.
+# norms.py and decode.py time with timed() below (train.py's --benchmark synchronises once around
+# all its timed steps, as training does).
 # Figures are printed, never asserted: these machines are shared and noisy, so compare ratios
 # measured in one run, with the candidates interleaved (round robin) so noise hits them alike.
 # =======================================================================================
@@ -616,7 +617,7 @@ if __name__ == "__main__":
     use_reference(a.reference)
     best = benchmark(a.batch, a.length, a.d_model, a.heads, device=a.device, bf16=a.bf16 and a.device == "cuda")
     where = torch.cuda.get_device_name() if a.device == "cuda" else f"{torch.get_num_threads()} threads"
-    print(f"forward+backward on ({a.batch}, {a.length}, {a.d_model}) {'bf16' if a.bf16 else 'fp32'}, {where}, "
+    print(f"forward+backward on ({a.batch}, {a.length}, {a.d_model}) {'bf16' if a.bf16 and a.device == 'cuda' else 'fp32'}, {where}, "
           f"best of 5 rounds x 30{', --reference' if a.reference else ''}:")
     for name, t in best.items():
         print(f"  {name:12s} {t * 1e3:8.3f} ms   {t / best['layer']:5.2f} x LayerNorm")

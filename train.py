@@ -59,7 +59,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import data
 import decode
-from model import ModelConfig, Transformer, autocast, count_parameters, pick_device
+from model import ModelConfig, Transformer, autocast, count_parameters, has_bf16, pick_device
 from norms import BATCH_NORMS, NORMS, fast_paths, use_reference
 
 # ---------------------------------------------------------------------------------------
@@ -327,7 +327,7 @@ def setup(args, stack):
     cfg = model_config_from_args(args, tokenizer.vocab_size, qknorm_g0(args, train, log) if args.qknorm else 1.0)
     model = Transformer(cfg, allowed).to(device)
     bf16 = device.type == "cuda" and args.dtype == "bf16"
-    if bf16 and not torch.cuda.is_bf16_supported():
+    if bf16 and not has_bf16(device):
         log(f"note: {torch.cuda.get_device_name(device)} has no bf16: training in fp32 (--dtype fp32)")
         bf16 = False
     log(f"model: {count_parameters(model) / 1e6:.2f}M parameters, {'PreNorm' if cfg.prenorm else 'PostNorm'}, "
@@ -389,7 +389,8 @@ def train_loop(run):
             batches = run.next_batches()
             s.step += 1
             lr = run.schedule(s.step, s.lr_decay)
-            track_batch_statistics(run.model, s.step % args.log_interval == 0)
+            # Appendix C's diagnostics at log steps (not under --compile: they read values mid-graph)
+            track_batch_statistics(run.model, s.step % args.log_interval == 0 and not args.compile)
             loss, nll, gnorm, n_tgt = train_step(run.net, run.optimizer, batches, lr, run.step_options)
             if run.world > 1:  # the whole batch's sums, so that every rank logs and stops alike
                 sums = torch.stack([loss.double(), nll.double()])
@@ -411,9 +412,11 @@ def train_loop(run):
                 for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
                     win[k] += v
                 run.metrics({"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
-                if not math.isfinite(l):
+                # A non-finite gradient norm with a finite loss would still make the weights NaN.
+                bad = [(name, v) for name, v in (("the training loss", l), ("the gradient norm", g)) if not math.isfinite(v)]
+                if bad:
                     last = run.dir / "checkpoint_last.pt"
-                    s.stopped = (f"diverged: the training loss became {l} at step {step} (try a smaller --lr, "
+                    s.stopped = (f"diverged: {bad[0][0]} became {bad[0][1]} at step {step} (try a smaller --lr, "
                                  f"--prenorm, --init small or more --warmup); "
                                  + (f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"))
                     run.log("error: " + s.stopped)
@@ -1029,7 +1032,9 @@ def compile_model(net):
     whole base model (60-90 s each, H100, 2026-11-24), so both are off: "duck sizing" (two lengths
     equal in the first batch were assumed equal for ever) and inductor's matmul padding, which asks
     whether each matmul is compute-bound (with lengths padded to multiples of 8 it has nothing to
-    pad). torch's compiler modules are imported only here, with --compile."""
+    pad). Note: the padding to multiples of 8 changes no result except PowerNorm's code variant,
+    whose backward statistics average over padding too. torch's compiler modules are imported only
+    here, with --compile."""
     import torch._inductor.config as inductor_config
     import torch.fx.experimental._config as fx_config
     fx_config.use_duck_shape = False

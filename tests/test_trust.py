@@ -254,6 +254,24 @@ def test_a_diverged_run_exits_non_zero_keeps_its_last_good_checkpoint_and_writes
     assert torch.load(run / "checkpoint_last.pt", weights_only=True)["step"] == 10  # the last good one
 
 
+def test_a_non_finite_gradient_norm_with_a_finite_loss_is_a_divergence_too(tmp_path, corpus, monkeypatch):
+    """Clipping by an infinite norm multiplies the gradients by 0 * inf = NaN: the weights are lost
+    even though the loss was finite, so the run must stop before writing a checkpoint."""
+    real_step = train.train_step
+    calls = {"n": 0}
+
+    def step_with_inf_gradient(*a, **k):
+        calls["n"] += 1
+        loss, nll, gnorm, n = real_step(*a, **k)
+        return (loss, nll, gnorm * float("inf"), n) if calls["n"] == 7 else (loss, nll, gnorm, n)
+
+    monkeypatch.setattr(train, "train_step", step_with_inf_gradient)
+    run = tmp_path / "run"
+    one_line_error(lambda: train.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
+                   "diverged", "the gradient norm became inf", "step 7")
+    assert torch.load(run / "checkpoint_last.pt", weights_only=True)["step"] == 5  # the last good one
+
+
 def test_a_huge_but_finite_loss_is_a_warning_and_the_run_goes_on(tmp_path, corpus, monkeypatch, capsys):
     real_step = train.train_step
 
