@@ -8,6 +8,29 @@ import pytest
 import torch
 
 
+@pytest.fixture
+def killed_run(monkeypatch):
+    """killed_run(argv, n): train.main(argv) interrupted (Ctrl-C) at its n-th training step; it
+    exits as train.py does on Ctrl-C, and train_step is restored for the resume."""
+    import train
+
+    def run(argv, n):
+        real_step, calls = train.train_step, {"n": 0}
+
+        def dying_step(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise KeyboardInterrupt
+            return real_step(*a, **k)
+
+        monkeypatch.setattr(train, "train_step", dying_step)
+        with pytest.raises(SystemExit):
+            train.main(argv)
+        monkeypatch.setattr(train, "train_step", real_step)
+
+    return run
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """The tests' models are tiny: one intra-op thread is faster than two (and much faster on

@@ -153,23 +153,12 @@ def _records(run_dir):
             [(r["step"], r["dev_bleu"]) for r in rows if "dev_bleu" in r])
 
 
-def test_a_run_killed_on_cuda_resumes_to_the_same_metrics(tmp_path, monkeypatch, corpus):
+def test_a_run_killed_on_cuda_resumes_to_the_same_metrics(tmp_path, killed_run, corpus):
     argv = TINY + corpus + ["--max-steps", "24", "--epoch-size", "8", "--warmup", "10", "--seed", "3",
                             "--pn-warmup", "5", "--norm", "layer", "--encoder-norm", "power"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     train.main(argv + ["--out", str(whole)])
-    real_step, calls = train.train_step, {"n": 0}
-
-    def dying_step(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 20:
-            raise KeyboardInterrupt
-        return real_step(*a, **k)
-
-    monkeypatch.setattr(train, "train_step", dying_step)
-    with pytest.raises(SystemExit):
-        train.main(argv + ["--out", str(killed)])
-    monkeypatch.setattr(train, "train_step", real_step)
+    killed_run(argv + ["--out", str(killed)], 20)  # killed in its third epoch
     train.main(["--resume", str(killed)])
     (steps_a, bleu_a), (steps_b, bleu_b) = _records(whole), _records(killed)
     # The GPU's atomic adds (the embedding's backward) make two runs differ in the last bits.

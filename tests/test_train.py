@@ -153,7 +153,7 @@ def _records(run_dir):
     return steps, bleus
 
 
-def test_a_run_killed_mid_epoch_resumes_to_the_same_metrics(tmp_path, monkeypatch, small_corpus):
+def test_a_run_killed_mid_epoch_resumes_to_the_same_metrics(tmp_path, killed_run, small_corpus):
     argv = TINY + small_corpus + ["--max-steps", "24", "--epoch-size", "8", "--warmup", "10", "--seed", "3",
                    "--pn-warmup", "5", "--norm", "layer", "--encoder-norm", "power"]
     whole = tmp_path / "whole"
@@ -161,18 +161,7 @@ def test_a_run_killed_mid_epoch_resumes_to_the_same_metrics(tmp_path, monkeypatc
 
     # The same run, killed (Ctrl-C) in the middle of its third epoch, then resumed.
     killed = tmp_path / "killed"
-    real_step, calls = train.train_step, {"n": 0}
-
-    def dying_step(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 20:
-            raise KeyboardInterrupt
-        return real_step(*a, **k)
-
-    monkeypatch.setattr(train, "train_step", dying_step)
-    with pytest.raises(SystemExit):
-        train.main(argv + ["--out", str(killed)])
-    monkeypatch.setattr(train, "train_step", real_step)
+    killed_run(argv + ["--out", str(killed)], 20)
     assert json.loads((killed / "config.json").read_text())["max_steps"] == 24
     train.main(["--resume", str(killed)])
 
