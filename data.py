@@ -303,12 +303,14 @@ def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
     return batches
 
 
-def padding_share(encoded_pairs, batches):
-    """Fraction of padded positions in src + tgt over all batches."""
+def padding_share(encoded_pairs, batches, multiple=1):
+    """Fraction of padded positions in src + tgt over all batches, with the lengths rounded up to
+    a multiple of ``multiple`` as collate does."""
     lens = _lengths(encoded_pairs)
     real = padded = 0
     for b in batches:
         S, T = max(lens[i][0] for i in b), max(lens[i][1] for i in b)
+        S, T = -(-S // multiple) * multiple, -(-T // multiple) * multiple
         real += sum(lens[i][0] + lens[i][1] for i in b)
         padded += len(b) * (S + T)
     return 1.0 - real / padded if padded else 0.0

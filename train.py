@@ -295,7 +295,12 @@ class Run:
             self.order = data.make_batches(self.train, self.args.batch_tokens, True, self.args.seed, s.data_pass)
         idx = self.order[s.batch_pos + self.rank: s.batch_pos + n: self.world]
         s.batch_pos += n
-        return [data.collate(self.train, i, self.device, 8 if self.args.compile else 1) for i in idx]
+        return [data.collate(self.train, i, self.device, self.pad_multiple) for i in idx]
+
+    @property
+    def pad_multiple(self):
+        """Lengths are padded to a multiple of this: 8 under --compile (see compile_model), else 1."""
+        return 8 if self.args.compile else 1
 
 
 def setup(args, stack):
@@ -1011,7 +1016,7 @@ def benchmark(run):
     if args.compile:  # the graphs torch.compile made in these steps (a recompilation storm shows here)
         result["compiled_graphs"] = compiled_graphs() - graphs
     matmul_peak = max(matmul_peak, matmul_flops(dev, cfg.d_model, cfg.ff, run.step_options.bf16))  # the larger kept
-    pad = data.padding_share(run.train, run.order)
+    pad = data.padding_share(run.train, run.order, run.pad_multiple)
     result.update({"steps": args.benchmark, "tgt_tok_per_s": n_tok / secs, "flops_per_tgt_token": flops / n_tok,
                    "achieved_flops": flops / secs, "matmul_peak_flops": matmul_peak, "mfu": flops / secs / matmul_peak,
                    "padding_share": pad, "peak_memory_mb": peak_memory_mb(dev), "threads": torch.get_num_threads(),

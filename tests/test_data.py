@@ -248,6 +248,17 @@ def test_padding_share_is_low(toy):
     assert data.padding_share(enc, [[i] for i in range(len(enc))]) < 0.5 + 1e-9
 
 
+@pytest.mark.parametrize("multiple", [1, 8])
+def test_padding_share_counts_what_collate_pads(toy, multiple):
+    enc = toy[3]
+    batches = data.make_batches(enc, 1024, shuffle=True, seed=2)[:20]
+    real = padded = 0
+    for b in batches:
+        x = data.collate(enc, b, multiple=multiple)
+        real, padded = real + x.n_src + x.n_tgt, padded + x.src.numel() + x.tgt_out.numel()
+    assert data.padding_share(enc, batches, multiple) == pytest.approx(1 - real / padded)
+
+
 def test_collate_shifts_the_target():
     enc = [([5, 6, 7], [8, 9]), ([5], [8, 9, 10, 11])]
     b = data.collate(enc, [0, 1])
