@@ -190,7 +190,8 @@ class StepOptions:
 def train_step(net, optimizer, batches, lr, opts: StepOptions):
     """Forward, label-smoothed loss, backward for every micro-batch, then clip and Adam.
     Returns this rank's (loss sum, NLL sum), the global gradient norm before clipping, and the
-    step's target tokens over all micro-batches and ranks, which the loss is divided by.
+    step's target tokens over all micro-batches and ranks, which the loss is divided by (a float;
+    under DDP a 0-dim tensor on the device, read with the step's other numbers).
 
     Under DDP the ranks' gradients are averaged; multiplied by the world size they are the sum,
     the gradient of one process with the whole batch. (Scaling each rank's loss by the world size
@@ -198,10 +199,9 @@ def train_step(net, optimizer, batches, lr, opts: StepOptions):
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     n_tgt = float(sum(b.n_tgt for b in batches))
-    if world > 1:
-        total = torch.tensor([n_tgt], dtype=torch.float64, device=batches[0].src.device)
-        dist.all_reduce(total)
-        n_tgt = total.item()
+    if world > 1:  # all ranks' count, a device tensor: counted and summed there, the host waits for nothing
+        n_tgt = sum((b.tgt_out != data.PAD).sum() for b in batches).double()
+        dist.all_reduce(n_tgt)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
@@ -404,7 +404,8 @@ def train_loop(run):
             flops = sum(step_flops(run.model.cfg, *b.src.shape, b.tgt_in.size(1), n_out) for b in batches) * run.world
             # The step's numbers stay on the device: reading them (.item()) would wait for the GPU
             # at every step. They are read together at each log line and before each evaluation.
-            pending.append((s.step, lr, n_tgt, flops, torch.stack([loss.double(), nll.double(), gnorm.double()])))
+            numbers = [loss, nll, gnorm] + ([n_tgt] if torch.is_tensor(n_tgt) else [])  # n_tgt: under DDP
+            pending.append((s.step, lr, n_tgt, flops, torch.stack([x.double() for x in numbers])))
             log_now = s.step % args.log_interval == 0 or s.step == total
             if not (log_now or s.step % args.epoch_size == 0):
                 bar.update(task, completed=s.step)
@@ -413,7 +414,8 @@ def train_loop(run):
             dt, t0 = time.perf_counter() - t0, time.perf_counter()
             train_time += dt
             win["t"] += dt
-            for (step, step_lr, n, f, _), (l, ll, g) in zip(pending, values):
+            for (step, step_lr, n, f, _), (l, ll, g, *n_read) in zip(pending, values):
+                n = n_read[0] if n_read else n
                 for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
                     win[k] += v
                 run.metrics({"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
@@ -432,7 +434,7 @@ def train_loop(run):
             if log_now:
                 log_window(run, win, lr, matmul_peak)
                 win = dict.fromkeys(win, 0.0)
-                bar.update(task, info=f"loss {values[-1][0] / n_tgt:.3f}")
+                bar.update(task, info=f"loss {values[-1][0] / n:.3f}")
             bar.update(task, completed=s.step)
             if s.step % args.epoch_size == 0 or s.step == total:
                 end_of_epoch(run)
@@ -994,14 +996,14 @@ def benchmark(run):
         n_tok += n_tgt
         flops += sum(step_flops(cfg, *b.src.shape, b.tgt_in.size(1), n_out) for b in batches)
     losses = torch.stack(losses).tolist()  # the one host synchronisation
-    secs = time.perf_counter() - t0
+    secs, n_tok = time.perf_counter() - t0, float(n_tok)  # n_tok: a device tensor under DDP
     result = {}
     if args.profile:  # a few more steps under the profiler (not in the figures above: it slows them)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         prof_tok = 0
         with profile(activities=acts) as prof:
             for i in range(5):
-                prof_tok += step(i)[2]
+                prof_tok += float(step(i)[2])
             sync(dev)
         events = prof.key_averages()
         if dev.type == "cuda":  # the GPU's busy time (its kernels' rows) against the step's wall time

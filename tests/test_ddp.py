@@ -144,7 +144,7 @@ def run_config(name, rank=0, world=1):
         loss, _, gnorm, n = train.train_step(step_model, opt, [b], LR, step_options)  # n: all ranks' target tokens
         losses.append(loss.item())
         gnorms.append(gnorm.item())
-        totals.append(n)
+        totals.append(float(n))  # a device tensor under DDP
     return {"state": {k: v.clone() for k, v in m.state_dict().items()}, "loss": losses, "gnorm": gnorms,
             "tokens": totals}
 
@@ -295,6 +295,9 @@ def test_train_py_under_torchrun_with_two_processes(tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if "loss" in r]
     assert steps == list(range(1, 7))  # each step once: rank 1 wrote nothing
+    for r in records:  # both ranks' target tokens, read back from the device with the loss
+        if "loss" in r:
+            assert r["tokens"] > 0 and float(r["tokens"]).is_integer() and 0 < r["loss"] < 20, r
     assert [r["epoch"] for r in records if "epoch" in r] == [1, 2]
     assert sum("final" in r for r in records) == 1
     for f in ("config.json", "bpe.model", "checkpoint_last.pt", "checkpoint_best.pt", "results.json"):
