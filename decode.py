@@ -875,7 +875,7 @@ def _depth(name):
 
 def plot_series(run_dirs):
     """{panel title: [(run name, xs, ys)]}: the curves of each panel of --plot, one per run."""
-    panels = {t: [] for t in ("dev BLEU", "training loss", "gradient norm (before clipping)",
+    panels = {t: [] for t in ("dev BLEU", "dev perplexity", "training loss", "gradient norm (before clipping)",
                               "learned g by depth (last evaluation)", "QKNorm g (mean over modules)",
                               "batch vs running statistic, first encoder norm")}
     for run in run_dirs:
@@ -884,6 +884,7 @@ def plot_series(run_dirs):
             pts = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None and where(r)]
             return (name, [x for x, _ in pts], [y for _, y in pts])
         panels["dev BLEU"].append(curve("dev_bleu"))
+        panels["dev perplexity"].append(curve("dev_ppl"))  # steadier than a short run's BLEU
         panels["training loss"].append(curve("train_loss"))
         panels["gradient norm (before clipping)"].append(curve("gnorm"))
         evals = [r for r in rows if r.get("g")]
@@ -907,17 +908,20 @@ def plot_runs(run_dirs, out):
     panels, plt = plot_series(run_dirs), pyplot(out)
     if plt is None:
         return 1
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    panels = {t: c for t, c in panels.items() if any(xs for _, xs, _ in c)}  # only panels with data
+    rows = -(-max(len(panels), 1) // 3)
+    fig, axes = plt.subplots(rows, 3, figsize=(15, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
     for ax, (title, curves) in zip(axes.flat, panels.items()):
         for name, xs, ys in curves:
             if xs:
                 ax.plot(xs, ys, label=name, marker="o" if "depth" in title else None, lw=1)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("layer (encoder, then decoder)" if "depth" in title else "step")
-        if "gradient" in title or "statistic" in title:
+        if "gradient" in title or "statistic" in title or "perplexity" in title:
             ax.set_yscale("log")
-        if any(xs for _, xs, _ in curves):
-            ax.legend(fontsize=7)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -982,9 +986,9 @@ def build_parser():
     ev.add_argument("--g-table", action="store_true",
                     help="print every learned scalar g (ScaleNorm, QKNorm) by depth ([1] Figures 3-4)")
     ev.add_argument("--plot", nargs="+", metavar="RUN", help="overlay training runs' curves from RUN/metrics.jsonl "
-                    "into --out FILE.png: dev BLEU ([1] Fig. 1), training loss, gradient norm ([1] Fig. 2), learned "
-                    "g by depth ([1] Figs. 3-4), QKNorm's g, batch vs running statistics ([2] Figs. 2-4); needs "
-                    "matplotlib (pip install matplotlib)")
+                    "into --out FILE.png: dev BLEU ([1] Fig. 1), dev perplexity, training loss, gradient norm ([1] "
+                    "Fig. 2), learned g by depth ([1] Figs. 3-4), QKNorm's g, batch vs running statistics ([2] Figs. "
+                    "2-4), each panel the runs have data for; needs matplotlib (pip install matplotlib)")
     ev.add_argument("--out", metavar="FILE.png", help="the picture --plot writes")
     return ap
 

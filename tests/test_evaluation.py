@@ -376,6 +376,7 @@ def test_plot_series_picks_each_panel_from_metrics(tmp_path):
     b = _fake_run(tmp_path, "pn", 4.0, 9.0, "dist_psi2")
     panels = decode.plot_series([a, b])
     assert [c[0] for c in panels["dev BLEU"]] == ["bn", "pn"] and panels["dev BLEU"][0][1:] == ([10, 20], [10.0, 20.0])
+    assert panels["dev perplexity"][0][1:] == ([10, 20], [2.7, 2.7])
     assert panels["gradient norm (before clipping)"][1][1] == list(range(1, 21))  # every step; the torn line skipped
     depth = panels["learned g by depth (last evaluation)"][0]
     assert depth[2] == [3.0, 3.5, 4.0]  # ScaleNorm g's only, encoder by layer, then the decoder's final
