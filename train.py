@@ -877,6 +877,8 @@ M30K_QK = row(M30K, prenorm=True, norm="layer", fixnorm=True, qknorm=True)  # [3
 PRESETS.update({
     "m30k-postnorm": ("multi30k", "study, TwT Table 3 (1): PostNorm + LayerNorm", row(M30K_LN, prenorm=False)),
     "m30k-prenorm": ("multi30k", "study, TwT Table 3 (2): PreNorm + LayerNorm", row(M30K_LN, prenorm=True)),
+    "m30k-prenorm-fixnorm": ("multi30k", "study, TwT Table 3 (3): PreNorm + FixNorm + LayerNorm (QKNorm's model "
+                             "without QKNorm)", row(M30K_LN, prenorm=True, fixnorm=True)),
     "m30k-scalenorm": ("multi30k", "study, TwT Table 3 (4): PreNorm + FixNorm + ScaleNorm", M30K_FINAL),
     "m30k-postnorm-xavier": ("multi30k", "study, TwT Table 2: PostNorm + LayerNorm, Xavier normal",
                              row(M30K_LN, prenorm=False, init="xavier")),
