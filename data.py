@@ -303,6 +303,11 @@ def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
     return batches
 
 
+def round_up(n, multiple):
+    """n rounded up to a multiple of ``multiple`` (the padded lengths of collate)."""
+    return -(-n // multiple) * multiple
+
+
 def padding_share(encoded_pairs, batches, multiple=1):
     """Fraction of padded positions in src + tgt over all batches, with the lengths rounded up to
     a multiple of ``multiple`` as collate does."""
@@ -310,7 +315,7 @@ def padding_share(encoded_pairs, batches, multiple=1):
     real = padded = 0
     for b in batches:
         S, T = max(lens[i][0] for i in b), max(lens[i][1] for i in b)
-        S, T = -(-S // multiple) * multiple, -(-T // multiple) * multiple
+        S, T = round_up(S, multiple), round_up(T, multiple)
         real += sum(lens[i][0] + lens[i][1] for i in b)
         padded += len(b) * (S + T)
     return 1.0 - real / padded if padded else 0.0
@@ -334,7 +339,7 @@ def collate(encoded_pairs, idx, device=None, multiple=1):
     the compiled kernels were specialised for)."""
     xs, ys = [encoded_pairs[i][0] for i in idx], [encoded_pairs[i][1] for i in idx]
     S, T = max(len(x) for x in xs), max(len(y) for y in ys) + 1
-    S, T = -(-S // multiple) * multiple, -(-T // multiple) * multiple
+    S, T = round_up(S, multiple), round_up(T, multiple)
     # Decoder input and output are the same target, shifted by one position:
     #   tgt_in  = BOS y1 ... yn        tgt_out = y1 ... yn EOS
     tensors = [torch.tensor([x + [PAD] * (S - len(x)) for x in xs]),  # (B, S)
