@@ -75,7 +75,8 @@ def split_lines(raw, name):
     Note: str.splitlines() would also split on \\x0b, \\x1c, U+2028 ..., which would silently
     break the line alignment of a parallel corpus.
     """
-    lines, offset = raw.split(b"\n"), 0
+    bom = 3 if raw.startswith(b"\xef\xbb\xbf") else 0  # a UTF-8 byte-order mark (Windows editors) is
+    lines, offset = raw[bom:].split(b"\n"), bom  # not text: it would become a BPE piece of the first line
     if lines and lines[-1] == b"":
         lines.pop()  # the final newline does not start another line
     out = []
@@ -162,6 +163,9 @@ def train_bpe(src_lines, tgt_lines, vocab_size, model_prefix):
     try:
         train(vocab_size)
     except RuntimeError as e:
+        if m := re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", str(e)):
+            raise DataError(f"--bpe-size {vocab_size}: too small for this corpus, whose {int(m.group(1)) - 4} "
+                            f"distinct characters and 4 special pieces need at least {m.group(1)}") from None
         m = re.search(r"Vocabulary size too high \((\d+)\).*<= (\d+)", str(e))
         if not m:
             raise
@@ -177,6 +181,7 @@ class Tokenizer:
         self.sp = spm.SentencePieceProcessor(model_file=str(model_path)) if model_proto is None else \
             spm.SentencePieceProcessor(model_proto=bytes(model_proto))
         self.model_path = str(model_path)
+        self.proto = self.sp.serialized_model_proto()  # the model's bytes: what caches and checkpoints key on
         self.vocab_size = self.sp.get_piece_size()
         if (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id()) != (PAD, UNK, BOS, EOS):
             raise DataError(f"{model_path}: a sentencepiece model not made by data.train_bpe (other special ids)")
@@ -215,10 +220,11 @@ def pairs_sha256(pairs, prefix=b""):
     return h.hexdigest()
 
 
-def load_or_encode(tok, pairs, cache_path):
+def load_or_encode(tok, pairs, cache_path, write_path=None):
     """encode_pairs, cached in cache_path keyed by the BPE model and the text: a repeated or
-    resumed run loads the ids; anything different encodes again and overwrites the cache."""
-    key, cache_path = pairs_sha256(pairs, Path(tok.model_path).read_bytes()), Path(cache_path)
+    resumed run loads the ids; anything different encodes again and writes the cache to
+    write_path (default: cache_path; False: nowhere)."""
+    key, cache_path = pairs_sha256(pairs, tok.proto), Path(cache_path)
     if cache_path.exists():
         try:
             blob = torch.load(cache_path, weights_only=True)
@@ -232,7 +238,8 @@ def load_or_encode(tok, pairs, cache_path):
     for side, seqs in (("src", [e[0] for e in enc]), ("tgt", [e[1] for e in enc])):  # ragged -> flat + lengths
         blob[side] = torch.tensor([i for s in seqs for i in s], dtype=torch.int32)
         blob[side + "_len"] = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
-    atomic_write(cache_path, blob)
+    if write_path is not False:
+        atomic_write(write_path or cache_path, blob)
     return enc
 
 
@@ -1094,4 +1101,7 @@ def prepare_main(argv=None):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["prepare"]:
         sys.exit(prepare_main(sys.argv[2:]))
+    if sys.argv[1:]:
+        sys.exit(f"data.py: unknown arguments {' '.join(sys.argv[1:])}: run python data.py (the built-in corpus) "
+                 f"or python data.py prepare NAME ({', '.join(CORPORA)})")
     summary()

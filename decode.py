@@ -42,6 +42,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -464,12 +465,15 @@ def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=1234
                           test_type="bs", n_samples=n_samples)
         signatures, scores = test()
     b, s = scores["BLEU"]  # sacrebleu Result objects: score, p_value, mean, ci
-    # Note: for two identical outputs every resampled difference is 0 and so is the real one;
-    # SacreBLEU finds no strictly larger centred difference and returns its smallest p-value,
-    # 1 / (n_samples + 1), i.e. "significant". There is no difference to test: we report p = 1.
-    p_value = 1.0 if base == sys_ else float(s.p_value)
-    out = {"n_samples": n_samples, "signature": str(signatures["BLEU"]), "p_value": p_value,
-           "delta": float(s.score - b.score), "identical": base == sys_}
+    # Note: when the two BLEUs are equal (identical outputs, outputs that differ only in spacing,
+    # two outputs both at BLEU 0) the real difference is 0; SacreBLEU finds no strictly larger
+    # centred difference and returns its smallest p-value, 1 / (n_samples + 1), "significant".
+    # There is no difference to test: we report p = 1 and say why.
+    undecidable = ("the two outputs are identical" if base == sys_ else
+                   "both outputs score BLEU 0" if b.score == s.score == 0 else
+                   "the two outputs score the same BLEU" if b.score == s.score else "")
+    out = {"n_samples": n_samples, "signature": str(signatures["BLEU"]), "delta": float(s.score - b.score),
+           "p_value": 1.0 if undecidable else float(s.p_value), "identical": base == sys_, "undecidable": undecidable}
     for name, r in (("baseline", b), ("system", s)):
         out[name] = {"bleu": float(r.score), "mean": float(r.mean), "ci": float(r.ci),
                      "ci_low": float(r.mean - r.ci), "ci_high": float(r.mean + r.ci)}
@@ -497,9 +501,11 @@ def compare(args):
             raise DataError(f"{path}: {len(lines)} lines, but {args.ref} has {len(refs)}")
     result = paired_bootstrap(base, system, refs, args.samples, args.seed, args.tokenized)
     Console().print(bootstrap_table(result, names=(base_path, sys_path)))
-    verdict = "significant" if result["p_value"] < 0.05 else "not significant"
     print(result["signature"])
-    print(f"delta {result['delta']:+.2f} BLEU, p = {result['p_value']:.4f} ({verdict} at 0.05)")
+    verdict = f"{'' if result['p_value'] < 0.05 else 'not '}significant at 0.05"
+    if result["undecidable"]:
+        verdict = f"not significant: {result['undecidable']}, so there is no difference to test"
+    print(f"delta {result['delta']:+.2f} BLEU, p = {result['p_value']:.4f} ({verdict})")
     return 0
 
 
@@ -775,7 +781,35 @@ def render_heatmap(weights, rows, cols, max_label=8):
     return "\n".join(lines)
 
 
-def pyplot(path):
+def check_output_file(path, flag, suffix=None):
+    """DataError naming the flag unless `path` can be written: not a folder, in a folder that exists
+    and takes a new file (tried, not guessed from permissions), with `suffix` if given."""
+    p = Path(path)
+    if suffix and p.suffix.lower() != suffix:
+        raise DataError(f"{flag} {path}: the file name must end in {suffix}")
+    if p.is_dir():
+        raise DataError(f"{flag} {path}: a folder, not a file")
+    folder = p.absolute().parent
+    if not folder.is_dir():
+        raise DataError(f"{flag} {path}: its folder {folder} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise DataError(f"{flag} {path}: cannot write into {folder} ({e.strerror})") from None
+
+
+def require_pyplot(path, flag):
+    """pyplot() or DataError naming the flag: asked for before any work, never silently skipped."""
+    check_output_file(path, flag, ".png")
+    plt = pyplot(path, quiet=True)
+    if plt is None:
+        raise DataError(f"{flag} {path} needs matplotlib, which is not installed: pip install matplotlib")
+    return plt
+
+
+def pyplot(path, quiet=False):
     """matplotlib.pyplot for writing the PNG `path`, or None after one line on stderr saying how to
     install it: matplotlib is an optional extra (not in requirements.txt), imported only here."""
     try:
@@ -784,7 +818,8 @@ def pyplot(path):
         import matplotlib.pyplot as plt
         return plt
     except ImportError:
-        print(f"note: {path} needs matplotlib, which is not installed: pip install matplotlib", file=sys.stderr)
+        if not quiet:
+            print(f"note: {path} needs matplotlib, which is not installed: pip install matplotlib", file=sys.stderr)
         return None
 
 
@@ -904,10 +939,9 @@ def plot_series(run_dirs):
 
 
 def plot_runs(run_dirs, out):
-    """--plot: draw plot_series() into out (PNG); one line on stderr and exit code 1 without matplotlib."""
-    panels, plt = plot_series(run_dirs), pyplot(out)
-    if plt is None:
-        return 1
+    """--plot: draw plot_series() into out (PNG); DataError (one line) without matplotlib or a place to write."""
+    plt = require_pyplot(out, "--out")
+    panels = plot_series(run_dirs)
     panels = {t: c for t, c in panels.items() if any(xs for _, xs, _ in c)}  # only panels with data
     rows = -(-max(len(panels), 1) // 3)
     fig, axes = plt.subplots(rows, 3, figsize=(15, 4 * rows), squeeze=False)
@@ -1013,6 +1047,8 @@ def parse_args(argv=None):
         ap.error("--ppl needs --ref (and the sources in --input or on stdin)")
     if args.attention_target is not None and args.attention is None:
         ap.error("--attention-target needs --attention")
+    if args.png and args.attention is None:
+        ap.error("--png saves the map of --attention: give --attention too")
     return args
 
 
@@ -1031,9 +1067,10 @@ def run(args):
     if device.type == "cuda" and not has_bf16(device):
         args.dtype = "fp32"  # this GPU only emulates bf16, slowly (model.has_bf16)
     # Every input is read and checked before any work; stdin is read last.
-    out_dir = Path(args.output).resolve().parent if args.output else None
-    if out_dir is not None and not (out_dir.is_dir() and os.access(out_dir, os.W_OK)):
-        raise DataError(f"--output {args.output}: its folder {out_dir} does not exist or is not writable")
+    if args.output:
+        check_output_file(args.output, "--output")
+    if args.png:
+        require_pyplot(args.png, "--png")
     lines = data.read_lines(args.input) if args.input else None
     refs = data.read_lines(args.ref) if args.ref else None
     model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
@@ -1054,6 +1091,8 @@ def run(args):
     print(f"loaded {args.checkpoint} (step {ckpt.get('step')}, dev BLEU {ckpt.get('dev_bleu')}, "
           f"{ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')}{avg})", file=sys.stderr)
     if args.benchmark:
+        if not any(lines):
+            raise DataError(f"--benchmark: {args.input or 'stdin'} has no sentence to translate")
         return benchmark(model, tokenizer, lines, refs, args)
     search = Search(args.beam, args.alpha, args.max_len_b, args.max_len, args.dtype == "bf16")
     hyps = translate(model, tokenizer, lines, search, args.batch_tokens, args.progress)

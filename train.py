@@ -36,7 +36,9 @@ import json
 import math
 import os
 import random
+import re
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -124,40 +126,58 @@ def read_corpus(args, log):
         data_dir, langs = Path(args.data), (args.src, args.tgt)
     paths, pairs = data.corpus_paths(data_dir, *langs), {}
     for split in data.SPLITS:
-        pairs[split], stats = data.read_parallel(*paths[split], drop_empty=True)
+        # A training pair with an empty side teaches nothing and is dropped. Dev and test lines never
+        # are: every line is translated and scored, so that test.hyp lines up with the reference file.
+        try:
+            pairs[split], stats = data.read_parallel(*paths[split], drop_empty=split == "train")
+        except data.DataError as e:
+            raise data.DataError(f"{e} (if the run's corpus moved, give its new place with --data DIR)"
+                                 if args.resume else str(e)) from None
         if stats["empty"]:
-            log(f"data: {split}: dropped {stats['empty']} pairs with an empty side")
+            log(f"data: {split}: {stats['empty']} pairs with an empty side "
+                + ("dropped" if split == "train" else "kept (translated and scored like every other line)"))
     return pairs, langs
 
 
-def prepare_data(args, pairs, run_dir, log):
-    """(tokenizer, encoded training pairs, encoded dev pairs), made in run_dir."""
-    # The BPE model depends on the training text and --bpe-size: bpe.key holds their hash, so a stale
-    # bpe.model (left by a run killed while preparing its data) is trained again, never reused.
-    bpe_path, key_path = run_dir / "bpe.model", run_dir / "bpe.key"
+def prepare_data(args, pairs, run_dir, stage, log, proto=None):
+    """(tokenizer, encoded training pairs, encoded dev pairs). Reads what run_dir holds and writes
+    only into `stage`, a folder whose files the run directory takes once every input has been
+    checked (Appendix E; None: write nothing). proto: the BPE model of a resumed run's checkpoint."""
+    # The BPE model depends on the training text and --bpe-size: bpe.key holds their hash, so a
+    # bpe.model is reused only for the same text and size, never a stale one.
     key = data.pairs_sha256(pairs["train"], f"{args.bpe_size}\n".encode())
-    if not bpe_path.exists() or not key_path.exists() or key_path.read_text() != key:
+    old, old_key = run_dir / "bpe.model", run_dir / "bpe.key"
+    if proto is not None:  # a resumed run goes on with its checkpoint's own BPE model
+        if old.exists() and old.read_bytes() != proto:
+            raise data.DataError(f"{old}: not the BPE model its checkpoint was trained with")
+    elif old.exists() and old_key.exists() and old_key.read_text() == key:
+        proto = old.read_bytes()
+    else:
         t0 = time.time()
-        with tempfile.TemporaryDirectory(dir=run_dir) as tmp:
+        with tempfile.TemporaryDirectory(dir=stage) as tmp:
             trained = data.train_bpe([s for s, _ in pairs["train"]], [t for _, t in pairs["train"]], args.bpe_size,
                                      Path(tmp) / "bpe")
-            data.atomic_write(bpe_path, Path(trained).read_bytes())
-        data.atomic_write(key_path, key)
+            proto = Path(trained).read_bytes()
         log(f"data: trained joint BPE ({args.bpe_size} requested) in {time.time() - t0:.1f}s")
-    tok = data.Tokenizer(bpe_path)
-    train, dropped = data.filter_long(data.load_or_encode(tok, pairs["train"], run_dir / "train.enc.pt"), args.max_len)
+    if stage is not None:
+        data.atomic_write(stage / "bpe.model", proto)
+        data.atomic_write(stage / "bpe.key", key)
+    tok = data.Tokenizer(old, model_proto=proto)
+    encode = lambda split: data.load_or_encode(tok, pairs[split], run_dir / f"{split}.enc.pt",
+                                               stage / f"{split}.enc.pt" if stage is not None else False)
+    train, dropped = data.filter_long(encode("train"), args.max_len)
     if dropped:
         log(f"data: dropped {dropped} training pairs longer than --max-len {args.max_len}")
     if not train:
         raise data.DataError(f"no training pair left after --max-len {args.max_len}")
-    dev = data.load_or_encode(tok, pairs["dev"], run_dir / "dev.enc.pt")
+    dev = encode("dev")
     # Dev and test are never dropped (BLEU would be over other sentences); a line longer than --max-len
     # BPE tokens is cut to it for translation and for the dev loss, with a count, so that one huge
     # line cannot exhaust memory at the end of an epoch.
     for split in ("dev", "test"):
         if n := decode.count_long(tok, [x for x, _ in pairs[split]], args.max_len):
             log(f"data: {split}: {n} source lines longer than --max-len {args.max_len} BPE tokens are cut to it")
-    dev = [(x[:args.max_len], y[:args.max_len]) for x, y in dev]
+    dev = [(x[:args.max_len], y[:args.max_len]) for x, y in dev if x]  # dev perplexity: pairs with a source
     log(f"data: {len(train)} train / {len(pairs['dev'])} dev / {len(pairs['test'])} test pairs, "
         f"vocabulary {tok.vocab_size}")
     return tok, train, dev
@@ -245,6 +265,7 @@ class TrainState:
     lr_decay: float = 1.0  # the product of the validation decays so far
     since_best: int = 0  # evaluations since the best dev BLEU
     stopped: Optional[str] = None  # why training stopped
+    train_seconds: float = 0.0  # training time so far, over every start of the run (evaluation not counted)
 
 
 @dataclass
@@ -282,8 +303,12 @@ class Run:
         if self.master:
             bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
             record = dict(json_safe(record), **({"nonfinite": bad} if bad else {}))
-            with open(self.dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record, allow_nan=False) + "\n")
+            try:
+                with open(self.dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(record, allow_nan=False) + "\n")
+            except OSError as e:
+                raise data.DataError(f"{self.dir / 'metrics.jsonl'}: cannot append to it ({e.strerror}); the "
+                                     f"checkpoints written before are intact (--resume {self.dir})") from None
 
     def next_batches(self):
         """This rank's micro-batches of the next step: each step takes world x accumulate
@@ -317,17 +342,13 @@ def setup(args, stack):
     log = partial(log_line, console)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    pairs, langs = read_corpus(args, log)  # nothing is written before this is checked
-    run_dir, ckpt = open_run_dir(args, pairs, log, stack, rank == 0)
+    pairs, langs = read_corpus(args, log)
+    # Appendix E: the run directory is checked, and what this run makes goes to a staging folder;
+    # commit_run_dir changes the run directory only after every input has been checked below.
+    run_dir, ckpt, stage = open_run_dir(args, pairs, log, stack, rank == 0)
     if world > 1 and rank != 0:
-        dist.barrier()  # rank 0 prepares the BPE model and the caches first
-    tokenizer, train, dev = prepare_data(args, pairs, run_dir, log)
-    if world > 1 and rank == 0:
-        dist.barrier()
-    if ckpt is not None and ckpt["bpe_model_proto"] != (run_dir / "bpe.model").read_bytes():
-        raise data.DataError(f"{run_dir}: bpe.model is not the BPE model its checkpoint was trained with")
-    if rank == 0 and not args.benchmark:
-        data.atomic_write(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
+        dist.barrier()  # rank 0 prepares the BPE model and the caches, and commits them, first
+    tokenizer, train, dev = prepare_data(args, pairs, run_dir, stage, log, ckpt and ckpt["bpe_model_proto"])
     allowed = data.target_vocab_mask([t for _, t in train], tokenizer.vocab_size)
     cfg = model_config_from_args(args, tokenizer.vocab_size, qknorm_g0(args, train, log) if args.qknorm else 1.0)
     model = Transformer(cfg, allowed).to(device)
@@ -342,18 +363,23 @@ def setup(args, stack):
     adam = torch.optim.AdamW if args.weight_decay > 0 else torch.optim.Adam
     optimizer = adam(model.parameters(), lr=0.0, betas=(args.beta1, args.beta2), eps=args.adam_eps,
                      weight_decay=args.weight_decay, fused=True if device.type == "cuda" else None)
+    # Word dropout draws from its own generator, on the device the batches live on.
+    options = StepOptions(args.word_dropout, args.label_smoothing, args.clip,
+                          torch.Generator(device=device).manual_seed(args.seed + rank), bf16)
+    run = Run(args, run_dir, device, rank, world, console, tokenizer, langs, pairs, train, dev, model, model,
+              optimizer, Schedule.from_args(args), options)
+    if ckpt is not None:
+        restore(run, ckpt)
+    if rank == 0 and not args.benchmark:
+        commit_run_dir(args, run_dir, stage, ckpt, log)  # every input checked: the run directory's first change
+    if world > 1 and rank == 0:
+        dist.barrier()
     net = model
     if world > 1:  # PyTorch's DDP: gradients all-reduced (averaged) across ranks in backward
         net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if args.compile:  # checkpoints save `model`, the unwrapped module (Appendix C)
         net = compile_model(net)
-    # Word dropout draws from its own generator, on the device the batches live on.
-    options = StepOptions(args.word_dropout, args.label_smoothing, args.clip,
-                          torch.Generator(device=device).manual_seed(args.seed + rank), bf16)
-    run = Run(args, run_dir, device, rank, world, console, tokenizer, langs, pairs, train, dev, model, net, optimizer,
-              Schedule.from_args(args), options)
-    if ckpt is not None:
-        restore(run, ckpt)
+    run.net = net
     run.order = data.make_batches(train, args.batch_tokens, True, args.seed, run.state.data_pass)
     model.train()
     return run
@@ -386,7 +412,7 @@ def train_loop(run):
     bar = Progress(TextColumn("[bold]train[/]"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
                    console=run.console, disable=not run.console.is_terminal)
-    win, train_time = dict.fromkeys(("loss", "nll", "tok", "flops", "t", "gnorm", "n"), 0.0), 0.0
+    win = dict.fromkeys(("loss", "nll", "tok", "flops", "t", "gnorm", "n"), 0.0)
     pending, t0 = [], time.perf_counter()  # the steps since the last host sync, and when it was
     with bar:
         task = bar.add_task("train", total=total, completed=s.step, info="")
@@ -412,7 +438,7 @@ def train_loop(run):
                 continue
             values = torch.stack([p[-1] for p in pending]).tolist()  # the one host sync
             dt, t0 = time.perf_counter() - t0, time.perf_counter()
-            train_time += dt
+            s.train_seconds += dt
             win["t"] += dt
             for (step, step_lr, n, f, _), (l, ll, g, *n_read) in zip(pending, values):
                 n = n_read[0] if n_read else n
@@ -422,11 +448,7 @@ def train_loop(run):
                 # A non-finite gradient norm with a finite loss would still make the weights NaN.
                 bad = [(name, v) for name, v in (("the training loss", l), ("the gradient norm", g)) if not math.isfinite(v)]
                 if bad:
-                    last = run.dir / "checkpoint_last.pt"
-                    s.stopped = (f"diverged: {bad[0][0]} became {bad[0][1]} at step {step} (try a smaller --lr, "
-                                 f"--prenorm, --init small or more --warmup); "
-                                 + (f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"))
-                    run.log("error: " + s.stopped)
+                    diverged(run, f"{bad[0][0]} became {bad[0][1]} at step {step}")
                     break
             pending = []
             if s.stopped:
@@ -439,7 +461,7 @@ def train_loop(run):
             if s.step % args.epoch_size == 0 or s.step == total:
                 end_of_epoch(run)
                 t0 = time.perf_counter()  # evaluation is not training time
-    result = finish(run, train_time)
+    result = finish(run)
     if run.world > 1:
         dist.destroy_process_group()
     return result
@@ -448,6 +470,14 @@ def train_loop(run):
 # ---------------------------------------------------------------------------------------
 # 6. End of an epoch: dev perplexity and BLEU, validation decay, stopping, checkpoints (rank 0).
 # ---------------------------------------------------------------------------------------
+def diverged(run, what):
+    """Stop the run as diverged: one line saying what and where the last good checkpoint is."""
+    last = run.dir / "checkpoint_last.pt"
+    run.state.stopped = (f"diverged: {what} (try a smaller --lr, --prenorm, --init small or more --warmup); "
+                         + (f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"))
+    run.log("error: " + run.state.stopped)
+
+
 def end_of_epoch(run):
     args, s = run.args, run.state
     s.epoch += 1
@@ -455,13 +485,22 @@ def end_of_epoch(run):
     if run.master:
         dev_loss, dev_nll, n = decode.evaluate_loss(run.model, run.dev, args.batch_tokens, args.label_smoothing,
                                                     run.step_options.bf16)
-        search = decode.Search(args.dev_beam, args.alpha, max_src_len=args.max_len, bf16=run.step_options.bf16)
-        hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["dev"]], search, args.batch_tokens)
-        bleu = decode.bleu(hyps, [y for _, y in run.pairs["dev"]]).score
+        # A checkpoint is written only if it is good: finite weights and a finite dev loss (weights of
+        # 1e30 are finite, but their dev loss is not).
+        bad = next((name for name, p in run.model.named_parameters() if not torch.isfinite(p).all()), None)
+        if bad or not math.isfinite(dev_loss):
+            diverged(run, (f"the weights became non-finite ({bad})" if bad else f"the dev loss became {dev_loss}")
+                     + f" at step {s.step}, so no checkpoint of it is written")
+        else:
+            search = decode.Search(args.dev_beam, args.alpha, max_src_len=args.max_len, bf16=run.step_options.bf16)
+            hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["dev"]], search, args.batch_tokens)
+            bleu = decode.bleu(hyps, [y for _, y in run.pairs["dev"]]).score
     if run.world > 1:  # every rank takes the same decisions: share rank 0's score
-        box = [bleu]
+        box = [bleu, s.stopped]
         dist.broadcast_object_list(box, src=0)
-        bleu = box[0]
+        bleu, s.stopped = box
+    if bleu is None:  # diverged
+        return
     s.dev_bleu = bleu
     s.history.append(bleu)
     improved = bleu > s.best_bleu
@@ -492,16 +531,16 @@ def end_of_epoch(run):
                  "dev_ppl": dev_ppl, "lr": next_lr, "g": run.model.learned_scales()})
     ckpt = make_checkpoint(run)
     if improved:
-        data.atomic_write(run.dir / "checkpoint_best.pt", ckpt)
+        write_file(run.dir / "checkpoint_best.pt", ckpt)
     if args.keep_checkpoints > 0:  # per-epoch checkpoints, for averaging (Code [2]: the last 5)
-        data.atomic_write(run.dir / f"checkpoint_epoch{s.epoch}.pt", ckpt)
+        write_file(run.dir / f"checkpoint_epoch{s.epoch}.pt", ckpt)
         (run.dir / f"checkpoint_epoch{s.epoch - args.keep_checkpoints}.pt").unlink(missing_ok=True)
-    data.atomic_write(run.dir / "checkpoint_last.pt", ckpt)  # written last: the resume point
+    write_file(run.dir / "checkpoint_last.pt", ckpt)  # written last: the resume point
     if s.stopped:
         run.log(f"stopping: {s.stopped}")
 
 
-def finish(run, train_time):
+def finish(run):
     """Test BLEU of the best checkpoint (by dev BLEU), with beam search; the learned g's."""
     best, args = run.dir / "checkpoint_best.pt", run.args
     if not run.master:
@@ -512,21 +551,24 @@ def finish(run, train_time):
     ckpt = decode.read_checkpoint(best, run.device)
     run.model.load_state_dict(ckpt["model"])
     run.model.eval()
-    result = {"best_step": ckpt["step"], "best_dev_bleu": ckpt["dev_bleu"], "train_seconds": train_time,
-              "stopped": run.state.stopped}
+    result = {"run_id": args.run_id, "best_step": ckpt["step"], "best_dev_bleu": ckpt["dev_bleu"],
+              "train_seconds": run.state.train_seconds, "stopped": run.state.stopped}
     decode.print_g_table(run.model)  # [1] Figures 3-4: learned g versus depth
-    decode.save_g_values(run.model, run.dir / "g_values.json")
+    try:
+        decode.save_g_values(run.model, run.dir / "g_values.json")
+    except OSError as e:
+        raise data.DataError(f"{run.dir / 'g_values.json'}: cannot write it ({e.strerror})") from None
     if run.pairs["test"]:
         hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["test"]],
                                 decode.Search(args.beam, args.alpha, max_src_len=args.max_len, bf16=run.step_options.bf16),
                                 args.batch_tokens)
         score = decode.bleu(hyps, [y for _, y in run.pairs["test"]])
-        data.atomic_write(run.dir / "test.hyp", "\n".join(hyps) + "\n")
+        write_file(run.dir / "test.hyp", "".join(h + "\n" for h in hyps))
         result.update(test_bleu=score.score, test_signature=score.signature)
         run.log(f"test BLEU (best checkpoint, step {ckpt['step']}, beam {args.beam}, alpha {args.alpha}): "
                 f"{score.score:.2f}  {score.signature}")
     run.metrics({"final": result})
-    data.atomic_write(run.dir / "results.json", json.dumps(result, indent=2) + "\n")
+    write_file(run.dir / "results.json", json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -552,7 +594,7 @@ def main(argv=None):
 # flags given on the command line; DEFAULTS holds the defaults. A run's flags are
 #     DEFAULTS, then the --preset's flags (Appendix B), then the command line's   (resolve_flags)
 # =======================================================================================
-DEFAULTS = {}
+DEFAULTS, ACTIONS = {}, {}  # every flag's default, and its argparse action (its type and choices)
 
 
 def build_parser():
@@ -567,7 +609,8 @@ def build_parser():
     def add(group, *names, default=None, help="", **kw):
         if default is not None and not isinstance(default, bool):
             help += f" (default: {default})"
-        DEFAULTS[group.add_argument(*names, help=help, **kw).dest] = default
+        action = group.add_argument(*names, help=help, **kw)
+        DEFAULTS[action.dest], ACTIONS[action.dest] = default, action
 
     g = p.add_argument_group("presets")
     add(g, "--preset", metavar="NAME", help="apply one row of a paper's table (train.py Appendix B); flags given "
@@ -699,22 +742,30 @@ def resolve_flags(argv=None):
         print_presets()
         sys.exit(0)
     flags = dict(DEFAULTS)
+    if given.get("pair", next(iter(PAIRS))) not in PAIRS:
+        sys.exit(f"error: --pair {given['pair']}: unknown; choose one of {', '.join(PAIRS)}")
     if "preset" in given:
         if given["preset"] not in PRESETS:
             sys.exit(f"error: --preset {given['preset']}: unknown; --preset list shows the {len(PRESETS)} presets")
         pair, _, row = PRESETS[given["preset"]]
         flags.update(PAIRS[given.get("pair", pair)], **row)
     elif "pair" in given:
-        flags.update(PAIRS.get(given["pair"], {}))
+        flags.update(PAIRS[given["pair"]])
+    # A flag given on the command line wins over the preset, always: --lr sets the peak LR, which a
+    # preset's lambda (--lr-scale) would otherwise override.
+    if "lr" in given and "lr_scale" in given:
+        sys.exit("error: --lr and --lr-scale both set the peak LR (lr = lr_scale / sqrt(d * warmup)): give one")
+    if "lr" in given:
+        flags["lr_scale"] = None
     flags.update(given)
     args = argparse.Namespace(**flags)
-    if args.pair is not None and args.pair not in PAIRS:
-        sys.exit(f"error: --pair {args.pair}: unknown; choose one of {', '.join(PAIRS)}")
     # Values that depend on other flags are fixed here, once, and recorded in config.json.
     if args.bpe_size is None:
         args.bpe_size = 2000 if args.data is None else 8000
     if args.pn_warmup is None:  # Paper [2] appendix A: the same as the LR schedule's warmup
         args.pn_warmup = 0 if args.schedule == "nowarmup" else args.warmup
+    if args.lr_scale is not None and args.d_model >= 1 and args.warmup >= 1:  # config.json records the peak that runs
+        args.lr = args.lr_scale / math.sqrt(args.d_model * args.warmup)
     return args, given
 
 
@@ -732,7 +783,8 @@ def validate_args(args):
     check(("batch_tokens", "epoch_size", "d_model", "heads", "ff", "layers", "warmup", "bpe_size", "max_len",
            "accumulate", "log_interval", "beam", "dev_beam", "max_epochs", "patience"), lambda v: v >= 1, "must be at least 1")
     check(("enc_layers", "dec_layers", "max_steps", "threads"), lambda v: v >= 1, "must be at least 1", optional=True)
-    check(("keep_checkpoints", "early_stop", "benchmark", "seed", "pn_warmup"), lambda v: v >= 0, "must be 0 or more")
+    check(("keep_checkpoints", "early_stop", "benchmark", "pn_warmup"), lambda v: v >= 0, "must be 0 or more")
+    check(("seed",), lambda v: 0 <= v < 2 ** 63 - 64, "must be in [0, 2^63 - 64) (torch's generators take 64 bits)")
     check(("dropout", "word_dropout", "label_smoothing", "beta1", "beta2", "pn_alpha_fwd", "pn_alpha_bkw"),
           lambda v: 0 <= v < 1, "must be in [0, 1)")
     check(("attn_dropout", "relu_dropout"), lambda v: 0 <= v < 1, "must be in [0, 1)", optional=True)
@@ -752,6 +804,8 @@ def validate_args(args):
         bad("src", "names the files of a corpus in --data DIR; without --data the built-in corpus is used")
     if args.resume and (args.benchmark or args.overwrite):
         bad("resume", "continues a run: it takes neither --benchmark nor --overwrite")
+    if args.profile and not args.benchmark:
+        bad("profile", "profiles the steps of --benchmark N: give --benchmark too")
 
 
 def model_config_from_args(args, vocab_size, qk_g0=1.0):
@@ -1138,9 +1192,15 @@ def setup_distributed(args):
 # back (torch.load weights_only). Checkpoints hold only tensors and plain Python values.
 # =======================================================================================
 RESUME_MAY_CHANGE = {"max_steps", "max_epochs", "early_stop", "stop_lr", "patience", "log_interval", "device",
-                     "dtype", "threads", "compile", "dev_beam", "beam", "alpha", "keep_checkpoints"}
-RUN_FILES = ["config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json", "bpe.model", "bpe.vocab",
-             "bpe.key", "train.enc.pt", "dev.enc.pt", "checkpoint_*.pt"]
+                     "dtype", "threads", "compile", "dev_beam", "beam", "alpha", "keep_checkpoints",
+                     "data"}  # a moved corpus: its hashes are checked
+# The files train.py writes into a run directory. --overwrite removes the old run's results (the
+# checkpoints only if they hold its run id); the BPE model and the encoded caches are keyed by
+# their content (bpe.key, the caches' keys) and are reused or replaced, never trusted blindly.
+RESULT_FILES = ["config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json"]
+CHECKPOINT_NAME = re.compile(r"checkpoint_(best|last|epoch\d+)\.pt")
+OWN_FILES = re.compile(r"(config\.json|metrics\.jsonl|results\.json|test\.hyp|g_values\.json|bpe\.(model|key)"
+                       r"|(train|dev)\.enc\.pt|checkpoint_(best|last|epoch\d+)\.pt)")
 
 
 def log_line(console, msg):
@@ -1192,6 +1252,12 @@ def resume_flags(args, given):
     except (OSError, ValueError) as e:
         raise data.DataError(f"--resume {run_dir}: no readable config.json there (is it a run directory? "
                              f"{type(e).__name__})") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("run_id"), str):
+        raise data.DataError(f"--resume {run_dir}: its config.json is not one train.py wrote (not a JSON object "
+                             f"with a run_id)")
+    for k, v in saved.items():  # an edited config.json: every value of the type and choices of its flag
+        if k in ACTIONS and not flag_value_ok(k, v):
+            raise data.DataError(f"--resume {run_dir}: config.json: {k} is {v!r}, not a value of --{k.replace('_', '-')}")
     given = {k: v for k, v in given.items() if k != "resume" and not (k == "out" and Path(v) == run_dir)}
     refused = [f"--{k.replace('_', '-')} ({saved.get(k, DEFAULTS.get(k))!r} -> {v!r})" for k, v in given.items()
                if k not in RESUME_MAY_CHANGE and v != saved.get(k, DEFAULTS.get(k))]
@@ -1204,6 +1270,18 @@ def resume_flags(args, given):
                                  "changed_on_resume": {**saved.get("changed_on_resume", {}), **changed}})
 
 
+def flag_value_ok(flag, v):
+    """Whether v (read from a config.json) could have come from the flag: its type, or its choices."""
+    action, default = ACTIONS[flag], DEFAULTS[flag]
+    if v is None:
+        return default is None
+    if isinstance(default, bool):
+        return isinstance(v, bool)
+    kind = action.type or str
+    ok = isinstance(v, str) if kind is str else isinstance(v, (int, float) if kind is float else int)
+    return ok and not isinstance(v, bool) and (action.choices is None or v in action.choices)
+
+
 def corpus_hashes(pairs):
     """{split: sha256 of its text}: what a resumed run must find unchanged."""
     return {split: data.pairs_sha256(split_pairs) for split, split_pairs in pairs.items()}
@@ -1212,21 +1290,50 @@ def corpus_hashes(pairs):
 def holds_a_run(run_dir):
     """What in run_dir makes it a run directory ("" if nothing)."""
     found = [n for n in ("config.json", "metrics.jsonl") if (run_dir / n).exists()]
-    return ", ".join(found + [p.name for p in sorted(run_dir.glob("checkpoint_*.pt"))][:2])
+    return ", ".join(found + sorted(p.name for p in run_dir.iterdir() if CHECKPOINT_NAME.fullmatch(p.name))[:2])
+
+
+def run_id_of(path):
+    """The run id a config.json, results.json or checkpoint holds (None if it holds none or is unreadable)."""
+    try:
+        if path.suffix == ".pt":  # memory-mapped: only the few bytes of the id are read
+            blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        else:
+            blob = json.loads(path.read_text())
+    except Exception:  # unreadable, not JSON, not a checkpoint: not known to be this run's
+        return None
+    return blob.get("run_id") if isinstance(blob, dict) and isinstance(blob.get("run_id"), str) else None
+
+
+def check_out(run_dir):
+    """--out must be a folder, or a path where one can be made."""
+    if run_dir.is_symlink() and not run_dir.exists():
+        raise data.DataError(f"--out {run_dir}: a symbolic link to {os.readlink(run_dir)}, which does not exist")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise data.DataError(f"--out {run_dir}: a file, not a folder")
 
 
 def open_run_dir(args, pairs, log, stack, master):
-    """(the run directory, the checkpoint to resume from or None), after every check; rank 0 then
-    holds its lock (in stack) and, with --overwrite, removes the old run's files. --benchmark
-    trains in a temporary directory, removed at the end."""
+    """(the run directory, the checkpoint to resume from or None, the staging folder) after every
+    check of the run directory, which is not changed here: commit_run_dir changes it once every
+    other input is checked too. Rank 0 holds its lock (in stack); the other ranks write nothing
+    (staging None). --benchmark trains in a temporary directory, removed at the end."""
     if args.benchmark:
         args.run_id = None
-        return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="benchmark-"))), None
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="benchmark-")))
+        return tmp, None, tmp
     run_dir, ckpt = Path(args.out), None
-    held = holds_a_run(run_dir) if run_dir.is_dir() else ""
+    check_out(run_dir)
+    held = holds_a_run(run_dir) if run_dir.is_dir() and master else ""  # rank 0 checks, and may have committed
     if held and not (args.resume or args.overwrite):
         raise data.DataError(f"{run_dir} already holds a run ({held}): continue it with --resume {run_dir}, "
                              f"or replace it with --overwrite")
+    args.replaces = None  # the run id of the run that --overwrite replaces
+    if held and args.overwrite:
+        args.replaces = run_id_of(run_dir / "config.json")
+        if args.replaces is None:
+            raise data.DataError(f"--overwrite {run_dir}: not a run directory of train.py (no config.json with a "
+                                 f"run_id; it holds {held}), so none of its files are removed; choose another --out")
     if args.resume:
         if not getattr(args, "corpus_sha256", None):
             raise data.DataError(f"--resume {run_dir}: its config.json has no record of the corpus (an older "
@@ -1235,22 +1342,77 @@ def open_run_dir(args, pairs, log, stack, master):
         if changed:
             raise data.DataError(f"--resume {run_dir}: the corpus changed since the run started "
                                  f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''})")
-        ckpt = newest_checkpoint(run_dir, log)
+        ckpt = newest_checkpoint(run_dir, args.run_id, log)
+        fixed = {k: v for k, v in ckpt["args"].items() if k not in RESUME_MAY_CHANGE and k not in NOT_FLAGS}
+        edited = [f"{k} ({v!r} in the checkpoint, {getattr(args, k)!r} in config.json)" for k, v in fixed.items()
+                  if hasattr(args, k) and getattr(args, k) != v]
+        if edited:
+            raise data.DataError(f"--resume {run_dir}: config.json differs from the flags its checkpoint was trained "
+                                 f"with: {', '.join(edited)}; restore it, or start a new run with another --out")
         for k, v in args.changed_on_resume.items():
             log(f"resume: --{k.replace('_', '-')} {v} (changed on resume)")
     else:
         args.run_id, args.corpus_sha256 = uuid.uuid4().hex, corpus_hashes(pairs)  # recorded in config.json
-    if master:
+    if not master:
+        return run_dir, ckpt, None
+    return run_dir, ckpt, stack.enter_context(staging(run_dir))
+
+
+NOT_FLAGS = {"resume", "out", "overwrite", "replaces", "changed_on_resume"}  # what a start did, not the run's flags
+
+
+@contextlib.contextmanager
+def staging(run_dir):
+    """A hidden folder inside run_dir (made, with its parents, if missing, and locked) where a run
+    prepares its files. If the run fails before commit_run_dir, the run directory is as it was: the
+    staging folder goes, and so do the folders made here. The lock is held until the run ends."""
+    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # the deepest first
+    try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        stack.enter_context(lock(run_dir))
-        if held and args.overwrite:
-            gone = [f for pattern in RUN_FILES for f in run_dir.glob(pattern)]
-            for f in gone:
-                f.unlink()
-            log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
-        if ckpt is not None:
-            keep_metrics_until(run_dir / "metrics.jsonl", ckpt["step"])
-    return run_dir, ckpt
+    except OSError as e:
+        raise data.DataError(f"--out {run_dir}: cannot make the run directory there ({e.strerror})") from None
+    try:
+        with lock(run_dir):
+            stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=run_dir))
+            try:
+                yield stage
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
+    except BaseException:
+        if not (run_dir / "config.json").exists():  # not committed: remove what was made here
+            for p in made:
+                shutil.rmtree(p, ignore_errors=True)
+        raise
+
+
+def commit_run_dir(args, run_dir, stage, ckpt, log):
+    """The run directory's first change, once every input has been checked: the leftovers of killed
+    runs go, the staged files move in, an overwritten run's files go, config.json is written."""
+    for p in run_dir.iterdir():  # atomic_write's temporaries (.NAME.xxxx.tmp) and staging folders of killed runs
+        temporary = p.name.startswith(".") and p.name.endswith(".tmp") and OWN_FILES.fullmatch(p.name[1:].rsplit(".", 2)[0])
+        if temporary or (p.name.startswith(".staging-") and p != stage):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    for f in stage.iterdir():
+        os.replace(f, run_dir / f.name)
+    if args.replaces:  # --overwrite: the old run's results, and its checkpoints (by their run id)
+        gone = [run_dir / n for n in RESULT_FILES if (run_dir / n).exists()]
+        gone += [p for p in run_dir.iterdir() if CHECKPOINT_NAME.fullmatch(p.name) and run_id_of(p) == args.replaces]
+        for f in gone:
+            f.unlink()
+        log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
+    write_file(run_dir / "config.json", json.dumps({k: v for k, v in vars(args).items() if k != "replaces"},
+                                                   indent=2) + "\n")
+    if ckpt is not None:
+        keep_metrics_until(run_dir / "metrics.jsonl", ckpt["step"])
+
+
+def write_file(path, content):
+    """data.atomic_write, with a full disk (or any failed write) as one line: the old file is intact."""
+    try:
+        data.atomic_write(path, content)
+    except OSError as e:
+        raise data.DataError(f"{path}: cannot write it ({e.strerror}); the files written before it are intact: "
+                             f"make room and continue with --resume {Path(path).parent}") from None
 
 
 @contextlib.contextmanager
@@ -1265,15 +1427,17 @@ def lock(run_dir):
         yield  # closing the file releases the lock
 
 
-def newest_checkpoint(run_dir, log):
-    """The newest checkpoint of run_dir that reads back safely and can be resumed from: the last, or
-    else an epoch checkpoint (newest first), or else the best; DataError if none can."""
+def newest_checkpoint(run_dir, run_id, log):
+    """The newest checkpoint of run_dir's run (run_id) that reads back safely and can be resumed from:
+    the last, or else an epoch checkpoint (newest first), or else the best; DataError if none can."""
     candidates = [run_dir / "checkpoint_last.pt"] + decode.epoch_checkpoints(run_dir)[::-1] + [run_dir / "checkpoint_best.pt"]
     for path in [c for c in candidates if c.exists()]:
         try:
             ckpt = decode.read_checkpoint(path)
-            if not {"optimizer", "train_state", "rng", "bpe_model_proto"} <= ckpt.keys() or "word_dropout" not in ckpt["rng"]:
+            if not {"optimizer", "train_state", "rng", "bpe_model_proto", "args"} <= ckpt.keys() or "word_dropout" not in ckpt["rng"]:
                 raise data.DataError(f"{path}: not a checkpoint this train.py can resume from (another version wrote it)")
+            if ckpt.get("run_id") != run_id:
+                raise data.DataError(f"{path}: a checkpoint of another run (run id {ckpt.get('run_id')})")
         except data.DataError as e:
             log(f"resume: skipped: {e}")
             continue

@@ -388,9 +388,10 @@ def test_plot_series_picks_each_panel_from_metrics(tmp_path):
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch, capsys):
     run = _fake_run(tmp_path, "r", 3.0, 7.0)
     without_matplotlib(monkeypatch)
-    assert decode.main(["--plot", str(run), "--out", str(tmp_path / "p.png")]) == 1
-    err = capsys.readouterr().err.strip()
-    assert "pip install matplotlib" in err and len(err.splitlines()) == 1 and not (tmp_path / "p.png").exists()
+    with pytest.raises(SystemExit) as e:  # one line, a non-zero exit, nothing written
+        decode.main(["--plot", str(run), "--out", str(tmp_path / "p.png")])
+    msg = str(e.value.code)
+    assert "pip install matplotlib" in msg and "\n" not in msg and not (tmp_path / "p.png").exists()
 
 
 def test_plot_writes_a_png_when_matplotlib_is_there(tmp_path):

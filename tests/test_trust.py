@@ -310,3 +310,241 @@ def test_decode_names_the_line_of_undecodable_input_and_refuses_a_negative_lengt
     p = subprocess.run([sys.executable, "decode.py", str(finished), "--max-len-b", "-100"], cwd=ROOT,
                        capture_output=True, text=True, input="the dog .\n")
     assert p.returncode != 0 and "--max-len-b must be 0 or more" in p.stderr
+
+
+# --- 7. --overwrite and --resume never lose what they were not told to --------------------------
+def test_overwrite_checks_every_input_before_removing_anything(finished, tmp_path, corpus):
+    run = copy_run(finished, tmp_path)
+    before = snapshot(run)
+    one_line_error(lambda: train.main(TINY + corpus + ["--max-len", "1", "--overwrite", "--out", str(run)]),
+                   "no training pair left")
+    one_line_error(lambda: train.main(TINY + corpus + ["--bpe-size", "5", "--overwrite", "--out", str(run)]),
+                   "--bpe-size 5", "too small")
+    assert snapshot(run) == before and not [p for p in run.iterdir() if p.name.startswith(".staging")]
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_run_and_removes_only_the_runs_own_files(finished, tmp_path, corpus):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "config.json").write_text('{"lr": 0.1, "notes": "my own experiment"}\n')
+    (theirs / "results.json").write_text('{"bleu": 30.1}\n')
+    (theirs / "notes.txt").write_text("do not delete\n")
+    before = snapshot(theirs)
+    one_line_error(lambda: train.main(TINY + corpus + ["--overwrite", "--out", str(theirs)]),
+                   "not a run directory of train.py", str(theirs))
+    assert snapshot(theirs) == before
+    run = copy_run(finished, tmp_path)
+    shutil.copy(run / "checkpoint_best.pt", run / "checkpoint_best_backup.pt")  # the user's own copies
+    (run / "notes.txt").write_text("seed 1 looked good\n")
+    other = dict(torch.load(run / "checkpoint_epoch1.pt", weights_only=True), run_id="another run")
+    torch.save(other, run / "checkpoint_epoch9.pt")  # a checkpoint of another run, under a run's name
+    kept = {n: h for n, h in snapshot(run).items() if n in ("checkpoint_best_backup.pt", "notes.txt", "checkpoint_epoch9.pt")}
+    train.main(TINY + corpus + ["--max-steps", "5", "--overwrite", "--out", str(run)])
+    assert {n: h for n, h in snapshot(run).items() if n in kept} == kept
+    assert not (run / "checkpoint_epoch3.pt").exists()  # the old run's own files went
+
+
+def test_a_refused_resume_changes_nothing_and_a_deleted_bpe_model_comes_from_the_checkpoint(finished, tmp_path):
+    run = copy_run(finished, tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps(dict(config, d_model=64)))  # edited by hand
+    before = snapshot(run)
+    msg = one_line_error(lambda: train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"]))
+    assert snapshot(run) == before  # config.json and metrics.jsonl were rewritten before the refusal
+    assert "config.json differs" in msg and "d_model" in msg
+    (run / "config.json").write_text(json.dumps(config))
+    proto = (run / "bpe.model").read_bytes()
+    (run / "bpe.model").write_bytes((run / "bpe.model").read_bytes()[::-1])  # another file under its name
+    before = snapshot(run)
+    one_line_error(lambda: train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"]),
+                   "bpe.model", "not the BPE model")
+    assert snapshot(run) == before
+    (run / "bpe.model").unlink()  # deleted: the checkpoint holds the model
+    train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])
+    assert (run / "bpe.model").read_bytes() == proto
+    assert torch.load(run / "checkpoint_last.pt", weights_only=True)["step"] == 20
+    train.main(["--resume", str(run), "--max-steps", "25", "--max-epochs", "10"])  # and resumes again
+
+
+def test_the_next_start_removes_what_a_kill_mid_write_left(finished, tmp_path):
+    run = copy_run(finished, tmp_path)
+    (run / ".checkpoint_last.pt.k1ll3d.tmp").write_bytes(b"PK half a checkpoint")
+    (run / ".metrics.jsonl.x7y8z9.tmp").write_text('{"step": 3')
+    (run / ".staging-abc123").mkdir()
+    (run / ".staging-abc123" / "bpe.model").write_bytes(b"half")
+    (run / ".my-editor.tmp").write_text("not train.py's")
+    train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [".lock", ".my-editor.tmp"]
+
+
+# --- 8. what was asked is what runs -----------------------------------------------------------
+def test_a_flag_given_on_the_command_line_wins_over_the_preset():
+    args, _ = train.resolve_flags(["--preset", "twt3-scalenorm", "--lr", "1e-3"])
+    assert args.lr == 1e-3 and train.Schedule.from_args(args).peak == 1e-3
+    args, _ = train.resolve_flags(["--preset", "twt3-scalenorm"])  # the preset's lambda 1, recorded as its peak
+    assert args.lr == pytest.approx(1 / (512 * 8000) ** 0.5) == train.Schedule.from_args(args).peak
+    one_line_error(lambda: train.resolve_flags(["--lr", "1e-3", "--lr-scale", "2"]), "--lr", "--lr-scale")
+
+
+def test_dev_and_test_lines_with_an_empty_side_are_translated_and_scored(tmp_path, capsys):
+    d = data.make_toy_corpus(tmp_path / "toy", n_train=300, n_dev=8, n_test=8)
+    for split, side in (("dev", "src"), ("test", "src"), ("test", "tgt")):
+        lines = (d / f"{split}.{side}").read_text().splitlines()
+        lines[2 if side == "src" else 5] = ""
+        (d / f"{split}.{side}").write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    run = tmp_path / "run"
+    train.main(TINY + ["--data", str(d), "--src", "src", "--tgt", "tgt", "--max-steps", "5", "--out", str(run)])
+    assert "test: 2 pairs with an empty side kept" in capsys.readouterr().out
+    hyps = (run / "test.hyp").read_text().split("\n")[:-1]
+    assert len(hyps) == 8 and hyps[2] == ""
+    assert decode.main(["--compare", str(run / "test.hyp"), str(run / "test.hyp"), "--ref", str(d / "test.tgt"),
+                        "--samples", "20"]) == 0
+
+
+def test_compare_never_calls_equal_scores_significant(tmp_path, capsys):
+    ref = ["the dog sees a cat .", "a bird sings in the tree .", "the man reads a book ."] * 10
+    spaced = [s.replace(" .", ".") for s in ref]  # differs only in spacing: the same 13a BLEU
+    zero_a, zero_b = ["x y z"] * 30, ["q r s t"] * 30  # different, both BLEU 0
+    files = {}
+    for name, lines in (("ref", ref), ("a", ref), ("b", spaced), ("za", zero_a), ("zb", zero_b)):
+        files[name] = tmp_path / name
+        files[name].write_text("\n".join(lines) + "\n")
+    for a, b, why in (("a", "b", "the two outputs score the same BLEU"), ("za", "zb", "both outputs score BLEU 0")):
+        capsys.readouterr()
+        decode.main(["--compare", str(files[a]), str(files[b]), "--ref", str(files["ref"]), "--samples", "200"])
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert "p = 1.0000" in last and f"not significant: {why}" in last, last
+
+
+def test_a_checkpoint_is_written_only_with_finite_weights_and_a_finite_dev_loss(tmp_path, corpus, monkeypatch):
+    real_step = train.train_step
+    calls = {"n": 0}
+
+    def blowing_up_step(net, *a, **k):  # a finite loss, then weights of 1e30 (finite, but useless)
+        calls["n"] += 1
+        out = real_step(net, *a, **k)
+        if calls["n"] == 10:
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.mul_(1e30)
+        return out
+
+    monkeypatch.setattr(train, "train_step", blowing_up_step)
+    run = tmp_path / "run"
+    one_line_error(lambda: train.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
+                   "diverged", "step 10", "no checkpoint of it is written", "checkpoint_last.pt")
+    assert torch.load(run / "checkpoint_last.pt", weights_only=True)["step"] == 5  # the last good one
+    assert not (run / "checkpoint_epoch2.pt").exists()
+
+
+def test_train_seconds_count_every_part_of_a_resumed_run(tmp_path, corpus, monkeypatch):
+    """A fake clock that advances one second per training step: the run trains 15 steps, so 15 s,
+    however many times it was killed and resumed (the steps after the last checkpoint are redone)."""
+    clock, real_step, calls = {"t": 0.0}, train.train_step, {"n": 0}
+
+    def step(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise KeyboardInterrupt  # killed after the checkpoint of step 5
+        clock["t"] += 1.0
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(train.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(train, "matmul_flops", lambda *a, **k: 1e9)
+    monkeypatch.setattr(train, "train_step", step)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit):
+        train.main(TINY + corpus + ["--max-steps", "15", "--out", str(run)])
+    assert train.main(["--resume", str(run)])["train_seconds"] == 15.0
+    assert train.main(["--resume", str(run)])["train_seconds"] == 15.0  # a finished run: the same
+    assert json.loads((run / "results.json").read_text())["train_seconds"] == 15.0
+
+
+def test_a_moved_but_identical_corpus_resumes(finished, tmp_path, corpus):
+    run = copy_run(finished, tmp_path)
+    moved = tmp_path / "moved"
+    shutil.copytree(corpus[1], moved)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps(dict(config, data=str(tmp_path / "gone"))))  # it was moved
+    one_line_error(lambda: train.main(["--resume", str(run)]), "gone", "--data")
+    train.main(["--resume", str(run), "--data", str(moved), "--max-steps", "20", "--max-epochs", "10"])
+    assert torch.load(run / "checkpoint_last.pt", weights_only=True)["step"] == 20
+
+
+# --- 9. nothing asked for is silently skipped --------------------------------------------------
+def test_what_cannot_be_done_is_said_not_skipped(finished, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if matplotlib were not installed
+    one_line_error(lambda: decode.main([str(finished), "--attention", "the dog .", "--png", str(tmp_path / "a.png")]),
+                   "--png", "pip install matplotlib")
+    (tmp_path / "empty.txt").write_text("")
+    one_line_error(lambda: decode.main([str(finished), "--benchmark", "--input", str(tmp_path / "empty.txt")]),
+                   "--benchmark", "empty.txt")
+    one_line_error(lambda: train.main(TINY + ["--profile", "--out", str(tmp_path / "run")]), "--profile", "--benchmark")
+    p = subprocess.run([sys.executable, "data.py", "--bogus"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode != 0 and "--bogus" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbfthe dog .\nthe cat .\n")
+    assert data.read_lines(tmp_path / "a.txt") == ["the dog .", "the cat ."]
+    (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbfthe dog .\nthe \xff cat .\n")
+    with pytest.raises(data.DataError, match="line 2: invalid UTF-8 byte 0xff at byte offset 17"):
+        data.read_lines(tmp_path / "b.txt")  # offsets still count from the file's first byte
+
+
+# --- 10. one line naming the flag or file, never a traceback -----------------------------------
+def _link(tmp_path):
+    (tmp_path / "dangling").symlink_to(tmp_path / "no" / "such" / "folder")
+    return tmp_path / "dangling"
+
+
+@pytest.mark.parametrize("make_argv, names", [
+    (lambda t: ["--preset", "twt3-scalenorm", "--pair", "nosuch"], ["--pair nosuch"]),
+    (lambda t: ["--out", str((t / "a-file").write_text("x") and t / "a-file")], ["--out", "a file"]),
+    (lambda t: ["--out", str(_link(t))], ["--out", "symbolic link"]),
+    (lambda t: ["--out", "/proc/nmt-run"], ["--out /proc/nmt-run"]),
+    (lambda t: ["--bpe-size", "5", "--out", str(t / "fresh")], ["--bpe-size 5", "too small"]),
+    (lambda t: ["--seed", "12345678901234567890123", "--out", str(t / "run")], ["--seed"]),
+])
+def test_bad_outs_and_values_are_one_line(make_argv, names, tmp_path, corpus):
+    one_line_error(lambda: train.main(TINY + corpus + make_argv(tmp_path)), *names)
+    assert not (tmp_path / "fresh").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("edit, names", [
+    (lambda c: [c], ["config.json", "not one train.py wrote"]),
+    (lambda c: dict(c, d_model="abc"), ["config.json", "d_model", "'abc'"]),
+    (lambda c: dict(c, norm="batchy"), ["config.json", "norm", "'batchy'"]),
+])
+def test_a_resume_with_an_edited_config_is_one_line_and_changes_nothing(edit, names, finished, tmp_path):
+    run = copy_run(finished, tmp_path)
+    (run / "config.json").write_text(json.dumps(edit(json.loads((run / "config.json").read_text()))))
+    before = snapshot(run)
+    one_line_error(lambda: train.main(["--resume", str(run)]), *names)
+    assert snapshot(run) == before
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_the_old_checkpoints_survive(tmp_path, corpus, monkeypatch):
+    real_write = data.atomic_write
+
+    def full_disk(path, content):
+        if Path(path).name.startswith("checkpoint_") and content["step"] == 10:
+            raise OSError(28, "No space left on device", str(path))
+        return real_write(path, content)
+
+    monkeypatch.setattr(data, "atomic_write", full_disk)
+    run = tmp_path / "run"
+    one_line_error(lambda: train.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
+                   "No space left on device", "intact", "--resume")
+    assert torch.load(run / "checkpoint_last.pt", weights_only=True)["step"] == 5
+
+
+def test_decode_and_plot_outputs_are_checked_before_any_work(finished, tmp_path, monkeypatch):
+    (tmp_path / "in.txt").write_text("the dog sees a cat .\n")
+    monkeypatch.setattr(decode, "translate", lambda *a, **k: pytest.fail("translated before checking --output"))
+    src = ["--input", str(tmp_path / "in.txt")]
+    one_line_error(lambda: decode.main([str(finished), *src, "--output", str(tmp_path)]), "--output", "a folder")
+    one_line_error(lambda: decode.main([str(finished), *src, "--output", "/proc/out.txt"]), "--output", "cannot write")
+    for out, why in ((tmp_path / "missing" / "p.png", "does not exist"), (tmp_path / "p.jpg", "must end in .png")):
+        one_line_error(lambda: decode.main(["--plot", str(finished), "--out", str(out)]), "--out", why)
