@@ -840,6 +840,17 @@ def _ted(src, tgt, n_train, bpe, args):
             "counts": {"train": n_train}, "exact": (), "args": args, "notes": _TED_NOTE}
 
 
+def _multi30k(tgt, language):
+    """Multi30k task 1 (Elliott et al. 2016), raw: English captions -> German or Czech."""
+    return {"url": "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/", "archive": False,
+            "src": "en", "tgt": tgt, "bpe": 4000, "dir": f"multi30k-en-{tgt}",
+            "splits": {"train": [("train.en.gz", f"train.{tgt}.gz")], "dev": [("val.en.gz", f"val.{tgt}.gz")],
+                       "test": [("test_2016_flickr.en.gz", f"test_2016_flickr.{tgt}.gz")]},
+            "counts": {"train": 29000, "dev": 1014, "test": 1000}, "exact": SPLITS, "args": "",
+            "notes": f"Multi30k task 1 (image captions, English -> {language}), raw and untokenized; dev = val, "
+                     f"test = test_2016_flickr. For non-commercial research and educational use (its README)."}
+
+
 _DE_EN = [("de-en/train.tags.de-en.de", "de-en/train.tags.de-en.en")]
 CORPORA = {
     "en-vi": {  # files fetched one by one from the url
@@ -869,14 +880,8 @@ CORPORA = {
                  "but no Moses tokenizer, so cleaning counts untokenized words and train/dev "
                  "may differ a little from 160,239/7,283 (a warning); test is exact.  fairseq "
                  "learns 10k BPE merges; here a 10k sentencepiece vocabulary."},
-    "multi30k": {  # the laptop-scale corpus of the README's study (Elliott et al. 2016, task 1, raw)
-        "url": "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/", "archive": False,
-        "src": "en", "tgt": "de", "bpe": 4000, "dir": "multi30k-en-de",
-        "splits": {"train": [("train.en.gz", "train.de.gz")], "dev": [("val.en.gz", "val.de.gz")],
-                   "test": [("test_2016_flickr.en.gz", "test_2016_flickr.de.gz")]},
-        "counts": {"train": 29000, "dev": 1014, "test": 1000}, "exact": SPLITS, "args": "",
-        "notes": "Multi30k task 1 (image captions, English -> German), raw and untokenized; dev = val, "
-                 "test = test_2016_flickr. For non-commercial research and educational use (its README)."},
+    "multi30k": _multi30k("de", "German"),  # the laptop-scale corpus of the README's study
+    "multi30k-en-cs": _multi30k("cs", "Czech"),  # its second pair: the same English captions
 }
 
 

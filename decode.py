@@ -104,7 +104,10 @@ def decode_step(model, y, cache):
 
 
 # ---------------------------------------------------------------------------------------
-# 2. Length penalty [7, eq. 14]:   s(Y) = log P(Y | X) / lp(Y),   lp(Y) = ((5 + |Y|) / 6)^alpha
+# 2. Length penalty:   s(Y) = log P(Y | X) / lp(Y)
+#     GNMT [7, eq. 14] (TwT and QKNorm, Code: alpha 0.6):       lp(Y) = ((5 + |Y|) / 6)^alpha
+#     fairseq (Ott et al. 2019; PowerNorm, "length penalty 1.0"): lp(Y) = |Y|^alpha
+# The two rank hypotheses differently for the same alpha: GNMT's 5 damps the penalty of short outputs.
 #
 # Note: |Y| counts every scored token of the hypothesis, EOS included. A hypothesis that emits
 # EOS at step t (t = 0 for the first output token) has |Y| = t + 1, which is the authors'
@@ -112,9 +115,13 @@ def decode_step(model, y, cache):
 # |Y| = its number of tokens. Without the penalty (alpha = 0) beam search prefers short
 # outputs, since every extra token multiplies P(Y | X) by a number below 1.
 # ---------------------------------------------------------------------------------------
-def length_penalty(length, alpha):
-    """lp = ((5 + length) / 6)^alpha; length counts the scored tokens (EOS included)."""
-    return ((5.0 + length) / 6.0) ** alpha
+PENALTIES = ("gnmt", "fairseq")
+
+
+def length_penalty(length, alpha, kind="gnmt"):
+    """lp(Y) of GNMT, ((5 + |Y|) / 6)^alpha, or of fairseq, |Y|^alpha; length = |Y| counts the
+    scored tokens (EOS included: fairseq's (step + 1)^alpha for a hypothesis ending at step)."""
+    return ((5.0 + length) / 6.0) ** alpha if kind == "gnmt" else float(length) ** alpha
 
 
 def _max_lengths(src, max_len):
@@ -195,10 +202,11 @@ def greedy_search(model, src, max_len=None):
 # A sentence leaves the batch when all its K beams have finished (Code: the same rule).
 # ---------------------------------------------------------------------------------------
 @torch.no_grad()
-def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False):
+def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False, penalty="gnmt"):
     """src (B, S) long, PAD-padded, each row with at least one token -> B token lists: each
     sentence's best finished hypothesis without BOS and EOS (with return_scores, (tokens, score)
-    pairs). max_len: None (source length + 50), an int, or a (B,) tensor.
+    pairs). max_len: None (source length + 50), an int, or a (B,) tensor. penalty: the length
+    penalty, "gnmt" or "fairseq" (section 2).
     With beam=1 the result is the greedy one (up to exact floating-point ties)."""
     B, K, dev, V = src.size(0), beam, src.device, model.cfg.vocab_size
     limit = _max_lengths(src, max_len)  # (B,)
@@ -213,7 +221,7 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
     results, t = [None] * B, 0  # every hypothesis has t tokens
     while True:
         at_limit = (limit[active] <= t)[:, None] & ~finished  # (n, K) close alive beams at the limit
-        score = torch.where(at_limit, cum / length_penalty(t, alpha), score)  # logP / lp(t), no EOS
+        score = torch.where(at_limit, cum / length_penalty(max(t, 1), alpha, penalty), score)  # logP / lp(t), no EOS
         finished = finished | at_limit
         done = finished.all(1)  # (n,) sentences whose K beams have all finished leave the batch
         if done.any():
@@ -235,7 +243,7 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
             logp[:, EOS] = NEG_INF  # Code: EOS is forbidden at step 0 (no empty output)
         ext = cum.view(n * K, 1) + logp  # (n*K, V)  log P(y w | x)
         ext.masked_fill_(finished.view(n * K, 1), NEG_INF)  # finished beams do not extend
-        ext_scores = (ext / length_penalty(t + 1, alpha)).view(n, K * V)  # (n, K*V)  c / lp(t+1)
+        ext_scores = (ext / length_penalty(t + 1, alpha, penalty)).view(n, K * V)  # (n, K*V)  c / lp(t+1)
         keep_scores = score.masked_fill(~finished, NEG_INF)  # (n, K)  finished beams compete as they are
         top, idx = torch.cat([ext_scores, keep_scores], dim=1).topk(K, dim=1)  # (n, K)
         is_ext = idx < K * V  # (n, K) an extension (else a kept finished beam)
@@ -283,14 +291,15 @@ def read_checkpoint(path, device="cpu"):
 # ---------------------------------------------------------------------------------------
 @dataclass
 class Search:
-    """How to search: beam size (1 = greedy search), the GNMT alpha, the output length limit
-    |x| + max_len_b (TwT's defaults; Code: beam 4, alpha 0.6, + 50), and max_src_len: a longer
+    """How to search: beam size (1 = greedy search), the length penalty's alpha, the output length
+    limit |x| + max_len_b (TwT's defaults; Code: beam 4, alpha 0.6, + 50), and max_src_len: a longer
     source (in BPE tokens) is cut to it, so that one huge line cannot exhaust memory."""
     beam: int = 4
     alpha: float = 0.6
     max_len_b: int = 50
     max_src_len: int = 1024
     bf16: bool = True  # bf16 autocast on CUDA (model.autocast); False: fp32
+    penalty: str = "gnmt"  # the length penalty (section 2): gnmt (TwT, QKNorm) or fairseq (PowerNorm)
 
 
 @contextlib.contextmanager
@@ -319,7 +328,7 @@ def translate_ids(model, tokenizer, lines, search=Search(), batch_tokens=4096, p
             src = data.collate(sources, b, device).src  # (B, S)
             limit = src.ne(PAD).sum(1) + search.max_len_b  # (B,)  |x| + b output tokens at most
             hyps = greedy_search(model, src, limit) if search.beam == 1 else \
-                beam_search(model, src, search.beam, search.alpha, limit)
+                beam_search(model, src, search.beam, search.alpha, limit, penalty=search.penalty)
             for j, h in zip(b, hyps):  # back to the original order
                 outputs[todo[j]] = h
             bar.update(task, advance=len(b))
@@ -381,6 +390,15 @@ def tokenized_bleu(hyps, refs, already_tokenized=False, lowercase=False):
 def chrf(hyps, refs, lowercase=False):
     """Corpus chrF2 [9]: a sacrebleu CHRFScore (with .signature)."""
     return _score(CHRF(lowercase=lowercase), hyps, refs)
+
+
+def attached_punctuation(lines):
+    """The share of whitespace tokens that are a word with punctuation attached ("dog." "cat,"):
+    about 5-15% in raw English or German, near 0 in Moses-tokenized text. --tokenized on raw text
+    scores such tokens as words, which is no paper's BLEU."""
+    tokens = [w for line in lines for w in line.split()]
+    glued = sum(len(w) > 1 and w[-1] in ".,!?;:" and w[:-1].isalpha() for w in tokens)
+    return glued / max(len(tokens), 1)
 
 
 def score_report(hyps, refs, already_tokenized=False, lowercase=False):
@@ -864,7 +882,8 @@ def analyse(args, model, tokenizer):
 def benchmark(model, tokenizer, lines, refs, args):
     device = next(model.parameters()).device
     beams = [1, args.beam if args.beam > 1 else 4]
-    searches = [Search(k, args.alpha, args.max_len_b, args.max_len, args.dtype == "bf16") for k in beams]
+    searches = [Search(k, args.alpha, args.max_len_b, args.max_len, args.dtype == "bf16", args.length_penalty)
+                for k in beams]
     for search in searches:  # warm-up
         translate_ids(model, tokenizer, lines[:32], search, args.batch_tokens)
     print(f"benchmark: {len(lines)} sentences on {device} (torch threads {torch.get_num_threads()}), "
@@ -977,12 +996,16 @@ def build_parser():
                     "and chrF on stderr")
     ap.add_argument("--tokenized", action="store_true",
                     help="the references (and so the outputs) are already tokenized, e.g. the Moses-tokenized "
-                         "IWSLT'15 en-vi of [1]: tokenized BLEU scores them as they are, which is exactly "
-                         "multi-bleu.perl ([1] appendix A). Without it, raw text is 13a-tokenized first")
+                         "IWSLT'15 en-vi of [1] or the TED pairs as shipped: tokenized BLEU scores them as they are, "
+                         "which is exactly multi-bleu.perl ([1] appendix A). Without it, raw text is 13a-tokenized "
+                         "first (prepare de-en writes raw text: leave it off there)")
     ap.add_argument("--lowercase", action="store_true",
                     help="case-insensitive BLEU and chrF (PowerNorm [2] reports case-insensitive BLEU on IWSLT14)")
     ap.add_argument("--beam", type=int, default=4, help="beam size; 1 = greedy search (TwT: 4)")
-    ap.add_argument("--alpha", type=float, default=0.6, help="GNMT length penalty ((5 + |Y|) / 6)^alpha (TwT: 0.6)")
+    ap.add_argument("--alpha", type=float, default=0.6, help="length penalty alpha (TwT: 0.6 with gnmt; PowerNorm: 1.0 "
+                    "with fairseq)")
+    ap.add_argument("--length-penalty", choices=PENALTIES, default="gnmt", help="gnmt: score / ((5 + |Y|) / 6)^alpha "
+                    "(Wu et al. 2016; TwT, QKNorm); fairseq: score / |Y|^alpha (Ott et al. 2019; PowerNorm)")
     ap.add_argument("--max-len-b", type=int, default=50, help="maximum output length = source length + this (TwT code: 50)")
     ap.add_argument("--max-len", type=int, default=1024, help="source lines longer than this (BPE tokens) are cut "
                     "to it, with a count on stderr (one huge line must not exhaust memory)")
@@ -1094,7 +1117,7 @@ def run(args):
         if not any(lines):
             raise DataError(f"--benchmark: {args.input or 'stdin'} has no sentence to translate")
         return benchmark(model, tokenizer, lines, refs, args)
-    search = Search(args.beam, args.alpha, args.max_len_b, args.max_len, args.dtype == "bf16")
+    search = Search(args.beam, args.alpha, args.max_len_b, args.max_len, args.dtype == "bf16", args.length_penalty)
     hyps = translate(model, tokenizer, lines, search, args.batch_tokens, args.progress)
     text = "".join(h + "\n" for h in hyps)
     if args.output:
@@ -1103,6 +1126,10 @@ def run(args):
         sys.stdout.write(text)
         sys.stdout.flush()
     if refs is not None:
+        if args.tokenized and (share := attached_punctuation(refs)) > 0.03:
+            print(f"note: --tokenized, but {100 * share:.0f}% of the words of {args.ref} have punctuation attached: "
+                  f"it is not tokenized, so 'tokenized BLEU' scores those as words (drop --tokenized to 13a-tokenize "
+                  f"both sides first)", file=sys.stderr)
         print(score_report(hyps, refs, args.tokenized, args.lowercase), file=sys.stderr)
         if args.ppl:
             eps = args.label_smoothing

@@ -140,7 +140,8 @@ def read_corpus(args, log):
 
 
 def prepare_data(args, pairs, run_dir, stage, log, proto=None):
-    """(tokenizer, encoded training pairs, encoded dev pairs). Reads what run_dir holds and writes
+    """(tokenizer, encoded training pairs, encoded dev pairs, every encoded training pair before the
+    --max-len filter, for QKNorm's L). Reads what run_dir holds and writes
     only into `stage`, a folder whose files the run directory takes once every input has been
     checked (Appendix E; None: write nothing). proto: the BPE model of a resumed run's checkpoint."""
     # The BPE model depends on the training text and --bpe-size: bpe.key holds their hash, so a
@@ -165,7 +166,8 @@ def prepare_data(args, pairs, run_dir, stage, log, proto=None):
     tok = data.Tokenizer(old, model_proto=proto)
     encode = lambda split: data.load_or_encode(tok, pairs[split], run_dir / f"{split}.enc.pt",
                                                stage / f"{split}.enc.pt" if stage is not None else False)
-    train, dropped = data.filter_long(encode("train"), args.max_len)
+    everything = encode("train")
+    train, dropped = data.filter_long(everything, args.max_len)
     if dropped:
         log(f"data: dropped {dropped} training pairs longer than --max-len {args.max_len}")
     if not train:
@@ -180,16 +182,23 @@ def prepare_data(args, pairs, run_dir, stage, log, proto=None):
     dev = [(x[:args.max_len], y[:args.max_len]) for x, y in dev if x]  # dev perplexity: pairs with a source
     log(f"data: {len(train)} train / {len(pairs['dev'])} dev / {len(pairs['test'])} test pairs, "
         f"vocabulary {tok.vocab_size}")
-    return tok, train, dev
+    return tok, train, dev, everything
 
 
 def qknorm_g0(args, train, log):
-    """QKNorm's g0 = log2(L^2 - L) [3, eq. 3], L from --qk-length or the training data."""
+    """QKNorm's g0 = log2(L^2 - L) [3, eq. 3], L from --qk-length or the training data.
+
+    Paper [3] section 3: "L is the 97.5th percentile sequence length across all training data
+    sequences for source and target"; its Table 5 says "word count". Note: we count BPE tokens, the
+    sequence the attention sees (g0 is there because of the number of elements in QK^T), over every
+    training pair before the --max-len filter (which would cap a high percentile); whitespace words
+    give a smaller L (Multi30k en-de: 30 BPE tokens, 20 words). Code [3]: L hard-coded per pair."""
     if args.qk_length is not None:
         L, how = args.qk_length, "--qk-length"
     else:
         L = data.length_percentile(train, q=args.qk_percentile)
-        how = f"{args.qk_percentile}th percentile of BPE training lengths, source and target pooled, no BOS/EOS"
+        how = (f"{args.qk_percentile}th percentile of BPE training lengths, source and target pooled, no BOS/EOS, "
+               f"before the --max-len filter")
     g0 = data.qk_g0(L)
     log(f"qknorm: L = {L:.2f} ({how}); g0 = log2(L^2 - L) = {g0:.3f}")
     return g0
@@ -348,9 +357,9 @@ def setup(args, stack):
     run_dir, ckpt, stage = open_run_dir(args, pairs, log, stack, rank == 0)
     if world > 1 and rank != 0:
         dist.barrier()  # rank 0 prepares the BPE model and the caches, and commits them, first
-    tokenizer, train, dev = prepare_data(args, pairs, run_dir, stage, log, ckpt and ckpt["bpe_model_proto"])
+    tokenizer, train, dev, unfiltered = prepare_data(args, pairs, run_dir, stage, log, ckpt and ckpt["bpe_model_proto"])
     allowed = data.target_vocab_mask([t for _, t in train], tokenizer.vocab_size)
-    cfg = model_config_from_args(args, tokenizer.vocab_size, qknorm_g0(args, train, log) if args.qknorm else 1.0)
+    cfg = model_config_from_args(args, tokenizer.vocab_size, qknorm_g0(args, unfiltered, log) if args.qknorm else 1.0)
     model = Transformer(cfg, allowed).to(device)
     bf16 = device.type == "cuda" and args.dtype == "bf16"
     if bf16 and not has_bf16(device):
@@ -492,7 +501,8 @@ def end_of_epoch(run):
             diverged(run, (f"the weights became non-finite ({bad})" if bad else f"the dev loss became {dev_loss}")
                      + f" at step {s.step}, so no checkpoint of it is written")
         else:
-            search = decode.Search(args.dev_beam, args.alpha, max_src_len=args.max_len, bf16=run.step_options.bf16)
+            search = decode.Search(args.dev_beam, args.alpha, max_src_len=args.max_len, bf16=run.step_options.bf16,
+                               penalty=args.length_penalty)
             hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["dev"]], search, args.batch_tokens)
             bleu = decode.bleu(hyps, [y for _, y in run.pairs["dev"]]).score
     if run.world > 1:  # every rank takes the same decisions: share rank 0's score
@@ -560,12 +570,14 @@ def finish(run):
         raise data.DataError(f"{run.dir / 'g_values.json'}: cannot write it ({e.strerror})") from None
     if run.pairs["test"]:
         hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["test"]],
-                                decode.Search(args.beam, args.alpha, max_src_len=args.max_len, bf16=run.step_options.bf16),
+                                decode.Search(args.beam, args.alpha, max_src_len=args.max_len,
+                                              bf16=run.step_options.bf16, penalty=args.length_penalty),
                                 args.batch_tokens)
         score = decode.bleu(hyps, [y for _, y in run.pairs["test"]])
         write_file(run.dir / "test.hyp", "".join(h + "\n" for h in hyps))
         result.update(test_bleu=score.score, test_signature=score.signature)
-        run.log(f"test BLEU (best checkpoint, step {ckpt['step']}, beam {args.beam}, alpha {args.alpha}): "
+        run.log(f"test BLEU (best checkpoint, step {ckpt['step']}, beam {args.beam}, {args.length_penalty} length "
+                f"penalty alpha {args.alpha}): "
                 f"{score.score:.2f}  {score.signature}")
     run.metrics({"final": result})
     write_file(run.dir / "results.json", json.dumps(result, indent=2) + "\n")
@@ -721,7 +733,10 @@ def build_parser():
         "fast path anywhere (norms.py section 1): slower, for checking an edited equation")
     add(g, "--log-interval", type=int, default=50, help="steps between log lines")
     add(g, "--beam", type=int, default=4, help="beam size for test BLEU (Code: 4)")
-    add(g, "--alpha", type=float, default=0.6, help="GNMT length penalty alpha (Code: 0.6)")
+    add(g, "--alpha", type=float, default=0.6, help="length penalty alpha (TwT Code: 0.6 with gnmt; PowerNorm: 1.0 "
+        "with fairseq)")
+    add(g, "--length-penalty", choices=list(decode.PENALTIES), default="gnmt", help="gnmt: score / ((5 + |Y|) / 6)"
+        "^alpha (Wu et al. 2016; TwT, QKNorm); fairseq: score / |Y|^alpha (Ott et al. 2019, as PowerNorm decodes)")
     add(g, "--dev-beam", type=int, default=1, help="beam size for the per-epoch dev BLEU (1 = greedy)")
     add(g, "--benchmark", type=int, default=0, metavar="N", help="time N training steps after a warm-up and "
         "print tokens/s, FLOPs/token, MFU, padding and peak memory, then exit (writes no run directory)")
@@ -837,6 +852,7 @@ PAIRS = {
     "ar-en": dict(_TWT_PAIR, data="data/ar-en", src="ar", tgt="en", epoch_size=2000),
     "de-en": dict(data="data/de-en", src="de", tgt="en", bpe_size=10000),  # PowerNorm's IWSLT'14
     "multi30k": dict(data="data/multi30k-en-de", src="en", tgt="de", bpe_size=4000),  # the README's study
+    "multi30k-en-cs": dict(data="data/multi30k-en-cs", src="en", tgt="cs", bpe_size=4000),  # its second pair
 }
 # The shared recipes. TwT appendix A: d 512, FFN 2048, word dropout and label smoothing 0.1,
 # 4096-token batches, beam 4 with alpha 0.6 (dev BLEU with beam 4 too, as the authors' code).
@@ -853,11 +869,12 @@ QK = dict(TWT, norm="layer", prenorm=True, fixnorm=True, qknorm=True, schedule="
 # PowerNorm's released IWSLT'14 recipe: pre-norm, 6+6 layers, d 512, FFN 1024, 4 heads, the batch
 # norms in the encoder only, Adam (0.9, 0.98), decoupled weight decay 1e-4, inverse-sqrt LR peaking
 # at 0.0015 after 8000 steps, no clipping, dropout 0.3 (attention, ReLU 0.1), no word dropout,
-# average of the last 5 epoch checkpoints, beam 5, length penalty 1.0.
+# average of the last 5 epoch checkpoints, beam 5, length penalty 1.0 (fairseq's score / |Y|^1.0, not GNMT's).
 PN = dict(layers=6, d_model=512, heads=4, ff=1024, dropout=0.3, attn_dropout=0.1, relu_dropout=0.1,
           word_dropout=0.0, label_smoothing=0.1, batch_tokens=4096, prenorm=True, fixnorm=False, init="xavier",
           schedule="invsqrt", lr=0.0015, warmup=8000, beta2=0.98, weight_decay=1e-4, clip=0.0, stop_lr=1e-9,
-          epoch_size=1000, max_epochs=100, early_stop=5, keep_checkpoints=5, beam=5, alpha=1.0, norm="layer")
+          epoch_size=1000, max_epochs=100, early_stop=5, keep_checkpoints=5, beam=5, alpha=1.0, length_penalty="fairseq",
+          norm="layer")
 
 def row(*parts, **flags):
     """The flags of a row: the parts merged left to right, then flags (later ones win)."""
@@ -895,7 +912,8 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
     "pn1-pnv": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer PN-V", row(PN, encoder_norm="pnv")),
     "pn1-powernorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer PN (the released backward)",
                       row(PN, encoder_norm="power", pn_variant="code")),
-    "qk2-twt": ("en-vi", "QKNorm Table 2: Nguyen and Salazar (2019), the TwT code's defaults",
+    "qk2-twt": ("en-vi", "QKNorm Table 2: Nguyen and Salazar (2019) as the QKNorm authors reran it, the TwT code's "
+                         "defaults (its en-vi 32.79 is TwT's own twt3-scalenorm; their rerun: 32.48)",
                 row(TWT_FINAL, NOWARMUP, stop_lr=5e-5, early_stop=0)),
     "qk2-qknorm": ("en-vi", "QKNorm Table 2: QKNorm + LayerNorm", QK),
     **{f"qk4-heads{h}": ("en-vi", f"QKNorm Table 4: {h} heads", row(QK, heads=h)) for h in (2, 4, 8, 16, 32)},
@@ -1192,15 +1210,19 @@ def setup_distributed(args):
 # back (torch.load weights_only). Checkpoints hold only tensors and plain Python values.
 # =======================================================================================
 RESUME_MAY_CHANGE = {"max_steps", "max_epochs", "early_stop", "stop_lr", "patience", "log_interval", "device",
-                     "dtype", "threads", "compile", "dev_beam", "beam", "alpha", "keep_checkpoints",
+                     "dtype", "threads", "compile", "dev_beam", "beam", "alpha", "length_penalty", "keep_checkpoints",
                      "data"}  # a moved corpus: its hashes are checked
 # The files train.py writes into a run directory. --overwrite removes the old run's results (the
 # checkpoints only if they hold its run id); the BPE model and the encoded caches are keyed by
 # their content (bpe.key, the caches' keys) and are reused or replaced, never trusted blindly.
 RESULT_FILES = ["config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json"]
 CHECKPOINT_NAME = re.compile(r"checkpoint_(best|last|epoch\d+)\.pt")
-OWN_FILES = re.compile(r"(config\.json|metrics\.jsonl|results\.json|test\.hyp|g_values\.json|bpe\.(model|key)"
-                       r"|(train|dev)\.enc\.pt|checkpoint_(best|last|epoch\d+)\.pt)")
+
+
+def own_file(name):
+    """Whether train.py writes a file of this name into a run directory."""
+    cached = ["bpe.model", "bpe.key", "train.enc.pt", "dev.enc.pt"]
+    return name in RESULT_FILES + cached or bool(CHECKPOINT_NAME.fullmatch(name))
 
 
 def log_line(console, msg):
@@ -1389,7 +1411,7 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
     """The run directory's first change, once every input has been checked: the leftovers of killed
     runs go, the staged files move in, an overwritten run's files go, config.json is written."""
     for p in run_dir.iterdir():  # atomic_write's temporaries (.NAME.xxxx.tmp) and staging folders of killed runs
-        temporary = p.name.startswith(".") and p.name.endswith(".tmp") and OWN_FILES.fullmatch(p.name[1:].rsplit(".", 2)[0])
+        temporary = p.name.startswith(".") and p.name.endswith(".tmp") and own_file(p.name[1:].rsplit(".", 2)[0])
         if temporary or (p.name.startswith(".staging-") and p != stage):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     for f in stage.iterdir():

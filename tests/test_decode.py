@@ -73,14 +73,15 @@ def slow_greedy(model, src_row, max_len):
 
 
 @torch.no_grad()
-def teacher_forced_score(model, src_row, tokens, ended, alpha):
-    """log P(tokens [+ EOS] | src) / ((5 + |Y|) / 6)^alpha, |Y| counting EOS when it ended."""
+def teacher_forced_score(model, src_row, tokens, ended, alpha, penalty="gnmt"):
+    """log P(tokens [+ EOS] | src) / lp(|Y|), |Y| counting EOS when it ended: GNMT's ((5 + |Y|) / 6)^alpha
+    or fairseq's |Y|^alpha, written out here."""
     y = tokens + [EOS] if ended else tokens
     tgt_in = torch.tensor([[BOS] + y[:-1]], device=src_row.device)
     logp = model(src_row[None], tgt_in)[0].float().log_softmax(-1)  # (T, V)
     logp[0, EOS] = -math.inf  # EOS forbidden at step 0, as in the searches
     total = logp.gather(1, torch.tensor(y, device=logp.device)[:, None]).sum().item()
-    return total / length_penalty(len(y), alpha)
+    return total / (((5 + len(y)) / 6) ** alpha if penalty == "gnmt" else len(y) ** alpha)
 
 
 def unpad(src_row):
@@ -93,6 +94,25 @@ def test_length_penalty_convention():
     assert length_penalty(1, 0.6) == 1.0
     assert length_penalty(7, 0.6) == pytest.approx(2.0 ** 0.6)
     assert length_penalty(30, 0.0) == 1.0
+    assert length_penalty(7, 1.0, "fairseq") == 7.0  # fairseq: (step + 1)^alpha, step 6 is the EOS
+    assert length_penalty(4, 0.6, "fairseq") == pytest.approx(4 ** 0.6)
+
+
+def test_the_two_length_penalties_are_searched_for_and_rank_differently():
+    """PowerNorm decodes with fairseq's |Y|^alpha, TwT with GNMT's ((5 + |Y|) / 6)^alpha: the
+    reported score is the written-out one under each, and with alpha 1 they pick different outputs."""
+    differ = 0
+    for seed in range(3):
+        model, src = tiny_model(seed=seed), random_src(B=8, seed=3 + seed)
+        outputs = {}
+        for penalty in ("gnmt", "fairseq"):
+            beams = beam_search(model, src, beam=4, alpha=1.0, max_len=15, return_scores=True, penalty=penalty)
+            for s, (b, b_score) in zip(src, beams):
+                assert b_score == pytest.approx(teacher_forced_score(model, unpad(s), b, len(b) < 15, 1.0, penalty),
+                                                abs=1e-4)
+            outputs[penalty] = [b for b, _ in beams]
+        differ += sum(g != f for g, f in zip(outputs["gnmt"], outputs["fairseq"]))
+    assert differ >= 1
 
 
 def test_greedy_with_cache_equals_slow_greedy():

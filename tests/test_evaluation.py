@@ -399,3 +399,12 @@ def test_plot_writes_a_png_when_matplotlib_is_there(tmp_path):
     runs = [str(_fake_run(tmp_path, n, 3.0, 7.0, "dist_psi2")) for n in ("a", "b")]
     assert decode.main(["--plot", *runs, "--out", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tokenized_bleu_on_raw_text_is_noticed():
+    """--tokenized scores the text as it is: right for Moses-tokenized references (en-vi as the TwT
+    authors ship it), wrong for raw text such as prepare de-en writes, where "dog." is one word."""
+    raw = ["The dog sees a cat.", "Yes, it runs home!", "A man, a plan, a canal: Panama."]
+    moses = ["The dog sees a cat .", "Yes , it runs home !", "A man , a plan , a canal : Panama ."]
+    assert decode.attached_punctuation(raw) > 0.2 and decode.attached_punctuation(moses) == 0.0
+    assert decode.attached_punctuation(["the U.S. army", "3.5 km"]) == 0.0  # abbreviations and numbers

@@ -219,23 +219,25 @@ def test_unknown_name_lists_the_choices(capsys):
 
 def test_registry_is_complete():
     for name, c in data.CORPORA.items():
-        assert c["src"] + "-" + c["tgt"] == name or (name, c["src"], c["tgt"]) == ("multi30k", "en", "de")
+        assert c["src"] + "-" + c["tgt"] == name.removeprefix("multi30k-") or (name, c["tgt"]) == ("multi30k", "de")
         assert set(c["splits"]) == set(data.SPLITS)
-        assert c["bpe"] == {"gl-en": 3000, "de-en": 10000, "multi30k": 4000}.get(name, 8000)
+        assert c["bpe"] == (4000 if name.startswith("multi30k") else {"gl-en": 3000, "de-en": 10000}.get(name, 8000))
         assert set(c["exact"]) <= set(c["counts"])
 
 
-def test_multi30k_from_gzipped_files_in_a_folder(tmp_path, capsys):
-    """The Multi30k repository ships task 1 as gzipped files (train, val, test_2016_flickr)."""
+@pytest.mark.parametrize("name, tgt", [("multi30k", "de"), ("multi30k-en-cs", "cs")])
+def test_multi30k_from_gzipped_files_in_a_folder(name, tgt, tmp_path, capsys):
+    """The Multi30k repository ships task 1 as gzipped files (train, val, test_2016_flickr), German
+    and Czech for the same English captions."""
     import gzip
     src = tmp_path / "raw"
     src.mkdir()
     sizes = {"train": 4, "val": 2, "test_2016_flickr": 3}
     for split, n in sizes.items():
-        for lang in ("en", "de"):
+        for lang in ("en", "de", "cs"):
             (src / f"{split}.{lang}.gz").write_bytes(gzip.compress("".join(f"{split} {lang} {i} ä\n" for i in range(n)).encode()))
     out = tmp_path / "m30k"
-    data.prepare("multi30k", out, str(src), expected={"train": 4, "dev": 2, "test": 3})
-    assert (out / "dev.de").read_text() == "val de 0 ä\nval de 1 ä\n"
+    data.prepare(name, out, str(src), expected={"train": 4, "dev": 2, "test": 3})
+    assert (out / f"dev.{tgt}").read_text() == f"val {tgt} 0 ä\nval {tgt} 1 ä\n"
     assert len((out / "test.en").read_text().splitlines()) == 3
-    assert f"python train.py --data {out} --src en --tgt de --bpe-size 4000" in capsys.readouterr().out
+    assert f"python train.py --data {out} --src en --tgt {tgt} --bpe-size 4000" in capsys.readouterr().out

@@ -140,3 +140,15 @@ def test_config_json_records_every_resolved_value(tmp_path):
     assert saved["preset"] == "qk6-no-g" and saved["qk_no_g"] is True and saved["qknorm"] is True
     assert saved["schedule"] == "warmupflat" and saved["warmup"] == 8000 and saved["layers"] == 1
     assert set(train.DEFAULTS) <= set(saved) and saved["bpe_size"] == 300 and saved["pn_warmup"] == 8000
+
+
+def test_each_paper_decodes_with_its_own_length_penalty():
+    """PowerNorm: "length penalty 1.0 following (Ott et al., 2019)", fairseq's score / |Y|^1.0;
+    TwT and QKNorm: the GNMT penalty with alpha 0.6 (their released code)."""
+    for name in train.PRESETS:
+        args, _ = train.resolve_flags(["--preset", name])
+        paper = name.split("-")[0]
+        if paper == "pn1":
+            assert (args.length_penalty, args.alpha, args.beam) == ("fairseq", 1.0, 5), name
+        elif paper[:3] in ("twt", "qk2", "qk4", "qk5", "qk6"):
+            assert (args.length_penalty, args.alpha, args.beam) == ("gnmt", 0.6, 4), name

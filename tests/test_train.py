@@ -304,3 +304,18 @@ def test_accumulated_micro_batches_equal_one_big_batch_for_per_token_norms(norm)
     else:
         torch.testing.assert_close(big[:3], micro[:3], rtol=1e-10, atol=1e-12)  # loss, NLL, gradient norm
         assert same
+
+
+def test_qknorm_L_is_measured_before_the_max_len_filter(tmp_path, small_corpus, capsys):
+    """[3] section 3: L over "all training data sequences": the 100th percentile is the longest
+    training sequence, not the longest one --max-len kept."""
+    run = tmp_path / "run"
+    capsys.readouterr()
+    train.main(TINY + small_corpus + ["--qknorm", "--qk-percentile", "100", "--max-len", "6", "--max-steps", "1",
+                                      "--out", str(run)])
+    out = capsys.readouterr().out
+    tok = data.Tokenizer(run / "bpe.model")
+    pairs, _ = data.read_parallel(*data.corpus_paths(small_corpus[1], "src", "tgt")["train"])
+    longest = max(len(ids) for s, t in pairs for ids in tok.encode([s, t]))
+    assert longest > 6 and f"qknorm: L = {longest:.2f} (100.0th percentile" in out
+    assert "before the --max-len filter" in out
