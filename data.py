@@ -282,7 +282,8 @@ def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
     """Groups example indices into batches of at most batch_tokens; a list of lists.
 
     Cost of a batch = B * max(S, T), "sentences x the longer side's padded length" as in the
-    authors' code (REFERENCE.md); a single pair longer than batch_tokens gets a batch of its own.
+    authors' code (tnq177/transformers_without_tears); a single pair longer than batch_tokens gets
+    a batch of its own.
     Examples are sorted by (longer side, source length, target length), so that a batch holds
     similar lengths and little padding, then cut greedily. Note: sorting by the longer side
     first, the quantity the budget counts, packs tighter than by (source, target): padding falls

@@ -27,7 +27,7 @@ Contents
   Appendix F: the command line (python decode.py --help)
 
   [1] Nguyen & Salazar 2019, Transformers without Tears (TwT): beam 4, alpha 0.6, maximum
-      output length = source length + 50 (the authors' code, REFERENCE.md).
+      output length = source length + 50 (the authors' code, tnq177/transformers_without_tears).
   [2] Shen et al. 2020, PowerNorm: translations from an average of the last epoch checkpoints.
   [3] Henry et al. 2020, Query-Key Normalization (QKNorm).
   [7] Wu et al. 2016, Google's Neural Machine Translation System (GNMT), eq. 14.
@@ -188,7 +188,7 @@ def greedy_search(model, src, max_len=None):
 
 
 # ---------------------------------------------------------------------------------------
-# 4. Beam search [1, Code: REFERENCE.md "Beam search"].
+# 4. Beam search [1; Code: the beam search of tnq177/transformers_without_tears].
 #
 # Each sentence keeps K hypotheses ("beams"); all n*K of them are rows of one decoding state, so
 # one decode_step advances every beam of every sentence. At step t:
@@ -354,7 +354,7 @@ def count_long(tokenizer, lines, max_src_len):
 #                   multi-bleu.perl"; [3] and [2] do the same. multi-bleu.perl splits on
 #                   whitespace only, so the number depends on the tokenization before scoring;
 #                   SacreBLEU with tokenize="none" on the same text reproduces it exactly (Code:
-#                   32.49 and 33.24 on the authors' shipped tst2013 outputs, REFERENCE.md).
+#                   32.49 and 33.24 on the tst2013 outputs the TwT and QKNorm authors ship).
 #   SacreBLEU       BLEU on detokenized text with SacreBLEU's 13a tokenizer, with its signature.
 #   chrF            character n-gram F-score [9] (beta 2): no tokenization at all.
 # Note: our corpora are raw text and the model writes raw text: for a multi-bleu.perl-style

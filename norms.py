@@ -23,7 +23,8 @@ Papers (one numbering for the whole project):
   [4] Zhang & Sennrich 2019, Root Mean Square Layer Normalization (RMSNorm).
   [5] Ba et al. 2016, Layer Normalization.
 Comment markers: ``# Paper:`` is what a paper says, ``# Note:`` is ours, ``# Code:`` is what the
-authors' released code does (../shared/REFERENCE.md).
+authors' released code does: tnq177/transformers_without_tears (TwT), sIncerass/powernorm
+(PowerNorm, a fairseq fork: fairseq/modules/norms/mask_powernorm.py), CyndxAI/QKNorm.
 """
 import argparse
 import math
@@ -369,7 +370,8 @@ class PowerNorm(nn.Module):
     0), num_batches_tracked (int64, training forwards). All in fp32 under autocast.
 
     ``variant="paper"`` follows the equations; ``variant="code"`` reproduces the authors'
-    released module (../shared/REFERENCE.md), which differs in three places:
+    released module (sIncerass/powernorm, fairseq/modules/norms/mask_powernorm.py), which
+    differs in three places:
       - backward divides by the batch psi_B even after warmup (paper: psi_{t-1}, eq. 12);
       - Gamma and Lambda average over all B*T positions, padding included, and padding
         positions get gradient (the paper variant: real tokens only, padding gets zero gradient);

@@ -839,7 +839,7 @@ def model_config_from_args(args, vocab_size, qk_g0=1.0):
 # Appendix B: presets. Each is one row of a paper's table as a set of flags, applied after the
 # defaults and before the flags of the command line (which override it): --preset NAME.
 # A row names its language pair (PAIRS); --pair NAME swaps in another pair's corpus and
-# per-pair flags ([1] Table 1 and appendix A; REFERENCE.md). `python data.py prepare NAME`
+# per-pair flags ([1] Table 1 and appendix A; the TwT code's per-pair configs). `python data.py prepare NAME`
 # lays each corpus out under data/NAME.
 # =======================================================================================
 _TWT_PAIR = dict(bpe_size=8000, layers=6, heads=8, dropout=0.3, max_epochs=200, early_stop=20)
