@@ -319,3 +319,15 @@ def test_qknorm_L_is_measured_before_the_max_len_filter(tmp_path, small_corpus, 
     longest = max(len(ids) for s, t in pairs for ids in tok.encode([s, t]))
     assert longest > 6 and f"qknorm: L = {longest:.2f} (100.0th percentile" in out
     assert "before the --max-len filter" in out
+
+
+def test_mfu_takes_the_larger_matmul_probe_after_each_evaluation(tmp_path, small_corpus, monkeypatch):
+    """A probe taken while another process was busy reads the machine's matmul speed low, and MFU
+    above 100%: it is taken again after each evaluation and the larger kept."""
+    probes = iter([1e6, 1e12, 1e9, 1e9])  # the start, then after each evaluation
+    monkeypatch.setattr(train, "matmul_flops", lambda *a, **k: next(probes))
+    run = tmp_path / "run"
+    train.main(TINY + small_corpus + ["--max-steps", "20", "--epoch-size", "10", "--log-interval", "10",
+                                      "--out", str(run)])
+    mfu = [r["mfu"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "mfu" in r]
+    assert len(mfu) == 2 and mfu[0] > 1000 * mfu[1]  # 1e6 before the first evaluation, then 1e12
