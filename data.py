@@ -1107,6 +1107,11 @@ def prepare_main(argv=None):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["prepare"]:
         sys.exit(prepare_main(sys.argv[2:]))
+    if sys.argv[1:] in (["--help"], ["-h"]):
+        print(f"python data.py                builds the built-in corpus (data/toy) and describes it\n"
+              f"python data.py prepare NAME   downloads and lays out a corpus of the papers: {', '.join(CORPORA)}\n"
+              f"python data.py prepare --help the options of prepare")
+        sys.exit(0)
     if sys.argv[1:]:
         sys.exit(f"data.py: unknown arguments {' '.join(sys.argv[1:])}: run python data.py (the built-in corpus) "
                  f"or python data.py prepare NAME ({', '.join(CORPORA)})")

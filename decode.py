@@ -818,6 +818,20 @@ def check_output_file(path, flag, suffix=None):
         raise DataError(f"{flag} {path}: cannot write into {folder} ({e.strerror})") from None
 
 
+def check_not_an_input(args):
+    """--output never overwrites what decode.py reads (--input, --ref, the checkpoint), nor a file
+    train.py wrote into the run directory (its config, metrics, BPE model, checkpoints)."""
+    out = Path(args.output).absolute()
+    for flag, path in (("--input", args.input), ("--ref", args.ref), ("the checkpoint", args.checkpoint)):
+        if path and out.exists() and Path(path).exists() and out.samefile(path):
+            raise DataError(f"--output {args.output}: is {flag} {path}; write the translations elsewhere")
+    ckpt = Path(args.checkpoint).absolute()
+    run_dir = ckpt if ckpt.is_dir() else ckpt.parent
+    if out.parent == run_dir and out.exists() and out.suffix not in (".hyp", ".txt"):
+        raise DataError(f"--output {args.output}: a file of the run directory {run_dir} (not a .hyp or .txt file); "
+                        f"write the translations elsewhere")
+
+
 def require_pyplot(path, flag):
     """pyplot() or DataError naming the flag: asked for before any work, never silently skipped."""
     check_output_file(path, flag, ".png")
@@ -913,6 +927,10 @@ def read_metrics(run_dir):
         except json.JSONDecodeError:
             if i < len(lines) - 1:
                 raise DataError(f"{run_dir}/metrics.jsonl: line {i + 1} is not JSON") from None
+            continue
+        if not isinstance(rows[-1], dict) or not isinstance(rows[-1].get("step", 0), (int, float)):
+            raise DataError(f"{run_dir}/metrics.jsonl: line {i + 1} is not a record of train.py (a JSON object "
+                            f"with a numeric step)")
     return rows
 
 
@@ -1070,8 +1088,9 @@ def parse_args(argv=None):
         ap.error("--ppl needs --ref (and the sources in --input or on stdin)")
     if args.attention_target is not None and args.attention is None:
         ap.error("--attention-target needs --attention")
-    if args.png and args.attention is None:
-        ap.error("--png saves the map of --attention: give --attention too")
+    for flag, default in (("png", None), ("layer", 0), ("head", 0), ("kind", "cross")):
+        if getattr(args, flag) != default and args.attention is None:
+            ap.error(f"--{flag} is for the map of --attention: give --attention too")
     return args
 
 
@@ -1092,6 +1111,7 @@ def run(args):
     # Every input is read and checked before any work; stdin is read last.
     if args.output:
         check_output_file(args.output, "--output")
+        check_not_an_input(args)
     if args.png:
         require_pyplot(args.png, "--png")
     lines = data.read_lines(args.input) if args.input else None
@@ -1107,6 +1127,8 @@ def run(args):
         lines = data.split_lines(raw, "stdin")  # undecodable bytes: DataError naming the line
     if refs is not None and len(refs) != len(lines):
         raise DataError(f"{args.ref}: {len(refs)} lines, but {args.input or 'stdin'} has {len(lines)}")
+    if refs is not None and not lines:
+        raise DataError(f"--ref {args.ref}: nothing to score, {args.input or 'stdin'} has no lines")
     if n_long := count_long(tokenizer, lines, args.max_len):
         print(f"note: {n_long} source lines longer than --max-len {args.max_len} BPE tokens are cut to it",
               file=sys.stderr)
@@ -1147,6 +1169,9 @@ def main(argv=None):
         return run(args)
     except DataError as e:
         sys.exit(f"decode.py: error: {e}")
+    except KeyboardInterrupt:
+        print("decode.py: interrupted" + (f" ({args.output} was not written)" if args.output else ""), file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -124,6 +124,13 @@ def read_corpus(args, log):
         log(f"data: built-in synthetic corpus in {data_dir}")
     else:
         data_dir, langs = Path(args.data), (args.src, args.tgt)
+        if data_dir.is_file():
+            raise data.DataError(f"--data {data_dir}: a file, not a folder (a corpus folder holds train.{args.src}, "
+                                 f"train.{args.tgt}, dev.* and test.*)")
+        pair = next((name for name, p in PAIRS.items() if Path(p["data"]) == data_dir), None)
+        if pair and not data_dir.is_dir():
+            raise data.DataError(f"--data {data_dir}: not there (relative to this folder): prepare it with "
+                                 f"python data.py prepare {pair}, or give --data DIR")
     paths, pairs = data.corpus_paths(data_dir, *langs), {}
     for split in data.SPLITS:
         # A training pair with an empty side teaches nothing and is dropped. Dev and test lines never
@@ -474,6 +481,9 @@ def train_loop(run):
                 matmul_peak = max(matmul_peak, matmul_flops(run.device, args.d_model, args.ff, run.step_options.bf16,
                                                             seconds=0.25))
                 t0 = time.perf_counter()  # evaluation is not training time
+    if not s.stopped and s.step >= total:  # the budget, recorded in results.json
+        s.stopped = (f"--max-steps {args.max_steps} reached" if args.max_steps and s.step >= args.max_steps
+                     else f"--max-epochs {args.max_epochs} reached")
     result = finish(run)
     if run.world > 1:
         dist.destroy_process_group()
@@ -601,7 +611,20 @@ def main(argv=None):
     except (data.DataError, Diverged) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        sys.exit(f"interrupted: continue with python train.py --resume {args.out}")
+        sys.exit(interrupted(args))
+
+
+def interrupted(args):
+    """What to do after Ctrl-C: resume from a checkpoint, or start again (nothing to resume)."""
+    run_dir = Path(args.out)
+    if args.benchmark:
+        return "interrupted (--benchmark writes no run directory)"
+    if run_dir.is_dir() and any(CHECKPOINT_NAME.fullmatch(p.name) for p in run_dir.iterdir()):
+        return f"interrupted: continue with python train.py --resume {run_dir}"
+    if (run_dir / "config.json").exists():
+        return (f"interrupted before the run's first checkpoint (one every --epoch-size {args.epoch_size} steps): "
+                f"nothing to resume; start it again with the same command and --overwrite")
+    return "interrupted before the run started: nothing was written; start it again with the same command"
 
 
 # =======================================================================================
@@ -778,6 +801,17 @@ def resolve_flags(argv=None):
         flags["lr_scale"] = None
     flags.update(given)
     args = argparse.Namespace(**flags)
+    # A flag that would do nothing in this configuration is refused, not silently ignored.
+    norms = {args.norm, args.encoder_norm, args.decoder_norm}
+    for names, active, why in (
+            (("qk_length", "qk_percentile", "qk_no_g", "qk_norm_v"), args.qknorm, "QKNorm's, so it needs --qknorm"),
+            (("pn_variant", "pn_alpha_fwd", "pn_alpha_bkw", "pn_warmup"), "power" in norms,
+             "PowerNorm's, so it needs --norm, --encoder-norm or --decoder-norm power"),
+            (("warmup",), args.schedule != "nowarmup" or args.lr_scale is not None,
+             "the length of a warmup, which --schedule nowarmup does not have (with --lr-scale it sets the LR)")):
+        for name in names:
+            if name in given and not active:
+                sys.exit(f"error: --{name.replace('_', '-')} is {why}")
     # Values that depend on other flags are fixed here, once, and recorded in config.json.
     if args.bpe_size is None:
         args.bpe_size = 2000 if args.data is None else 8000
@@ -1262,6 +1296,8 @@ def restore(run, ckpt):
         raise data.DataError(f"{run.dir}: its checkpoint does not fit the model of its config.json "
                              f"({str(e).splitlines()[0]})") from None
     run.state = TrainState(**ckpt["train_state"])
+    if (run.state.stopped or "").startswith("--max-"):  # a budget: the resumed run's own budget decides
+        run.state.stopped = None
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
     if ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
@@ -1282,6 +1318,8 @@ def resume_flags(args, given):
         raise data.DataError(f"--resume {run_dir}: its config.json is not one train.py wrote (not a JSON object "
                              f"with a run_id)")
     for k, v in saved.items():  # an edited config.json: every value of the type and choices of its flag
+        if k not in ACTIONS and k not in ("run_id", "corpus_sha256", "changed_on_resume"):
+            raise data.DataError(f"--resume {run_dir}: config.json: {k} is not a flag of train.py (was it edited?)")
         if k in ACTIONS and not flag_value_ok(k, v):
             raise data.DataError(f"--resume {run_dir}: config.json: {k} is {v!r}, not a value of --{k.replace('_', '-')}")
     given = {k: v for k, v in given.items() if k != "resume" and not (k == "out" and Path(v) == run_dir)}
@@ -1369,6 +1407,10 @@ def open_run_dir(args, pairs, log, stack, master):
             raise data.DataError(f"--resume {run_dir}: the corpus changed since the run started "
                                  f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''})")
         ckpt = newest_checkpoint(run_dir, args.run_id, log)
+        for flag, done in (("max_steps", ckpt["step"]), ("max_epochs", ckpt["train_state"]["epoch"])):
+            if getattr(args, flag) is not None and done > getattr(args, flag):
+                raise data.DataError(f"--resume {run_dir}: the run is already past --{flag.replace('_', '-')} "
+                                     f"{getattr(args, flag)} ({done}): nothing to train; give a larger one to continue")
         fixed = {k: v for k, v in ckpt["args"].items() if k not in RESUME_MAY_CHANGE and k not in NOT_FLAGS}
         edited = [f"{k} ({v!r} in the checkpoint, {getattr(args, k)!r} in config.json)" for k, v in fixed.items()
                   if hasattr(args, k) and getattr(args, k) != v]
@@ -1444,7 +1486,11 @@ def write_file(path, content):
 @contextlib.contextmanager
 def lock(run_dir):
     """Hold RUN/.lock while training (flock): a second process on the same run directory is refused."""
-    with open(run_dir / ".lock", "a") as f:
+    try:
+        f = open(run_dir / ".lock", "a")
+    except OSError as e:
+        raise data.DataError(f"{run_dir}: cannot write there ({e.strerror})") from None
+    with f:
         if fcntl is not None:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

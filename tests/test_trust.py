@@ -548,3 +548,87 @@ def test_decode_and_plot_outputs_are_checked_before_any_work(finished, tmp_path,
     one_line_error(lambda: decode.main([str(finished), *src, "--output", "/proc/out.txt"]), "--output", "cannot write")
     for out, why in ((tmp_path / "missing" / "p.png", "does not exist"), (tmp_path / "p.jpg", "must end in .png")):
         one_line_error(lambda: decode.main(["--plot", str(finished), "--out", str(out)]), "--out", why)
+
+
+# --- 11. the second probe's findings ----------------------------------------------------------
+def test_decode_never_overwrites_what_it_reads_or_what_train_wrote(finished, tmp_path):
+    run = copy_run(finished, tmp_path)
+    (tmp_path / "x.en").write_text("the dog sees a cat .\n")
+    before = snapshot(tmp_path)
+    ckpt = run / "checkpoint_best.pt"
+    for model, output, why in ((run, tmp_path / "x.en", "is --input"), (ckpt, ckpt, "is the checkpoint"),
+                               (run, ckpt, "a file of the run directory"), (run, run / "config.json", "a file of the run")):
+        one_line_error(lambda: decode.main([str(model), "--input", str(tmp_path / "x.en"), "--output", str(output)]),
+                       "--output", why)
+    assert snapshot(tmp_path) == before
+    assert decode.main([str(run), "--input", str(tmp_path / "x.en"), "--output", str(run / "x.hyp")]) == 0
+
+
+def test_ctrl_c_says_what_can_be_done(tmp_path, corpus, killed_run, capsys):
+    run = tmp_path / "run"
+    killed_run(TINY + corpus + ["--max-steps", "20", "--out", str(run)], 3)  # before the first checkpoint
+    capsys.readouterr()
+    msg = train.interrupted(train.resolve_flags(TINY + corpus + ["--out", str(run)])[0])
+    assert "nothing to resume" in msg and "--overwrite" in msg
+    msg = train.interrupted(train.resolve_flags(TINY + corpus + ["--out", str(tmp_path / "never")])[0])
+    assert "nothing was written" in msg
+    killed_run(TINY + corpus + ["--max-steps", "20", "--overwrite", "--out", str(run)], 8)  # after step 5's checkpoint
+    assert "--resume" in train.interrupted(train.resolve_flags(TINY + corpus + ["--out", str(run)])[0])
+
+
+def test_a_resume_that_would_train_nothing_is_refused_and_a_budget_stop_is_recorded(finished, tmp_path):
+    run = copy_run(finished, tmp_path)
+    assert json.loads((run / "results.json").read_text())["stopped"] == "--max-steps 15 reached"
+    before = snapshot(run)
+    one_line_error(lambda: train.main(["--resume", str(run), "--max-steps", "10"]), "already past --max-steps 10")
+    assert snapshot(run) == before
+    train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])  # a larger budget continues
+    assert torch.load(run / "checkpoint_last.pt", weights_only=True)["step"] == 20
+
+
+def test_a_read_only_run_directory_is_one_line(finished, tmp_path, monkeypatch):
+    run = copy_run(finished, tmp_path)
+    real_open = open
+
+    def read_only(path, *a, **k):
+        if str(path).endswith(".lock"):
+            raise OSError(30, "Read-only file system", str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr("builtins.open", read_only)
+    one_line_error(lambda: train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"]),
+                   str(run), "Read-only file system")
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--qk-no-g"], ["--qk-no-g", "--qknorm"]), (["--qk-length", "30"], ["--qk-length", "--qknorm"]),
+    (["--pn-variant", "code"], ["--pn-variant", "power"]), (["--pn-alpha-fwd", "0.5"], ["--pn-alpha-fwd", "power"]),
+    (["--schedule", "nowarmup", "--warmup", "50"], ["--warmup", "nowarmup"]),
+])
+def test_a_flag_that_would_do_nothing_is_refused(argv, names, tmp_path):
+    one_line_error(lambda: train.main(TINY + argv + ["--out", str(tmp_path / "run")]), *names)
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_key_in_config_json_and_a_file_as_data_are_one_line(finished, tmp_path, corpus):
+    run = copy_run(finished, tmp_path)
+    (run / "config.json").write_text(json.dumps(dict(json.loads((run / "config.json").read_text()), d_modle=64)))
+    one_line_error(lambda: train.main(["--resume", str(run)]), "d_modle", "not a flag")
+    one_line_error(lambda: train.main(TINY + ["--data", str(Path(corpus[1]) / "train.src"), "--src", "src", "--tgt",
+                                              "tgt", "--out", str(tmp_path / "r")]), "--data", "a file, not a folder")
+
+
+def test_decode_empty_input_with_ref_odd_metrics_and_idle_flags_are_one_line(finished, tmp_path):
+    (tmp_path / "e").write_text("")
+    one_line_error(lambda: decode.main([str(finished), "--input", str(tmp_path / "e"), "--ref", str(tmp_path / "e")]),
+                   "--ref", "nothing to score")
+    run = copy_run(finished, tmp_path)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(lines[:2] + ["[1, 2]"] + lines[3:]) + "\n")
+    with pytest.raises(data.DataError, match="line 3 is not a record of train.py"):
+        decode.read_metrics(run)  # what --plot reads
+    with pytest.raises(SystemExit) as e:
+        decode.parse_args([str(finished), "--layer", "3"])
+    assert e.value.code == 2
+    p = subprocess.run([sys.executable, "data.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0 and "prepare NAME" in p.stdout
