@@ -821,15 +821,15 @@ def check_output_file(path, flag, suffix=None):
 def check_not_an_input(args):
     """--output never overwrites what decode.py reads (--input, --ref, the checkpoint), nor a file
     train.py wrote into the run directory (its config, metrics, BPE model, checkpoints)."""
-    out = Path(args.output).absolute()
+    out = Path(args.output).resolve()
     for flag, path in (("--input", args.input), ("--ref", args.ref), ("the checkpoint", args.checkpoint)):
         if path and out.exists() and Path(path).exists() and out.samefile(path):
             raise DataError(f"--output {args.output}: is {flag} {path}; write the translations elsewhere")
-    ckpt = Path(args.checkpoint).absolute()
+    ckpt = Path(args.checkpoint).resolve()
     run_dir = ckpt if ckpt.is_dir() else ckpt.parent
-    if out.parent == run_dir and out.exists() and out.suffix not in (".hyp", ".txt"):
-        raise DataError(f"--output {args.output}: a file of the run directory {run_dir} (not a .hyp or .txt file); "
-                        f"write the translations elsewhere")
+    if out.parent == run_dir and out.exists() and (out.suffix not in (".hyp", ".txt") or out.name == "test.hyp"):
+        raise DataError(f"--output {args.output}: a file of the run directory {run_dir} (train.py's, or not a .hyp "
+                        f"or .txt file); write the translations elsewhere")
 
 
 def require_pyplot(path, flag):

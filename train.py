@@ -1318,6 +1318,8 @@ def resume_flags(args, given):
         raise data.DataError(f"--resume {run_dir}: its config.json is not one train.py wrote (not a JSON object "
                              f"with a run_id)")
     for k, v in saved.items():  # an edited config.json: every value of the type and choices of its flag
+        if k in ("corpus_sha256", "changed_on_resume") and not isinstance(v, dict):
+            raise data.DataError(f"--resume {run_dir}: config.json: {k} is {v!r}, not what train.py wrote")
         if k not in ACTIONS and k not in ("run_id", "corpus_sha256", "changed_on_resume"):
             raise data.DataError(f"--resume {run_dir}: config.json: {k} is not a flag of train.py (was it edited?)")
         if k in ACTIONS and not flag_value_ok(k, v):
@@ -1447,9 +1449,13 @@ def staging(run_dir):
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
     except BaseException:
-        if not (run_dir / "config.json").exists():  # not committed: remove what was made here
+        if not (run_dir / "config.json").exists() and made:  # not committed: remove the folders made here,
+            (run_dir / ".lock").unlink(missing_ok=True)  # each only if empty (another run may be in a parent)
             for p in made:
-                shutil.rmtree(p, ignore_errors=True)
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
         raise
 
 

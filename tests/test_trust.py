@@ -632,3 +632,25 @@ def test_decode_empty_input_with_ref_odd_metrics_and_idle_flags_are_one_line(fin
     assert e.value.code == 2
     p = subprocess.run([sys.executable, "data.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0 and "prepare NAME" in p.stdout
+
+
+def test_a_failed_start_removes_only_empty_folders_it_made_and_decode_sees_through_dotdot(finished, tmp_path, corpus):
+    sweep = tmp_path / "sweep"  # made by this start, which then fails; another run's folder appears in it
+    real_mkdir, made = Path.mkdir, []
+
+    def mkdir_then_a_sibling(self, *a, **k):  # the sibling run is made right after our folders
+        real_mkdir(self, *a, **k)
+        if self.name == "b" and not made:
+            made.append(real_mkdir(self.parent / "a"))
+            (self.parent / "a" / "config.json").write_text("{}")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "mkdir", mkdir_then_a_sibling)
+        one_line_error(lambda: train.main(TINY + corpus + ["--max-len", "1", "--out", str(sweep / "b")]),
+                       "no training pair left")
+    assert (sweep / "a" / "config.json").exists() and not (sweep / "b").exists()
+    run = copy_run(finished, tmp_path)
+    (tmp_path / "x.en").write_text("the dog .\n")
+    for output in (run / ".." / "run" / "config.json", run / "test.hyp"):
+        one_line_error(lambda: decode.main([str(run), "--input", str(tmp_path / "x.en"), "--output", str(output)]),
+                       "a file of the run directory")
