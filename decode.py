@@ -9,6 +9,8 @@ Shapes: B sentences, S source length, K beam size, V vocabulary, n the rows stil
     python decode.py --compare baseline.hyp system.hyp --ref test.tgt   # significance
     python decode.py RUN --attention "a source sentence" --layer 0 --head 0 --kind cross
     python decode.py RUN --g-table          python decode.py RUN --input dev.src --benchmark
+    python decode.py LM_RUN --ppl --input test.txt        # a language model: perplexity of a text
+    python decode.py LM_RUN --generate "the company said" --sample --temperature 0.8
 
 Contents
   1. Incremental decoding: encode once, then one token per step with cached keys/values
@@ -19,16 +21,19 @@ Contents
   6. Translating many lines
   7. Scores: tokenized BLEU, SacreBLEU, chrF [8, 9]
   8. Held-out loss and perplexity ([1] Table 8)
+  9. A language model ([2] Table 2): perplexity of a text, and continuing a prefix
   Appendix A: significance, paired bootstrap resampling [10]
   Appendix B: a run directory's checkpoints (load_checkpoint), and averaging them [2]
-  Appendix C: looking inside: the learned g's ([1] Figures 3-4), attention maps ([3] Figures 1-2)
+  Appendix C: looking inside: the learned g's ([1] Figures 3-4), attention maps ([3] Figures 1-2),
+              the embedding's singular values ([2] Figure 6)
   Appendix D: --benchmark, the speed and BLEU of greedy and beam search
   Appendix E: pictures (--plot)
   Appendix F: the command line (python decode.py --help)
 
   [1] Nguyen & Salazar 2019, Transformers without Tears (TwT): beam 4, alpha 0.6, maximum
       output length = source length + 50 (the authors' code, tnq177/transformers_without_tears).
-  [2] Shen et al. 2020, PowerNorm: translations from an average of the last epoch checkpoints.
+  [2] Shen et al. 2020, PowerNorm: translations from an average of the last epoch checkpoints;
+      language models (Table 2), the singular values of the embedding (Figure 6).
   [3] Henry et al. 2020, Query-Key Normalization (QKNorm).
   [7] Wu et al. 2016, Google's Neural Machine Translation System (GNMT), eq. 14.
   [8] Post 2018, A Call for Clarity in Reporting BLEU Scores (SacreBLEU).
@@ -441,6 +446,46 @@ def perplexity(model, tokenizer, pairs, label_smoothing=0.1, batch_tokens=4096, 
             "smoothed_loss": total / n, "nll": nll_total / n, "n_tokens": n}
 
 
+# ---------------------------------------------------------------------------------------
+# 9. A language model ([2] Table 2). Perplexity is the field's: the text as one stream cut into
+# segments (data.py section 9), every token predicted once from the ones before it in its segment:
+#   ppl = exp(NLL / n),  n = the text's tokens + one EOS a sentence;  per word: exp(NLL / (words + EOS))
+# (the same NLL; under BPE n counts pieces, so per-word perplexity is the one comparable across
+# vocabularies). Continuing a prefix: the last seq_len tokens predict the next, which is the most
+# probable one (greedy) or drawn from softmax(logits / temperature) (--sample).
+# ---------------------------------------------------------------------------------------
+def lm_perplexity(model, tokenizer, lines, seq_len, batch_tokens=4096, bf16=True):
+    """dict(ppl, nll, n_tokens, word_ppl, n_words) of text lines (empty lines skipped, as training does)."""
+    lines = [line for line in lines if line]
+    if not lines:
+        raise DataError("perplexity: no text (every line is empty)")
+    _, nll, n = evaluate_loss(model, data.lm_segments(data.lm_stream(tokenizer, lines), seq_len), batch_tokens,
+                              0.0, bf16)
+    words = sum(len(line.split()) + 1 for line in lines)  # + EOS each
+    return {"ppl": math.exp(nll / n), "nll": nll / n, "n_tokens": n, "word_ppl": math.exp(nll / words),
+            "n_words": words}
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, seed=0):
+    """The prefix continued until EOS or max_tokens: greedy (temperature 0), else sampled."""
+    device = next(model.parameters()).device
+    ids, rng = [EOS] + tokenizer.encode(prefix), torch.Generator().manual_seed(seed)
+    start = len(ids)
+    with evaluating(model):
+        for _ in range(max_tokens):
+            x = torch.tensor([ids[-seq_len:]], device=device)  # the context the model was trained with
+            logits = model(None, x)[0, -1].float().cpu()  # (V,) -inf at PAD and BOS
+            if temperature > 0:
+                nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=rng))
+            else:
+                nxt = int(logits.argmax())
+            if nxt == EOS:
+                break
+            ids.append(nxt)
+    return tokenizer.decode(ids[1:start]), tokenizer.decode(ids[start:])
+
+
 # =======================================================================================
 # Appendix A: paired bootstrap resampling [10] (Koehn 2004), the significance test of [1] and [3].
 #
@@ -617,7 +662,7 @@ def load_checkpoint(path, device="cpu", average=0):
     if not isinstance(proto, (bytes, bytearray)):
         raise DataError(f"{p}: has no bpe_model_proto (the sentencepiece model), so it cannot translate")
     try:
-        tokenizer = data.Tokenizer(f"{p}:bpe_model_proto", model_proto=proto)
+        tokenizer = data.load_tokenizer(proto, f"{p}:bpe_model_proto")
     except (RuntimeError, DataError) as e:
         raise DataError(f"{p}: its bpe_model_proto is not a usable sentencepiece model ({e})") from None
     if tokenizer.vocab_size != model.cfg.vocab_size:
@@ -704,6 +749,18 @@ def save_g_values(model, path):
     rows = g_values(model)
     data.atomic_write(path, json.dumps(rows, indent=2) + "\n")
     return rows
+
+
+# ---------------------------------------------------------------------------------------
+# The embedding's singular values ([2] Figure 6, after Gao et al. 2019): sigma_1 >= ... of the
+# learned embedding matrix E (V, D), divided by sigma_1. Slow decay: the embeddings use more
+# directions of the space. Note: E as trained, before FixNorm's row normalisation (with FixNorm the
+# rows the model reads have unit length; their matrix is svd'd the same way by --svd).
+# ---------------------------------------------------------------------------------------
+def singular_values(model):
+    """sigma_i / sigma_1 of the embedding matrix, largest first (a list of min(V, D) floats)."""
+    sigma = torch.linalg.svdvals(model.embed.detach().double().cpu())
+    return [round(x, 5) for x in (sigma / sigma[0]).tolist()]
 
 
 # ---------------------------------------------------------------------------------------
@@ -1042,14 +1099,15 @@ def build_parser():
                          "(PowerNorm's released script: 5; its paper: 10); floats are averaged, integer/bool "
                          "buffers copied")
     ev.add_argument("--ppl", action="store_true",
-                    help="with --ref: also print the label-smoothed and plain perplexity (teacher forced, [1] Table 8)")
+                    help="with --ref: also print the label-smoothed and plain perplexity (teacher forced, [1] Table 8); "
+                         "a language model: the perplexity of the text of --input (or stdin)")
     ev.add_argument("--label-smoothing", type=float, default=None,
                     help="epsilon for --ppl (default: the checkpoint's training value, else 0.1)")
     ev.add_argument("--compare", nargs=2, metavar=("BASELINE", "SYSTEM"),
                     help="paired bootstrap resampling (Koehn 2004, SacreBLEU's implementation) of two output files "
                          "against --ref: BLEU, 95%% CI, p-value; no checkpoint needed")
     ev.add_argument("--samples", type=int, default=1000, help="bootstrap resamples for --compare")
-    ev.add_argument("--seed", type=int, default=12345, help="resampling seed for --compare (SacreBLEU's default)")
+    ev.add_argument("--seed", type=int, default=12345, help="resampling seed for --compare (SacreBLEU's default); --sample's seed")
     ev.add_argument("--attention", metavar="SOURCE", help="print the attention map of this source sentence (QKNorm "
                     "[3] Figures 1-2), teacher-forced on --attention-target or the model's own greedy translation")
     ev.add_argument("--attention-target", metavar="TARGET", help="the target sentence for --attention")
@@ -1065,6 +1123,16 @@ def build_parser():
                     "Fig. 2), learned g by depth ([1] Figs. 3-4), QKNorm's g, batch vs running statistics ([2] Figs. "
                     "2-4), each panel the runs have data for; needs matplotlib (pip install matplotlib)")
     ev.add_argument("--out", metavar="FILE.png", help="the picture --plot writes")
+    ev.add_argument("--svd", action="store_true", help="print the singular values of the embedding matrix over the "
+                    "largest ([2] Figure 6); with --png also draw them")
+    lm = ap.add_argument_group("a language model (train.py --task lm)")
+    lm.add_argument("--generate", metavar="PREFIX", help="continue this text until EOS or --max-tokens")
+    lm.add_argument("--sample", action="store_true", help="--generate: sample from the softmax instead of the "
+                    "most probable token")
+    lm.add_argument("--temperature", type=float, default=1.0, help="--sample: softmax(logits / T)")
+    lm.add_argument("--max-tokens", type=int, default=50, help="--generate: at most this many new tokens")
+    lm.add_argument("--seq-len", type=int, help="--ppl and --generate: the segment (context) length (default: "
+                    "the run's; a multi-linear attention is built for its own and takes no longer one)")
     return ap
 
 
@@ -1084,13 +1152,19 @@ def parse_args(argv=None):
         ap.error("--plot needs --out FILE.png")
     if not args.compare and not args.plot and not args.checkpoint:
         ap.error("a checkpoint (file or run directory) is needed, except with --compare or --plot")
-    if args.ppl and not args.ref:
-        ap.error("--ppl needs --ref (and the sources in --input or on stdin)")
+    if args.temperature <= 0:
+        ap.error(f"--temperature must be positive (got {args.temperature!r})")
+    for flag, given, needs in (("sample", args.sample, "generate"), ("max_tokens", args.max_tokens != 50, "generate"),
+                               ("temperature", args.temperature != 1.0, "sample")):
+        if given and not getattr(args, needs):
+            ap.error(f"--{flag.replace('_', '-')} is for --{needs}: give --{needs} too")
+    if args.seq_len is not None and args.seq_len < 1:
+        ap.error(f"--seq-len must be at least 1 (got {args.seq_len!r})")
     if args.attention_target is not None and args.attention is None:
         ap.error("--attention-target needs --attention")
     for flag, default in (("png", None), ("layer", 0), ("head", 0), ("kind", "cross")):
-        if getattr(args, flag) != default and args.attention is None:
-            ap.error(f"--{flag} is for the map of --attention: give --attention too")
+        if getattr(args, flag) != default and args.attention is None and not (flag == "png" and args.svd):
+            ap.error(f"--{flag} is for the map of --attention (or --svd): give --attention too")
     return args
 
 
@@ -1117,8 +1191,14 @@ def run(args):
     lines = data.read_lines(args.input) if args.input else None
     refs = data.read_lines(args.ref) if args.ref else None
     model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
+    if args.svd:
+        return print_singular_values(model, args.png)
     if args.g_table or args.attention is not None:
         return analyse(args, model, tokenizer)
+    if model.cfg.lm or args.generate is not None or args.seq_len is not None:
+        return language_model(args, model, tokenizer, ckpt, lines)
+    if args.ppl and not args.ref:
+        raise DataError("--ppl of a translator needs --ref (and the sources in --input or on stdin)")
     if lines is None:
         try:
             raw = sys.stdin.buffer.read()
@@ -1160,6 +1240,53 @@ def run(args):
             ppl = perplexity(model, tokenizer, list(zip(lines, refs)), eps, args.batch_tokens, args.dtype == "bf16")
             print(f"test perplexity: label-smoothed (eps {eps}) {ppl['smoothed_ppl']:.2f}, "
                   f"plain {ppl['ppl']:.2f} over {ppl['n_tokens']} target tokens", file=sys.stderr)
+    return 0
+
+
+def read_stdin():
+    try:
+        raw = sys.stdin.buffer.read()
+    except (AttributeError, ValueError, OSError):  # None, closed or unreadable
+        raise DataError("stdin is closed or unreadable: give the text with --input FILE") from None
+    return data.split_lines(raw, "stdin")  # undecodable bytes: DataError naming the line
+
+
+def language_model(args, model, tokenizer, ckpt, lines):
+    """--ppl and --generate of a language model (section 9)."""
+    if not model.cfg.lm:
+        raise DataError(f"{args.checkpoint}: a translator; --generate and --seq-len are for a language model")
+    if args.ref or args.benchmark or args.generate is None and not args.ppl:
+        raise DataError(f"{args.checkpoint}: a language model: give --ppl (with --input) or --generate PREFIX")
+    seq_len = args.seq_len or (ckpt.get("args") or {}).get("seq_len") or model.cfg.seq_len or 32
+    if model.cfg.attention == "multilinear" and seq_len > model.cfg.seq_len:
+        raise DataError(f"--seq-len {seq_len}: {args.checkpoint} has a multi-linear attention built for segments of "
+                        f"{model.cfg.seq_len} tokens; give --seq-len {model.cfg.seq_len} or less")
+    if args.ppl:
+        ppl = lm_perplexity(model, tokenizer, read_stdin() if lines is None else lines, seq_len, args.batch_tokens,
+                            args.dtype == "bf16")
+        print(f"perplexity {ppl['ppl']:.2f} over {ppl['n_tokens']} tokens (segments of {seq_len}); per word "
+              f"{ppl['word_ppl']:.2f} over {ppl['n_words']} words and EOS")
+    if args.generate is not None:
+        prefix, more = generate(model, tokenizer, args.generate, seq_len, args.max_tokens,
+                                args.temperature if args.sample else 0.0, args.seed)
+        print(f"{prefix} [{more}]" if prefix else more)
+    return 0
+
+
+def print_singular_values(model, png=None):
+    """--svd: [2] Figure 6's curve, printed (and drawn into png)."""
+    sv = singular_values(model)
+    marks = sorted({0, len(sv) // 10, len(sv) // 4, len(sv) // 2, 3 * len(sv) // 4, len(sv) - 1})
+    print("singular values of the embedding matrix over the largest ([2] Figure 6): "
+          + ", ".join(f"sigma_{i + 1} {sv[i]:.3f}" for i in marks))
+    if png:
+        plt = pyplot(png)
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(range(1, len(sv) + 1), sv)
+        ax.set(xlabel="index", ylabel="sigma_i / sigma_1", title="embedding singular values")
+        fig.tight_layout()
+        fig.savefig(png, dpi=120)
+        print(f"wrote {png}")
     return 0
 
 

@@ -11,13 +11,16 @@ Contents
   6. The residual placement: PostNorm (eq. 2) and PreNorm (eq. 3) of [1], side by side
   7. Encoder and decoder layers
   8. The model: tied embeddings, FixNorm, the output layer with the target-vocabulary mask
-     ([1] appendix A), initialisation (Xavier normal eq. 4 vs SmallInit, [1] section 2.2)
+     ([1] appendix A), initialisation (Xavier normal eq. 4 vs SmallInit, [1] section 2.2);
+     a language model ([2] Table 2) is the same decoder without the encoder and cross-attention
   9. The training objective: label-smoothed cross entropy ([1] appendix A)
  10. Where the model runs: device and precision
   Appendix A: fast paths (the same math, measured faster for a whole training step)
+  Appendix B: the multi-linear attention of the tensorized Transformer [7] (PowerNorm's language models)
 
   [1] Nguyen & Salazar 2019, Transformers without Tears.     [2] Shen et al. 2020, PowerNorm.
   [3] Henry et al. 2020, Query-Key Normalization.           [6] Vaswani et al. 2017, Attention Is All You Need.
+  [7] Ma et al. 2019, A Tensorized Transformer for Language Modeling.
 """
 import contextlib
 import math
@@ -62,6 +65,9 @@ class ModelConfig:
     qk_learn_g: bool = True  # False: [3] Table 6, "Without g" (g fixed at 1)
     qk_norm_v: bool = False  # [3] Table 6, "l2-normalizing V along with Q and K"
     sdpa: bool = True  # F.scaled_dot_product_attention (False: the written-out attention)
+    lm: bool = False  # a language model: the decoder alone, no encoder or cross-attention (--task lm)
+    attention: str = "softmax"  # the decoder's self-attention: softmax, or multilinear ([7], Appendix B)
+    seq_len: int = 0  # the segment length a multi-linear attention's output layer is built for
 
     def to_dict(self):
         return asdict(self)
@@ -226,10 +232,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, norm_name):
         super().__init__()
         self.cfg = cfg
-        self.self_attn = MultiHeadAttention(cfg)
-        self.cross_attn = MultiHeadAttention(cfg)  # "decoder-encoder" attention in [1] Figure 3
+        self.self_attn = MultiLinearAttention(cfg) if cfg.attention == "multilinear" else MultiHeadAttention(cfg)
         self.ff = FeedForward(cfg)
-        self.norm_self, self.norm_cross, self.norm_ff = (_norm(cfg, norm_name) for _ in range(3))
+        self.norm_self, self.norm_ff = _norm(cfg, norm_name), _norm(cfg, norm_name)
+        # "decoder-encoder" attention in [1] Figure 3; a language model has no encoder, so none.
+        self.cross_attn = None if cfg.lm else MultiHeadAttention(cfg)
+        self.norm_cross = None if cfg.lm else _norm(cfg, norm_name)
 
     def forward(self, x, pad_mask, mem_kv, mem_key_mask, self_kv=None):
         """x (B, T, D). mem_kv: this layer's cross-attention (k, v) of the encoder output.
@@ -237,6 +245,8 @@ class DecoderLayer(nn.Module):
         (decode.py) a dict with this layer's self-attention keys/values so far, which the new
         step's are appended to (so the prefix is never recomputed)."""
         def self_attn(h):
+            if isinstance(self.self_attn, MultiLinearAttention):  # Appendix B; causal by construction
+                return self.self_attn(h)
             k, v = self.self_attn.project_kv(h)  # (B, H, T, Dh)
             if self_kv is None:
                 return self.self_attn(h, k, v, None, causal=True)
@@ -249,7 +259,8 @@ class DecoderLayer(nn.Module):
             return self.cross_attn(h, mem_kv[0], mem_kv[1], mem_key_mask)
 
         x = residual(x, self_attn, self.norm_self, pad_mask, self.cfg, self.training)
-        x = residual(x, cross_attn, self.norm_cross, pad_mask, self.cfg, self.training)
+        if self.cross_attn is not None:
+            x = residual(x, cross_attn, self.norm_cross, pad_mask, self.cfg, self.training)
         return residual(x, self.ff, self.norm_ff, pad_mask, self.cfg, self.training)
 
 
@@ -266,6 +277,10 @@ class Transformer(nn.Module):
       output:  logits = h E^T + b + m,   m_w = 0 if w is a target word else -inf
     With FixNorm E is replaced by rows of unit length, and with PreNorm + ScaleNorm the
     decoder's final norm gives ||h|| = g, so logit_w = g cos(h, e_w) + b_w: eq. 6.
+
+    A language model (cfg.lm, [2] Table 2) is this decoder with nothing to attend to: no encoder,
+    no cross-attention; it reads a text's tokens and predicts each next one, with the same
+    embeddings, norms, residuals and output layer:  p(w_t | w_<t) = softmax(h_t E^T + b)_w.
     """
 
     def __init__(self, cfg: ModelConfig, tgt_vocab_mask=None):
@@ -280,11 +295,11 @@ class Transformer(nn.Module):
         self.register_buffer("allowed", allowed)  # (V,) saved with the checkpoint
         self.register_buffer("logit_mask", torch.zeros(V).masked_fill(~allowed, float("-inf")))  # m
         self.register_buffer("pe", sinusoidal_positions(1024, d), persistent=False)
-        self.encoder = nn.ModuleList(EncoderLayer(cfg, enc_norm) for _ in range(cfg.enc_layers))
+        self.encoder = nn.ModuleList(EncoderLayer(cfg, enc_norm) for _ in range(0 if cfg.lm else cfg.enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg, dec_norm) for _ in range(cfg.dec_layers))
         # Paper [1] section 2.1: under PreNorm "one must append an additional normalization
         # after both encoder and decoder so their outputs are appropriately scaled".
-        self.enc_final_norm = _norm(cfg, enc_norm) if cfg.prenorm else None
+        self.enc_final_norm = _norm(cfg, enc_norm) if cfg.prenorm and not cfg.lm else None
         # Paper [1] Table 7, "ScaleNorm (g = sqrt d) + FixNorm (learned)": with fixed-g ScaleNorm the
         # output layer's g (the decoder's final norm, eq. 6) is still learned.
         self.dec_final_norm = _norm(cfg, "scale" if dec_norm == "scale_fixed" else dec_norm) if cfg.prenorm else None
@@ -310,6 +325,10 @@ class Transformer(nn.Module):
                 # Note: W^K and W^V live in one (2D, D) matrix; each block is D x D, so the std
                 # comes from D x D fan sizes, not from the fused shape.
                 lins, std = (m.q, m.kv, m.out), attn_std
+            elif isinstance(m, MultiLinearAttention):  # W^Q, W^K, W^V as above; W^O: Xavier of its own shape
+                nn.init.normal_(m.out.weight, 0.0, math.sqrt(2 / sum(m.out.weight.shape)))
+                nn.init.zeros_(m.out.bias)
+                lins, std = (m.qkv,), attn_std
             elif isinstance(m, FeedForward):
                 lins, std = (m.w1, m.w2), ff_std
             else:
@@ -361,10 +380,10 @@ class Transformer(nn.Module):
         """tgt_in (B, T) -> decoder output h (B, T, D), before the output layer. self_kv: None, or
         per layer the cached self-attention keys/values of incremental decoding (decode.py)."""
         tgt_pad = tgt_in.eq(PAD) if self_kv is None else None  # (B, T)
-        mem_key_mask = ~src_pad[:, None, None, :]  # (B, 1, 1, S)
+        mem_key_mask = None if src_pad is None else ~src_pad[:, None, None, :]  # (B, 1, 1, S); None: an LM
         x = self.embed_tokens(tgt_in, E, start)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, tgt_pad, mem_kv[i], mem_key_mask, None if self_kv is None else self_kv[i])
+            x = layer(x, tgt_pad, mem_kv and mem_kv[i], mem_key_mask, None if self_kv is None else self_kv[i])
         if self.dec_final_norm is not None:
             x = self.dec_final_norm(x, tgt_pad)
         return x
@@ -372,10 +391,14 @@ class Transformer(nn.Module):
     def forward(self, src, tgt_in, tgt_out=None, smoothing=0.0):
         """Teacher-forced pass: src (B, S), tgt_in (B, T) -> logits (B, T, V); given the references
         tgt_out (B, T), PAD-padded: (label-smoothed loss sum, NLL sum) instead. (The loss is
-        computed in forward, as nanoGPT does, so that DDP and torch.compile cover it.)"""
+        computed in forward, as nanoGPT does, so that DDP and torch.compile cover it.)
+        A language model has no source: src is None, tgt_in the text w_0..w_{T-1}, tgt_out w_1..w_T."""
         E = self.embedding_matrix()  # normalised once per forward
-        memory, src_pad = self.encode(src, E)
-        h = self.decode(tgt_in, src_pad, E, self.memory_kv(memory))  # (B, T, D)
+        if self.cfg.lm:  # the decoder alone, causal self-attention only
+            h = self.decode(tgt_in, None, E, None)  # (B, T, D)
+        else:
+            memory, src_pad = self.encode(src, E)
+            h = self.decode(tgt_in, src_pad, E, self.memory_kv(memory))  # (B, T, D)
         if tgt_out is None:
             return self.output_logits(h, E)
         # Note: a reference word outside the target vocabulary (a BPE piece seen only on the source
@@ -526,3 +549,46 @@ def index_target_words(model):
     """The target words' ids (Vt,) and each word's column among them (V,), from the mask."""
     model.register_buffer("target_ids", model.allowed.nonzero().squeeze(1), persistent=False)  # (Vt,)
     model.register_buffer("target_column", (model.allowed.cumsum(0) - 1).clamp_min(0), persistent=False)  # (V,)
+
+
+# =======================================================================================
+# Appendix B: the multi-linear attention of the tensorized Transformer [7], "core-1" (one block),
+# the attention of PowerNorm's language models ([2] appendix A.2: "there exists only one linear
+# projection in multi-linear attention"; "with masking"). Per head, on a segment of L positions:
+#   [Q; K; V] = x [W^Q; W^K; W^V]                       (one projection, split in three), each (L, R)
+#   T[i, j, k] = sum_r c_r Q[i, r] K[j, r] V[k, r]      c: the core, one vector of R = D / H numbers
+#   causal:  T[i, j, k] = 0 unless j <= i and k <= i    (position i sees no later token)
+#   out_i = W^O [vec T_1[i, :, :]; ...; vec T_H[i, :, :]] + b     (H L^2 numbers -> D, one linear layer)
+# No softmax: position i's output is a learned linear map of the (L, L) slice of the tensor.
+# Code (szhangtju/The-compression-of-Transformer, the baseline PowerNorm points to): the same
+# tensor and output layer, the core softmax-initialised; it builds a causal mask and never applies
+# it, so every position sees the whole segment, future included. We apply it ([2] says it did).
+# W^O has L^2 inputs per head: the model is built for segments of cfg.seq_len positions; shorter
+# ones are the first positions of a full one (the causal mask makes the rest zero).
+# =======================================================================================
+class MultiLinearAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, self.heads, self.L = cfg.d_model, cfg.heads, cfg.seq_len
+        if d % self.heads:
+            raise ValueError(f"--d-model {d} is not divisible by --heads {self.heads}")
+        if self.L < 1:
+            raise ValueError("the multi-linear attention needs the segment length (--seq-len) it is built for")
+        self.qkv = nn.Linear(d, 3 * d)  # [W^Q; W^K; W^V]
+        self.core = nn.Parameter(torch.softmax(torch.randn(d // self.heads), 0))  # c (R,); Code: softmax-initialised
+        self.out = nn.Linear(self.heads * self.L * self.L, d)  # W^O
+        i = torch.arange(self.L)
+        causal = (i[None, :, None] <= i[:, None, None]) & (i[None, None, :] <= i[:, None, None])  # [j <= i and k <= i]
+        self.register_buffer("causal", causal, persistent=False)  # (L, L, L)
+
+    def forward(self, x):
+        """x (B, t, D), t <= L -> (B, t, D)."""
+        b, t, d = x.shape
+        if t > self.L:
+            raise ValueError(f"a multi-linear attention built for --seq-len {self.L} got {t} positions")
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))  # (B, H, t, R)
+        qk = (q * self.core)[:, :, :, None, :] * k[:, :, None, :, :]  # (B, H, t, t, R)  c_r Q[i, r] K[j, r]
+        T = (qk.flatten(2, 3) @ v.transpose(-1, -2)).view(b, self.heads, t, t, t)  # sum_r ... V[k, r]
+        T = T * self.causal[:t, :t, :t]  # T[i, j, k] = 0 unless j, k <= i
+        T = F.pad(T, (0, self.L - t, 0, self.L - t))  # (B, H, t, L, L): a shorter segment's slices, zero beyond t
+        return self.out(T.transpose(1, 2).reshape(b, t, self.heads * self.L * self.L))  # (B, t, D)

@@ -118,7 +118,8 @@ def validation_decay(history, patience):
 # only for the same training text and size), encode (cached there too).
 # ---------------------------------------------------------------------------------------
 def read_corpus(args, log):
-    """{split: [(src, tgt)]} of raw text, and the language suffixes."""
+    """{split: [(src, tgt)]} of raw text, and the language suffixes; a language model's text:
+    {split: [line]} (read_text)."""
     if args.data is None:
         data_dir, langs = data.ensure_toy_corpus(), ("src", "tgt")
         log(f"data: built-in synthetic corpus in {data_dir}")
@@ -131,6 +132,8 @@ def read_corpus(args, log):
         if pair and not data_dir.is_dir():
             raise data.DataError(f"--data {data_dir}: not there (relative to this folder): prepare it with "
                                  f"python data.py prepare {pair}, or give --data DIR")
+    if args.task == "lm":
+        return read_text(data_dir, args.data is None, log), (None, None)
     paths, pairs = data.corpus_paths(data_dir, *langs), {}
     for split in data.SPLITS:
         # A training pair with an empty side teaches nothing and is dropped. Dev and test lines never
@@ -144,6 +147,23 @@ def read_corpus(args, log):
             log(f"data: {split}: {stats['empty']} pairs with an empty side "
                 + ("dropped" if split == "train" else "kept (translated and scored like every other line)"))
     return pairs, langs
+
+
+def read_text(data_dir, builtin, log):
+    """A language model's {split: [line]}: DIR/{train,dev,test}.txt, one sentence a line, empty lines
+    skipped (the built-in corpus: its target side)."""
+    if builtin:
+        log("data: the target side of the built-in synthetic corpus, as a language model's text")
+    text = {}
+    for split in data.SPLITS:
+        path = data_dir / f"{split}.{'tgt' if builtin else 'txt'}"
+        if not path.is_file():
+            raise data.DataError(f"{path}: file not found (a language model's corpus folder holds train.txt, "
+                                 f"dev.txt and test.txt, one sentence a line)")
+        text[split] = [line for line in data.read_lines(path) if line]
+        if not text[split]:
+            raise data.DataError(f"{path}: no text (every line is empty)")
+    return text
 
 
 def prepare_data(args, pairs, run_dir, stage, log, proto=None):
@@ -162,15 +182,20 @@ def prepare_data(args, pairs, run_dir, stage, log, proto=None):
         proto = old.read_bytes()
     else:
         t0 = time.time()
-        with tempfile.TemporaryDirectory(dir=stage) as tmp:
-            trained = data.train_bpe([s for s, _ in pairs["train"]], [t for _, t in pairs["train"]], args.bpe_size,
-                                     Path(tmp) / "bpe")
-            proto = Path(trained).read_bytes()
-        log(f"data: trained joint BPE ({args.bpe_size} requested) in {time.time() - t0:.1f}s")
-    if stage is not None:
+        if args.task == "lm" and args.bpe_size == 0:  # whitespace words (PTB's own vocabulary)
+            proto = data.WordVocab.build(pairs["train"]).proto
+        else:
+            sides = (pairs["train"], []) if args.task == "lm" else zip(*pairs["train"])
+            with tempfile.TemporaryDirectory(dir=stage) as tmp:
+                proto = Path(data.train_bpe(*sides, args.bpe_size, Path(tmp) / "bpe")).read_bytes()
+        log(f"data: {'word vocabulary' if args.bpe_size == 0 else f'BPE ({args.bpe_size} requested)'} "
+            f"made in {time.time() - t0:.1f}s")
+    if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list
         data.atomic_write(stage / "bpe.model", proto)
         data.atomic_write(stage / "bpe.key", key)
-    tok = data.Tokenizer(old, model_proto=proto)
+    tok = data.load_tokenizer(proto, old)
+    if args.task == "lm":
+        return (tok, *lm_data(args, tok, pairs, log))
     encode = lambda split: data.load_or_encode(tok, pairs[split], run_dir / f"{split}.enc.pt",
                                                stage / f"{split}.enc.pt" if stage is not None else False)
     everything = encode("train")
@@ -192,6 +217,18 @@ def prepare_data(args, pairs, run_dir, stage, log, proto=None):
     return tok, train, dev, everything
 
 
+def lm_data(args, tok, text, log):
+    """A language model's training and dev segments (data.py section 9), and the training ones again."""
+    streams = {split: data.lm_stream(tok, text[split]) for split in data.SPLITS}
+    if streams["dev"].numel() - 1 < args.seq_len:
+        raise data.DataError(f"{Path(args.data or data.toy_corpus_dir()) / 'dev.txt'}: {streams['dev'].numel() - 1} "
+                             f"tokens, shorter than one segment of --seq-len {args.seq_len}")
+    train, dev = data.lm_segments(streams["train"], args.seq_len), data.lm_segments(streams["dev"], args.seq_len)
+    log("data: " + " / ".join(f"{streams[s].numel() - 1} {s}" for s in data.SPLITS) + f" tokens to predict, "
+        f"vocabulary {tok.vocab_size}, {len(train)} training segments of --seq-len {args.seq_len}")
+    return train, dev, train
+
+
 def qknorm_g0(args, train, log):
     """QKNorm's g0 = log2(L^2 - L) [3, eq. 3], L from --qk-length or the training data.
 
@@ -202,6 +239,8 @@ def qknorm_g0(args, train, log):
     give a smaller L (Multi30k en-de: 30 BPE tokens, 20 words). Code [3]: L hard-coded per pair."""
     if args.qk_length is not None:
         L, how = args.qk_length, "--qk-length"
+    elif args.task == "lm":
+        L, how = args.seq_len, "--seq-len: a language model's segments are that long"
     else:
         L = data.length_percentile(train, q=args.qk_percentile)
         how = (f"{args.qk_percentile}th percentile of BPE training lengths, source and target pooled, no BOS/EOS, "
@@ -246,9 +285,10 @@ def train_step(net, optimizer, batches, lr, opts: StepOptions):
         last = i == len(batches) - 1  # DDP all-reduces the gradients after the last micro-batch only
         with contextlib.nullcontext() if last or world == 1 else net.no_sync():
             # Paper (appendix A): word dropout on source and target inputs, never on the targets.
-            src = data.word_dropout(b.src, opts.word_dropout, opts.rng) if opts.word_dropout else b.src
+            src = data.word_dropout(b.src, opts.word_dropout, opts.rng) if opts.word_dropout and b.src is not None \
+                else b.src  # None: a language model
             tgt_in = data.word_dropout(b.tgt_in, opts.word_dropout, opts.rng) if opts.word_dropout else b.tgt_in
-            with autocast(b.src.device, opts.bf16):
+            with autocast(b.tgt_in.device, opts.bf16):
                 loss, nll = net(src, tgt_in, b.tgt_out, opts.smoothing)  # sums over the target tokens
             (loss / n_tgt).backward()  # Code: summed over non-pad targets, divided by their count
         loss_sum, nll_sum = loss_sum + loss.detach(), nll_sum + nll.detach()
@@ -365,7 +405,8 @@ def setup(args, stack):
     if world > 1 and rank != 0:
         dist.barrier()  # rank 0 prepares the BPE model and the caches, and commits them, first
     tokenizer, train, dev, unfiltered = prepare_data(args, pairs, run_dir, stage, log, ckpt and ckpt["bpe_model_proto"])
-    allowed = data.target_vocab_mask([t for _, t in train], tokenizer.vocab_size)
+    # A language model may predict every word; a translator only the target side's ([1] appendix A).
+    allowed = None if args.task == "lm" else data.target_vocab_mask([t for _, t in train], tokenizer.vocab_size)
     cfg = model_config_from_args(args, tokenizer.vocab_size, qknorm_g0(args, unfiltered, log) if args.qknorm else 1.0)
     model = Transformer(cfg, allowed).to(device)
     bf16 = device.type == "cuda" and args.dtype == "bf16"
@@ -443,7 +484,7 @@ def train_loop(run):
                 sums = torch.stack([loss.double(), nll.double()])
                 dist.all_reduce(sums)
                 loss, nll = sums[0], sums[1]
-            flops = sum(step_flops(run.model.cfg, *b.src.shape, b.tgt_in.size(1), n_out) for b in batches) * run.world
+            flops = sum(batch_flops(run.model.cfg, b, n_out) for b in batches) * run.world
             # The step's numbers stay on the device: reading them (.item()) would wait for the GPU
             # at every step. They are read together at each log line and before each evaluation.
             numbers = [loss, nll, gnorm] + ([n_tgt] if torch.is_tensor(n_tgt) else [])  # n_tgt: under DDP
@@ -502,7 +543,9 @@ def diverged(run, what):
 
 
 def end_of_epoch(run):
+    """Dev BLEU of a translator, dev perplexity of a language model; the same decisions on either."""
     args, s = run.args, run.state
+    lm, what = args.task == "lm", "dev perplexity" if args.task == "lm" else "dev BLEU"
     s.epoch += 1
     t0, bleu = time.time(), None
     if run.master:
@@ -514,6 +557,8 @@ def end_of_epoch(run):
         if bad or not math.isfinite(dev_loss):
             diverged(run, (f"the weights became non-finite ({bad})" if bad else f"the dev loss became {dev_loss}")
                      + f" at step {s.step}, so no checkpoint of it is written")
+        elif lm:  # a language model is scored by minus its dev perplexity, so that higher is better for both
+            bleu = -math.exp(min(dev_nll / max(n, 1), 50))
         else:
             search = decode.Search(args.dev_beam, args.alpha, max_src_len=args.max_len, bf16=run.step_options.bf16,
                                penalty=args.length_penalty)
@@ -527,7 +572,7 @@ def end_of_epoch(run):
         return
     s.dev_bleu = bleu
     s.history.append(bleu)
-    improved = bleu > s.best_bleu
+    improved = s.best_step == 0 or bleu > s.best_bleu  # the first evaluation is the best so far
     if improved:
         s.best_bleu, s.best_step, s.since_best = bleu, s.step, 0
     else:
@@ -536,22 +581,23 @@ def end_of_epoch(run):
     # but then multiply by a scale alpha_decay < 1"; Code: no decay while still in the warmup.
     if run.schedule.decays and s.step >= run.schedule.warmup and validation_decay(s.history, args.patience):
         s.lr_decay *= args.decay_factor
-        run.log(f"dev BLEU below each of the previous {args.patience}: LR x {args.decay_factor}")
+        run.log(f"{what} worse than each of the previous {args.patience}: LR x {args.decay_factor}")
     next_lr = run.schedule(s.step + 1, s.lr_decay)
     # Stopping ([1] appendix A): the LR too small, or no dev improvement for a while.
     if next_lr < args.stop_lr and s.step >= run.schedule.warmup:
         s.stopped = f"the LR {next_lr:.2e} fell below --stop-lr {args.stop_lr:g}"
     elif args.early_stop and s.since_best >= args.early_stop:
-        s.stopped = f"dev BLEU has not improved for {args.early_stop} evaluations"
+        s.stopped = f"{what} has not improved for {args.early_stop} evaluations"
     elif s.epoch >= args.max_epochs:
         s.stopped = f"--max-epochs {args.max_epochs} reached"
     if not run.master:
         return
     dev_ppl = math.exp(min(dev_nll / max(n, 1), 50))
-    run.log(f"epoch {s.epoch:3d} | step {s.step:6d} | dev BLEU {bleu:6.2f} | dev ppl {dev_ppl:7.2f} | best "
-            f"{s.best_bleu:6.2f} (step {s.best_step}) | eval {time.time() - t0:.1f}s")
+    best = f"best {-s.best_bleu:7.2f}" if lm else f"dev BLEU {bleu:6.2f} | dev ppl {dev_ppl:7.2f} | best {s.best_bleu:6.2f}"
+    run.log(f"epoch {s.epoch:3d} | step {s.step:6d} | " + (f"dev ppl {dev_ppl:7.2f} | " if lm else "")
+            + f"{best} (step {s.best_step}) | eval {time.time() - t0:.1f}s")
     # [1] Figure 1 (dev BLEU per epoch) and Figures 3-4 (learned g's) come from these records.
-    run.metrics({"step": s.step, "epoch": s.epoch, "dev_bleu": bleu, "dev_loss": dev_loss / max(n, 1),
+    run.metrics({"step": s.step, "epoch": s.epoch, **({} if lm else {"dev_bleu": bleu}), "dev_loss": dev_loss / max(n, 1),
                  "dev_ppl": dev_ppl, "lr": next_lr, "g": run.model.learned_scales()})
     ckpt = make_checkpoint(run)
     if improved:
@@ -575,14 +621,25 @@ def finish(run):
     ckpt = decode.read_checkpoint(best, run.device)
     run.model.load_state_dict(ckpt["model"])
     run.model.eval()
-    result = {"run_id": args.run_id, "best_step": ckpt["step"], "best_dev_bleu": ckpt["dev_bleu"],
-              "train_seconds": run.state.train_seconds, "stopped": run.state.stopped}
+    result = {"run_id": args.run_id, "best_step": ckpt["step"],
+              **({"best_dev_ppl": ckpt["dev_ppl"]} if args.task == "lm" else {"best_dev_bleu": ckpt["dev_bleu"]}),
+              "train_seconds": run.state.train_seconds, "stopped": run.state.stopped,
+              # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd)
+              "embedding_singular_values": decode.singular_values(run.model)}
     decode.print_g_table(run.model)  # [1] Figures 3-4: learned g versus depth
     try:
         decode.save_g_values(run.model, run.dir / "g_values.json")
     except OSError as e:
         raise data.DataError(f"{run.dir / 'g_values.json'}: cannot write it ({e.strerror})") from None
-    if run.pairs["test"]:
+    if args.task == "lm":  # the field's test perplexity: every target token, EOS included, no smoothing
+        ppl = decode.lm_perplexity(run.model, run.tokenizer, run.pairs["test"], args.seq_len, args.batch_tokens,
+                                   run.step_options.bf16)
+        result.update(test_ppl=ppl["ppl"], test_tokens=ppl["n_tokens"])
+        if args.bpe_size:  # BPE: per word too (the same NLL over the text's words and EOS)
+            result.update(test_word_ppl=ppl["word_ppl"], test_words=ppl["n_words"])
+        run.log(f"test perplexity (best checkpoint, step {ckpt['step']}): {ppl['ppl']:.2f} over {ppl['n_tokens']} "
+                f"tokens" + (f" ({ppl['word_ppl']:.2f} per word, {ppl['n_words']} words and EOS)" if args.bpe_size else ""))
+    elif run.pairs["test"]:
         hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["test"]],
                                 decode.Search(args.beam, args.alpha, max_src_len=args.max_len,
                                               bf16=run.step_options.bf16, penalty=args.length_penalty),
@@ -657,12 +714,16 @@ def build_parser():
     add(g, "--pair", metavar="NAME", help="use this language pair's corpus and per-pair flags instead of the "
         "preset's (" + ", ".join(PAIRS) + ")")
     g = p.add_argument_group("data")
+    add(g, "--task", choices=["mt", "lm"], default="mt", help="mt: a translator; lm: a language model, the decoder "
+        "alone ([2] Table 2), on DIR/{train,dev,test}.txt")
+    add(g, "--seq-len", type=int, default=32, help="--task lm: the text is cut into segments of this many tokens "
+        "(the tensorized Transformer's PTB script: 32)")
     add(g, "--data", help="corpus directory holding {train,dev,test}.{SRC,TGT}; default: the built-in synthetic "
         "corpus (data.py), generated on first use")
     add(g, "--src", help="source language suffix, e.g. en (DIR/train.en)")
     add(g, "--tgt", help="target language suffix, e.g. de (DIR/train.de)")
     add(g, "--bpe-size", type=int, help="joint sentencepiece BPE vocabulary size ([1] Table 1: 8k; 3k for "
-        "gl-en); default 8000, or 2000 on the built-in corpus")
+        "gl-en); default 8000, or 2000 on the built-in corpus; --task lm: 0 (the default there) is whitespace words")
     add(g, "--max-len", type=int, default=250, help="training pairs longer than this (BPE tokens, either side) "
         "are dropped, with a count")
     add(g, "--batch-tokens", type=int, default=4096, help="tokens per batch, counted as sentences x the longer "
@@ -713,6 +774,8 @@ def build_parser():
         "padding enters the backward means)")
     add(g, "--pn-alpha-fwd", type=float, default=0.9, help="PowerNorm forward running-average alpha ([2] eq. 10)")
     add(g, "--pn-alpha-bkw", type=float, default=0.9, help="PowerNorm backward running-average alpha ([2] eq. 13)")
+    add(g, "--attention", choices=["softmax", "multilinear"], default="softmax", help="--task lm: softmax "
+        "attention, or the tensorized Transformer's multi-linear attention, core-1, causal ([2] appendix A.2)")
     add(g, "--sdpa", action=argparse.BooleanOptionalAction, default=True, help="torch's "
         "scaled_dot_product_attention (off: the written-out attention; default on)")
     g = p.add_argument_group("optimisation and schedule")
@@ -808,13 +871,17 @@ def resolve_flags(argv=None):
             (("pn_variant", "pn_alpha_fwd", "pn_alpha_bkw", "pn_warmup"), "power" in norms,
              "PowerNorm's, so it needs --norm, --encoder-norm or --decoder-norm power"),
             (("warmup",), args.schedule != "nowarmup" or args.lr_scale is not None,
-             "the length of a warmup, which --schedule nowarmup does not have (with --lr-scale it sets the LR)")):
+             "the length of a warmup, which --schedule nowarmup does not have (with --lr-scale it sets the LR)"),
+            (("seq_len", "attention"), args.task == "lm", "a language model's, so it needs --task lm"),
+            (("src", "tgt", "enc_layers", "encoder_norm", "max_len", "beam", "dev_beam", "alpha", "length_penalty"),
+             args.task == "mt", "a translator's; a language model (--task lm) has no source and is scored by "
+             "perplexity")):
         for name in names:
             if name in given and not active:
                 sys.exit(f"error: --{name.replace('_', '-')} is {why}")
     # Values that depend on other flags are fixed here, once, and recorded in config.json.
     if args.bpe_size is None:
-        args.bpe_size = 2000 if args.data is None else 8000
+        args.bpe_size = 0 if args.task == "lm" else 2000 if args.data is None else 8000
     if args.pn_warmup is None:  # Paper [2] appendix A: the same as the LR schedule's warmup
         args.pn_warmup = 0 if args.schedule == "nowarmup" else args.warmup
     if args.lr_scale is not None and args.d_model >= 1 and args.warmup >= 1:  # config.json records the peak that runs
@@ -833,7 +900,7 @@ def validate_args(args):
             if not (optional and v is None) and not ok(v):
                 bad(f, why)
 
-    check(("batch_tokens", "epoch_size", "d_model", "heads", "ff", "layers", "warmup", "bpe_size", "max_len",
+    check(("batch_tokens", "epoch_size", "d_model", "heads", "ff", "layers", "warmup", "seq_len", "max_len",
            "accumulate", "log_interval", "beam", "dev_beam", "max_epochs", "patience"), lambda v: v >= 1, "must be at least 1")
     check(("enc_layers", "dec_layers", "max_steps", "threads"), lambda v: v >= 1, "must be at least 1", optional=True)
     check(("keep_checkpoints", "early_stop", "benchmark", "pn_warmup"), lambda v: v >= 0, "must be 0 or more")
@@ -847,11 +914,15 @@ def validate_args(args):
     check(("decay_factor",), lambda v: 0 < v <= 1, "must be in (0, 1]")
     check(("qk_percentile",), lambda v: 0 < v <= 100, "must be in (0, 100]")
     check(("qk_length",), lambda v: v >= 2, "must be at least 2 (g0 = log2(L^2 - L) >= 1)", optional=True)
+    check(("bpe_size",), lambda v: v >= (0 if args.task == "lm" else 1),
+          "must be at least 1" + ("" if args.task == "lm" else " (0, whitespace words, is for --task lm)"))
+    if args.attention == "multilinear" and args.qknorm:
+        bad("qknorm", "normalises the queries and keys of a softmax; the multi-linear attention has none")
     if args.d_model % args.heads:
         bad("d_model", f"must be divisible by --heads {args.heads}")
     if (args.src is None) != (args.tgt is None):
         bad("src", "give both language suffixes, --src and --tgt, or neither")
-    if args.data is not None and args.src is None:
+    if args.data is not None and args.src is None and args.task == "mt":
         bad("data", "also give --src and --tgt, e.g. --src en --tgt de for DIR/train.en and DIR/train.de")
     if args.data is None and args.src is not None:
         bad("src", "names the files of a corpus in --data DIR; without --data the built-in corpus is used")
@@ -870,7 +941,8 @@ def model_config_from_args(args, vocab_size, qk_g0=1.0):
         dropout=args.dropout, attn_dropout=args.attn_dropout, relu_dropout=args.relu_dropout,
         norm=args.norm, encoder_norm=args.encoder_norm, decoder_norm=args.decoder_norm, norm_options=power,
         prenorm=args.prenorm, fixnorm=args.fixnorm, init=args.init, qknorm=args.qknorm, qk_g0=qk_g0,
-        qk_learn_g=not args.qk_no_g, qk_norm_v=args.qk_norm_v, sdpa=args.sdpa)
+        qk_learn_g=not args.qk_no_g, qk_norm_v=args.qk_norm_v, sdpa=args.sdpa, lm=args.task == "lm",
+        attention=args.attention, seq_len=args.seq_len if args.attention == "multilinear" else 0)
 
 
 # =======================================================================================
@@ -891,6 +963,7 @@ PAIRS = {
     "de-en": dict(data="data/de-en", src="de", tgt="en", bpe_size=10000),  # PowerNorm's IWSLT'14
     "multi30k": dict(data="data/multi30k-en-de", src="en", tgt="de", bpe_size=4000),  # the README's study
     "multi30k-en-cs": dict(data="data/multi30k-en-cs", src="en", tgt="cs", bpe_size=4000),  # its second pair
+    "ptb": dict(data="data/ptb", task="lm", bpe_size=0),  # a language model's text: PowerNorm's Table 2
 }
 # The shared recipes. TwT appendix A: d 512, FFN 2048, word dropout and label smoothing 0.1,
 # 4096-token batches, beam 4 with alpha 0.6 (dev BLEU with beam 4 too, as the authors' code).
@@ -913,6 +986,20 @@ PN = dict(layers=6, d_model=512, heads=4, ff=1024, dropout=0.3, attn_dropout=0.1
           schedule="invsqrt", lr=0.0015, warmup=8000, beta2=0.98, weight_decay=1e-4, clip=0.0, stop_lr=1e-9,
           epoch_size=1000, max_epochs=100, early_stop=5, keep_checkpoints=5, beam=5, alpha=1.0, length_penalty="fairseq",
           norm="layer")
+# PowerNorm's language models ([2] appendix A.2, Table 2): the tensorized Transformer core-1 of Ma
+# et al. 2019 with every LN replaced; its PTB script (szhangtju/The-compression-of-Transformer):
+# 3 layers, d 256, 1 head, FFN 2100, dropout 0.3, no attention dropout, post-norm, tied embeddings,
+# segments of 32 tokens without memory, 120 segments (3,840 tokens) a batch, clip 0.25, Adam at
+# 2.5e-4. [2] A.2: 30 epochs, warmup 4000 steps, label smoothing 0.1, PN's alphas tuned over
+# 0.9/0.95/0.99. Guessed (neither says): the script's cosine decay is replaced by the MT schedule
+# [2] says it kept for the warmup (eq. 7 with a 2.5e-4 peak), alpha 0.9 both ways, Xavier init
+# instead of N(0, 0.02), the head dimension D / H = 256 instead of the script's 40. One epoch is
+# one pass over PTB's 929,589 training tokens (243 batches).
+PN2 = dict(task="lm", layers=3, d_model=256, heads=1, ff=2100, dropout=0.3, attn_dropout=0.0, relu_dropout=0.3,
+           word_dropout=0.0, label_smoothing=0.1, attention="multilinear", seq_len=32, batch_tokens=3840,
+           prenorm=False, fixnorm=False, init="xavier", schedule="invsqrt", lr=2.5e-4, warmup=4000, clip=0.25,
+           epoch_size=243, max_epochs=30, early_stop=0, stop_lr=0.0, keep_checkpoints=0)
+
 
 def row(*parts, **flags):
     """The flags of a row: the parts merged left to right, then flags (later ones win)."""
@@ -945,6 +1032,10 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
                               row(TWT_FINAL, INVSQRT, norm="scale_fixed", schedule="valdecay")),
     "twt7-fixed-g-valdecay-2xlr": ("en-vi", "TwT Table 7: ScaleNorm (g = sqrt d) + FixNorm + VALDECAY + 2xLR",
                                    row(TWT_FINAL, INVSQRT, norm="scale_fixed", schedule="valdecay", lr_scale=2.0)),
+    "pn2-layernorm": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer LN", PN2),
+    "pn2-batchnorm": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer BN", row(PN2, norm="batch")),
+    "pn2-pnv": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer PN-V", row(PN2, norm="pnv")),
+    "pn2-powernorm": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer PN", row(PN2, norm="power")),
     "pn1-layernorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer LN", PN),
     "pn1-batchnorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer BN", row(PN, encoder_norm="batch")),
     "pn1-pnv": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer PN-V", row(PN, encoder_norm="pnv")),
@@ -984,7 +1075,17 @@ M30K_DEEP = row(M30K_LN, layers=6, schedule="nowarmup", lr=1e-3, max_steps=250) 
 M30K_PN = row(M30K, prenorm=True, norm="layer", fixnorm=False, init="xavier", beta2=0.98, weight_decay=1e-4,
               lr=1.5e-3, clip=0.0, word_dropout=0.0)
 M30K_QK = row(M30K, prenorm=True, norm="layer", fixnorm=True, qknorm=True)  # [3]: QKNorm + LayerNorm
+# PowerNorm's Table 2 at laptop scale, on PTB (`python data.py prepare ptb`): [2]'s recipe (post-norm,
+# tied embeddings without FixNorm, Xavier, 1 head, segments of 32, 3,840-token batches, label smoothing
+# 0.1, clip 0.25, no word dropout) at d 128, FFN 512, dropout 0.1, eq. 7 to a 1e-3 peak at step 200,
+# 3 passes over PTB (729 updates), dev perplexity every pass. Multi-linear attention; --attention
+# softmax gives the other half of the study.
+PTB = row(PN2, d_model=128, ff=512, dropout=0.1, relu_dropout=0.1, lr=1e-3, warmup=200, epoch_size=243,
+          max_epochs=3, log_interval=27)
 PRESETS.update({
+    **{f"ptb-{norm}": ("ptb", f"study, PowerNorm Table 2: {name}", row(PTB, norm=key))
+       for norm, name, key in (("layernorm", "LN", "layer"), ("batchnorm", "BN", "batch"), ("pnv", "PN-V", "pnv"),
+                               ("powernorm", "PN", "power"))},
     "m30k-postnorm": ("multi30k", "study, TwT Table 3 (1): PostNorm + LayerNorm", row(M30K_LN, prenorm=False)),
     "m30k-prenorm": ("multi30k", "study, TwT Table 3 (2): PreNorm + LayerNorm", row(M30K_LN, prenorm=True)),
     "m30k-prenorm-fixnorm": ("multi30k", "study, TwT Table 3 (3): PreNorm + FixNorm + LayerNorm (QKNorm's model "
@@ -1031,11 +1132,23 @@ def step_flops(cfg, B, S, T, out_vocab=None):
                 (+ cross K, V 2 D^2 per *source* token)
       output:   D Vt per target token (training computes only the Vt = out_vocab target words'
                 logits, default all V)
+    A language model (S = 0) has no cross-attention; the multi-linear attention (model.py Appendix B)
+    costs W^QKV 3 D^2, the tensor T^2 D (T^2 R per head) and W^O H L^2 D per token.
     """
     D, FF, V = cfg.d_model, cfg.ff, out_vocab or cfg.vocab_size
     enc = cfg.enc_layers * (S * (4 * D * D + 2 * D * FF) + 2 * S * S * D)
-    dec = cfg.dec_layers * (T * (6 * D * D + 2 * D * FF) + S * 2 * D * D + 2 * T * T * D + 2 * T * S * D)
+    if cfg.attention == "multilinear":
+        attn = T * (3 * D * D + T * T * D + cfg.heads * cfg.seq_len ** 2 * D)
+    else:
+        attn = T * 4 * D * D + 2 * T * T * D
+    cross = 0 if cfg.lm else T * 2 * D * D + S * 2 * D * D + 2 * T * S * D
+    dec = cfg.dec_layers * (attn + cross + T * 2 * D * FF)
     return 3 * 2 * B * (enc + dec + T * D * V)
+
+
+def batch_flops(cfg, b, out_vocab=None):
+    """step_flops of one data.Batch (a language model's has no source)."""
+    return step_flops(cfg, b.tgt_in.size(0), 0 if b.src is None else b.src.size(1), b.tgt_in.size(1), out_vocab)
 
 
 def output_columns(model):
@@ -1106,7 +1219,7 @@ def benchmark(run):
         batches, loss, n_tgt = step(i)
         losses.append(loss)
         n_tok += n_tgt
-        flops += sum(step_flops(cfg, *b.src.shape, b.tgt_in.size(1), n_out) for b in batches)
+        flops += sum(batch_flops(cfg, b, n_out) for b in batches)
     losses = torch.stack(losses).tolist()  # the one host synchronisation
     secs, n_tok = time.perf_counter() - t0, float(n_tok)  # n_tok: a device tensor under DDP
     result = {}
@@ -1281,10 +1394,17 @@ def make_checkpoint(run):
     return {"model_config": run.model.cfg.to_dict(), "model": run.model.state_dict(), "run_id": run.args.run_id,
             "optimizer": run.optimizer.state_dict(), "bpe_model_proto": (run.dir / "bpe.model").read_bytes(),
             "src_lang": run.langs[0], "tgt_lang": run.langs[1], "step": run.state.step,
-            "dev_bleu": run.state.dev_bleu, "train_state": asdict(run.state), "args": vars(run.args),
+            **score_of(run), "train_state": asdict(run.state), "args": vars(run.args),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                     "word_dropout": run.step_options.rng.get_state()}}
+
+
+def score_of(run):
+    """The checkpoint's dev score: dev BLEU, or a language model's dev perplexity."""
+    if run.args.task == "lm":
+        return {"dev_ppl": None if run.state.dev_bleu is None else -run.state.dev_bleu}
+    return {"dev_bleu": run.state.dev_bleu}
 
 
 def restore(run, ckpt):
