@@ -42,6 +42,7 @@ Comment markers: ``# Paper:``, ``# Note:`` (ours), ``# Code:`` (the authors' rel
 """
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
@@ -63,7 +64,7 @@ import data
 from data import DataError
 from dataclasses import dataclass
 from model import BOS, EOS, PAD, ModelConfig, MultiHeadAttention, Transformer, autocast, has_bf16, pick_device
-from norms import timed, use_reference
+from norms import BATCH_NORMS, timed, use_reference
 
 NEG_INF = float("-inf")
 
@@ -757,6 +758,33 @@ def save_g_values(model, path):
 # directions of the space. Note: E as trained, before FixNorm's row normalisation (with FixNorm the
 # rows the model reads have unit length; their matrix is svd'd the same way by --svd).
 # ---------------------------------------------------------------------------------------
+def future_leak(model, segments, t=None, seed=0):
+    """How far the batch statistics of a training forward let a causal model see the future ([2]'s
+    BN and PN-V in a language model): one batch of segments, then the same with every token after
+    position t replaced at random; the batch norms as in training (batch statistics, running ones
+    updated on a copy), dropout off. Returns the mean |change| of log p(next token) at positions
+    <= t, and those positions' perplexity before and after. Zero for the per-token norms."""
+    L = segments.x.size(1)
+    t = L // 2 - 1 if t is None else t
+    x, y = segments.x, segments.y
+    changed = x.clone()
+    changed[:, t + 1:] = torch.randint(4, model.cfg.vocab_size, changed[:, t + 1:].shape,
+                                       generator=torch.Generator().manual_seed(seed))
+
+    def logp(inp):  # a fresh copy each time: a running statistic updated by the first call is not a leak
+        m = copy.deepcopy(model).eval()
+        for mod in m.modules():
+            if isinstance(mod, BATCH_NORMS):
+                mod.train()
+        with torch.no_grad():
+            out = torch.log_softmax(m(None, inp.to(m.embed.device)).float(), -1).cpu()
+        return out.gather(-1, y[..., None]).squeeze(-1)[:, :t + 1]  # (N, t + 1)
+
+    before, after = logp(x), logp(changed)
+    return {"mean_abs_change": float((before - after).abs().mean()), "ppl_before": math.exp(-float(before.mean())),
+            "ppl_after": math.exp(-float(after.mean())), "positions": t + 1, "segments": x.size(0)}
+
+
 def singular_values(model):
     """sigma_i / sigma_1 of the embedding matrix, largest first (a list of min(V, D) floats)."""
     sigma = torch.linalg.svdvals(model.embed.detach().double().cpu())
@@ -1006,7 +1034,8 @@ def plot_series(run_dirs):
     """{panel title: [(run name, xs, ys)]}: the curves of each panel of --plot, one per run."""
     panels = {t: [] for t in ("dev BLEU", "dev perplexity", "training loss", "gradient norm (before clipping)",
                               "learned g by depth (last evaluation)", "QKNorm g (mean over modules)",
-                              "batch vs running statistic, first encoder norm")}
+                              "batch vs running statistic, first norm",
+                              "embedding singular values / the largest ([2] Fig. 6)")}
     for run in run_dirs:
         rows, name = read_metrics(run), Path(run).name
         def curve(key, where=lambda r: True):
@@ -1024,11 +1053,17 @@ def plot_series(run_dirs):
             qk = [(r["step"], [v for k, v in r["g"].items() if _qknorm(k)]) for r in evals]
             qk = [(x, sum(gs) / len(gs)) for x, gs in qk if gs]
             panels["QKNorm g (mean over modules)"].append((name, [x for x, _ in qk], [y for _, y in qk]))
-        stats = [(r["step"], s) for r in rows for n, s in r.get("batch_norm_stats", {}).items() if n == "encoder.0.norm_attn"]
+        stats = [(r["step"], s) for r in rows for n, s in r.get("batch_norm_stats", {}).items()
+                 if n in ("encoder.0.norm_attn", "decoder.0.norm_self")]  # a language model has no encoder
         key = next((k for k in ("dist_sigma2", "dist_psi2") if stats and k in stats[0][1]), None)
         if key:
-            panels["batch vs running statistic, first encoder norm"].append(
+            panels["batch vs running statistic, first norm"].append(
                 (f"{name} ({key})", [x for x, _ in stats], [s[key] for _, s in stats]))
+        try:  # the finished run's embedding ([2] Figure 6), from results.json
+            sv = json.loads((Path(run) / "results.json").read_text())["embedding_singular_values"]
+            panels["embedding singular values / the largest ([2] Fig. 6)"].append((name, list(range(1, len(sv) + 1)), sv))
+        except (OSError, ValueError, KeyError, TypeError):  # not finished, or an older run
+            pass
     return panels
 
 
@@ -1046,7 +1081,7 @@ def plot_runs(run_dirs, out):
             if xs:
                 ax.plot(xs, ys, label=name, marker="o" if "depth" in title else None, lw=1)
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("layer (encoder, then decoder)" if "depth" in title else "step")
+        ax.set_xlabel("layer (encoder, then decoder)" if "depth" in title else "index" if "singular" in title else "step")
         if "gradient" in title or "statistic" in title or "perplexity" in title:
             ax.set_yscale("log")
         ax.legend(fontsize=7)
@@ -1123,6 +1158,9 @@ def build_parser():
                     "Fig. 2), learned g by depth ([1] Figs. 3-4), QKNorm's g, batch vs running statistics ([2] Figs. "
                     "2-4), each panel the runs have data for; needs matplotlib (pip install matplotlib)")
     ev.add_argument("--out", metavar="FILE.png", help="the picture --plot writes")
+    ev.add_argument("--leak", action="store_true", help="a language model: how much changing the tokens after the "
+                    "middle of a segment moves the predictions before it when the batch norms use batch statistics, "
+                    "as in training (one batch of --batch-tokens from --input)")
     ev.add_argument("--svd", action="store_true", help="print the singular values of the embedding matrix over the "
                     "largest ([2] Figure 6); with --png also draw them")
     lm = ap.add_argument_group("a language model (train.py --task lm)")
@@ -1195,7 +1233,7 @@ def run(args):
         return print_singular_values(model, args.png)
     if args.g_table or args.attention is not None:
         return analyse(args, model, tokenizer)
-    if model.cfg.lm or args.generate is not None or args.seq_len is not None:
+    if model.cfg.lm or args.generate is not None or args.seq_len is not None or args.leak:
         return language_model(args, model, tokenizer, ckpt, lines)
     if args.ppl and not args.ref:
         raise DataError("--ppl of a translator needs --ref (and the sources in --input or on stdin)")
@@ -1255,12 +1293,20 @@ def language_model(args, model, tokenizer, ckpt, lines):
     """--ppl and --generate of a language model (section 9)."""
     if not model.cfg.lm:
         raise DataError(f"{args.checkpoint}: a translator; --generate and --seq-len are for a language model")
-    if args.ref or args.benchmark or args.generate is None and not args.ppl:
-        raise DataError(f"{args.checkpoint}: a language model: give --ppl (with --input) or --generate PREFIX")
+    if args.ref or args.benchmark or args.generate is None and not args.ppl and not args.leak:
+        raise DataError(f"{args.checkpoint}: a language model: give --ppl or --leak (with --input), or --generate PREFIX")
     seq_len = args.seq_len or (ckpt.get("args") or {}).get("seq_len") or model.cfg.seq_len or 32
     if model.cfg.attention == "multilinear" and seq_len > model.cfg.seq_len:
         raise DataError(f"--seq-len {seq_len}: {args.checkpoint} has a multi-linear attention built for segments of "
                         f"{model.cfg.seq_len} tokens; give --seq-len {model.cfg.seq_len} or less")
+    if args.leak:
+        text = [line for line in (read_stdin() if lines is None else lines) if line]
+        segs = data.lm_segments(data.lm_stream(tokenizer, text), seq_len)
+        n = max(1, args.batch_tokens // seq_len)
+        r = future_leak(model, data.Segments(segs.x[:n], segs.y[:n]))
+        print(f"future leak: changing tokens {r['positions'] + 1}..{seq_len} of {r['segments']} segments moves "
+              f"log p(next token) at positions 1..{r['positions']} by {r['mean_abs_change']:.4f} nats on average; "
+              f"their perplexity {r['ppl_before']:.2f} -> {r['ppl_after']:.2f}")
     if args.ppl:
         ppl = lm_perplexity(model, tokenizer, read_stdin() if lines is None else lines, seq_len, args.batch_tokens,
                             args.dtype == "bf16")

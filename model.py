@@ -233,11 +233,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.self_attn = MultiLinearAttention(cfg) if cfg.attention == "multilinear" else MultiHeadAttention(cfg)
-        self.ff = FeedForward(cfg)
-        self.norm_self, self.norm_ff = _norm(cfg, norm_name), _norm(cfg, norm_name)
         # "decoder-encoder" attention in [1] Figure 3; a language model has no encoder, so none.
         self.cross_attn = None if cfg.lm else MultiHeadAttention(cfg)
+        self.ff = FeedForward(cfg)
+        self.norm_self = _norm(cfg, norm_name)
         self.norm_cross = None if cfg.lm else _norm(cfg, norm_name)
+        self.norm_ff = _norm(cfg, norm_name)
 
     def forward(self, x, pad_mask, mem_kv, mem_key_mask, self_kv=None):
         """x (B, T, D). mem_kv: this layer's cross-attention (k, v) of the encoder output.

@@ -998,7 +998,7 @@ PN = dict(layers=6, d_model=512, heads=4, ff=1024, dropout=0.3, attn_dropout=0.1
 PN2 = dict(task="lm", layers=3, d_model=256, heads=1, ff=2100, dropout=0.3, attn_dropout=0.0, relu_dropout=0.3,
            word_dropout=0.0, label_smoothing=0.1, attention="multilinear", seq_len=32, batch_tokens=3840,
            prenorm=False, fixnorm=False, init="xavier", schedule="invsqrt", lr=2.5e-4, warmup=4000, clip=0.25,
-           epoch_size=243, max_epochs=30, early_stop=0, stop_lr=0.0, keep_checkpoints=0)
+           epoch_size=243, max_epochs=30, early_stop=0, stop_lr=0.0, keep_checkpoints=0, norm="layer")
 
 
 def row(*parts, **flags):

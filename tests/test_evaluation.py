@@ -381,7 +381,7 @@ def test_plot_series_picks_each_panel_from_metrics(tmp_path):
     depth = panels["learned g by depth (last evaluation)"][0]
     assert depth[2] == [3.0, 3.5, 4.0]  # ScaleNorm g's only, encoder by layer, then the decoder's final
     assert panels["QKNorm g (mean over modules)"][1][2] == [9.0, 9.0]
-    stats = panels["batch vs running statistic, first encoder norm"]
+    stats = panels["batch vs running statistic, first norm"]
     assert [c[0] for c in stats] == ["bn (dist_sigma2)", "pn (dist_psi2)"] and stats[0][2] == [1.0, 2.0]
 
 

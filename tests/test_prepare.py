@@ -219,6 +219,9 @@ def test_unknown_name_lists_the_choices(capsys):
 
 def test_registry_is_complete():
     for name, c in data.CORPORA.items():
+        if c.get("lm"):  # a language model's text: one file a split, each with its md5
+            assert set(c["splits"]) == set(c["md5"]) == set(data.SPLITS)
+            continue
         assert c["src"] + "-" + c["tgt"] == name.removeprefix("multi30k-") or (name, c["tgt"]) == ("multi30k", "de")
         assert set(c["splits"]) == set(data.SPLITS)
         assert c["bpe"] == (4000 if name.startswith("multi30k") else {"gl-en": 3000, "de-en": 10000}.get(name, 8000))

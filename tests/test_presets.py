@@ -52,6 +52,7 @@ def _bank_kaiming_uniform_(tensor, a=0, mode="fan_in", nonlinearity="leaky_relu"
 
 V = 40
 PAIRS = [([5, 6, 7, 3], [8, 9]), ([10, 11], [12, 13, 14, 3]), ([4, 9, 9, 30, 31], [5, 3])]
+SEGMENTS = data.lm_segments(torch.arange(2 * 32) % 36 + 4, 32)  # two segments of --seq-len 32, the last one short
 _stepped = {}
 
 
@@ -72,10 +73,11 @@ def build_and_step(args):
         before = m.embed.detach().clone()
         m.train()  # the batch norms use batch statistics, as in training
         options = train.StepOptions(args.word_dropout, args.label_smoothing, args.clip)
-        loss, nll, gnorm, n = train.train_step(m, opt, [data.collate(PAIRS, [0, 1, 2])], 1e-4, options)
+        batch = data.collate(SEGMENTS, [0, 1]) if cfg.lm else data.collate(PAIRS, [0, 1, 2])  # a language model's text
+        loss, nll, gnorm, n = train.train_step(m, opt, [batch], 1e-4, options)
     finally:
         torch.set_num_threads(threads)
-    assert n == 11 and math.isfinite(loss.item()) and math.isfinite(gnorm.item()) and nll.item() > 0
+    assert n == (2 * args.seq_len - 1 if cfg.lm else 11) and math.isfinite(loss.item()) and math.isfinite(gnorm.item()) and nll.item() > 0
     assert not torch.equal(before, m.embed), "the step did not change the embeddings"
     _stepped[key] = (len(m.encoder), len(m.decoder))
     return _stepped[key]
@@ -93,7 +95,7 @@ def test_every_preset_resolves_builds_and_takes_a_training_step(name):
             assert getattr(args, k) == v, (name, k)
     assert args.preset == name and row
     layers = build_and_step(args)
-    assert layers == (args.enc_layers or args.layers, args.dec_layers or args.layers)
+    assert layers == (0 if args.task == "lm" else args.enc_layers or args.layers, args.dec_layers or args.layers)
 
 
 def test_the_tables_are_all_there():

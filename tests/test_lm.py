@@ -1,0 +1,255 @@
+"""Language models ([2] PowerNorm, Table 2): the decoder without cross-attention (--task lm).
+
+Claims: a language model never sees a later token at evaluation, for every norm, both residual
+placements and both attentions; in training, the batch statistics of BN and PN-V (and of PN in
+its warmup) do let a later token in, and the per-token norms do not; the multi-linear attention
+computes its equation; the stream and its segments predict every token once; the reported test
+perplexity is decode.py's; a killed language model resumes exactly; bad input is one line.
+"""
+import hashlib
+import json
+import math
+
+import pytest
+import torch
+
+import data
+import decode
+import norms
+import train
+from model import EOS, PAD, UNK, ModelConfig, MultiLinearAttention, Transformer
+
+PN_OPTIONS = {"warmup": 2, "variant": "paper", "alpha_fwd": 0.9, "alpha_bkw": 0.9}
+
+
+def lm(norm="layer", prenorm=True, attention="softmax", **kw):
+    cfg = ModelConfig(vocab_size=40, d_model=16, heads=2, ff=32, dec_layers=2, dropout=0.0, lm=True, norm=norm,
+                      prenorm=prenorm, attention=attention, seq_len=8, norm_options=dict(PN_OPTIONS), **kw)
+    torch.manual_seed(0)
+    return Transformer(cfg)
+
+
+# --- causality ------------------------------------------------------------------------------
+@pytest.mark.parametrize("reference", [False, True], ids=["fast", "reference"])
+@pytest.mark.parametrize("attention", ["softmax", "multilinear"])
+@pytest.mark.parametrize("prenorm", [True, False], ids=["prenorm", "postnorm"])
+@pytest.mark.parametrize("norm", sorted(norms.NORMS))
+def test_a_language_model_is_causal_at_evaluation_for_every_norm(norm, prenorm, attention, reference):
+    m = lm(norm, prenorm, attention)
+    m.train()
+    for _ in range(3):  # running statistics away from their start (PN past its warmup of 2)
+        m(None, torch.randint(4, 40, (6, 8)))
+    m.eval()
+    x = torch.randint(4, 40, (3, 8))
+    norms.use_reference(reference)  # the written-out attention and norms, or the fast paths
+    try:
+        _check_causal(m, x)
+    finally:
+        norms.use_reference(False)
+
+
+@torch.no_grad()
+def _check_causal(m, x):
+    base = m(None, x)
+    for t in range(7):
+        y = x.clone()
+        y[:, t + 1:] = (x[:, t + 1:] + 7) % 36 + 4  # every later token different
+        out = m(None, y)
+        torch.testing.assert_close(out[:, :t + 1], base[:, :t + 1], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(out[:, t + 1:], base[:, t + 1:])  # the later positions do see them
+
+
+@pytest.mark.parametrize("norm, leaks", [("batch", True), ("pnv", True), ("power", True), ("layer", False),
+                                         ("scale", False), ("rms", False)])
+def test_in_training_batch_statistics_let_later_tokens_in_and_per_token_norms_do_not(norm, leaks):
+    """[2]'s BN and PN-V average over every position of the batch, the future included; PN only
+    inside its warmup (a fresh model is in it)."""
+    m = lm(norm)
+    segs = data.Segments(torch.randint(4, 40, (6, 8)), torch.randint(4, 40, (6, 8)))
+    r = decode.future_leak(m, segs, t=3)
+    assert (r["mean_abs_change"] > 1e-4) == leaks, r
+
+
+def test_powernorm_past_its_warmup_leaks_nothing_in_training():
+    m = lm("power")
+    m.train()
+    for _ in range(3):  # past the warmup of 2 forwards: the running statistic divides
+        m(None, torch.randint(4, 40, (6, 8)))
+    segs = data.Segments(torch.randint(4, 40, (6, 8)), torch.randint(4, 40, (6, 8)))
+    assert decode.future_leak(m, segs, t=3)["mean_abs_change"] < 1e-6
+
+
+# --- the multi-linear attention (model.py Appendix B) ---------------------------------------------
+def test_multilinear_attention_computes_its_equation():
+    """T[i, j, k] = sum_r c_r Q[i, r] K[j, r] V[k, r], zero unless j, k <= i; out_i = W^O vec T[i] + b,
+    written out with loops in float64; a shorter segment is the start of a full one."""
+    cfg = ModelConfig(vocab_size=10, d_model=6, heads=2, seq_len=4, attention="multilinear", lm=True)
+    torch.manual_seed(0)
+    att = MultiLinearAttention(cfg).double()
+    x = torch.randn(2, 4, 6, dtype=torch.float64)
+    qkv = x @ att.qkv.weight.T + att.qkv.bias
+    R, L = 3, 4
+    out = torch.zeros(2, 4, 6, dtype=torch.float64)
+    for b in range(2):
+        for i in range(L):
+            flat = []
+            for h in range(2):
+                q, k, v = (qkv[b, :, part * 6 + h * R: part * 6 + (h + 1) * R] for part in range(3))
+                T = torch.zeros(L, L, dtype=torch.float64)
+                for j in range(i + 1):
+                    for kk in range(i + 1):
+                        T[j, kk] = sum(att.core[r] * q[i, r] * k[j, r] * v[kk, r] for r in range(R))
+                flat.append(T.flatten())
+            out[b, i] = att.out.weight @ torch.cat(flat) + att.out.bias
+    torch.testing.assert_close(att(x), out)
+    torch.testing.assert_close(att(x[:, :3]), out[:, :3])
+    with pytest.raises(ValueError, match="--seq-len 4"):
+        att(torch.randn(1, 5, 6, dtype=torch.float64))
+
+
+# --- the text: a stream, cut into segments --------------------------------------------------------
+def test_every_token_of_the_text_is_predicted_once_from_the_ones_before_it():
+    vocab = data.WordVocab.build(["a b c", "b <unk> d", "a"])
+    assert vocab.encode("a <unk> zz") == [vocab.index["a"], UNK, UNK]  # PTB's <unk> is UNK, and so is a new word
+    stream = data.lm_stream(vocab, ["a b c", "b d", "a"])
+    assert stream.tolist() == [EOS] + vocab.encode("a b c") + [EOS] + vocab.encode("b d") + [EOS, vocab.index["a"], EOS]
+    segs = data.lm_segments(stream, 4)
+    real = segs.y.ne(PAD)
+    assert segs.y[real].tolist() == stream[1:].tolist() and segs.x[real].tolist() == stream[:-1].tolist()
+    assert segs.x.shape == (3, 4) and int(real.sum()) == stream.numel() - 1  # 9 targets: 7 words + 3 EOS - 1 + 1
+    batches = data.make_batches(segs, 8, True, seed=1)
+    assert sorted(i for b in batches for i in b) == [0, 1, 2] and all(len(b) <= 2 for b in batches)
+    assert data.collate(segs, [2]).n_tgt == 1
+
+
+# --- a whole run ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    """DIR/{train,dev,test}.txt: the target side of a small built-in corpus."""
+    toy = data.make_toy_corpus(tmp_path_factory.mktemp("toy"), seed=2, n_train=1500, n_dev=40, n_test=40)
+    d = tmp_path_factory.mktemp("text")
+    for split in data.SPLITS:
+        (d / f"{split}.txt").write_text((toy / f"{split}.tgt").read_text())
+    return d
+
+
+LM = ["--task", "lm", "--d-model", "32", "--ff", "64", "--heads", "2", "--layers", "2", "--batch-tokens", "512",
+      "--threads", "1", "--log-interval", "5", "--warmup", "20", "--lr", "3e-3"]
+
+
+def test_a_multilinear_word_model_learns_and_its_test_perplexity_is_decodes(text, tmp_path, capsys):
+    run = tmp_path / "run"
+    train.main(LM + ["--data", str(text), "--bpe-size", "0", "--seq-len", "8", "--attention", "multilinear",
+                     "--norm", "power", "--max-steps", "40", "--epoch-size", "20", "--out", str(run)])
+    result = json.loads((run / "results.json").read_text())
+    dev = [r["dev_ppl"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "dev_ppl" in r]
+    vocab = data.WordVocab((run / "bpe.model").read_bytes()).vocab_size
+    assert dev[-1] < dev[0] < vocab and result["test_ppl"] < vocab / 4  # it learned: far below a uniform guess
+    capsys.readouterr()
+    decode.main([str(run), "--ppl", "--input", str(text / "test.txt")])
+    printed = float(capsys.readouterr().out.split()[1])
+    assert printed == pytest.approx(result["test_ppl"], abs=0.006)  # printed with 2 decimals
+    words = sum(len(l.split()) + 1 for l in (text / "test.txt").read_text().splitlines() if l)
+    assert result["test_tokens"] == words and "test_word_ppl" not in result
+    assert len(result["embedding_singular_values"]) == 32 and result["embedding_singular_values"][0] == 1.0
+    assert decode.plot_series([run])["dev perplexity"][0][2] == dev  # --plot's curve
+
+
+def test_a_bpe_language_model_reports_perplexity_per_word_too(text, tmp_path, capsys):
+    run = tmp_path / "run"
+    train.main(LM + ["--data", str(text), "--bpe-size", "300", "--max-steps", "10", "--epoch-size", "10",
+                     "--out", str(run)])
+    r = json.loads((run / "results.json").read_text())
+    assert r["test_tokens"] > r["test_words"]  # more pieces than words
+    # The same NLL over fewer units: exp(NLL / words) = ppl^(tokens / words).
+    assert r["test_word_ppl"] == pytest.approx(r["test_ppl"] ** (r["test_tokens"] / r["test_words"]), rel=1e-9)
+    decode.main([str(run), "--generate", "a", "--max-tokens", "5"])
+    assert capsys.readouterr().out.strip()
+
+
+def test_a_killed_language_model_resumes_to_the_same_metrics(text, tmp_path, killed_run):
+    argv = LM + ["--data", str(text), "--norm", "pnv", "--max-steps", "24", "--epoch-size", "8", "--seed", "4"]
+    train.main(argv + ["--out", str(tmp_path / "whole")])
+    killed_run(argv + ["--out", str(tmp_path / "killed")], 20)
+    train.main(["--resume", str(tmp_path / "killed")])
+    rows = lambda d: [{k: v for k, v in r.items() if k != "tok_per_s"}
+                      for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())
+                      if "final" not in r and "tok_per_s" not in r]
+    assert rows("killed") == rows("whole")
+    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("whole", "killed"))
+    assert a["test_ppl"] == b["test_ppl"] and a["best_dev_ppl"] == b["best_dev_ppl"]
+
+
+def _one_line_error(fn):
+    with pytest.raises(SystemExit) as e:
+        fn()
+    msg = str(e.value.code)
+    assert "\n" not in msg and "Traceback" not in msg
+    return msg
+
+
+def test_bad_language_model_input_is_one_line(text, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for split in data.SPLITS:
+        (empty / f"{split}.txt").write_text("a b\n" if split != "dev" else "\n\n")
+    msg = _one_line_error(lambda: train.main(LM + ["--data", str(empty), "--out", str(tmp_path / "r1")]))
+    assert "dev.txt" in msg and "no text" in msg
+    (empty / "dev.txt").write_text("a b\n")
+    msg = _one_line_error(lambda: train.main(LM + ["--data", str(empty), "--out", str(tmp_path / "r2")]))
+    assert "dev.txt" in msg and "shorter than one segment of --seq-len 32" in msg
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()  # nothing written
+    for argv, flag in ((["--seq-len", "8"], "--seq-len"), (["--attention", "multilinear"], "--attention"),
+                       (["--task", "lm", "--src", "en", "--tgt", "de"], "--src"),
+                       (["--task", "lm", "--beam", "2"], "--beam"),
+                       (["--task", "lm", "--attention", "multilinear", "--qknorm"], "--qknorm"),
+                       (["--bpe-size", "0"], "--bpe-size")):
+        assert flag in _one_line_error(lambda: train.main(argv + ["--out", str(tmp_path / "r3")]))
+
+
+def test_decoding_a_multilinear_model_with_a_longer_segment_is_one_line(text, tmp_path, capsys):
+    run = tmp_path / "run"
+    train.main(LM + ["--data", str(text), "--seq-len", "8", "--attention", "multilinear", "--max-steps", "4",
+                     "--epoch-size", "4", "--out", str(run)])
+    msg = _one_line_error(lambda: decode.main([str(run), "--ppl", "--input", str(text / "test.txt"), "--seq-len", "16"]))
+    assert "--seq-len 16" in msg and "8" in msg
+    decode.main([str(run), "--ppl", "--input", str(text / "test.txt"), "--seq-len", "4"])  # shorter: fine
+    assert "segments of 4" in capsys.readouterr().out
+    msg = _one_line_error(lambda: decode.main([str(run), "--input", str(text / "test.txt")]))
+    assert "a language model" in msg
+
+
+# --- the data and the presets -------------------------------------------------------------------
+def test_prepare_ptb_checks_each_files_md5_offline(tmp_path, monkeypatch, capsys):
+    src = tmp_path / "copy"
+    src.mkdir()
+    files = {"train": "ptb.train.txt", "dev": "ptb.valid.txt", "test": "ptb.test.txt"}
+    for split, name in files.items():
+        (src / name).write_text(f" {split} one <unk> N \n {split} two \n")
+    md5 = {s: hashlib.md5((src / n).read_bytes()).hexdigest() for s, n in files.items()}
+    monkeypatch.setitem(data.CORPORA["ptb"], "md5", md5)
+    out = data.prepare("ptb", tmp_path / "ptb", str(src))
+    assert (out / "dev.txt").read_text() == "dev one <unk> N\ndev two\n"
+    assert "python train.py --data" in capsys.readouterr().out
+    monkeypatch.setitem(data.CORPORA["ptb"], "md5", dict(md5, test="0" * 32))
+    with pytest.raises(data.DataError, match="ptb.test.txt: md5"):
+        data.prepare("ptb", tmp_path / "other", str(src))
+
+
+def test_the_table_2_presets_are_the_papers_language_models():
+    for name, norm in (("pn2-layernorm", "layer"), ("pn2-batchnorm", "batch"), ("pn2-pnv", "pnv"),
+                       ("pn2-powernorm", "power")):
+        args, _ = train.resolve_flags(["--preset", name])
+        assert (args.task, args.norm, args.attention, args.seq_len, args.layers, args.d_model) == \
+            ("lm", norm, "multilinear", 32, 3, 256)
+        assert (args.dropout, args.max_epochs, args.warmup, args.label_smoothing, args.prenorm) == \
+            (0.3, 30, 4000, 0.1, False)
+
+
+def test_step_flops_of_a_language_model_and_the_multilinear_attention():
+    D, FF, V, B, T = 8, 32, 100, 2, 4
+    cfg = ModelConfig(vocab_size=V, d_model=D, heads=2, ff=FF, dec_layers=1, lm=True)
+    assert train.step_flops(cfg, B, 0, T) == 6 * B * (T * (4 * D * D + 2 * D * FF) + 2 * T * T * D + T * D * V)
+    cfg = ModelConfig(vocab_size=V, d_model=D, heads=2, ff=FF, dec_layers=1, lm=True, attention="multilinear",
+                      seq_len=5)
+    assert train.step_flops(cfg, B, 0, T) == 6 * B * (T * (3 * D * D + T * T * D + 2 * 25 * D + 2 * D * FF) + T * D * V)
