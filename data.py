@@ -385,8 +385,10 @@ def word_dropout(x, p, generator=None):
     """
     if p <= 0:
         return x.clone()
+    # Exercise word_dropout: begin
     drop = torch.rand(x.shape, generator=generator, device=x.device) < p  # same shape as x
     return x.masked_fill(drop & (x != PAD), UNK)
+    # Exercise word_dropout: end
 
 
 # ---------------------------------------------------------------------------------------
@@ -412,7 +414,9 @@ def qk_g0(L):
     """QKNorm's initial scale g0 = log2(L^2 - L) ([3] eq. 3); e.g. L=72 -> 12.32."""
     if not L >= 2:  # Note: L^2 - L = 2 at L = 2 (g0 = 1); below, g0 falls to 0 and then is negative
         raise ValueError(f"qk_g0 needs a length L >= 2, got {L}")
+    # Exercise qk_g0: begin
     return math.log2(L * L - L)  # L^2 - L = number of off-diagonal entries of the L x L matrix QK^T
+    # Exercise qk_g0: end
 
 
 # ---------------------------------------------------------------------------------------
@@ -463,7 +467,8 @@ class WordVocab:
             raise DataError("not a word vocabulary written by data.WordVocab")
         self.proto = bytes(proto)
         self.words = ["<pad>", "<unk>", "<s>", "</s>"] + self.proto[len(self.HEADER):].decode("utf-8").split("\n")
-        self.index = {w: i for i, w in enumerate(self.words)}
+        # A word that looks like a special token ("<s>" in the text) is an unknown word, not that id.
+        self.index = {w: i for i, w in enumerate(self.words) if i > EOS} | {"<unk>": UNK}
         self.vocab_size = len(self.words)
 
     @classmethod
@@ -536,9 +541,11 @@ def lm_segments(stream, seq_len):
     n = stream.numel() - 1  # the targets
     if n < 1:
         raise DataError("no text to predict")
+    # Exercise lm_segments: begin
     rows = -(-n // seq_len)
     x, y = torch.full((rows * seq_len,), PAD), torch.full((rows * seq_len,), PAD)
     x[:n], y[:n] = stream[:-1], stream[1:]
+    # Exercise lm_segments: end
     return Segments(x.view(rows, seq_len), y.view(rows, seq_len))
 
 

@@ -127,7 +127,9 @@ PENALTIES = ("gnmt", "fairseq")
 def length_penalty(length, alpha, kind="gnmt"):
     """lp(Y) of GNMT, ((5 + |Y|) / 6)^alpha, or of fairseq, |Y|^alpha; length = |Y| counts the
     scored tokens (EOS included: fairseq's (step + 1)^alpha for a hypothesis ending at step)."""
+    # Exercise length_penalty: begin
     return ((5.0 + length) / 6.0) ** alpha if kind == "gnmt" else float(length) ** alpha
+    # Exercise length_penalty: end
 
 
 def _max_lengths(src, max_len):
@@ -1053,8 +1055,9 @@ def plot_series(run_dirs):
             qk = [(r["step"], [v for k, v in r["g"].items() if _qknorm(k)]) for r in evals]
             qk = [(x, sum(gs) / len(gs)) for x, gs in qk if gs]
             panels["QKNorm g (mean over modules)"].append((name, [x for x, _ in qk], [y for _, y in qk]))
-        stats = [(r["step"], s) for r in rows for n, s in r.get("batch_norm_stats", {}).items()
-                 if n in ("encoder.0.norm_attn", "decoder.0.norm_self")]  # a language model has no encoder
+        first = "encoder.0.norm_attn" if any("encoder.0.norm_attn" in r.get("batch_norm_stats", {}) for r in rows) \
+            else "decoder.0.norm_self"  # a language model has no encoder
+        stats = [(r["step"], s) for r in rows for n, s in r.get("batch_norm_stats", {}).items() if n == first]
         key = next((k for k in ("dist_sigma2", "dist_psi2") if stats and k in stats[0][1]), None)
         if key:
             panels["batch vs running statistic, first norm"].append(
@@ -1122,7 +1125,8 @@ def build_parser():
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="on CUDA: bf16 autocast (default) "
                     "or fp32 throughout; the CPU always computes in fp32")
-    ap.add_argument("--batch-tokens", type=int, default=4096, help="source tokens per batch (sentences x longest length)")
+    ap.add_argument("--batch-tokens", type=int, help="source tokens per batch (sentences x longest length; default "
+                    "4096); a language model's tokens per batch (default: its run's)")
     ap.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     ap.add_argument("--reference", action="store_true",
                     help="run every equation as written, with no fast path anywhere (norms.py section 1)")
@@ -1178,7 +1182,7 @@ def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
     for flag, ok, why in [("beam", args.beam >= 1, "at least 1"), ("max_len_b", args.max_len_b >= 0, "0 or more"),
-                          ("max_len", args.max_len >= 1, "at least 1"), ("batch_tokens", args.batch_tokens >= 1, "at least 1"),
+                          ("max_len", args.max_len >= 1, "at least 1"), ("batch_tokens", args.batch_tokens is None or args.batch_tokens >= 1, "at least 1"),
                           ("alpha", args.alpha >= 0, "0 or more"), ("samples", args.samples >= 1, "at least 1"),
                           ("average", args.average >= 0, "0 (off) or a number of checkpoints"),
                           ("label_smoothing", args.label_smoothing is None or 0 <= args.label_smoothing < 1, "in [0, 1)")]:
@@ -1196,6 +1200,8 @@ def parse_args(argv=None):
                                ("temperature", args.temperature != 1.0, "sample")):
         if given and not getattr(args, needs):
             ap.error(f"--{flag.replace('_', '-')} is for --{needs}: give --{needs} too")
+    if args.svd and (args.ppl or args.leak or args.generate is not None or args.attention is not None or args.g_table):
+        ap.error("--svd prints the embedding's singular values and nothing else: give it alone (with --png)")
     if args.seq_len is not None and args.seq_len < 1:
         ap.error(f"--seq-len must be at least 1 (got {args.seq_len!r})")
     if args.attention_target is not None and args.attention is None:
@@ -1229,8 +1235,12 @@ def run(args):
     lines = data.read_lines(args.input) if args.input else None
     refs = data.read_lines(args.ref) if args.ref else None
     model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
+    if args.batch_tokens is None and not model.cfg.lm:
+        args.batch_tokens = 4096
     if args.svd:
         return print_singular_values(model, args.png)
+    if model.cfg.lm and args.attention is not None:
+        raise DataError(f"{args.checkpoint}: a language model: --attention draws a translator's maps")
     if args.g_table or args.attention is not None:
         return analyse(args, model, tokenizer)
     if model.cfg.lm or args.generate is not None or args.seq_len is not None or args.leak:
@@ -1292,23 +1302,32 @@ def read_stdin():
 def language_model(args, model, tokenizer, ckpt, lines):
     """--ppl and --generate of a language model (section 9)."""
     if not model.cfg.lm:
-        raise DataError(f"{args.checkpoint}: a translator; --generate and --seq-len are for a language model")
+        raise DataError(f"{args.checkpoint}: a translator; --generate, --leak and --seq-len are for a language model")
     if args.ref or args.benchmark or args.generate is None and not args.ppl and not args.leak:
         raise DataError(f"{args.checkpoint}: a language model: give --ppl or --leak (with --input), or --generate PREFIX")
-    seq_len = args.seq_len or (ckpt.get("args") or {}).get("seq_len") or model.cfg.seq_len or 32
+    defaults = vars(build_parser().parse_args([]))
+    idle = [f for f in ("output", "beam", "alpha", "length_penalty", "max_len_b", "max_len", "tokenized", "lowercase",
+                        "label_smoothing", "progress", "average") if getattr(args, f) != defaults[f]]
+    if idle:
+        raise DataError(f"--{idle[0].replace('_', '-')}: a translator's flag; a language model's --ppl, --leak and "
+                        f"--generate do not use it")
+    saved = ckpt.get("args") or {}
+    seq_len = args.seq_len or saved.get("seq_len") or model.cfg.seq_len or 32
+    # The run's own batches by default: the NLL is summed in the same order, so --ppl prints results.json's number.
+    batch_tokens = args.batch_tokens or saved.get("batch_tokens") or 4096
     if model.cfg.attention == "multilinear" and seq_len > model.cfg.seq_len:
         raise DataError(f"--seq-len {seq_len}: {args.checkpoint} has a multi-linear attention built for segments of "
                         f"{model.cfg.seq_len} tokens; give --seq-len {model.cfg.seq_len} or less")
     if args.leak:
         text = [line for line in (read_stdin() if lines is None else lines) if line]
         segs = data.lm_segments(data.lm_stream(tokenizer, text), seq_len)
-        n = max(1, args.batch_tokens // seq_len)
+        n = max(1, batch_tokens // seq_len)
         r = future_leak(model, data.Segments(segs.x[:n], segs.y[:n]))
         print(f"future leak: changing tokens {r['positions'] + 1}..{seq_len} of {r['segments']} segments moves "
               f"log p(next token) at positions 1..{r['positions']} by {r['mean_abs_change']:.4f} nats on average; "
               f"their perplexity {r['ppl_before']:.2f} -> {r['ppl_after']:.2f}")
     if args.ppl:
-        ppl = lm_perplexity(model, tokenizer, read_stdin() if lines is None else lines, seq_len, args.batch_tokens,
+        ppl = lm_perplexity(model, tokenizer, read_stdin() if lines is None else lines, seq_len, batch_tokens,
                             args.dtype == "bf16")
         print(f"perplexity {ppl['ppl']:.2f} over {ppl['n_tokens']} tokens (segments of {seq_len}); per word "
               f"{ppl['word_ppl']:.2f} over {ppl['n_words']} words and EOS")

@@ -112,6 +112,7 @@ def attention_math(q, k, v, key_mask=None, causal=False, scale=None, dropout_p=0
     """The written-out attention. q (B, H, Tq, Dh), k, v (B, H, Tk, Dh); key_mask bool,
     broadcastable to (B, H, Tq, Tk), True where a key may be attended.
     Returns the output (B, H, Tq, Dh) and the attention weights (B, H, Tq, Tk)."""
+    # Exercise attention: begin
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)  Q K^T * scale
     if causal:  # position t may attend to positions <= t only
@@ -122,6 +123,7 @@ def attention_math(q, k, v, key_mask=None, causal=False, scale=None, dropout_p=0
         scores = scores.masked_fill(~key_mask, float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, H, Tq, Tk)
     return dropout(weights, dropout_p) @ v, weights  # (B, H, Tq, Dh)
+    # Exercise attention: end
 
 
 class MultiHeadAttention(nn.Module):
@@ -201,9 +203,11 @@ class FeedForward(nn.Module):
 # Dropout is on the sublayer output, before the residual sum (Code: drop(f(.))).
 # ---------------------------------------------------------------------------------------
 def residual(x, f, norm, pad_mask, cfg: ModelConfig, training):
+    # Exercise residual: begin
     if cfg.prenorm:
         return x + dropout(f(norm(x, pad_mask)), cfg.dropout, training)  # eq. 3
     return norm(x + dropout(f(x), cfg.dropout, training), pad_mask)  # eq. 2
+    # Exercise residual: end
 
 
 # ---------------------------------------------------------------------------------------
@@ -319,8 +323,10 @@ class Transformer(nn.Module):
         c = self.cfg
         if c.init not in ("small", "xavier"):
             raise ValueError(f"--init must be 'small' or 'xavier', not {c.init!r}")
+        # Exercise smallinit: begin
         attn_std = math.sqrt(2 / (5 * c.d_model)) if c.init == "small" else math.sqrt(2 / (2 * c.d_model))
         ff_std = math.sqrt(2 / (c.d_model + c.ff))
+        # Exercise smallinit: end
         for m in self.modules():
             if isinstance(m, MultiHeadAttention):
                 # Note: W^K and W^V live in one (2D, D) matrix; each block is D x D, so the std
@@ -432,6 +438,7 @@ def label_smoothed_loss(logits, target, eps, real=None, allowed=None):
     """logits (..., C), -inf where a class is not allowed; target (...) class ids; real (...) bool,
     the positions that count (None: all); allowed (C,) bool (None: every class).
     Returns (loss sum, NLL sum) over the real positions."""
+    # Exercise label_smoothing: begin
     logp = torch.log_softmax(at_least_fp32(logits), dim=-1)  # (..., C)  log p_w (fp32 softmax)
     nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (...)  -log p_y
     if allowed is None:
@@ -442,6 +449,7 @@ def label_smoothed_loss(logits, target, eps, real=None, allowed=None):
     if real is None:
         return loss.sum(), nll.sum()
     return torch.where(real, loss, 0.0).sum(), torch.where(real, nll, 0.0).sum()
+    # Exercise label_smoothing: end
 
 
 # ---------------------------------------------------------------------------------------
@@ -588,8 +596,10 @@ class MultiLinearAttention(nn.Module):
         if t > self.L:
             raise ValueError(f"a multi-linear attention built for --seq-len {self.L} got {t} positions")
         q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))  # (B, H, t, R)
+        # Exercise multilinear: begin
         qk = (q * self.core)[:, :, :, None, :] * k[:, :, None, :, :]  # (B, H, t, t, R)  c_r Q[i, r] K[j, r]
         T = (qk.flatten(2, 3) @ v.transpose(-1, -2)).view(b, self.heads, t, t, t)  # sum_r ... V[k, r]
         T = T * self.causal[:t, :t, :t]  # T[i, j, k] = 0 unless j, k <= i
+        # Exercise multilinear: end
         T = F.pad(T, (0, self.L - t, 0, self.L - t))  # (B, H, t, L, L): a shorter segment's slices, zero beyond t
         return self.out(T.transpose(1, 2).reshape(b, t, self.heads * self.L * self.L))  # (B, t, D)

@@ -114,9 +114,11 @@ class ScaleNorm(nn.Module):
 
     def forward(self, x, pad_mask=None):
         xf = at_least_fp32(x)
+        # Exercise scalenorm: begin
         norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)  # (B, T, 1)  ||x||
         # Note: x * (g / ||x||) rather than g * x / ||x||: one pass over (B, T, D), not two.
         return (xf * (self.g / norm.clamp_min(self.eps))).to(x.dtype)  # (B, T, D)  g x / ||x||
+        # Exercise scalenorm: end
 
 
 # FixNorm [1, section 2.3; Nguyen & Chiang 2018]:  FixNorm(w) = g * w / ||w||, g fixed
@@ -128,7 +130,9 @@ class ScaleNorm(nn.Module):
 # logit_w = g cos(x, w) + b_w: the final ScaleNorm's g *is* eq. 6's g (a softmax temperature).
 def fixnorm(weight, eps=1e-12):
     """Each row of an embedding matrix (V, D) divided by its l2 norm: ||fixnorm(w)_v|| = 1."""
+    # Exercise fixnorm: begin
     return weight / torch.linalg.vector_norm(weight, dim=-1, keepdim=True).clamp_min(eps)
+    # Exercise fixnorm: end
 
 
 # ---------------------------------------------------------------------------------------
@@ -145,8 +149,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x, pad_mask=None):
         xf = at_least_fp32(x)
+        # Exercise rmsnorm: begin
         inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # (B, T, 1)  1 / RMS(x)
         return (self.weight * (xf * inv_rms)).to(x.dtype)  # (B, T, D)
+        # Exercise rmsnorm: end
 
 
 # =======================================================================================
@@ -219,12 +225,14 @@ class BatchNorm(nn.Module):
             y = self.weight * (xf - self.running_mean) / torch.sqrt(self.running_var + self.eps) + self.bias
             return y.to(x.dtype)
         real = real_tokens(xf, pad_mask)
+        # Exercise batchnorm: begin
         mu, n = batch_mean(xf, real)  # (D,)  Paper (Alg. 1): mu_B = 1/N sum_i x_i
         if xf.device.type == "cpu" and n < 2:  # Note: the unbiased running variance needs 2 (torch raises too)
             raise ValueError(f"BatchNorm in training needs more than 1 real token, got {int(n)}")
         # Note: two passes (mean, then centred squares) rather than E[x^2] - mu^2, which cancels badly.
         var, _ = batch_mean((xf - mu).pow(2), real)  # (D,)  Paper (Alg. 1): sigma_B^2 = 1/N sum_i (x_i - mu_B)^2
         y = self.weight * (xf - mu) / torch.sqrt(var + self.eps) + self.bias  # (B, T, D)  Paper (eqs. 1-2)
+        # Exercise batchnorm: end
         if self.track:
             self.stats = batchnorm_diagnostics(self, y, xf, real, mu, var)
         with torch.no_grad():
@@ -267,8 +275,10 @@ class PNV(nn.Module):
         if not self.training:
             return (self.weight * xf / torch.sqrt(self.running_phi + self.eps) + self.bias).to(x.dtype)
         real = real_tokens(xf, pad_mask)
+        # Exercise pnv: begin
         psi2, _ = batch_mean(xf.pow(2), real)  # (D,)  Paper (Def. 1): psi_B^2 = 1/N sum_i x_i^2
         y = self.weight * xf / torch.sqrt(psi2 + self.eps) + self.bias  # (B, T, D)  Paper (eqs. 4-5)
+        # Exercise pnv: end
         if self.track:
             self.stats = pnv_diagnostics(self, y, xf, real, psi2)
         with torch.no_grad():  # Note: phi = (1 - momentum) phi + momentum psi_B^2   (eq. 10's EMA)
@@ -337,6 +347,7 @@ class _PowerNormFunction(torch.autograd.Function):
             # Note: padding is not part of the paper's batch: it sends no gradient anywhere
             # (not to x, gamma, beta, nor into Gamma and Lambda).
             dy = torch.where(real.unsqueeze(-1), dy, 0.0)  # (B, T, D)
+        # Exercise powernorm_backward: begin
         g = weight * dy  # (B, T, D)  Paper (Alg. 2): dL/dX^ = gamma dL/dY
         g_tilde = g - nu * z  # (B, T, D)  Paper (eq. 11): X^' = dL/dX^ - nu_{t-1} X^
         # Paper (eq. 12): dL/dX = X^' / psi_{t-1}.  Code: divides by the batch psi_B even after
@@ -355,6 +366,7 @@ class _PowerNormFunction(torch.autograd.Function):
             opt["stats"]["g_nu"] = torch.linalg.vector_norm(nu * z[real] / torch.sqrt(bwd_stat + opt["eps"]), dim=-1).mean().item()
         # Paper (eq. 13): nu_t = nu_{t-1} (1 - (1 - alpha) Gamma) + (1 - alpha) Lambda
         nu.copy_(nu * (1 - (1 - a) * Gamma_t) + (1 - a) * Lambda_t)
+        # Exercise powernorm_backward: end
         return dx, (dy * z).sum((0, 1)), dy.sum((0, 1)), None, None, None, None, None  # dgamma, dbeta
 
 

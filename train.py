@@ -70,23 +70,30 @@ from norms import BATCH_NORMS, NORMS, fast_paths, use_reference
 #     a linear warmup to lambda / sqrt(d * n_warmup) at n = n_warmup, then the inverse square root;
 #   VALDECAY:  eq. 7's warmup, then flat at its peak, times alpha_decay each time dev BLEU stalls;
 #   NOWARMUP:  a constant LR (3e-4 in [1]), with the same validation decay.
+#   cosine (the tensorized Transformer's PTB script, for [2]'s language models): eq. 7's linear
+#     warmup to the peak, then peak * (1 + cos(pi (n - n_warmup) / (N - n_warmup))) / 2, to 0 at
+#     the run's last step N (--max-steps, else --max-epochs x --epoch-size).
 # ---------------------------------------------------------------------------------------
 def inverse_sqrt_lr(step, d_model, warmup, lr_scale):
     n = max(step, 1)
+    # Exercise invsqrt: begin
     return lr_scale / math.sqrt(d_model) * min(n ** -0.5, n * warmup ** -1.5)
+    # Exercise invsqrt: end
 
 
 @dataclass
 class Schedule:
-    kind: str  # invsqrt | valdecay | warmupflat (valdecay, as QKNorm's configs name it) | nowarmup
+    kind: str  # invsqrt | valdecay | warmupflat (valdecay, as QKNorm's configs name it) | nowarmup | cosine
     d_model: int
     warmup: int  # n_warmup; none under nowarmup
     peak: float  # the peak LR, lambda / sqrt(d * n_warmup); the constant LR under nowarmup
+    total: int = 0  # cosine: the run's last step N
 
     @classmethod
     def from_args(cls, args):
         peak = args.lr if args.lr_scale is None else args.lr_scale / math.sqrt(args.d_model * args.warmup)
-        return cls(args.schedule, args.d_model, 0 if args.schedule == "nowarmup" else args.warmup, peak)
+        total = min(args.max_epochs * args.epoch_size, args.max_steps or math.inf)
+        return cls(args.schedule, args.d_model, 0 if args.schedule == "nowarmup" else args.warmup, peak, total)
 
     @property
     def lr_scale(self):  # lambda of eq. 7
@@ -94,7 +101,7 @@ class Schedule:
 
     @property
     def decays(self):  # [1] 2.4: validation-based decay, for VALDECAY and NOWARMUP
-        return self.kind != "invsqrt"
+        return self.kind not in ("invsqrt", "cosine")
 
     def __call__(self, step, decay=1.0):
         """The LR of step n; decay is the product of the validation decays so far."""
@@ -102,15 +109,20 @@ class Schedule:
             return inverse_sqrt_lr(step, self.d_model, self.warmup, self.lr_scale)
         if self.kind == "nowarmup":
             return self.peak * decay
+        if self.kind == "cosine" and step > self.warmup:
+            progress = min(1.0, (step - self.warmup) / max(self.total - self.warmup, 1))
+            return self.peak * (1 + math.cos(math.pi * progress)) / 2
         return inverse_sqrt_lr(min(step, self.warmup), self.d_model, self.warmup, self.lr_scale) * decay
 
 
 def validation_decay(history, patience):
     """[1] 2.4 VALDECAY. Code: decay when the newest dev BLEU is strictly below each of the previous
     `patience` ones (no cooldown); returns True when the LR should be multiplied."""
+    # Exercise validation_decay: begin
     if len(history) <= patience:
         return False
     return history[-1] < min(history[-1 - patience:-1])
+    # Exercise validation_decay: end
 
 
 # ---------------------------------------------------------------------------------------
@@ -188,8 +200,8 @@ def prepare_data(args, pairs, run_dir, stage, log, proto=None):
             sides = (pairs["train"], []) if args.task == "lm" else zip(*pairs["train"])
             with tempfile.TemporaryDirectory(dir=stage) as tmp:
                 proto = Path(data.train_bpe(*sides, args.bpe_size, Path(tmp) / "bpe")).read_bytes()
-        log(f"data: {'word vocabulary' if args.bpe_size == 0 else f'BPE ({args.bpe_size} requested)'} "
-            f"made in {time.time() - t0:.1f}s")
+        log(f"data: word vocabulary made in {time.time() - t0:.1f}s" if args.bpe_size == 0 else
+            f"data: trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested) in {time.time() - t0:.1f}s")
     if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list
         data.atomic_write(stage / "bpe.model", proto)
         data.atomic_write(stage / "bpe.key", key)
@@ -581,7 +593,7 @@ def end_of_epoch(run):
     # but then multiply by a scale alpha_decay < 1"; Code: no decay while still in the warmup.
     if run.schedule.decays and s.step >= run.schedule.warmup and validation_decay(s.history, args.patience):
         s.lr_decay *= args.decay_factor
-        run.log(f"{what} worse than each of the previous {args.patience}: LR x {args.decay_factor}")
+        run.log(f"{what} {'above' if lm else 'below'} each of the previous {args.patience}: LR x {args.decay_factor}")
     next_lr = run.schedule(s.step + 1, s.lr_decay)
     # Stopping ([1] appendix A): the LR too small, or no dev improvement for a while.
     if next_lr < args.stop_lr and s.step >= run.schedule.warmup:
@@ -779,11 +791,12 @@ def build_parser():
     add(g, "--sdpa", action=argparse.BooleanOptionalAction, default=True, help="torch's "
         "scaled_dot_product_attention (off: the written-out attention; default on)")
     g = p.add_argument_group("optimisation and schedule")
-    add(g, "--schedule", choices=["invsqrt", "valdecay", "nowarmup", "warmupflat"], default="invsqrt",
+    add(g, "--schedule", choices=["invsqrt", "valdecay", "nowarmup", "warmupflat", "cosine"], default="invsqrt",
         help="invsqrt: eq. 7 of [1] (INVSQRTDECAY); valdecay: eq. 7's linear warmup, then flat at its peak, "
              "times --decay-factor when dev BLEU stalls ([1] 2.4, VALDECAY); nowarmup: constant --lr (3e-4 in "
              "[1] 3.3) with the same validation decay; warmupflat: valdecay under the name of QKNorm's released "
-             "configs (Code [3])")
+             "configs (Code [3]); cosine: the warmup, then a cosine to 0 at the run's last step (the tensorized "
+             "Transformer's PTB script, [2]'s language models)")
     add(g, "--lr-scale", type=float, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
         "warmup^-1.5) ([1] 3.3: 1, and 2 for 2xLR); when given it overrides --lr, whose value is "
         "lambda / sqrt(d * warmup)")
@@ -863,22 +876,14 @@ def resolve_flags(argv=None):
     if "lr" in given:
         flags["lr_scale"] = None
     flags.update(given)
+    if "preset" in given and "pair" in given:  # a language model's corpus for a translator's row, or the reverse
+        pair, _, row = PRESETS[given["preset"]]
+        task = row.get("task", PAIRS[pair].get("task", "mt"))
+        if PAIRS[given["pair"]].get("task", "mt") != task:
+            sys.exit(f"error: --pair {given['pair']}: not a corpus for --preset {given['preset']}, a "
+                     f"{'language model' if task == 'lm' else 'translator'}")
     args = argparse.Namespace(**flags)
-    # A flag that would do nothing in this configuration is refused, not silently ignored.
-    norms = {args.norm, args.encoder_norm, args.decoder_norm}
-    for names, active, why in (
-            (("qk_length", "qk_percentile", "qk_no_g", "qk_norm_v"), args.qknorm, "QKNorm's, so it needs --qknorm"),
-            (("pn_variant", "pn_alpha_fwd", "pn_alpha_bkw", "pn_warmup"), "power" in norms,
-             "PowerNorm's, so it needs --norm, --encoder-norm or --decoder-norm power"),
-            (("warmup",), args.schedule != "nowarmup" or args.lr_scale is not None,
-             "the length of a warmup, which --schedule nowarmup does not have (with --lr-scale it sets the LR)"),
-            (("seq_len", "attention"), args.task == "lm", "a language model's, so it needs --task lm"),
-            (("src", "tgt", "enc_layers", "encoder_norm", "max_len", "beam", "dev_beam", "alpha", "length_penalty"),
-             args.task == "mt", "a translator's; a language model (--task lm) has no source and is scored by "
-             "perplexity")):
-        for name in names:
-            if name in given and not active:
-                sys.exit(f"error: --{name.replace('_', '-')} is {why}")
+    refuse_idle_flags(args, given)
     # Values that depend on other flags are fixed here, once, and recorded in config.json.
     if args.bpe_size is None:
         args.bpe_size = 0 if args.task == "lm" else 2000 if args.data is None else 8000
@@ -887,6 +892,26 @@ def resolve_flags(argv=None):
     if args.lr_scale is not None and args.d_model >= 1 and args.warmup >= 1:  # config.json records the peak that runs
         args.lr = args.lr_scale / math.sqrt(args.d_model * args.warmup)
     return args, given
+
+
+def refuse_idle_flags(args, given):
+    """A flag given that would do nothing in this configuration is refused, not silently ignored."""
+    norms = {args.norm, args.encoder_norm, args.decoder_norm}
+    for names, active, why in (
+            (("qk_length", "qk_percentile", "qk_no_g", "qk_norm_v"), args.qknorm, "QKNorm's, so it needs --qknorm"),
+            (("pn_variant", "pn_alpha_fwd", "pn_alpha_bkw", "pn_warmup"), "power" in norms,
+             "PowerNorm's, so it needs --norm, --encoder-norm or --decoder-norm power"),
+            (("warmup",), args.schedule != "nowarmup" or args.lr_scale is not None,
+             "the length of a warmup, which --schedule nowarmup does not have (with --lr-scale it sets the LR)"),
+            (("seq_len", "attention"), args.task == "lm", "a language model's, so it needs --task lm"),
+            (("src", "tgt", "enc_layers", "encoder_norm", "max_len", "beam", "dev_beam", "alpha", "length_penalty",
+              "qk_percentile"), args.task == "mt", "a translator's; a language model (--task lm) has no source, "
+             "is scored by perplexity, and its QKNorm L is --seq-len"),
+            (("sdpa", "attn_dropout"), args.attention == "softmax", "the softmax attention's; the multi-linear "
+             "attention has neither")):
+        for name in names:
+            if name in given and not active:
+                sys.exit(f"error: --{name.replace('_', '-')} is {why}")
 
 
 def validate_args(args):
@@ -990,14 +1015,15 @@ PN = dict(layers=6, d_model=512, heads=4, ff=1024, dropout=0.3, attn_dropout=0.1
 # et al. 2019 with every LN replaced; its PTB script (szhangtju/The-compression-of-Transformer):
 # 3 layers, d 256, 1 head, FFN 2100, dropout 0.3, no attention dropout, post-norm, tied embeddings,
 # segments of 32 tokens without memory, 120 segments (3,840 tokens) a batch, clip 0.25, Adam at
-# 2.5e-4. [2] A.2: 30 epochs, warmup 4000 steps, label smoothing 0.1, PN's alphas tuned over
-# 0.9/0.95/0.99. Guessed (neither says): the script's cosine decay is replaced by the MT schedule
-# [2] says it kept for the warmup (eq. 7 with a 2.5e-4 peak), alpha 0.9 both ways, Xavier init
-# instead of N(0, 0.02), the head dimension D / H = 256 instead of the script's 40. One epoch is
-# one pass over PTB's 929,589 training tokens (243 batches).
+# 2.5e-4 with a cosine decay ([2] A.2: "we follow the learning rate setting in (Ma et al., 2019)").
+# [2] A.2: 30 epochs, warmup 4000 steps, label smoothing 0.1, PN's warmup as for MT, its alphas
+# tuned over 0.9/0.95/0.99. Guessed or changed (neither says): alpha 0.9 both ways, Xavier init
+# instead of N(0, 0.02), the head dimension D / H = 256 instead of the script's 40, the cosine
+# reaching 0 at the last of the 30 epochs. One epoch is one pass over PTB's 929,589 training
+# tokens (243 batches).
 PN2 = dict(task="lm", layers=3, d_model=256, heads=1, ff=2100, dropout=0.3, attn_dropout=0.0, relu_dropout=0.3,
            word_dropout=0.0, label_smoothing=0.1, attention="multilinear", seq_len=32, batch_tokens=3840,
-           prenorm=False, fixnorm=False, init="xavier", schedule="invsqrt", lr=2.5e-4, warmup=4000, clip=0.25,
+           prenorm=False, fixnorm=False, init="xavier", schedule="cosine", lr=2.5e-4, warmup=4000, clip=0.25,
            epoch_size=243, max_epochs=30, early_stop=0, stop_lr=0.0, keep_checkpoints=0, norm="layer")
 
 
@@ -1080,8 +1106,8 @@ M30K_QK = row(M30K, prenorm=True, norm="layer", fixnorm=True, qknorm=True)  # [3
 # 0.1, clip 0.25, no word dropout) at d 128, FFN 512, dropout 0.1, eq. 7 to a 1e-3 peak at step 200,
 # 3 passes over PTB (729 updates), dev perplexity every pass. Multi-linear attention; --attention
 # softmax gives the other half of the study.
-PTB = row(PN2, d_model=128, ff=512, dropout=0.1, relu_dropout=0.1, lr=1e-3, warmup=200, epoch_size=243,
-          max_epochs=3, log_interval=27)
+PTB = row(PN2, d_model=128, ff=512, dropout=0.1, relu_dropout=0.1, schedule="invsqrt", lr=1e-3, warmup=200,
+          epoch_size=243, max_epochs=3, log_interval=27)
 PRESETS.update({
     **{f"ptb-{norm}": ("ptb", f"study, PowerNorm Table 2: {name}", row(PTB, norm=key))
        for norm, name, key in (("layernorm", "LN", "layer"), ("batchnorm", "BN", "batch"), ("pnv", "PN-V", "pnv"),
@@ -1451,6 +1477,7 @@ def resume_flags(args, given):
         raise data.DataError(f"--resume {run_dir}: a continued run keeps its flags, and these differ from its "
                              f"config.json: {', '.join(refused)} (start a new run with another --out)")
     changed = {k: v for k, v in given.items() if v != saved.get(k)}
+    refuse_idle_flags(argparse.Namespace(**{**DEFAULTS, **saved, **given}), given)
     return argparse.Namespace(**{**DEFAULTS, **saved, **changed, "resume": str(run_dir), "out": str(run_dir),
                                  "overwrite": False,  # an action of the run's first start, not one of its flags
                                  "changed_on_resume": {**saved.get("changed_on_resume", {}), **changed}})

@@ -244,6 +244,8 @@ def test_the_table_2_presets_are_the_papers_language_models():
             ("lm", norm, "multilinear", 32, 3, 256)
         assert (args.dropout, args.max_epochs, args.warmup, args.label_smoothing, args.prenorm) == \
             (0.3, 30, 4000, 0.1, False)
+        assert (args.schedule, args.lr, args.clip, args.batch_tokens, args.heads, args.ff) == \
+            ("cosine", 2.5e-4, 0.25, 3840, 1, 2100)
 
 
 def test_step_flops_of_a_language_model_and_the_multilinear_attention():
@@ -253,3 +255,30 @@ def test_step_flops_of_a_language_model_and_the_multilinear_attention():
     cfg = ModelConfig(vocab_size=V, d_model=D, heads=2, ff=FF, dec_layers=1, lm=True, attention="multilinear",
                       seq_len=5)
     assert train.step_flops(cfg, B, 0, T) == 6 * B * (T * (3 * D * D + T * T * D + 2 * 25 * D + 2 * D * FF) + T * D * V)
+
+
+def test_review_fixes_special_words_idle_flags_and_the_cosine_schedule(text, tmp_path, capsys):
+    vocab = data.WordVocab.build(["a <s> b </s> <pad>"])
+    assert vocab.encode("a <s> </s> <pad> <unk>") == [vocab.index["a"], UNK, UNK, UNK, UNK]  # words, never special ids
+    for argv, flag in ((["--task", "lm", "--qknorm", "--qk-percentile", "50"], "--qk-percentile"),
+                       (["--task", "lm", "--attention", "multilinear", "--no-sdpa"], "--sdpa"),
+                       (["--task", "lm", "--attention", "multilinear", "--attn-dropout", "0.2"], "--attn-dropout"),
+                       (["--preset", "pn1-layernorm", "--pair", "ptb"], "--pair ptb"),
+                       (["--preset", "pn2-layernorm", "--pair", "de-en"], "--pair de-en")):
+        assert flag in _one_line_error(lambda: train.main(argv + ["--out", str(tmp_path / "r")]))
+    run = tmp_path / "run"
+    train.main(LM + ["--data", str(text), "--max-steps", "4", "--epoch-size", "4", "--out", str(run)])
+    assert "--beam" in _one_line_error(lambda: train.main(["--resume", str(run), "--max-steps", "8", "--beam", "7"]))
+    for argv, words in (([str(run), "--attention", "a b"], "--attention"),
+                        ([str(run), "--ppl", "--input", str(text / "test.txt"), "--beam", "7"], "--beam"),
+                        ([str(run), "--generate", "a", "--output", str(tmp_path / "o.txt")], "--output")):
+        assert words in _one_line_error(lambda: decode.main(argv))
+    with pytest.raises(SystemExit):
+        decode.main([str(run), "--svd", "--ppl", "--input", str(text / "test.txt")])
+    assert "give it alone" in capsys.readouterr().err
+    # cosine: eq. 7's linear warmup to the peak, then (1 + cos(pi progress)) / 2 down to 0 at the last step
+    s = train.Schedule("cosine", 256, 100, 1e-3, total=1100)
+    assert s(50) == pytest.approx(0.5e-3) and s(100) == pytest.approx(1e-3) and s(600) == pytest.approx(0.5e-3)
+    assert s(1100) == pytest.approx(0.0, abs=1e-15) and not s.decays
+    args, _ = train.resolve_flags(["--preset", "pn2-powernorm", "--max-epochs", "2"])
+    assert train.Schedule.from_args(args).total == 2 * 243
