@@ -12,7 +12,7 @@ Contents
   4. The target-vocabulary mask of [1]
   5. Token-budget batches with length buckets, and collate (the project's one batcher)
   6. Word dropout [1, 11]
-  7. QKNorm's length statistic L and g0 [3]
+  7. QKNorm's length statistic L [3] (g0 from it: model.qk_g0, beside the attention)
   8. Writing files atomically (the project's one atomic writer)
   9. A language model's text ([2] Table 2): words or BPE, one stream, cut into segments
   Appendix A: the built-in corpus, a synthetic language pair (no download)
@@ -55,7 +55,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from model import BOS, EOS, PAD, UNK
+from model import BOS, EOS, PAD, UNK, qk_g0
 
 SPLITS = ("train", "dev", "test")
 
@@ -408,15 +408,6 @@ def length_percentile(encoded_pairs, q=97.5, count_bos_eos=False):
     if not lens:
         raise ValueError("length_percentile: no sequences")
     return torch.quantile(torch.tensor(lens, dtype=torch.float64), q / 100.0).item()
-
-
-def qk_g0(L):
-    """QKNorm's initial scale g0 = log2(L^2 - L) ([3] eq. 3); e.g. L=72 -> 12.32."""
-    if not L >= 2:  # Note: L^2 - L = 2 at L = 2 (g0 = 1); below, g0 falls to 0 and then is negative
-        raise ValueError(f"qk_g0 needs a length L >= 2, got {L}")
-    # Exercise qk_g0: begin
-    return math.log2(L * L - L)  # L^2 - L = number of off-diagonal entries of the L x L matrix QK^T
-    # Exercise qk_g0: end
 
 
 # ---------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ class ModelConfig:
     fixnorm: bool = True  # l2-normalised embedding rows (section 2.3)
     init: str = "small"  # "small" (SmallInit) or "xavier" (Xavier normal, eq. 4)
     qknorm: bool = False  # QKNorm [3]
-    qk_g0: float = 1.0  # g0 = log2(L^2 - L) [3, eq. 3], computed by data.py
+    qk_g0: float = 1.0  # g0 = log2(L^2 - L) [3, eq. 3]: qk_g0() below
     qk_learn_g: bool = True  # False: [3] Table 6, "Without g" (g fixed at 1)
     qk_norm_v: bool = False  # [3] Table 6, "l2-normalizing V along with Q and K"
     sdpa: bool = True  # F.scaled_dot_product_attention (False: the written-out attention)
@@ -124,6 +124,16 @@ def attention_math(q, k, v, key_mask=None, causal=False, scale=None, dropout_p=0
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, H, Tq, Tk)
     return dropout(weights, dropout_p) @ v, weights  # (B, H, Tq, Dh)
     # Exercise attention: end
+
+
+def qk_g0(L):
+    """QKNorm's initial scale g0 = log2(L^2 - L) [3, eq. 3]; e.g. L=72 -> 12.32. L: the 97.5th percentile
+    of the training lengths (data.length_percentile), or --qk-length."""
+    if not L >= 2:  # Note: L^2 - L = 2 at L = 2 (g0 = 1); below, g0 falls to 0 and then is negative
+        raise ValueError(f"qk_g0 needs a length L >= 2, got {L}")
+    # Exercise qk_g0: begin
+    return math.log2(L * L - L)  # L^2 - L = number of off-diagonal entries of the L x L matrix QK^T
+    # Exercise qk_g0: end
 
 
 class MultiHeadAttention(nn.Module):

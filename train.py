@@ -61,7 +61,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import data
 import decode
-from model import ModelConfig, Transformer, autocast, count_parameters, has_bf16, pick_device
+from model import ModelConfig, Transformer, autocast, count_parameters, has_bf16, pick_device, qk_g0
 from norms import BATCH_NORMS, NORMS, fast_paths, use_reference
 
 # ---------------------------------------------------------------------------------------
@@ -257,7 +257,7 @@ def qknorm_g0(args, train, log):
         L = data.length_percentile(train, q=args.qk_percentile)
         how = (f"{args.qk_percentile}th percentile of BPE training lengths, source and target pooled, no BOS/EOS, "
                f"before the --max-len filter")
-    g0 = data.qk_g0(L)
+    g0 = qk_g0(L)
     log(f"qknorm: L = {L:.2f} ({how}); g0 = log2(L^2 - L) = {g0:.3f}")
     return g0
 
