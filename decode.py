@@ -1247,12 +1247,11 @@ def run(args):
         return language_model(args, model, tokenizer, ckpt, lines)
     if args.ppl and not args.ref:
         raise DataError("--ppl of a translator needs --ref (and the sources in --input or on stdin)")
-    if lines is None:
-        try:
-            raw = sys.stdin.buffer.read()
-        except (AttributeError, ValueError, OSError):  # None, closed or unreadable
-            raise DataError("stdin is closed or unreadable: give the source text with --input FILE") from None
-        lines = data.split_lines(raw, "stdin")  # undecodable bytes: DataError naming the line
+    return translate_and_score(args, model, tokenizer, ckpt, read_stdin() if lines is None else lines, refs)
+
+
+def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
+    """A translator: translate the lines (to --output or stdout), and score them against refs."""
     if refs is not None and len(refs) != len(lines):
         raise DataError(f"{args.ref}: {len(refs)} lines, but {args.input or 'stdin'} has {len(lines)}")
     if refs is not None and not lines:
@@ -1295,7 +1294,7 @@ def read_stdin():
     try:
         raw = sys.stdin.buffer.read()
     except (AttributeError, ValueError, OSError):  # None, closed or unreadable
-        raise DataError("stdin is closed or unreadable: give the text with --input FILE") from None
+        raise DataError("stdin is closed or unreadable: give the text (a translator's source) with --input FILE") from None
     return data.split_lines(raw, "stdin")  # undecodable bytes: DataError naming the line
 
 

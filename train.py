@@ -554,6 +554,27 @@ def diverged(run, what):
     run.log("error: " + run.state.stopped)
 
 
+def dev_score(run):
+    """Rank 0: (score, dev loss, dev NLL, dev tokens). The score is dev BLEU, or minus a language
+    model's dev perplexity (higher is better for both); None when the model diverged: a checkpoint is
+    written only if it is good, finite weights and a finite dev loss (weights of 1e30 are finite,
+    but their dev loss is not)."""
+    args = run.args
+    dev_loss, dev_nll, n = decode.evaluate_loss(run.model, run.dev, args.batch_tokens, args.label_smoothing,
+                                                run.step_options.bf16)
+    bad = next((name for name, p in run.model.named_parameters() if not torch.isfinite(p).all()), None)
+    if bad or not math.isfinite(dev_loss):
+        diverged(run, (f"the weights became non-finite ({bad})" if bad else f"the dev loss became {dev_loss}")
+                 + f" at step {run.state.step}, so no checkpoint of it is written")
+        return None, dev_loss, dev_nll, n
+    if args.task == "lm":
+        return -math.exp(min(dev_nll / max(n, 1), 50)), dev_loss, dev_nll, n
+    search = decode.Search(args.dev_beam, args.alpha, max_src_len=args.max_len, bf16=run.step_options.bf16,
+                           penalty=args.length_penalty)
+    hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["dev"]], search, args.batch_tokens)
+    return decode.bleu(hyps, [y for _, y in run.pairs["dev"]]).score, dev_loss, dev_nll, n
+
+
 def end_of_epoch(run):
     """Dev BLEU of a translator, dev perplexity of a language model; the same decisions on either."""
     args, s = run.args, run.state
@@ -561,21 +582,7 @@ def end_of_epoch(run):
     s.epoch += 1
     t0, bleu = time.time(), None
     if run.master:
-        dev_loss, dev_nll, n = decode.evaluate_loss(run.model, run.dev, args.batch_tokens, args.label_smoothing,
-                                                    run.step_options.bf16)
-        # A checkpoint is written only if it is good: finite weights and a finite dev loss (weights of
-        # 1e30 are finite, but their dev loss is not).
-        bad = next((name for name, p in run.model.named_parameters() if not torch.isfinite(p).all()), None)
-        if bad or not math.isfinite(dev_loss):
-            diverged(run, (f"the weights became non-finite ({bad})" if bad else f"the dev loss became {dev_loss}")
-                     + f" at step {s.step}, so no checkpoint of it is written")
-        elif lm:  # a language model is scored by minus its dev perplexity, so that higher is better for both
-            bleu = -math.exp(min(dev_nll / max(n, 1), 50))
-        else:
-            search = decode.Search(args.dev_beam, args.alpha, max_src_len=args.max_len, bf16=run.step_options.bf16,
-                               penalty=args.length_penalty)
-            hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["dev"]], search, args.batch_tokens)
-            bleu = decode.bleu(hyps, [y for _, y in run.pairs["dev"]]).score
+        bleu, dev_loss, dev_nll, n = dev_score(run)
     if run.world > 1:  # every rank takes the same decisions: share rank 0's score
         box = [bleu, s.stopped]
         dist.broadcast_object_list(box, src=0)
