@@ -368,7 +368,8 @@ def cmd_make(out, names):
     leaked = [s for s in solutions if s not in outside and s in copy_text]
     if leaked:
         sys.exit(f"exercises.py make: a solution line is still in the copy: {leaked[0]!r}")
-    print(f"wrote {out}: {len(chosen)} exercises blanked ({', '.join(chosen)}); no solution line is in the copy")
+    print(f"wrote {out}: {len(chosen)} exercise{'' if len(chosen) == 1 else 's'} blanked ({', '.join(chosen)}); "
+          f"no solution line is in the copy")
     return 0
 
 
