@@ -178,6 +178,17 @@ def train_bpe(src_lines, tgt_lines, vocab_size, model_prefix):
     return str(model_prefix) + ".model"
 
 
+def content_ids(ids):
+    """The ids up to the first EOS, without PAD and BOS: what a tokenizer turns back into text."""
+    out = []
+    for i in (ids.tolist() if torch.is_tensor(ids) else ids):
+        if i == EOS:
+            break
+        if i not in (PAD, BOS):
+            out.append(int(i))
+    return out
+
+
 class Tokenizer:
     """A thin wrapper around a sentencepiece model (a file, or its bytes) with our special ids."""
 
@@ -196,13 +207,7 @@ class Tokenizer:
 
     def decode(self, ids):
         """[ids] -> str: stops at the first EOS, skips PAD and BOS."""
-        out = []
-        for i in (ids.tolist() if torch.is_tensor(ids) else ids):
-            if i == EOS:
-                break
-            if i not in (PAD, BOS):
-                out.append(int(i))
-        return self.sp.decode(out)
+        return self.sp.decode(content_ids(ids))
 
     def piece(self, i):
         return self.sp.id_to_piece(int(i))
@@ -476,13 +481,7 @@ class WordVocab:
         return [self.index.get(w, UNK) for w in text.split()]
 
     def decode(self, ids):
-        out = []
-        for i in (ids.tolist() if torch.is_tensor(ids) else ids):
-            if i == EOS:
-                break
-            if i not in (PAD, BOS):
-                out.append(self.words[int(i)])
-        return " ".join(out)
+        return " ".join(self.words[i] for i in content_ids(ids))
 
     def piece(self, i):
         return self.words[int(i)]

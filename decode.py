@@ -757,8 +757,8 @@ def save_g_values(model, path):
 # ---------------------------------------------------------------------------------------
 # The embedding's singular values ([2] Figure 6, after Gao et al. 2019): sigma_1 >= ... of the
 # learned embedding matrix E (V, D), divided by sigma_1. Slow decay: the embeddings use more
-# directions of the space. Note: E as trained, before FixNorm's row normalisation (with FixNorm the
-# rows the model reads have unit length; their matrix is svd'd the same way by --svd).
+# directions of the space. Note: the parameter E as trained; with --fixnorm the model reads its rows
+# normalised to unit length, and E's own row lengths are what FixNorm leaves free.
 # ---------------------------------------------------------------------------------------
 def future_leak(model, segments, t=None, seed=0):
     """How far the batch statistics of a training forward let a causal model see the future ([2]'s

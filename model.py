@@ -579,9 +579,10 @@ def index_target_words(model):
 #   causal:  T[i, j, k] = 0 unless j <= i and k <= i    (position i sees no later token)
 #   out_i = W^O [vec T_1[i, :, :]; ...; vec T_H[i, :, :]] + b     (H L^2 numbers -> D, one linear layer)
 # No softmax: position i's output is a learned linear map of the (L, L) slice of the tensor.
-# Code (szhangtju/The-compression-of-Transformer, the baseline PowerNorm points to): the same
-# tensor and output layer, the core softmax-initialised; it builds a causal mask and never applies
-# it, so every position sees the whole segment, future included. We apply it ([2] says it did).
+# Code (szhangtju/The-compression-of-Transformer, the baseline PowerNorm points to; its
+# BlockTensorAttn): the same tensor and output layer, the core softmax-initialised; it builds a
+# causal mask and never applies it, so every position sees the whole segment, future included.
+# We apply it ([2] says its runs were "with masking").
 # W^O has L^2 inputs per head: the model is built for segments of cfg.seq_len positions; shorter
 # ones are the first positions of a full one (the causal mask makes the rest zero).
 # =======================================================================================
