@@ -1132,6 +1132,22 @@ _PAIR_STEPS = {  # applied in the order a corpus lists them
 }
 
 
+def _split_pairs(c, split, open_text):
+    """One split's pairs of corpus c: its files read, cleaned by its steps, in order."""
+    steps, pairs = c.get("steps", {}).get(split, ()), []
+    for spec in c["splits"][split]:
+        if c.get("tsv"):
+            pairs += _tsv_pairs(open_text, spec, c["src"], c["tgt"])
+            continue
+        s_lines, t_lines = (_lines(open_text, f, steps) for f in spec)
+        if len(s_lines) != len(t_lines):
+            raise DataError(f"{spec[0]} has {len(s_lines)} lines but {spec[1]} {len(t_lines)}")
+        pairs += zip(s_lines, t_lines)
+    for step in (s for s in steps if s in _PAIR_STEPS):
+        pairs = _PAIR_STEPS[step](pairs)
+    return pairs
+
+
 def prepare(name, out_dir=None, url=None, expected=None):
     """Downloads corpus NAME and writes out_dir/{train,dev,test}.{src,tgt}; returns out_dir.
 
@@ -1170,17 +1186,7 @@ def prepare(name, out_dir=None, url=None, expected=None):
     open_text, counts = _opener(root), {}
     out.mkdir(parents=True, exist_ok=True)
     for split in SPLITS:
-        steps, pairs = c.get("steps", {}).get(split, ()), []
-        for spec in c["splits"][split]:
-            if c.get("tsv"):
-                pairs += _tsv_pairs(open_text, spec, c["src"], c["tgt"])
-                continue
-            s_lines, t_lines = (_lines(open_text, f, steps) for f in spec)
-            if len(s_lines) != len(t_lines):
-                raise DataError(f"{spec[0]} has {len(s_lines)} lines but {spec[1]} {len(t_lines)}")
-            pairs += zip(s_lines, t_lines)
-        for step in (s for s in steps if s in _PAIR_STEPS):
-            pairs = _PAIR_STEPS[step](pairs)
+        pairs = _split_pairs(c, split, open_text)
         for side in (0, 1):
             atomic_write(files[split][side], "".join(p[side] + "\n" for p in pairs))
         counts[split] = len(pairs)

@@ -509,17 +509,7 @@ def train_loop(run):
             dt, t0 = time.perf_counter() - t0, time.perf_counter()
             s.train_seconds += dt
             win["t"] += dt
-            for (step, step_lr, n, f, _), (l, ll, g, *n_read) in zip(pending, values):
-                n = n_read[0] if n_read else n
-                for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
-                    win[k] += v
-                run.metrics({"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
-                # A non-finite gradient norm with a finite loss would still make the weights NaN.
-                bad = [(name, v) for name, v in (("the training loss", l), ("the gradient norm", g)) if not math.isfinite(v)]
-                if bad:
-                    diverged(run, f"{bad[0][0]} became {bad[0][1]} at step {step}")
-                    break
-            pending = []
+            n, pending = record_steps(run, pending, values, win), []
             if s.stopped:
                 break
             if log_now:
@@ -541,6 +531,23 @@ def train_loop(run):
     if run.world > 1:
         dist.destroy_process_group()
     return result
+
+
+def record_steps(run, pending, values, win):
+    """The steps since the last host sync, their numbers read together (values): into the log
+    window and metrics.jsonl ([1] Figure 2); a non-finite loss or gradient norm stops the run as
+    diverged. Returns the last step's target tokens."""
+    for (step, step_lr, n, f, _), (l, ll, g, *n_read) in zip(pending, values):
+        n = n_read[0] if n_read else n
+        for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
+            win[k] += v
+        run.metrics({"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
+        # A non-finite gradient norm with a finite loss would still make the weights NaN.
+        bad = [(name, v) for name, v in (("the training loss", l), ("the gradient norm", g)) if not math.isfinite(v)]
+        if bad:
+            diverged(run, f"{bad[0][0]} became {bad[0][1]} at step {step}")
+            break
+    return n
 
 
 # ---------------------------------------------------------------------------------------
@@ -1255,24 +1262,7 @@ def benchmark(run):
         flops += sum(batch_flops(cfg, b, n_out) for b in batches)
     losses = torch.stack(losses).tolist()  # the one host synchronisation
     secs, n_tok = time.perf_counter() - t0, float(n_tok)  # n_tok: a device tensor under DDP
-    result = {}
-    if args.profile:  # a few more steps under the profiler (not in the figures above: it slows them)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-        prof_tok = 0
-        with profile(activities=acts) as prof:
-            for i in range(5):
-                prof_tok += float(step(i)[2])
-            sync(dev)
-        events = prof.key_averages()
-        if dev.type == "cuda":  # the GPU's busy time (its kernels' rows) against the step's wall time
-            kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-            busy = sum(e.self_device_time_total for e in kernels) / 1e6 / prof_tok  # seconds per target token
-            result["host_gap_share"] = max(0.0, 1 - busy / (secs / n_tok))
-            run.log(f"profile: the GPU is busy {1e6 * busy * n_tok / args.benchmark:.0f} us of each "
-                    f"{1e6 * secs / args.benchmark:.0f} us step: {100 * result['host_gap_share']:.1f}% "
-                    f"of the step is host gaps")
-        key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-        run.log(events.table(sort_by=key, row_limit=25))
+    result = profile_steps(run, step, secs, n_tok) if args.profile else {}
     if args.compile:  # the graphs torch.compile made in these steps (a recompilation storm shows here)
         result["compiled_graphs"] = compiled_graphs() - graphs
     matmul_peak = max(matmul_peak, matmul_flops(dev, cfg.d_model, cfg.ff, run.step_options.bf16))  # the larger kept
@@ -1287,6 +1277,30 @@ def benchmark(run):
             f"{result['achieved_flops'] / 1e9:.1f} GFLOP/s | matmul peak {matmul_peak / 1e9:.1f} GFLOP/s | MFU "
             f"{100 * result['mfu']:.1f}% | padding {100 * pad:.1f}% | peak memory {result['peak_memory_mb']:.0f} MiB "
             f"| {result['threads']} threads" + (f" | {result['compiled_graphs']} compiled graphs" if args.compile else ""))
+    return result
+
+
+def profile_steps(run, step, secs, n_tok):
+    """--profile: 5 more steps under torch.profiler (not in --benchmark's figures: it slows them);
+    prints where the time goes and, on a GPU, the share of a step (the timed steps took secs for
+    n_tok target tokens) its kernels do not cover."""
+    dev, result = run.device, {}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    prof_tok = 0
+    with profile(activities=acts) as prof:
+        for i in range(5):
+            prof_tok += float(step(i)[2])
+        sync(dev)
+    events = prof.key_averages()
+    if dev.type == "cuda":  # the GPU's busy time (its kernels' rows) against the step's wall time
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6 / prof_tok  # seconds per target token
+        result["host_gap_share"] = max(0.0, 1 - busy / (secs / n_tok))
+        steps = run.args.benchmark  # the timed steps' secs and n_tok
+        run.log(f"profile: the GPU is busy {1e6 * busy * n_tok / steps:.0f} us of each {1e6 * secs / steps:.0f} us "
+                f"step: {100 * result['host_gap_share']:.1f}% of the step is host gaps")
+    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    run.log(events.table(sort_by=key, row_limit=25))
     return result
 
 
