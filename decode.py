@@ -1294,7 +1294,7 @@ def read_stdin():
     try:
         raw = sys.stdin.buffer.read()
     except (AttributeError, ValueError, OSError):  # None, closed or unreadable
-        raise DataError("stdin is closed or unreadable: give the text (a translator's source) with --input FILE") from None
+        raise DataError("stdin is closed or unreadable: give the text with --input FILE") from None
     return data.split_lines(raw, "stdin")  # undecodable bytes: DataError naming the line
 
 

@@ -20,6 +20,7 @@ blank in one exercise fails that exercise alone; grading runs with every fast pa
 """
 import math
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -86,6 +87,8 @@ def _fixnorm(i):
 def _batch_norm(cls, i):
     m = cls(6).double().train()
     out = _forward_backward(m, i["x"], _pad_mask())
+    real = ~_pad_mask()  # padding positions: whatever the student's code gives there is fine
+    out["y"], out["dx"] = out["y"][real], out["dx"][real]
     out.update({k: v.clone() for k, v in m.named_buffers()})
     return out
 
@@ -155,7 +158,7 @@ def _word_dropout(i):
     changed = (y != before) & real
     assert torch.equal(y[changed], torch.full_like(y[changed], data.UNK)), "a dropped token is not UNK"
     rate = changed.sum().item() / real.sum().item()
-    assert abs(rate - 0.3) < 0.01, f"{100 * rate:.1f}% of the tokens were dropped, not 30%"
+    assert abs(rate - 0.3) < 0.015, f"{100 * rate:.1f}% of the tokens were dropped, not 30%"
     assert torch.equal(data.word_dropout(x, 0.0), x), "p = 0 must change nothing"
     return {}
 
@@ -258,8 +261,9 @@ def check(ex, stored):
                                                   rtol=1e-6, atol=1e-8)):
             diff = torch.where(torch.isinf(expected), 0.0, (value - expected).abs()).nan_to_num(float("inf"))
             at = tuple(int(j) for j in torch.unravel_index(diff.argmax(), diff.shape)) if diff.dim() else ()
-            raise AssertionError(f"{key} differs from the expected value: {value[at].item():.6g} where "
-                                 f"{expected[at].item():.6g} is expected (at index {at})")
+            raise AssertionError(f"{key} differs from the expected value: {value[at].item():.10g} where "
+                                 f"{expected[at].item():.10g} is expected (at index {at}; difference "
+                                 f"{diff[at].item():.3g}, allowed 1e-8 + 1e-6 x |expected|)")
 
 
 def load_values():
@@ -275,6 +279,8 @@ def cmd_list():
 
 def cmd_record():
     """The expected values, from the solutions (run it in the original, never in a copy)."""
+    if not (ROOT / "tests" / "test_model.py").exists():
+        sys.exit("exercises.py record: this is a student copy; record the expected values in the original")
     values = {}
     for ex in exercises():
         norms.use_reference(True)
@@ -308,26 +314,29 @@ def cmd_grade(names):
 
 
 def regions(text):
-    """{name: (begin line index, end line index)} of the '# Exercise NAME: begin/end' comments."""
-    found, open_ = {}, {}
+    """[(name, begin line index, end line index)] of the '# Exercise NAME: begin/end' comments (an
+    exercise may have several: a fast path that computes the same equation is blanked with it)."""
+    found, open_ = [], {}
     for n, line in enumerate(text.split("\n")):
         s = line.strip()
         if s.startswith("# Exercise ") and s.endswith(": begin"):
             open_[s[len("# Exercise "):-len(": begin")]] = n
         elif s.startswith("# Exercise ") and s.endswith(": end"):
             name = s[len("# Exercise "):-len(": end")]
-            found[name] = (open_.pop(name), n)
+            found.append((name, open_.pop(name), n))
     return found
 
 
 def blank(text, names, equations):
     """text with the code of each named region replaced by a raise; the region's comments kept."""
     lines = text.split("\n")
-    for name, (b, e) in sorted(regions(text).items(), key=lambda r: -r[1][0]):
+    for name, b, e in sorted(regions(text), key=lambda r: -r[1]):
         if name not in names:
             continue
         indent = lines[b][: len(lines[b]) - len(lines[b].lstrip())]
-        kept = [indent + "# " + line.split("# ", 1)[1] for line in lines[b + 1:e] if "# " in line]
+        # Comments kept: whole-line ones, and a line's trailing one where it states an equation.
+        kept = [indent + "# " + line.split("# ", 1)[1] for line in lines[b + 1:e] if "# " in line
+                and (line.strip().startswith("#") or re.search(r"Paper|eq\.|=", line.split("# ", 1)[1]))]
         raise_ = f'{indent}raise NotImplementedError("exercise {name}: {equations[name]}")'
         lines[b + 1:e] = kept + [raise_]
     return "\n".join(lines)
@@ -340,8 +349,8 @@ def code_of(line):
 def cmd_make(out, names):
     chosen = {ex.name: ex for ex in select(names)}
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        sys.exit(f"exercises.py make: {out} exists and is not empty; give a new folder")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        sys.exit(f"exercises.py make: {out} exists and is not an empty folder; give a new one")
     solutions, outside = [], []  # the blanked regions' code lines, and every other code line
     for rel in COPIED:
         dest = out / rel
@@ -349,7 +358,7 @@ def cmd_make(out, names):
         if rel in SOURCES:
             text = (ROOT / rel).read_text()
             lines, inside = text.split("\n"), set()
-            for name, (b, e) in regions(text).items():
+            for name, b, e in regions(text):
                 if name in chosen:
                     solutions += [code_of(line) for line in lines[b + 1:e] if len(code_of(line)) >= 12]
                     inside.update(range(b + 1, e))
@@ -367,7 +376,8 @@ def cmd_make(out, names):
     outside = set(outside)
     leaked = [s for s in solutions if s not in outside and s in copy_text]
     if leaked:
-        sys.exit(f"exercises.py make: a solution line is still in the copy: {leaked[0]!r}")
+        shutil.rmtree(out)
+        sys.exit(f"exercises.py make: a solution line is still in the copy (so none was written): {leaked[0]!r}")
     print(f"wrote {out}: {len(chosen)} exercise{'' if len(chosen) == 1 else 's'} blanked ({', '.join(chosen)}); "
           f"no solution line is in the copy")
     return 0

@@ -30,7 +30,7 @@ def test_list_covers_ten_exercises_from_four_files_and_every_region_is_marked():
     out = _kit("list").stdout.splitlines()
     assert len(out) == len(EXERCISES) >= 10 and len({ex.file for ex in EXERCISES}) >= 4
     assert [line.split()[0] for line in out] == [ex.name for ex in EXERCISES]
-    marked = {name for f in exercises.SOURCES for name in exercises.regions((ROOT / f).read_text())}
+    marked = {name for f in exercises.SOURCES for name, _, _ in exercises.regions((ROOT / f).read_text())}
     assert marked == {ex.name for ex in EXERCISES}
 
 
