@@ -521,9 +521,10 @@ class Segments:
 
     def collate(self, idx, device=None):
         x, y = self.x[list(idx)], self.y[list(idx)]
+        n_tgt = int(y.ne(PAD).sum())  # counted on the host, before the copy
         if device is not None:
             x, y = x.to(device), y.to(device)
-        return Batch(None, x, y, n_src=0, n_tgt=int(self.y[list(idx)].ne(PAD).sum()), idx=list(idx))
+        return Batch(None, x, y, n_src=0, n_tgt=n_tgt, idx=list(idx))
 
 
 def lm_segments(stream, seq_len):
