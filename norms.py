@@ -15,6 +15,7 @@ Contents
   Appendix A: batch statistics over several processes (torch.distributed)
   Appendix B: diagnostics of the batch statistics ([2] Figures 2-4)
   Appendix C: the timing harness and python norms.py --benchmark
+  Appendix D: PowerNorm as the authors' released code computes it (--pn-variant code)
 
 Papers (one numbering for the whole project):
   [1] Nguyen & Salazar 2019, Transformers without Tears (TwT).
@@ -323,51 +324,41 @@ class GroupScaling(nn.Module):
 # Here psi^2 is stored as running_phi (phi = psi^2) and psi = sqrt(phi + eps).
 # ---------------------------------------------------------------------------------------
 class _PowerNormFunction(torch.autograd.Function):
-    """Eqs. 8-9 forward and eqs. 11-13 backward of PN, for one training step.
-
-    The module decides which statistic divides in the forward (fwd_stat) and in the backward
-    (bwd_stat); this function owns the backward statistic nu and updates it in place.
-    """
+    """Eqs. 8-9 forward and eqs. 11-13 backward of PN, for one training step: x is divided by
+    sqrt(psi2 + eps) in the forward and the gradient by sqrt(bwd_psi2 + eps) (the paper: the same
+    psi_{t-1}; the code variant, Appendix D, passes the batch's); nu is updated in place."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fwd_stat, bwd_stat, running_nu, real, options):
-        z = x / torch.sqrt(fwd_stat + options["eps"])  # (B, T, D)  Paper (eq. 8): X^ = X / psi_{t-1}
-        ctx.save_for_backward(z, weight, bwd_stat, real)
+    def forward(ctx, x, weight, bias, psi2, bwd_psi2, nu, real, alpha_bkw, eps):
+        z = x / torch.sqrt(psi2 + eps)  # (B, T, D)  Paper (eq. 8): X^ = X / psi_{t-1}
+        ctx.save_for_backward(z, weight, bwd_psi2, real)
         # Note: nu is a plain attribute, not saved_for_backward: every backward changes it in place,
         # which autograd's version check would refuse when a module runs twice in one graph.
-        ctx.running_nu, ctx.options = running_nu, options
+        ctx.nu, ctx.alpha, ctx.eps = nu, alpha_bkw, eps
         return weight * z + bias  # (B, T, D)  Paper (eq. 9): Y = gamma X^ + beta
 
     @staticmethod
     def backward(ctx, dy):
-        z, weight, bwd_stat, real = ctx.saved_tensors
-        nu, opt = ctx.running_nu, ctx.options  # nu_{t-1}: (D,)
-        a, code = opt["alpha_bkw"], opt["variant"] == "code"
-        if not code:
-            # Note: padding is not part of the paper's batch: it sends no gradient anywhere
-            # (not to x, gamma, beta, nor into Gamma and Lambda).
-            dy = torch.where(real.unsqueeze(-1), dy, 0.0)  # (B, T, D)
+        z, weight, psi2, real = ctx.saved_tensors
+        nu, a = ctx.nu, ctx.alpha  # nu_{t-1}: (D,)
+        # Note: padding is not part of the paper's batch: it sends no gradient anywhere
+        # (not to x, gamma, beta, nor into Gamma and Lambda).
+        dy = torch.where(real.unsqueeze(-1), dy, 0.0)  # (B, T, D)
         # Exercise powernorm_backward: begin
         g = weight * dy  # (B, T, D)  Paper (Alg. 2): dL/dX^ = gamma dL/dY
         g_tilde = g - nu * z  # (B, T, D)  Paper (eq. 11): X^' = dL/dX^ - nu_{t-1} X^
-        # Paper (eq. 12): dL/dX = X^' / psi_{t-1}.  Code: divides by the batch psi_B even after
-        # warmup (the module passes that as bwd_stat).
-        dx = g_tilde / torch.sqrt(bwd_stat + opt["eps"])  # (B, T, D)
+        dx = g_tilde / torch.sqrt(psi2 + ctx.eps)  # (B, T, D)  Paper (eq. 12): dL/dX = X^' / psi_{t-1}
         # Note: a collective inside backward (batch_mean over the ranks) is safe: every rank runs the
         # same backward graph, so they meet in the same order (as nn.SyncBatchNorm does). Eqs. 11-13
         # are not linear in dL/dY (nu X^ does not scale with it), so every rank's dL/dY must be the
         # whole batch's, not world x it: see train_step in train.py.
-        used = torch.ones_like(real) if code else real  # Code: means over all B*T positions, padding included
-        Gamma_t, _ = batch_mean(z * z, used)  # (D,)  Gamma = mean_i x^_i x^_i
-        Lambda_t, _ = batch_mean(g * z, used)  # (D,)  Lambda = mean_i dL/dx^_i x^_i
-        if not code:  # Paper: means over the N real tokens (footnote 1); padding gets zero gradient.
-            dx = torch.where(real.unsqueeze(-1), dx, 0.0)
-        if opt["stats"] is not None:  # Appendix B: the nu X^ term's share of dL/dX (eqs. 11-12)
-            opt["stats"]["g_nu"] = torch.linalg.vector_norm(nu * z[real] / torch.sqrt(bwd_stat + opt["eps"]), dim=-1).mean().item()
+        Gamma_t, _ = batch_mean(z * z, real)  # (D,)  Gamma = mean_i x^_i x^_i   (real tokens, footnote 1)
+        Lambda_t, _ = batch_mean(g * z, real)  # (D,)  Lambda = mean_i dL/dx^_i x^_i
         # Paper (eq. 13): nu_t = nu_{t-1} (1 - (1 - alpha) Gamma) + (1 - alpha) Lambda
         nu.copy_(nu * (1 - (1 - a) * Gamma_t) + (1 - a) * Lambda_t)
         # Exercise powernorm_backward: end
-        return dx, (dy * z).sum((0, 1)), dy.sum((0, 1)), None, None, None, None, None  # dgamma, dbeta
+        dx = torch.where(real.unsqueeze(-1), dx, 0.0)  # padding gets zero gradient
+        return dx, (dy * z).sum((0, 1)), dy.sum((0, 1)), None, None, None, None, None, None  # dgamma, dbeta
 
 
 class PowerNorm(nn.Module):
@@ -380,30 +371,19 @@ class PowerNorm(nn.Module):
     Eval: running statistic only, so each sentence's output is independent of the batch.
     Buffers: running_phi (= psi^2, starts at 1), running_nu (the paper's nu itself, starts at
     0), num_batches_tracked (int64, training forwards). All in fp32 under autocast.
-
-    ``variant="paper"`` follows the equations; ``variant="code"`` reproduces the authors'
-    released module (sIncerass/powernorm, fairseq/modules/norms/mask_powernorm.py), which
-    differs in three places:
-      - backward divides by the batch psi_B even after warmup (paper: psi_{t-1}, eq. 12);
-      - Gamma and Lambda average over all B*T positions, padding included, and padding
-        positions get gradient (the paper variant: real tokens only, padding gets zero gradient);
-      - during warmup phi first becomes the cumulative mean of the psi_B^2 so far and then
-        takes the EMA step (paper: the EMA of eq. 10 at every step).
-    Both variants normalize padding with the same statistic (finite outputs) and never let
-    padding into psi_B^2. Other differences from the code: it stores nu/(1-alpha_bkw) where we
-    store nu; an all-padding batch gives NaN there and a ValueError here; its psi_B^2, Gamma and
-    Lambda are per GPU, ours run over every rank under torch.distributed.
+    The authors' released module differs in three places: PowerNormCode (Appendix D,
+    --pn-variant code) reproduces it by overriding the two methods at the end of this class.
+    Other differences from the code: it stores nu/(1-alpha_bkw) where we store nu; an all-padding
+    batch gives NaN there and a ValueError here; its psi_B^2, Gamma and Lambda are per GPU, ours
+    run over every rank under torch.distributed.
     """
 
-    def __init__(self, num_features, groups=1, warmup=4000, alpha_fwd=0.9, alpha_bkw=0.9, eps=1e-5,
-                 variant="paper"):  # Paper: warmup = the LR warmup (train.py passes it)
-        super().__init__()
+    def __init__(self, num_features, groups=1, warmup=4000, alpha_fwd=0.9, alpha_bkw=0.9, eps=1e-5):
+        super().__init__()  # Paper: warmup = the LR warmup (train.py passes it)
         if num_features % groups:
             raise ValueError(f"num_features {num_features} is not divisible by groups {groups}")
-        if variant not in ("paper", "code"):
-            raise ValueError(f"variant must be 'paper' or 'code', got {variant!r}")
-        self.warmup, self.alpha_fwd, self.track, self.stats = warmup, alpha_fwd, False, {}
-        self.options = {"alpha_bkw": alpha_bkw, "eps": eps, "variant": variant}
+        self.warmup, self.alpha_fwd, self.alpha_bkw, self.eps = warmup, alpha_fwd, alpha_bkw, eps
+        self.track, self.stats = False, {}
         self.group_scaling = GroupScaling(groups, eps=1e-5)  # Code: G = heads, eps 1e-5 inside the sqrt
         # Code: weight and bias are always there (whatever ``affine`` says), ones and zeros.
         self.weight = nn.Parameter(torch.ones(num_features))  # gamma
@@ -418,13 +398,12 @@ class PowerNorm(nn.Module):
 
     def extra_repr(self):
         return (f"{self.weight.shape[0]}, groups={self.group_scaling.groups}, warmup={self.warmup}, "
-                f"alpha_fwd={self.alpha_fwd}, alpha_bkw={self.options['alpha_bkw']}, variant={self.options['variant']!r}")
+                f"alpha_fwd={self.alpha_fwd}, alpha_bkw={self.alpha_bkw}")
 
     def forward(self, x, pad_mask=None):
         xs = self.group_scaling(at_least_fp32(x))  # (B, T, D)  GroupScaling, plain autograd
-        eps, code = self.options["eps"], self.options["variant"] == "code"
         if not self.training:  # Paper (inference): Y = gamma X / psi + beta   (running statistic only)
-            return (self.weight * xs / torch.sqrt(self.running_phi + eps) + self.bias).to(x.dtype)
+            return (self.weight * xs / torch.sqrt(self.running_phi + self.eps) + self.bias).to(x.dtype)
         real = real_tokens(xs, pad_mask)  # (B, T)
         self.num_batches_tracked += 1
         t = self.num_batches_tracked  # this step, counted from 1 (a tensor: no host sync on a GPU)
@@ -433,23 +412,27 @@ class PowerNorm(nn.Module):
             phi = self.running_phi.clone()  # (D,)  psi_{t-1}^2
         # Paper (appendix A) says only that a warmup "for accumulating psi" is used, W = the LR
         # warmup. Code: the batch psi_B divides while t <= W (as in PN-V), then eq. 8's psi_{t-1}.
-        fwd_stat = torch.where(t <= self.warmup, psi2, phi)
-        # Paper (eq. 12): backward divides by psi_{t-1}; Note: we divide by what the forward divided
-        # by, so psi_B during warmup; the approximate backward (with nu) runs during warmup too, as
-        # in the code. Code: always by the batch psi_B.
-        bwd_stat = psi2 if code else fwd_stat
+        fwd_psi2 = torch.where(t <= self.warmup, psi2, phi)
+        bwd_psi2, bwd_real = self.backward_statistic(fwd_psi2, psi2, real)
         if self.track:
-            self.stats = {"dist_psi2": dist(psi2, phi)}  # Appendix B
-        options = dict(self.options, stats=self.stats if self.track else None)
-        y = _PowerNormFunction.apply(xs, self.weight, self.bias, fwd_stat, bwd_stat, self.running_nu, real, options)
+            self.stats = powernorm_diagnostics(self, xs, real, psi2, phi, fwd_psi2, bwd_psi2)
+        y = _PowerNormFunction.apply(xs, self.weight, self.bias, fwd_psi2, bwd_psi2, self.running_nu, bwd_real,
+                                     self.alpha_bkw, self.eps)
         with torch.no_grad():
-            if code:
-                # Code: phi <- (t-1)/t phi + 1/t psi_B^2 (cumulative mean) before the EMA step,
-                # for t < W. Not in the paper: Algorithm 2 has only the EMA below.
-                phi = torch.where(t < self.warmup, phi * (t - 1) / t + psi2 / t, phi)
+            phi = self.warmup_statistic(phi, psi2, t)
             # Paper (eq. 10, as Alg. 2 writes it): psi_t^2 = alpha psi_{t-1}^2 + (1 - alpha) psi_B^2
             self.running_phi.copy_(self.alpha_fwd * phi + (1 - self.alpha_fwd) * psi2)
         return y.to(x.dtype)
+
+    def backward_statistic(self, fwd_psi2, psi2, real):
+        """What eq. 12 divides by, and the tokens the backward runs over. Paper: psi_{t-1} (Note:
+        during warmup, what the forward divided by, psi_B; the approximate backward with nu runs
+        during warmup too, as in the code), and the real tokens."""
+        return fwd_psi2, real
+
+    def warmup_statistic(self, phi, psi2, t):
+        """psi_{t-1}^2 as eq. 10's EMA step takes it. Paper: unchanged, warmup or not."""
+        return phi
 
 
 # ---------------------------------------------------------------------------------------
@@ -476,7 +459,7 @@ NORMS = {
     "power": PowerNorm,  # [2] Definition 3 / Algorithm 2, GroupScaling in front
     "none": NoNorm,  # [3] Table 6 "Without LayerNorm"
 }
-BATCH_NORMS = (BatchNorm, PNV, PowerNorm)  # the norms with batch statistics
+BATCH_NORMS = (BatchNorm, PNV, PowerNorm)  # the norms with batch statistics (PowerNormCode is a PowerNorm)
 
 
 def build_norm(name, d, heads=1, norm_options=None):
@@ -485,7 +468,11 @@ def build_norm(name, d, heads=1, norm_options=None):
     if name not in NORMS:
         raise ValueError(f"unknown norm {name!r}; choose one of {sorted(NORMS)}")
     if name == "power":
-        return PowerNorm(d, groups=heads, **(norm_options or {}))
+        options = dict(norm_options or {})
+        variant = options.pop("variant", "paper")
+        if variant not in ("paper", "code"):
+            raise ValueError(f"PowerNorm's variant must be 'paper' or 'code', got {variant!r}")
+        return (PowerNormCode if variant == "code" else PowerNorm)(d, groups=heads, **options)
     return NORMS[name](d)
 
 
@@ -532,7 +519,7 @@ def all_reduce_sum(*tensors):
 #             dist(a, b) = ||a - b|| / D  ([2] section 3.1): dist_mu, dist_sigma2 (BN), dist_psi2
 #   backward: the norm of the part of dL/dx_i that each batch statistic contributes, averaged over
 #             the real tokens: g_mu, g_sigma2 (BN, eq. 3), g_psi2 (PN-V, eq. 6); for PN, whose
-#             statistics get no gradient, the nu X^ term of eqs. 11-12 (g_nu, in its backward)
+#             statistics get no gradient, the nu X^ term of eqs. 11-12 (g_nu)
 # =======================================================================================
 def dist(a, b):
     return (torch.linalg.vector_norm(a.detach() - b) / a.numel()).item()
@@ -565,6 +552,13 @@ def pnv_diagnostics(norm, y, x, real, psi2):
     # Paper (eq. 6): dL/dx_i = gamma/psi_B dL/dy_i - gamma/(N psi_B) sum_j dL/dy_j x^_j x^_i
     _on_backward(y, stats, [("g_psi2", lambda dy: scale * (dy[real] * x_hat).mean(0) * x_hat)])
     return stats
+
+
+def powernorm_diagnostics(norm, xs, real, psi2, phi, fwd_psi2, bwd_psi2):
+    # The nu X^ term of eqs. 11-12 does not depend on dL/dY: nu_{t-1} is known in the forward.
+    z = xs.detach() / torch.sqrt(fwd_psi2 + norm.eps)  # X^
+    g_nu = norm.running_nu * z[real] / torch.sqrt(bwd_psi2 + norm.eps)  # (N_r, D)
+    return {"dist_psi2": dist(psi2, phi), "g_nu": torch.linalg.vector_norm(g_nu, dim=-1).mean().item()}
 
 
 # =======================================================================================
@@ -607,6 +601,27 @@ def benchmark(batch=64, length=64, d=512, heads=8, repeats=30, rounds=5, device=
             run(norm, x)  # warm-up
             times[name].append(timed(lambda: run(norm, x), device)[1] / repeats)
     return {name: min(t) for name, t in times.items()}  # min over rounds: the least disturbed
+
+
+# =======================================================================================
+# Appendix D: PowerNorm as the authors' released module computes it (--pn-variant code):
+# sIncerass/powernorm, fairseq/modules/norms/mask_powernorm.py. It differs from Algorithm 2 in
+# three places; both normalize padding with the same statistic (finite outputs) and never let
+# padding into psi_B^2:
+#   - the backward divides by the batch psi_B even after warmup (paper: psi_{t-1}, eq. 12);
+#   - Gamma and Lambda average over all B*T positions, padding included, and padding positions
+#     get gradient (paper: the real tokens only; padding gets zero gradient);
+#   - during warmup (t < W) phi first becomes the cumulative mean of the psi_B^2 so far, then
+#     takes the EMA step (paper: the EMA of eq. 10 at every step).
+# =======================================================================================
+class PowerNormCode(PowerNorm):
+    def backward_statistic(self, fwd_psi2, psi2, real):
+        # Code: dL/dX = X^' / psi_B at every step; every position, padding included, is "real".
+        return psi2, torch.ones_like(real)
+
+    def warmup_statistic(self, phi, psi2, t):
+        # Code: phi <- (t-1)/t phi + 1/t psi_B^2 (a cumulative mean) for t < W, before the EMA step.
+        return torch.where(t < self.warmup, phi * (t - 1) / t + psi2 / t, phi)
 
 
 if __name__ == "__main__":

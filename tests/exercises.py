@@ -94,7 +94,7 @@ def _batch_norm(cls, i):
 
 
 def _powernorm_backward(i):
-    m = norms.PowerNorm(6, groups=2, warmup=1, variant="paper", alpha_fwd=0.9, alpha_bkw=0.9).double().train()
+    m = norms.PowerNorm(6, groups=2, warmup=1, alpha_fwd=0.9, alpha_bkw=0.9).double().train()
     out = {}
     for step in range(3):  # the first inside the warmup, then the running statistic
         got = _forward_backward(m, i["x"][step], _pad_mask(), seed=10 + step)

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from norms import NORMS, PNV, BatchNorm, GroupScaling, PowerNorm, build_norm
+from norms import NORMS, PNV, BatchNorm, GroupScaling, PowerNorm, PowerNormCode, build_norm
+
+VARIANTS = {"paper": PowerNorm, "code": PowerNormCode}
 
 F64 = torch.float64
 
@@ -180,7 +182,7 @@ class RefPN:
 def test_powernorm_matches_algorithm_2_step_by_step_across_warmup(variant):
     gen = torch.Generator().manual_seed(4)
     B, T, D, G, W = 3, 4, 8, 2, 3
-    norm = PowerNorm(D, groups=G, warmup=W, alpha_fwd=0.8, alpha_bkw=0.7, variant=variant).to(F64)
+    norm = VARIANTS[variant](D, groups=G, warmup=W, alpha_fwd=0.8, alpha_bkw=0.7).to(F64)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(D, generator=gen, dtype=F64) + 0.5)
         norm.bias.copy_(torch.randn(D, generator=gen, dtype=F64))
@@ -215,7 +217,7 @@ def test_the_two_variants_differ_only_where_reference_md_says():
     """Same batches: outputs agree during warmup; the gradients part once nu or phi do."""
     gen = torch.Generator().manual_seed(5)
     B, T, D, W = 2, 5, 4, 2
-    paper, code = (PowerNorm(D, warmup=W, variant=v).to(F64) for v in ("paper", "code"))
+    paper, code = (VARIANTS[v](D, warmup=W).to(F64) for v in ("paper", "code"))
     for step in range(4):
         x = torch.randn(B, T, D, generator=gen, dtype=F64)
         pad = random_pad_mask(gen, B, T)
@@ -257,8 +259,8 @@ def test_powernorm_padding_never_changes_real_tokens(variant):
     neither its values, nor its amount, nor its upstream gradient."""
     gen = torch.Generator().manual_seed(7)
     B, T, D, W = 2, 4, 8, 2
-    a = PowerNorm(D, groups=2, warmup=W, variant=variant).to(F64)
-    b = PowerNorm(D, groups=2, warmup=W, variant=variant).to(F64)
+    a = VARIANTS[variant](D, groups=2, warmup=W).to(F64)
+    b = VARIANTS[variant](D, groups=2, warmup=W).to(F64)
     for _ in range(2 * W):
         x = torch.randn(B, T, D, generator=gen, dtype=F64)
         pad = random_pad_mask(gen, B, T)
@@ -336,12 +338,13 @@ def test_build_norm_passes_heads_and_options():
     assert {"batch", "pnv", "power"} <= set(NORMS)
     opts = {"warmup": 7, "variant": "code", "alpha_fwd": 0.95}
     pn = build_norm("power", 16, 4, opts)  # GroupScaling's groups = heads (Code)
-    got = (pn.group_scaling.groups, pn.warmup, pn.options["variant"], pn.alpha_fwd, pn.options["alpha_bkw"])
-    assert got == (4, 7, "code", 0.95, 0.9)
+    got = (pn.group_scaling.groups, pn.warmup, type(pn), pn.alpha_fwd, pn.alpha_bkw)
+    assert got == (4, 7, PowerNormCode, 0.95, 0.9)
+    assert type(build_norm("power", 16, 4, {"warmup": 7})) is PowerNorm
     assert isinstance(build_norm("batch", 16, 4, opts), BatchNorm)
     assert isinstance(build_norm("pnv", 16, 4, opts), PNV)
     with pytest.raises(ValueError):
         PowerNorm(10, groups=4)
     with pytest.raises(ValueError):
-        PowerNorm(8, variant="fairseq")
-    assert math.isclose(pn.options["eps"], 1e-5)
+        build_norm("power", 8, 1, {"variant": "fairseq"})
+    assert math.isclose(pn.eps, 1e-5)
