@@ -14,17 +14,17 @@ The run directory (--out) holds one run: config.json, metrics.jsonl, bpe.model, 
 
 Contents
   1. The learning rate: eq. 7 (INVSQRTDECAY), VALDECAY, NOWARMUP [1, section 2.4]
-  2. Data: read, BPE, encode, into the run directory
-  3. One training step: word dropout, forward + loss, backward, clipping, Adam
-  4. The training state and the run
-  5. The loop
-  6. End of an epoch: dev BLEU, validation decay, stopping, checkpoints; the final test
-  7. main
+  2. One training step: word dropout, forward + loss, backward, clipping, Adam
+  3. The training state and the run: setting it up, one call each
+  4. The loop
+  5. End of an epoch: dev BLEU, validation decay, stopping, checkpoints; the final test
+  6. main
   Appendix A: the flags (python train.py --help), and the model's configuration from them
   Appendix B: presets, the papers' table rows as named sets of flags (--preset NAME)
   Appendix C: speed and the log: FLOPs, MFU, log lines, batch-norm diagnostics, --benchmark, --profile
-  Appendix D: several processes (torchrun, DistributedDataParallel)
+  Appendix D: this process (threads, seeds, device), and several (torchrun, DistributedDataParallel)
   Appendix E: the run directory: one run, checked, locked; checkpoints; --resume
+  Appendix F: the corpus into the run directory: read, BPE, encode (data.py does each)
 
   [1] Nguyen & Salazar 2019, Transformers without Tears.
   [2] Shen et al. 2020, PowerNorm.    [3] Henry et al. 2020, Query-Key Normalization.
@@ -126,144 +126,7 @@ def validation_decay(history, patience):
 
 
 # ---------------------------------------------------------------------------------------
-# 2. Data: read every split, train the joint BPE into the run directory (reused by a later run
-# only for the same training text and size), encode (cached there too).
-# ---------------------------------------------------------------------------------------
-def read_corpus(args, log):
-    """{split: [(src, tgt)]} of raw text, and the language suffixes; a language model's text:
-    {split: [line]} (read_text)."""
-    if args.data is None:
-        data_dir, langs = data.ensure_toy_corpus(), ("src", "tgt")
-        log(f"data: built-in synthetic corpus in {data_dir}")
-    else:
-        data_dir, langs = Path(args.data), (args.src, args.tgt)
-        if data_dir.is_file():
-            raise data.DataError(f"--data {data_dir}: a file, not a folder (a corpus folder holds train.{args.src}, "
-                                 f"train.{args.tgt}, dev.* and test.*)")
-        pair = next((name for name, p in PAIRS.items() if Path(p["data"]) == data_dir), None)
-        if pair and not data_dir.is_dir():
-            raise data.DataError(f"--data {data_dir}: not there (relative to this folder): prepare it with "
-                                 f"python data.py prepare {pair}, or give --data DIR")
-    if args.task == "lm":
-        return read_text(data_dir, args.data is None, log), (None, None)
-    paths, pairs = data.corpus_paths(data_dir, *langs), {}
-    for split in data.SPLITS:
-        # A training pair with an empty side teaches nothing and is dropped. Dev and test lines never
-        # are: every line is translated and scored, so that test.hyp lines up with the reference file.
-        try:
-            pairs[split], stats = data.read_parallel(*paths[split], drop_empty=split == "train")
-        except data.DataError as e:
-            raise data.DataError(f"{e} (if the run's corpus moved, give its new place with --data DIR)"
-                                 if args.resume else str(e)) from None
-        if stats["empty"]:
-            log(f"data: {split}: {stats['empty']} pairs with an empty side "
-                + ("dropped" if split == "train" else "kept (translated and scored like every other line)"))
-    return pairs, langs
-
-
-def read_text(data_dir, builtin, log):
-    """A language model's {split: [line]}: DIR/{train,dev,test}.txt, one sentence a line, empty lines
-    skipped (the built-in corpus: its target side)."""
-    if builtin:
-        log("data: the target side of the built-in synthetic corpus, as a language model's text")
-    text = {}
-    for split in data.SPLITS:
-        path = data_dir / f"{split}.{'tgt' if builtin else 'txt'}"
-        if not path.is_file():
-            raise data.DataError(f"{path}: file not found (a language model's corpus folder holds train.txt, "
-                                 f"dev.txt and test.txt, one sentence a line)")
-        text[split] = [line for line in data.read_lines(path) if line]
-        if not text[split]:
-            raise data.DataError(f"{path}: no text (every line is empty)")
-    return text
-
-
-def prepare_data(args, pairs, run_dir, stage, log, proto=None):
-    """(tokenizer, encoded training pairs, encoded dev pairs, every encoded training pair before the
-    --max-len filter, for QKNorm's L). Reads what run_dir holds and writes
-    only into `stage`, a folder whose files the run directory takes once every input has been
-    checked (Appendix E; None: write nothing). proto: the BPE model of a resumed run's checkpoint."""
-    # The BPE model depends on the training text and --bpe-size: bpe.key holds their hash, so a
-    # bpe.model is reused only for the same text and size, never a stale one.
-    key = data.pairs_sha256(pairs["train"], f"{args.bpe_size}\n".encode())
-    old, old_key = run_dir / "bpe.model", run_dir / "bpe.key"
-    if proto is not None:  # a resumed run goes on with its checkpoint's own BPE model
-        if old.exists() and old.read_bytes() != proto:
-            raise data.DataError(f"{old}: not the BPE model its checkpoint was trained with")
-    elif old.exists() and old_key.exists() and old_key.read_text() == key:
-        proto = old.read_bytes()
-    else:
-        t0 = time.time()
-        if args.task == "lm" and args.bpe_size == 0:  # whitespace words (PTB's own vocabulary)
-            proto = data.WordVocab.build(pairs["train"]).proto
-        else:
-            sides = (pairs["train"], []) if args.task == "lm" else zip(*pairs["train"])
-            with tempfile.TemporaryDirectory(dir=stage) as tmp:
-                proto = Path(data.train_bpe(*sides, args.bpe_size, Path(tmp) / "bpe")).read_bytes()
-        log(f"data: word vocabulary made in {time.time() - t0:.1f}s" if args.bpe_size == 0 else
-            f"data: trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested) in {time.time() - t0:.1f}s")
-    if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list
-        data.atomic_write(stage / "bpe.model", proto)
-        data.atomic_write(stage / "bpe.key", key)
-    tok = data.load_tokenizer(proto, old)
-    if args.task == "lm":
-        return (tok, *lm_data(args, tok, pairs, log))
-    encode = lambda split: data.load_or_encode(tok, pairs[split], run_dir / f"{split}.enc.pt",
-                                               stage / f"{split}.enc.pt" if stage is not None else False)
-    everything = encode("train")
-    train, dropped = data.filter_long(everything, args.max_len)
-    if dropped:
-        log(f"data: dropped {dropped} training pairs longer than --max-len {args.max_len}")
-    if not train:
-        raise data.DataError(f"no training pair left after --max-len {args.max_len}")
-    dev = encode("dev")
-    # Dev and test are never dropped (BLEU would be over other sentences); a line longer than --max-len
-    # BPE tokens is cut to it for translation and for the dev loss, with a count, so that one huge
-    # line cannot exhaust memory at the end of an epoch.
-    for split in ("dev", "test"):
-        if n := decode.count_long(tok, [x for x, _ in pairs[split]], args.max_len):
-            log(f"data: {split}: {n} source lines longer than --max-len {args.max_len} BPE tokens are cut to it")
-    dev = [(x[:args.max_len], y[:args.max_len]) for x, y in dev if x]  # dev perplexity: pairs with a source
-    log(f"data: {len(train)} train / {len(pairs['dev'])} dev / {len(pairs['test'])} test pairs, "
-        f"vocabulary {tok.vocab_size}")
-    return tok, train, dev, everything
-
-
-def lm_data(args, tok, text, log):
-    """A language model's training and dev segments (data.py section 9), and the training ones again."""
-    streams = {split: data.lm_stream(tok, text[split]) for split in data.SPLITS}
-    if streams["dev"].numel() - 1 < args.seq_len:
-        raise data.DataError(f"{Path(args.data or data.toy_corpus_dir()) / 'dev.txt'}: {streams['dev'].numel() - 1} "
-                             f"tokens, shorter than one segment of --seq-len {args.seq_len}")
-    train, dev = data.lm_segments(streams["train"], args.seq_len), data.lm_segments(streams["dev"], args.seq_len)
-    log("data: " + " / ".join(f"{streams[s].numel() - 1} {s}" for s in data.SPLITS) + f" tokens to predict, "
-        f"vocabulary {tok.vocab_size}, {len(train)} training segments of --seq-len {args.seq_len}")
-    return train, dev, train
-
-
-def qknorm_g0(args, train, log):
-    """QKNorm's g0 = log2(L^2 - L) [3, eq. 3], L from --qk-length or the training data.
-
-    Paper [3] section 3: "L is the 97.5th percentile sequence length across all training data
-    sequences for source and target"; its Table 5 says "word count". Note: we count BPE tokens, the
-    sequence the attention sees (g0 is there because of the number of elements in QK^T), over every
-    training pair before the --max-len filter (which would cap a high percentile); whitespace words
-    give a smaller L (Multi30k en-de: 30 BPE tokens, 20 words). Code [3]: L hard-coded per pair."""
-    if args.qk_length is not None:
-        L, how = args.qk_length, "--qk-length"
-    elif args.task == "lm":
-        L, how = args.seq_len, "--seq-len: a language model's segments are that long"
-    else:
-        L = data.length_percentile(train, q=args.qk_percentile)
-        how = (f"{args.qk_percentile}th percentile of BPE training lengths, source and target pooled, no BOS/EOS, "
-               f"before the --max-len filter")
-    g0 = qk_g0(L)
-    log(f"qknorm: L = {L:.2f} ({how}); g0 = log2(L^2 - L) = {g0:.3f}")
-    return g0
-
-
-# ---------------------------------------------------------------------------------------
-# 3. One training step: an update from one or more micro-batches (--accumulate) of this rank.
+# 2. One training step: an update from one or more micro-batches (--accumulate) of this rank.
 # ---------------------------------------------------------------------------------------
 @dataclass
 class StepOptions:
@@ -317,7 +180,7 @@ def train_step(net, optimizer, batches, lr, opts: StepOptions):
 
 
 # ---------------------------------------------------------------------------------------
-# 4. The training state and the run: what a run holds, and setting it up.
+# 3. The training state and the run: what a run holds, and setting it up (the model: model.py).
 # ---------------------------------------------------------------------------------------
 @dataclass
 class TrainState:
@@ -365,18 +228,8 @@ class Run:
     def log(self, msg):
         log_line(self.console, msg)
 
-    def metrics(self, record):
-        """Append one record to metrics.jsonl (rank 0). Strict JSON: a non-finite number is written
-        as null and its key listed under "nonfinite" (json.dumps would write the non-standard NaN)."""
-        if self.master:
-            bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
-            record = dict(json_safe(record), **({"nonfinite": bad} if bad else {}))
-            try:
-                with open(self.dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(record, allow_nan=False) + "\n")
-            except OSError as e:
-                raise data.DataError(f"{self.dir / 'metrics.jsonl'}: cannot append to it ({e.strerror}); the "
-                                     f"checkpoints written before are intact (--resume {self.dir})") from None
+    def metrics(self, record):  # one record in metrics.jsonl (rank 0; Appendix C)
+        append_metrics(self, record)
 
     def next_batches(self):
         """This rank's micro-batches of the next step: each step takes world x accumulate
@@ -397,65 +250,72 @@ class Run:
 
 
 def setup(args, stack):
-    """Everything before the first step. Every input (flags, corpus, the run directory and what it
-    holds) is read and checked before anything is written; the run directory's lock is held in
-    ``stack`` until training ends (Appendix E)."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    use_reference(args.reference)
-    rank, world, device = setup_distributed(args)
-    if device.type == "cpu" and not args.reference:
-        keep_freed_memory()  # Appendix C: +10-15% tokens/s on the CPU
-    console = Console(soft_wrap=True, quiet=rank != 0)  # log lines never wrap in a log file
+    """Everything before the first step, in order: this process, the corpus, the run directory,
+    the data, the model and its optimizer, the checkpoint a resumed run starts from. Every input
+    (flags, corpus, the run directory and what it holds) is read and checked before anything is
+    written; the run directory's lock is held in ``stack`` until training ends (Appendix E)."""
+    rank, world, device, bf16, console = start_process(args)  # Appendix D: threads, seeds, torchrun's ranks
     log = partial(log_line, console)
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    pairs, langs = read_corpus(args, log)
-    # Appendix E: the run directory is checked, and what this run makes goes to a staging folder;
-    # commit_run_dir changes the run directory only after every input has been checked below.
-    run_dir, ckpt, stage = open_run_dir(args, pairs, log, stack, rank == 0)
-    if world > 1 and rank != 0:
-        dist.barrier()  # rank 0 prepares the BPE model and the caches, and commits them, first
-    tokenizer, train, dev, unfiltered = prepare_data(args, pairs, run_dir, stage, log, ckpt and ckpt["bpe_model_proto"])
-    # A language model may predict every word; a translator only the target side's ([1] appendix A).
-    allowed = None if args.task == "lm" else data.target_vocab_mask([t for _, t in train], tokenizer.vocab_size)
-    cfg = model_config_from_args(args, tokenizer.vocab_size, qknorm_g0(args, unfiltered, log) if args.qknorm else 1.0)
-    model = Transformer(cfg, allowed).to(device)
-    bf16 = device.type == "cuda" and args.dtype == "bf16"
-    if bf16 and not has_bf16(device):
-        log(f"note: {torch.cuda.get_device_name(device)} has no bf16: training in fp32 (--dtype fp32)")
-        bf16 = False
-    log(f"model: {count_parameters(model) / 1e6:.2f}M parameters, {'PreNorm' if cfg.prenorm else 'PostNorm'}, "
-        f"norm={cfg.encoder_norm or cfg.norm}/{cfg.decoder_norm or cfg.norm}, fixnorm={cfg.fixnorm}, "
-        f"init={cfg.init}, qknorm={cfg.qknorm}, device={device}{' bf16' if bf16 else ''}, threads={torch.get_num_threads()}"
-        + (f", {world} ranks" if world > 1 else "") + (", --reference" if args.reference else ""))
-    adam = torch.optim.AdamW if args.weight_decay > 0 else torch.optim.Adam
-    optimizer = adam(model.parameters(), lr=0.0, betas=(args.beta1, args.beta2), eps=args.adam_eps,
-                     weight_decay=args.weight_decay, fused=True if device.type == "cuda" else None)
-    # Word dropout draws from its own generator, on the device the batches live on.
-    options = StepOptions(args.word_dropout, args.label_smoothing, args.clip,
-                          torch.Generator(device=device).manual_seed(args.seed + rank), bf16)
-    run = Run(args, run_dir, device, rank, world, console, tokenizer, langs, pairs, train, dev, model, model,
-              optimizer, Schedule.from_args(args), options)
-    if ckpt is not None:
-        restore(run, ckpt)
-    if rank == 0 and not args.benchmark:
-        commit_run_dir(args, run_dir, stage, ckpt, log)  # every input checked: the run directory's first change
-    if world > 1 and rank == 0:
-        dist.barrier()
-    net = model
-    if world > 1:  # PyTorch's DDP: gradients all-reduced (averaged) across ranks in backward
-        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if args.compile:  # checkpoints save `model`, the unwrapped module (Appendix C)
-        net = compile_model(net)
-    run.net = net
+    pairs, langs = read_corpus(args, log)  # Appendix F
+    run_dir, ckpt, stage = open_run_dir(args, pairs, log, stack, rank == 0)  # Appendix E: checked, not yet changed
+    with rank0_first(rank, world):  # Appendix D: the other ranks read what rank 0 prepares and commits
+        tokenizer, train, dev, unfiltered = prepare_data(args, pairs, run_dir, stage, log, ckpt)  # Appendix F
+        model, optimizer = build_model(args, tokenizer, train, unfiltered, device, bf16, log)
+        # Word dropout draws from its own generator, on the device the batches live on.
+        options = StepOptions(args.word_dropout, args.label_smoothing, args.clip,
+                              torch.Generator(device=device).manual_seed(args.seed + rank), bf16)
+        run = Run(args, run_dir, device, rank, world, console, tokenizer, langs, pairs, train, dev, model, model,
+                  optimizer, Schedule.from_args(args), options)
+        if ckpt is not None:
+            restore(run, ckpt)  # Appendix E
+        if run.master and not args.benchmark:
+            commit_run_dir(args, run_dir, stage, ckpt, log)  # Appendix E: every input checked, the first change
+    run.net = wrap_model(model, args, world, device)  # Appendix D: DDP; Appendix C: --compile
     run.order = data.make_batches(train, args.batch_tokens, True, args.seed, run.state.data_pass)
     model.train()
     return run
 
 
+def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
+    """The model of the flags (model.py) and its optimizer: Adam ([1] appendix A), AdamW under
+    --weight-decay. A language model may predict every word; a translator only the target side's
+    ([1] appendix A: the tied output layer masks the other words)."""
+    allowed = None if args.task == "lm" else data.target_vocab_mask([t for _, t in train], tokenizer.vocab_size)
+    cfg = model_config_from_args(args, tokenizer.vocab_size, qknorm_g0(args, unfiltered, log) if args.qknorm else 1.0)
+    model = Transformer(cfg, allowed).to(device)
+    log(f"model: {count_parameters(model) / 1e6:.2f}M parameters, {'PreNorm' if cfg.prenorm else 'PostNorm'}, "
+        f"norm={cfg.encoder_norm or cfg.norm}/{cfg.decoder_norm or cfg.norm}, fixnorm={cfg.fixnorm}, "
+        f"init={cfg.init}, qknorm={cfg.qknorm}, device={device}{' bf16' if bf16 else ''}, threads={torch.get_num_threads()}"
+        + (f", {dist.get_world_size()} ranks" if dist.is_initialized() else "") + (", --reference" if args.reference else ""))
+    adam = torch.optim.AdamW if args.weight_decay > 0 else torch.optim.Adam
+    optimizer = adam(model.parameters(), lr=0.0, betas=(args.beta1, args.beta2), eps=args.adam_eps,
+                     weight_decay=args.weight_decay, fused=True if device.type == "cuda" else None)
+    return model, optimizer
+
+def qknorm_g0(args, train, log):
+    """QKNorm's g0 = log2(L^2 - L) [3, eq. 3], L from --qk-length or the training data.
+
+    Paper [3] section 3: "L is the 97.5th percentile sequence length across all training data
+    sequences for source and target"; its Table 5 says "word count". Note: we count BPE tokens, the
+    sequence the attention sees (g0 is there because of the number of elements in QK^T), over every
+    training pair before the --max-len filter (which would cap a high percentile); whitespace words
+    give a smaller L (Multi30k en-de: 30 BPE tokens, 20 words). Code [3]: L hard-coded per pair."""
+    if args.qk_length is not None:
+        L, how = args.qk_length, "--qk-length"
+    elif args.task == "lm":
+        L, how = args.seq_len, "--seq-len: a language model's segments are that long"
+    else:
+        L = data.length_percentile(train, q=args.qk_percentile)
+        how = (f"{args.qk_percentile}th percentile of BPE training lengths, source and target pooled, no BOS/EOS, "
+               f"before the --max-len filter")
+    g0 = qk_g0(L)
+    log(f"qknorm: L = {L:.2f} ({how}); g0 = log2(L^2 - L) = {g0:.3f}")
+    return g0
+
+
+
 # ---------------------------------------------------------------------------------------
-# 5. The loop: one log line per --log-interval steps, dev BLEU every --epoch-size steps.
+# 4. The loop: one log line per --log-interval steps, dev BLEU every --epoch-size steps.
 # ---------------------------------------------------------------------------------------
 def train(args):
     with contextlib.ExitStack() as stack:  # holds the run directory's lock until the end
@@ -473,18 +333,9 @@ class Diverged(Exception):
 
 
 def train_loop(run):
-    args = run.args
-    s, matmul_peak = run.state, matmul_flops(run.device, args.d_model, args.ff, run.step_options.bf16)
-    n_out = output_columns(run.model)
-    run.log(f"speed: dense {args.d_model}x{args.ff} matmul runs at {matmul_peak / 1e9:.1f} GFLOP/s here (MFU's denominator)")
+    args, s = run.args, run.state
     total = min(args.max_epochs * args.epoch_size, args.max_steps or math.inf)
-    bar = Progress(TextColumn("[bold]train[/]"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                   TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                   console=run.console, disable=not run.console.is_terminal)
-    win = dict.fromkeys(("loss", "nll", "tok", "flops", "t", "gnorm", "n"), 0.0)
-    pending, t0 = [], time.perf_counter()  # the steps since the last host sync, and when it was
-    with bar:
-        task = bar.add_task("train", total=total, completed=s.step, info="")
+    with StepLog(run, total) as log:  # Appendix C: the progress bar, log lines, metrics.jsonl, MFU
         while s.step < total and not s.stopped:
             batches = run.next_batches()
             s.step += 1
@@ -492,38 +343,10 @@ def train_loop(run):
             # Appendix C's diagnostics at log steps (not under --compile: they read values mid-graph)
             track_batch_statistics(run.model, s.step % args.log_interval == 0 and not args.compile)
             loss, nll, gnorm, n_tgt = train_step(run.net, run.optimizer, batches, lr, run.step_options)
-            if run.world > 1:  # the whole batch's sums, so that every rank logs and stops alike
-                sums = torch.stack([loss.double(), nll.double()])
-                dist.all_reduce(sums)
-                loss, nll = sums[0], sums[1]
-            flops = sum(batch_flops(run.model.cfg, b, n_out) for b in batches) * run.world
-            # The step's numbers stay on the device: reading them (.item()) would wait for the GPU
-            # at every step. They are read together at each log line and before each evaluation.
-            numbers = [loss, nll, gnorm] + ([n_tgt] if torch.is_tensor(n_tgt) else [])  # n_tgt: under DDP
-            pending.append((s.step, lr, n_tgt, flops, torch.stack([x.double() for x in numbers])))
-            log_now = s.step % args.log_interval == 0 or s.step == total
-            if not (log_now or s.step % args.epoch_size == 0):
-                bar.update(task, completed=s.step)
-                continue
-            values = torch.stack([p[-1] for p in pending]).tolist()  # the one host sync
-            dt, t0 = time.perf_counter() - t0, time.perf_counter()
-            s.train_seconds += dt
-            win["t"] += dt
-            n, pending = record_steps(run, pending, values, win), []
-            if s.stopped:
-                break
-            if log_now:
-                log_window(run, win, lr, matmul_peak)
-                win = dict.fromkeys(win, 0.0)
-                bar.update(task, info=f"loss {values[-1][0] / n:.3f}")
-            bar.update(task, completed=s.step)
-            if s.step % args.epoch_size == 0 or s.step == total:
+            log.step(batches, lr, loss, nll, gnorm, n_tgt)  # may stop the run: a non-finite loss
+            if not s.stopped and (s.step % args.epoch_size == 0 or s.step == total):
                 end_of_epoch(run)
-                # MFU's denominator again, the larger kept: a busy moment at the start (another process
-                # on a shared machine) reads it low and MFU above 100%.
-                matmul_peak = max(matmul_peak, matmul_flops(run.device, args.d_model, args.ff, run.step_options.bf16,
-                                                            seconds=0.25))
-                t0 = time.perf_counter()  # evaluation is not training time
+                log.evaluated()
     if not s.stopped and s.step >= total:  # the budget, recorded in results.json
         s.stopped = (f"--max-steps {args.max_steps} reached" if args.max_steps and s.step >= args.max_steps
                      else f"--max-epochs {args.max_epochs} reached")
@@ -533,25 +356,8 @@ def train_loop(run):
     return result
 
 
-def record_steps(run, pending, values, win):
-    """The steps since the last host sync, their numbers read together (values): into the log
-    window and metrics.jsonl ([1] Figure 2); a non-finite loss or gradient norm stops the run as
-    diverged. Returns the last step's target tokens."""
-    for (step, step_lr, n, f, _), (l, ll, g, *n_read) in zip(pending, values):
-        n = n_read[0] if n_read else n
-        for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
-            win[k] += v
-        run.metrics({"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
-        # A non-finite gradient norm with a finite loss would still make the weights NaN.
-        bad = [(name, v) for name, v in (("the training loss", l), ("the gradient norm", g)) if not math.isfinite(v)]
-        if bad:
-            diverged(run, f"{bad[0][0]} became {bad[0][1]} at step {step}")
-            break
-    return n
-
-
 # ---------------------------------------------------------------------------------------
-# 6. End of an epoch: dev perplexity and BLEU, validation decay, stopping, checkpoints (rank 0).
+# 5. End of an epoch: dev perplexity and BLEU, validation decay, stopping, checkpoints (rank 0).
 # ---------------------------------------------------------------------------------------
 def diverged(run, what):
     """Stop the run as diverged: one line saying what and where the last good checkpoint is."""
@@ -682,7 +488,7 @@ def finish(run):
 
 
 # ---------------------------------------------------------------------------------------
-# 7. main
+# 6. main
 # ---------------------------------------------------------------------------------------
 def main(argv=None):
     args, given = resolve_flags(argv)
@@ -695,19 +501,6 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         sys.exit(interrupted(args))
-
-
-def interrupted(args):
-    """What to do after Ctrl-C: resume from a checkpoint, or start again (nothing to resume)."""
-    run_dir = Path(args.out)
-    if args.benchmark:
-        return "interrupted (--benchmark writes no run directory)"
-    if run_dir.is_dir() and any(CHECKPOINT_NAME.fullmatch(p.name) for p in run_dir.iterdir()):
-        return f"interrupted: continue with python train.py --resume {run_dir}"
-    if (run_dir / "config.json").exists():
-        return (f"interrupted before the run's first checkpoint (one every --epoch-size {args.epoch_size} steps): "
-                f"nothing to resume; start it again with the same command and --overwrite")
-    return "interrupted before the run started: nothing was written; start it again with the same command"
 
 
 # =======================================================================================
@@ -1346,6 +1139,98 @@ def keep_freed_memory():
         pass
 
 
+def append_metrics(run, record):
+    """Append one record to metrics.jsonl (rank 0). Strict JSON: a non-finite number is written
+    as null and its key listed under "nonfinite" (json.dumps would write the non-standard NaN)."""
+    if run.master:
+        bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+        record = dict(json_safe(record), **({"nonfinite": bad} if bad else {}))
+        try:
+            with open(run.dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record, allow_nan=False) + "\n")
+        except OSError as e:
+            raise data.DataError(f"{run.dir / 'metrics.jsonl'}: cannot append to it ({e.strerror}); the "
+                                 f"checkpoints written before are intact (--resume {run.dir})") from None
+
+
+class StepLog:
+    """The training loop's log: a progress bar on a terminal, a metrics record per step ([1]
+    Figure 2), a log line per --log-interval steps (loss, tokens/s, MFU), a stop when the loss or
+    the gradient norm is not finite. The steps' numbers stay on the device: reading them (.item())
+    would wait for the GPU at every step. They are read together at each log line and before each
+    evaluation."""
+
+    def __init__(self, run, total):
+        self.run, self.total, args = run, total, run.args
+        self.matmul_peak = matmul_flops(run.device, args.d_model, args.ff, run.step_options.bf16)
+        self.n_out = output_columns(run.model)
+        run.log(f"speed: dense {args.d_model}x{args.ff} matmul runs at {self.matmul_peak / 1e9:.1f} GFLOP/s here "
+                f"(MFU's denominator)")
+        self.bar = Progress(TextColumn("[bold]train[/]"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                            TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                            console=run.console, disable=not run.console.is_terminal)
+        self.win = dict.fromkeys(("loss", "nll", "tok", "flops", "t", "gnorm", "n"), 0.0)
+        self.pending, self.t0 = [], time.perf_counter()  # the steps since the last host sync, and when it was
+
+    def __enter__(self):
+        self.bar.__enter__()
+        self.task = self.bar.add_task("train", total=self.total, completed=self.run.state.step, info="")
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def step(self, batches, lr, loss, nll, gnorm, n_tgt):
+        run, s, args = self.run, self.run.state, self.run.args
+        if run.world > 1:  # the whole batch's sums, so that every rank logs and stops alike
+            sums = torch.stack([loss.double(), nll.double()])
+            dist.all_reduce(sums)
+            loss, nll = sums[0], sums[1]
+        flops = sum(batch_flops(run.model.cfg, b, self.n_out) for b in batches) * run.world
+        numbers = [loss, nll, gnorm] + ([n_tgt] if torch.is_tensor(n_tgt) else [])  # n_tgt: under DDP
+        self.pending.append((s.step, lr, n_tgt, flops, torch.stack([x.double() for x in numbers])))
+        log_now = s.step % args.log_interval == 0 or s.step == self.total
+        if log_now or s.step % args.epoch_size == 0:
+            values = torch.stack([p[-1] for p in self.pending]).tolist()  # the one host sync
+            dt, self.t0 = time.perf_counter() - self.t0, time.perf_counter()
+            s.train_seconds += dt
+            self.win["t"] += dt
+            n, self.pending = record_steps(run, self.pending, values, self.win), []
+            if s.stopped:
+                return
+            if log_now:
+                log_window(run, self.win, lr, self.matmul_peak)
+                self.win = dict.fromkeys(self.win, 0.0)
+                self.bar.update(self.task, info=f"loss {values[-1][0] / n:.3f}")
+        self.bar.update(self.task, completed=s.step)
+
+    def evaluated(self):
+        """After an evaluation: MFU's denominator again, the larger kept (a busy moment at the start,
+        another process on a shared machine, reads it low and MFU above 100%); the clock restarts,
+        since evaluation is not training time."""
+        args = self.run.args
+        self.matmul_peak = max(self.matmul_peak, matmul_flops(self.run.device, args.d_model, args.ff,
+                                                              self.run.step_options.bf16, seconds=0.25))
+        self.t0 = time.perf_counter()
+
+
+def record_steps(run, pending, values, win):
+    """The steps since the last host sync, their numbers read together (values): into the log
+    window and metrics.jsonl ([1] Figure 2); a non-finite loss or gradient norm stops the run as
+    diverged. Returns the last step's target tokens."""
+    for (step, step_lr, n, f, _), (l, ll, g, *n_read) in zip(pending, values):
+        n = n_read[0] if n_read else n
+        for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
+            win[k] += v
+        run.metrics({"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
+        # A non-finite gradient norm with a finite loss would still make the weights NaN.
+        bad = [(name, v) for name, v in (("the training loss", l), ("the gradient norm", g)) if not math.isfinite(v)]
+        if bad:
+            diverged(run, f"{bad[0][0]} became {bad[0][1]} at step {step}")
+            break
+    return n
+
+
 def log_window(run, win, lr, matmul_peak):
     """One log line (and metrics record) for the steps since the last one."""
     tl, nll = win["loss"] / max(win["tok"], 1), win["nll"] / max(win["tok"], 1)
@@ -1374,29 +1259,63 @@ def track_batch_statistics(model, on):
 
 
 # =======================================================================================
-# Appendix D: several processes. torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: PyTorch's
+# Appendix D: this process (threads, seeds, device), and several processes. torchrun sets
+# WORLD_SIZE/RANK/LOCAL_RANK: PyTorch's
 # DistributedDataParallel, gloo on the CPU and NCCL on CUDA. Each step's batches are sharded by
 # rank (Run.next_batches); the batch norms sum their statistics over the ranks (norms.py
 # Appendix A); rank 0 alone evaluates, logs and writes, and shares its dev BLEU.
 # =======================================================================================
-def setup_distributed(args):
-    """(rank, world size, device)."""
+def start_process(args):
+    """(rank, world size, device, bf16, console) of this process: --threads, --reference, the
+    seeds, torchrun's ranks (one GPU each), bf16 where the GPU has it, rank 0's console."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    use_reference(args.reference)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         device = pick_device(args.device)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    if world == 1:
-        return 0, 1, device
-    if device.type == "cuda":
+    if world > 1 and device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if local >= torch.cuda.device_count():  # one GPU per process
             sys.exit(f"error: {world} processes on this machine need {local + 1}+ GPUs, but it has "
                      f"{torch.cuda.device_count()} (use --nproc_per_node {torch.cuda.device_count()}, or --device cpu)")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), world, device
+    if world > 1:
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    if device.type == "cpu" and not args.reference:
+        keep_freed_memory()  # Appendix C: +10-15% tokens/s on the CPU
+    console = Console(soft_wrap=True, quiet=rank != 0)  # log lines never wrap in a log file
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    bf16 = device.type == "cuda" and args.dtype == "bf16"
+    if bf16 and not has_bf16(device):
+        log_line(console, f"note: {torch.cuda.get_device_name(device)} has no bf16: training in fp32 (--dtype fp32)")
+        bf16 = False
+    return rank, world, device, bf16, console
+
+
+@contextlib.contextmanager
+def rank0_first(rank, world):
+    """Under torchrun, what runs inside runs on rank 0 first: it prepares the BPE model and the
+    caches and commits the run directory; the other ranks then read them."""
+    if world > 1 and rank != 0:
+        dist.barrier()
+    yield
+    if world > 1 and rank == 0:
+        dist.barrier()
+
+
+def wrap_model(model, args, world, device):
+    """What a step calls: PyTorch's DDP (gradients all-reduced, averaged, across ranks in backward)
+    and/or torch.compile (Appendix C) around the model; checkpoints save `model` itself."""
+    net = model
+    if world > 1:
+        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return compile_model(net) if args.compile else net
 
 
 # =======================================================================================
@@ -1706,6 +1625,136 @@ def keep_metrics_until(path, step):
             if record.get("step", 1 << 62) <= step:
                 keep.append(line + "\n")
         data.atomic_write(path, "".join(keep))
+
+
+def interrupted(args):
+    """What to do after Ctrl-C: resume from a checkpoint, or start again (nothing to resume)."""
+    run_dir = Path(args.out)
+    if args.benchmark:
+        return "interrupted (--benchmark writes no run directory)"
+    if run_dir.is_dir() and any(CHECKPOINT_NAME.fullmatch(p.name) for p in run_dir.iterdir()):
+        return f"interrupted: continue with python train.py --resume {run_dir}"
+    if (run_dir / "config.json").exists():
+        return (f"interrupted before the run's first checkpoint (one every --epoch-size {args.epoch_size} steps): "
+                f"nothing to resume; start it again with the same command and --overwrite")
+    return "interrupted before the run started: nothing was written; start it again with the same command"
+
+# =======================================================================================
+# Appendix F: the corpus into the run directory. Read every split (data.py), train the joint BPE
+# into the run directory (reused by a later run only for the same training text and size),
+# encode (cached there too); a language model's text is cut into segments (data.py section 9).
+# =======================================================================================
+def read_corpus(args, log):
+    """{split: [(src, tgt)]} of raw text, and the language suffixes; a language model's text:
+    {split: [line]} (read_text)."""
+    if args.data is None:
+        data_dir, langs = data.ensure_toy_corpus(), ("src", "tgt")
+        log(f"data: built-in synthetic corpus in {data_dir}")
+    else:
+        data_dir, langs = Path(args.data), (args.src, args.tgt)
+        if data_dir.is_file():
+            raise data.DataError(f"--data {data_dir}: a file, not a folder (a corpus folder holds train.{args.src}, "
+                                 f"train.{args.tgt}, dev.* and test.*)")
+        pair = next((name for name, p in PAIRS.items() if Path(p["data"]) == data_dir), None)
+        if pair and not data_dir.is_dir():
+            raise data.DataError(f"--data {data_dir}: not there (relative to this folder): prepare it with "
+                                 f"python data.py prepare {pair}, or give --data DIR")
+    if args.task == "lm":
+        return read_text(data_dir, args.data is None, log), (None, None)
+    paths, pairs = data.corpus_paths(data_dir, *langs), {}
+    for split in data.SPLITS:
+        # A training pair with an empty side teaches nothing and is dropped. Dev and test lines never
+        # are: every line is translated and scored, so that test.hyp lines up with the reference file.
+        try:
+            pairs[split], stats = data.read_parallel(*paths[split], drop_empty=split == "train")
+        except data.DataError as e:
+            raise data.DataError(f"{e} (if the run's corpus moved, give its new place with --data DIR)"
+                                 if args.resume else str(e)) from None
+        if stats["empty"]:
+            log(f"data: {split}: {stats['empty']} pairs with an empty side "
+                + ("dropped" if split == "train" else "kept (translated and scored like every other line)"))
+    return pairs, langs
+
+
+def read_text(data_dir, builtin, log):
+    """A language model's {split: [line]}: DIR/{train,dev,test}.txt, one sentence a line, empty lines
+    skipped (the built-in corpus: its target side)."""
+    if builtin:
+        log("data: the target side of the built-in synthetic corpus, as a language model's text")
+    text = {}
+    for split in data.SPLITS:
+        path = data_dir / f"{split}.{'tgt' if builtin else 'txt'}"
+        if not path.is_file():
+            raise data.DataError(f"{path}: file not found (a language model's corpus folder holds train.txt, "
+                                 f"dev.txt and test.txt, one sentence a line)")
+        text[split] = [line for line in data.read_lines(path) if line]
+        if not text[split]:
+            raise data.DataError(f"{path}: no text (every line is empty)")
+    return text
+
+
+def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
+    """(tokenizer, encoded training pairs, encoded dev pairs, every encoded training pair before the
+    --max-len filter, for QKNorm's L). Reads what run_dir holds and writes
+    only into `stage`, a folder whose files the run directory takes once every input has been
+    checked (Appendix E; None: write nothing). ckpt: a resumed run's checkpoint, whose BPE model it keeps."""
+    proto = ckpt and ckpt["bpe_model_proto"]
+    # The BPE model depends on the training text and --bpe-size: bpe.key holds their hash, so a
+    # bpe.model is reused only for the same text and size, never a stale one.
+    key = data.pairs_sha256(pairs["train"], f"{args.bpe_size}\n".encode())
+    old, old_key = run_dir / "bpe.model", run_dir / "bpe.key"
+    if proto is not None:  # a resumed run goes on with its checkpoint's own BPE model
+        if old.exists() and old.read_bytes() != proto:
+            raise data.DataError(f"{old}: not the BPE model its checkpoint was trained with")
+    elif old.exists() and old_key.exists() and old_key.read_text() == key:
+        proto = old.read_bytes()
+    else:
+        t0 = time.time()
+        if args.task == "lm" and args.bpe_size == 0:  # whitespace words (PTB's own vocabulary)
+            proto = data.WordVocab.build(pairs["train"]).proto
+        else:
+            sides = (pairs["train"], []) if args.task == "lm" else zip(*pairs["train"])
+            with tempfile.TemporaryDirectory(dir=stage) as tmp:
+                proto = Path(data.train_bpe(*sides, args.bpe_size, Path(tmp) / "bpe")).read_bytes()
+        log(f"data: word vocabulary made in {time.time() - t0:.1f}s" if args.bpe_size == 0 else
+            f"data: trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested) in {time.time() - t0:.1f}s")
+    if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list
+        data.atomic_write(stage / "bpe.model", proto)
+        data.atomic_write(stage / "bpe.key", key)
+    tok = data.load_tokenizer(proto, old)
+    if args.task == "lm":
+        return (tok, *lm_data(args, tok, pairs, log))
+    encode = lambda split: data.load_or_encode(tok, pairs[split], run_dir / f"{split}.enc.pt",
+                                               stage / f"{split}.enc.pt" if stage is not None else False)
+    everything = encode("train")
+    train, dropped = data.filter_long(everything, args.max_len)
+    if dropped:
+        log(f"data: dropped {dropped} training pairs longer than --max-len {args.max_len}")
+    if not train:
+        raise data.DataError(f"no training pair left after --max-len {args.max_len}")
+    dev = encode("dev")
+    # Dev and test are never dropped (BLEU would be over other sentences); a line longer than --max-len
+    # BPE tokens is cut to it for translation and for the dev loss, with a count, so that one huge
+    # line cannot exhaust memory at the end of an epoch.
+    for split in ("dev", "test"):
+        if n := decode.count_long(tok, [x for x, _ in pairs[split]], args.max_len):
+            log(f"data: {split}: {n} source lines longer than --max-len {args.max_len} BPE tokens are cut to it")
+    dev = [(x[:args.max_len], y[:args.max_len]) for x, y in dev if x]  # dev perplexity: pairs with a source
+    log(f"data: {len(train)} train / {len(pairs['dev'])} dev / {len(pairs['test'])} test pairs, "
+        f"vocabulary {tok.vocab_size}")
+    return tok, train, dev, everything
+
+
+def lm_data(args, tok, text, log):
+    """A language model's training and dev segments (data.py section 9), and the training ones again."""
+    streams = {split: data.lm_stream(tok, text[split]) for split in data.SPLITS}
+    if streams["dev"].numel() - 1 < args.seq_len:
+        raise data.DataError(f"{Path(args.data or data.toy_corpus_dir()) / 'dev.txt'}: {streams['dev'].numel() - 1} "
+                             f"tokens, shorter than one segment of --seq-len {args.seq_len}")
+    train, dev = data.lm_segments(streams["train"], args.seq_len), data.lm_segments(streams["dev"], args.seq_len)
+    log("data: " + " / ".join(f"{streams[s].numel() - 1} {s}" for s in data.SPLITS) + f" tokens to predict, "
+        f"vocabulary {tok.vocab_size}, {len(train)} training segments of --seq-len {args.seq_len}")
+    return train, dev, train
 
 
 if __name__ == "__main__":
