@@ -8,15 +8,16 @@ Contents
   1. Reading a parallel corpus DIR/{train,dev,test}.{SRC,TGT}, with one-line errors that name
      the file and line (the project's one line reader)
   2. Joint BPE with sentencepiece, and a small Tokenizer
-  3. Encoding, with an on-disk cache
+  3. Encoding
   4. The target-vocabulary mask of [1]
   5. Token-budget batches with length buckets, and collate (the project's one batcher)
   6. Word dropout [1, 11]
   7. QKNorm's length statistic L [3] (g0 from it: model.qk_g0, beside the attention)
-  8. Writing files atomically (the project's one atomic writer)
-  9. A language model's text ([2] Table 2): words or BPE, one stream, cut into segments
+  8. A language model's text ([2] Table 2): words or BPE, one stream, cut into segments
   Appendix A: the built-in corpus, a synthetic language pair (no download)
   Appendix B: the papers' corpora: python data.py prepare NAME (download, check, lay out)
+  Appendix C: files: reading lines exactly, writing atomically (the project's one atomic writer),
+              the encoding cache, padding's share
 
 Shapes: B sentences in a batch, S source length, T target length (after the BOS/EOS shift).
 
@@ -34,7 +35,6 @@ import http.client
 import io
 import itertools
 import json
-import math
 import os
 import random
 import re
@@ -71,38 +71,6 @@ def corpus_paths(data_dir, src, tgt):
     """{split: (DIR/split.src, DIR/split.tgt)}, e.g. DIR/train.en, DIR/train.de."""
     d = Path(data_dir)
     return {s: (d / f"{s}.{src}", d / f"{s}.{tgt}") for s in SPLITS}
-
-
-def split_lines(raw, name):
-    """UTF-8 bytes -> stripped lines, split on "\\n" only; DataError naming `name` and the line.
-
-    Note: str.splitlines() would also split on \\x0b, \\x1c, U+2028 ..., which would silently
-    break the line alignment of a parallel corpus.
-    """
-    bom = 3 if raw.startswith(b"\xef\xbb\xbf") else 0  # a UTF-8 byte-order mark (Windows editors) is
-    lines, offset = raw[bom:].split(b"\n"), bom  # not text: it would become a BPE piece of the first line
-    if lines and lines[-1] == b"":
-        lines.pop()  # the final newline does not start another line
-    out = []
-    for i, line in enumerate(lines):
-        try:
-            out.append(line.decode("utf-8").strip())
-        except UnicodeDecodeError as e:
-            raise DataError(f"{name}: line {i + 1}: invalid UTF-8 byte 0x{line[e.start]:02x} at byte offset "
-                            f"{offset + e.start} (convert it with e.g. iconv -f latin1 -t utf-8)") from None
-        offset += len(line) + 1
-    return out
-
-
-def read_lines(path):
-    """The stripped lines of a UTF-8 text file; DataError (one line, naming the file) if unreadable."""
-    path = Path(path)
-    try:
-        return split_lines(path.read_bytes(), path)
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
-    except OSError as e:
-        raise DataError(f"{path}: cannot read ({e.strerror or type(e).__name__})") from None
 
 
 def read_parallel(src_path, tgt_path, max_len=None, drop_empty=True):
@@ -214,43 +182,11 @@ class Tokenizer:
 
 
 # ---------------------------------------------------------------------------------------
-# 3. Encoding, with a cache
+# 3. Encoding (cached in the run directory: Appendix C)
 # ---------------------------------------------------------------------------------------
 def encode_pairs(tok, pairs):
     """[(src, tgt)] -> [([src ids], [tgt ids])], no BOS/EOS (collate adds them)."""
     return list(zip(tok.encode([p[0] for p in pairs]), tok.encode([p[1] for p in pairs])))
-
-
-def pairs_sha256(pairs, prefix=b""):
-    """The sha256 (hex) of prefix and the text pairs (or a language model's lines): what a cache
-    or a resumed run checks."""
-    h = hashlib.sha256(prefix)
-    for p in pairs:
-        h.update(("\t".join(p) if isinstance(p, tuple) else p).encode("utf-8") + b"\n")
-    return h.hexdigest()
-
-
-def load_or_encode(tok, pairs, cache_path, write_path=None):
-    """encode_pairs, cached in cache_path keyed by the BPE model and the text: a repeated or
-    resumed run loads the ids; anything different encodes again and writes the cache to
-    write_path (default: cache_path; False: nowhere)."""
-    key, cache_path = pairs_sha256(pairs, tok.proto), Path(cache_path)
-    if cache_path.exists():
-        try:
-            blob = torch.load(cache_path, weights_only=True)
-            if blob["key"] == key:
-                split = lambda side: [t.tolist() for t in torch.split(blob[side], blob[side + "_len"].tolist())]
-                return list(zip(split("src"), split("tgt")))
-        except Exception:  # an unreadable or old cache: encode again
-            pass
-    enc = encode_pairs(tok, pairs)
-    blob = {"key": key}
-    for side, seqs in (("src", [e[0] for e in enc]), ("tgt", [e[1] for e in enc])):  # ragged -> flat + lengths
-        blob[side] = torch.tensor([i for s in seqs for i in s], dtype=torch.int32)
-        blob[side + "_len"] = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
-    if write_path is not False:
-        atomic_write(write_path or cache_path, blob)
-    return enc
 
 
 def filter_long(encoded_pairs, max_len):
@@ -302,7 +238,7 @@ def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
     epoch can be replayed exactly; without, the sorted order (for evaluation and translation:
     pairs with an empty target batch by source length alone).
     """
-    if isinstance(encoded_pairs, Segments):  # a language model's text (section 9)
+    if isinstance(encoded_pairs, Segments):  # a language model's text (section 8)
         return encoded_pairs.batches(batch_tokens, shuffle, seed, epoch)
     lens = _lengths(encoded_pairs)
     rng = random.Random(seed * 1000003 + epoch)
@@ -323,26 +259,6 @@ def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
     return batches
 
 
-def round_up(n, multiple):
-    """n rounded up to a multiple of ``multiple`` (the padded lengths of collate)."""
-    return -(-n // multiple) * multiple
-
-
-def padding_share(encoded_pairs, batches, multiple=1):
-    """Fraction of padded positions in src + tgt over all batches, with the lengths rounded up to
-    a multiple of ``multiple`` as collate does."""
-    if isinstance(encoded_pairs, Segments):  # a language model's: only the end of the text is padding
-        return float(encoded_pairs.y.eq(PAD).float().mean())
-    lens = _lengths(encoded_pairs)
-    real = padded = 0
-    for b in batches:
-        S, T = max(lens[i][0] for i in b), max(lens[i][1] for i in b)
-        S, T = round_up(S, multiple), round_up(T, multiple)
-        real += sum(lens[i][0] + lens[i][1] for i in b)
-        padded += len(b) * (S + T)
-    return 1.0 - real / padded if padded else 0.0
-
-
 @dataclass
 class Batch:
     """One padded batch, batch-first; made by collate."""
@@ -359,7 +275,7 @@ def collate(encoded_pairs, idx, device=None, multiple=1):
     """Pads the examples idx into a Batch (on device, if given), the lengths rounded up to a
     multiple of ``multiple`` (train.py --compile: 8, so that every batch has the shapes' alignment
     the compiled kernels were specialised for)."""
-    if isinstance(encoded_pairs, Segments):  # a language model's text (section 9)
+    if isinstance(encoded_pairs, Segments):  # a language model's text (section 8)
         return encoded_pairs.collate(idx, device)
     xs, ys = [encoded_pairs[i][0] for i in idx], [encoded_pairs[i][1] for i in idx]
     S, T = max(len(x) for x in xs), max(len(y) for y in ys) + 1
@@ -416,34 +332,7 @@ def length_percentile(encoded_pairs, q=97.5, count_bos_eos=False):
 
 
 # ---------------------------------------------------------------------------------------
-# 8. Writing files atomically: a temporary file with a unique name in the same folder, flushed
-# to disk, then renamed over the target. A kill at any moment leaves the old file or the new
-# one, never half of one, and two processes never share a temporary file.
-# ---------------------------------------------------------------------------------------
-def atomic_write(path, content):
-    """Write content to path atomically: str (UTF-8), bytes, or any object for torch.save."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if isinstance(content, str):
-                f.write(content.encode("utf-8"))
-            elif isinstance(content, (bytes, bytearray)):
-                f.write(content)
-            else:
-                torch.save(content, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-# ---------------------------------------------------------------------------------------
-# 9. A language model's text ([2] Table 2, PTB): DIR/{train,dev,test}.txt, one sentence a line.
+# 8. A language model's text ([2] Table 2, PTB): DIR/{train,dev,test}.txt, one sentence a line.
 # Tokens are whitespace words (--bpe-size 0, the vocabulary of the training text; PTB's own <unk>
 # is UNK, and so is any word the training text lacks) or the BPE of section 2. The sentences are
 # joined into one stream, each followed by EOS, and cut into non-overlapping segments of L tokens;
@@ -1253,6 +1142,119 @@ def prepare_main(argv=None):
         print("data.py: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
     return 0
+
+
+# =======================================================================================
+# Appendix C: files. Reading lines exactly (one-line errors naming the file and line), writing
+# atomically (a temporary file with a unique name in the same folder, flushed to disk, then
+# renamed over the target: a kill at any moment leaves the old file or the new one, never half
+# of one, and two processes never share a temporary file), the encoding cache, and the share of
+# padding in a set of batches.
+# =======================================================================================
+def split_lines(raw, name):
+    """UTF-8 bytes -> stripped lines, split on "\\n" only; DataError naming `name` and the line.
+
+    Note: str.splitlines() would also split on \\x0b, \\x1c, U+2028 ..., which would silently
+    break the line alignment of a parallel corpus.
+    """
+    bom = 3 if raw.startswith(b"\xef\xbb\xbf") else 0  # a UTF-8 byte-order mark (Windows editors) is
+    lines, offset = raw[bom:].split(b"\n"), bom  # not text: it would become a BPE piece of the first line
+    if lines and lines[-1] == b"":
+        lines.pop()  # the final newline does not start another line
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(line.decode("utf-8").strip())
+        except UnicodeDecodeError as e:
+            raise DataError(f"{name}: line {i + 1}: invalid UTF-8 byte 0x{line[e.start]:02x} at byte offset "
+                            f"{offset + e.start} (convert it with e.g. iconv -f latin1 -t utf-8)") from None
+        offset += len(line) + 1
+    return out
+
+
+def read_lines(path):
+    """The stripped lines of a UTF-8 text file; DataError (one line, naming the file) if unreadable."""
+    path = Path(path)
+    try:
+        return split_lines(path.read_bytes(), path)
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or type(e).__name__})") from None
+
+
+def pairs_sha256(pairs, prefix=b""):
+    """The sha256 (hex) of prefix and the text pairs (or a language model's lines): what a cache
+    or a resumed run checks."""
+    h = hashlib.sha256(prefix)
+    for p in pairs:
+        h.update(("\t".join(p) if isinstance(p, tuple) else p).encode("utf-8") + b"\n")
+    return h.hexdigest()
+
+
+def load_or_encode(tok, pairs, cache_path, write_path=None):
+    """encode_pairs, cached in cache_path keyed by the BPE model and the text: a repeated or
+    resumed run loads the ids; anything different encodes again and writes the cache to
+    write_path (default: cache_path; False: nowhere)."""
+    key, cache_path = pairs_sha256(pairs, tok.proto), Path(cache_path)
+    if cache_path.exists():
+        try:
+            blob = torch.load(cache_path, weights_only=True)
+            if blob["key"] == key:
+                split = lambda side: [t.tolist() for t in torch.split(blob[side], blob[side + "_len"].tolist())]
+                return list(zip(split("src"), split("tgt")))
+        except Exception:  # an unreadable or old cache: encode again
+            pass
+    enc = encode_pairs(tok, pairs)
+    blob = {"key": key}
+    for side, seqs in (("src", [e[0] for e in enc]), ("tgt", [e[1] for e in enc])):  # ragged -> flat + lengths
+        blob[side] = torch.tensor([i for s in seqs for i in s], dtype=torch.int32)
+        blob[side + "_len"] = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+    if write_path is not False:
+        atomic_write(write_path or cache_path, blob)
+    return enc
+
+
+def round_up(n, multiple):
+    """n rounded up to a multiple of ``multiple`` (the padded lengths of collate)."""
+    return -(-n // multiple) * multiple
+
+
+def padding_share(encoded_pairs, batches, multiple=1):
+    """Fraction of padded positions in src + tgt over all batches, with the lengths rounded up to
+    a multiple of ``multiple`` as collate does."""
+    if isinstance(encoded_pairs, Segments):  # a language model's: only the end of the text is padding
+        return float(encoded_pairs.y.eq(PAD).float().mean())
+    lens = _lengths(encoded_pairs)
+    real = padded = 0
+    for b in batches:
+        S, T = max(lens[i][0] for i in b), max(lens[i][1] for i in b)
+        S, T = round_up(S, multiple), round_up(T, multiple)
+        real += sum(lens[i][0] + lens[i][1] for i in b)
+        padded += len(b) * (S + T)
+    return 1.0 - real / padded if padded else 0.0
+
+
+def atomic_write(path, content):
+    """Write content to path atomically: str (UTF-8), bytes, or any object for torch.save."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(content, str):
+                f.write(content.encode("utf-8"))
+            elif isinstance(content, (bytes, bytearray)):
+                f.write(content)
+            else:
+                torch.save(content, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 if __name__ == "__main__":

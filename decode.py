@@ -17,13 +17,12 @@ Contents
   2. The length penalty (GNMT [7])
   3. Greedy search
   4. Beam search (batched over sentences and beams)
-  5. Checkpoints: reading one safely
-  6. Translating many lines
-  7. Scores: tokenized BLEU, SacreBLEU, chrF [8, 9]
-  8. Held-out loss and perplexity ([1] Table 8)
-  9. A language model ([2] Table 2): perplexity of a text, and continuing a prefix
+  5. Translating many lines
+  6. Scores: tokenized BLEU, SacreBLEU, chrF [8, 9]
+  7. Held-out loss and perplexity ([1] Table 8)
+  8. A language model ([2] Table 2): perplexity of a text, and continuing a prefix
   Appendix A: significance, paired bootstrap resampling [10]
-  Appendix B: a run directory's checkpoints (load_checkpoint), and averaging them [2]
+  Appendix B: checkpoints: reading one safely, a run directory's, and averaging them [2]
   Appendix C: looking inside: the learned g's ([1] Figures 3-4), attention maps ([3] Figures 1-2),
               the embedding's singular values ([2] Figure 6)
   Appendix D: --benchmark, the speed and BLEU of greedy and beam search
@@ -271,30 +270,7 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
 
 
 # ---------------------------------------------------------------------------------------
-# 5. Checkpoints (written by train.py). A checkpoint holds only tensors and plain Python
-# values, and is read with torch.load(weights_only=True): unpickling anything else could run
-# code, so a file that holds anything else is refused, never retried with the full unpickler.
-# ---------------------------------------------------------------------------------------
-def read_checkpoint(path, device="cpu"):
-    """torch.load(weights_only=True) of one checkpoint file, with its checks; DataError naming it."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{p}: no such checkpoint file")
-    try:
-        ckpt = torch.load(p, map_location=device, weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- any failure is the file's; say which, in one line
-        why = "it holds objects other than tensors and plain values, and loading those could run code" \
-            if "Weights only load failed" in str(e) else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        raise DataError(f"{p}: refused, not a readable checkpoint ({why})") from None
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model_config"), dict) or not isinstance(ckpt.get("model"), dict):
-        raise DataError(f"{p}: not a checkpoint of this project (no 'model_config' and 'model' entries)")
-    # Note: a module saved after torch.compile has "_orig_mod." prefixes; accept both.
-    ckpt["model"] = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
-    return ckpt
-
-
-# ---------------------------------------------------------------------------------------
-# 6. Translating many lines: BPE-encode, batch by length with data.make_batches (longest batch
+# 5. Translating many lines: BPE-encode, batch by length with data.make_batches (longest batch
 # first, so an out-of-memory error shows at once), search, put back in order, detokenize.
 # ---------------------------------------------------------------------------------------
 @dataclass
@@ -356,7 +332,7 @@ def count_long(tokenizer, lines, max_src_len):
 
 
 # ---------------------------------------------------------------------------------------
-# 7. Scoring [8, 9]: the same outputs, three numbers.
+# 6. Scoring [8, 9]: the same outputs, three numbers.
 #
 #   tokenized BLEU  what the papers report. Paper [1] appendix A: "We report tokenized BLEU with
 #                   multi-bleu.perl"; [3] and [2] do the same. multi-bleu.perl splits on
@@ -400,26 +376,8 @@ def chrf(hyps, refs, lowercase=False):
     return _score(CHRF(lowercase=lowercase), hyps, refs)
 
 
-def attached_punctuation(lines):
-    """The share of whitespace tokens that are a word with punctuation attached ("dog." "cat,"):
-    about 5-15% in raw English or German, near 0 in Moses-tokenized text. --tokenized on raw text
-    scores such tokens as words, which is no paper's BLEU."""
-    tokens = [w for line in lines for w in line.split()]
-    glued = sum(len(w) > 1 and w[-1] in ".,!?;:" and w[:-1].isalpha() for w in tokens)
-    return glued / max(len(tokens), 1)
-
-
-def score_report(hyps, refs, already_tokenized=False, lowercase=False):
-    """One line: tokenized BLEU (multi-bleu.perl style), SacreBLEU with its signature, chrF."""
-    tb, sb = tokenized_bleu(hyps, refs, already_tokenized, lowercase), bleu(hyps, refs, lowercase)
-    cs = chrf(hyps, refs, lowercase)
-    how = "as given" if already_tokenized else "13a-tokenized"
-    return (f"tokenized BLEU = {tb.score:.2f} ({how}, tok:none, as multi-bleu.perl) | "
-            f"SacreBLEU {sb} | {sb.signature} | chrF2 = {cs.score:.2f}")
-
-
 # ---------------------------------------------------------------------------------------
-# 8. Held-out loss and perplexity ([1] Table 8). Teacher forcing over held-out pairs, n = all
+# 7. Held-out loss and perplexity ([1] Table 8). Teacher forcing over held-out pairs, n = all
 # target tokens y_1..y_m, EOS:
 #   NLL      = sum_t -log p(y_t | y_<t, x)                                   ppl = exp(NLL / n)
 #   smoothed = sum_t (1 - eps) (-log p(y_t)) + eps mean_{w in A} (-log p(w))    exp(smoothed / n)
@@ -450,8 +408,8 @@ def perplexity(model, tokenizer, pairs, label_smoothing=0.1, batch_tokens=4096, 
 
 
 # ---------------------------------------------------------------------------------------
-# 9. A language model ([2] Table 2). Perplexity is the field's: the text as one stream cut into
-# segments (data.py section 9), every token predicted once from the ones before it in its segment:
+# 8. A language model ([2] Table 2). Perplexity is the field's: the text as one stream cut into
+# segments (data.py section 8), every token predicted once from the ones before it in its segment:
 #   ppl = exp(NLL / n),  n = the text's tokens + one EOS a sentence;  per word: exp(NLL / (words + EOS))
 # (the same NLL; under BPE n counts pieces, so per-word perplexity is the one comparable across
 # vocabularies). Continuing a prefix: the last seq_len tokens predict the next, which is the most
@@ -576,7 +534,8 @@ def compare(args):
 
 
 # =======================================================================================
-# Appendix B: a run directory's checkpoints (load_checkpoint), and their average [2]:
+# Appendix B: checkpoints (written by train.py): reading one safely (read_checkpoint), a run
+# directory's (load_checkpoint), and their average [2]:
 #   theta_avg = (1/N) sum_{i=1..N} theta_i   over the last N epochs.
 #
 # Paper [2] (section 5.1) averages the last 10 checkpoints; Code [2]: the released script averages
@@ -587,6 +546,27 @@ def compare(args):
 # layer still uses batch statistics, and the mean of counters is not a count (Code: fairseq's
 # averaging crashes on that int buffer); the target-vocabulary mask `allowed` is a bool.
 # =======================================================================================
+# A checkpoint holds only tensors and plain Python values, and is read with
+# torch.load(weights_only=True): unpickling anything else could run code, so a file that
+# holds anything else is refused, never retried with the full unpickler.
+def read_checkpoint(path, device="cpu"):
+    """torch.load(weights_only=True) of one checkpoint file, with its checks; DataError naming it."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: no such checkpoint file")
+    try:
+        ckpt = torch.load(p, map_location=device, weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- any failure is the file's; say which, in one line
+        why = "it holds objects other than tensors and plain values, and loading those could run code" \
+            if "Weights only load failed" in str(e) else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise DataError(f"{p}: refused, not a readable checkpoint ({why})") from None
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model_config"), dict) or not isinstance(ckpt.get("model"), dict):
+        raise DataError(f"{p}: not a checkpoint of this project (no 'model_config' and 'model' entries)")
+    # Note: a module saved after torch.compile has "_orig_mod." prefixes; accept both.
+    ckpt["model"] = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
+    return ckpt
+
+
 def average_checkpoints(paths):
     """Checkpoint files (oldest first) -> one checkpoint dict whose "model" is their average.
 
@@ -1098,6 +1078,24 @@ def plot_runs(run_dirs, out):
 # =======================================================================================
 # Appendix F: the command line: its flags (python decode.py --help) and what main() does.
 # =======================================================================================
+def attached_punctuation(lines):
+    """The share of whitespace tokens that are a word with punctuation attached ("dog." "cat,"):
+    about 5-15% in raw English or German, near 0 in Moses-tokenized text. --tokenized on raw text
+    scores such tokens as words, which is no paper's BLEU."""
+    tokens = [w for line in lines for w in line.split()]
+    glued = sum(len(w) > 1 and w[-1] in ".,!?;:" and w[:-1].isalpha() for w in tokens)
+    return glued / max(len(tokens), 1)
+
+
+def score_report(hyps, refs, already_tokenized=False, lowercase=False):
+    """One line: tokenized BLEU (multi-bleu.perl style), SacreBLEU with its signature, chrF."""
+    tb, sb = tokenized_bleu(hyps, refs, already_tokenized, lowercase), bleu(hyps, refs, lowercase)
+    cs = chrf(hyps, refs, lowercase)
+    how = "as given" if already_tokenized else "13a-tokenized"
+    return (f"tokenized BLEU = {tb.score:.2f} ({how}, tok:none, as multi-bleu.perl) | "
+            f"SacreBLEU {sb} | {sb.signature} | chrF2 = {cs.score:.2f}")
+
+
 def build_parser():
     ap = argparse.ArgumentParser(description="Translate with a trained checkpoint (beam search or greedy), score it "
                                  "(tokenized BLEU, SacreBLEU, chrF), test significance, and look inside the model.")
@@ -1299,7 +1297,7 @@ def read_stdin():
 
 
 def language_model(args, model, tokenizer, ckpt, lines):
-    """--ppl and --generate of a language model (section 9)."""
+    """--ppl and --generate of a language model (section 8; data.py section 8)."""
     if not model.cfg.lm:
         raise DataError(f"{args.checkpoint}: a translator; --generate, --leak and --seq-len are for a language model")
     if args.ref or args.benchmark or args.generate is None and not args.ppl and not args.leak:

@@ -14,9 +14,9 @@ Contents
      ([1] appendix A), initialisation (Xavier normal eq. 4 vs SmallInit, [1] section 2.2);
      a language model ([2] Table 2) is the same decoder without the encoder and cross-attention
   9. The training objective: label-smoothed cross entropy ([1] appendix A)
- 10. Where the model runs: device and precision
   Appendix A: fast paths (the same math, measured faster for a whole training step)
   Appendix B: the multi-linear attention of the tensorized Transformer [7] (PowerNorm's language models)
+  Appendix C: where the model runs: device and precision
 
   [1] Nguyen & Salazar 2019, Transformers without Tears.     [2] Shen et al. 2020, PowerNorm.
   [3] Henry et al. 2020, Query-Key Normalization.           [6] Vaswani et al. 2017, Attention Is All You Need.
@@ -462,38 +462,6 @@ def label_smoothed_loss(logits, target, eps, real=None, allowed=None):
     # Exercise label_smoothing: end
 
 
-# ---------------------------------------------------------------------------------------
-# 10. Where the model runs. On a CUDA GPU: bf16 autocast (statistics stay fp32, see norms.py),
-# SDPA, fused Adam (train.py), pinned-memory batches (data.py) -- the nanoGPT recipe.
-# ---------------------------------------------------------------------------------------
-def pick_device(name="auto"):
-    """--device auto|cpu|cuda -> torch.device; ValueError when cuda is asked for and absent."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available (use --device cpu or auto)")
-    if name == "cuda":
-        # Note: SDPA's cuDNN kernel builds a plan for every new input shape, ~8 ms of host time per
-        # call, and sentence lengths make nearly every batch (and every decoding step) a new shape:
-        # measured on an H100, 93% of a training step was the host waiting on it. Flash and
-        # memory-efficient attention (the other fused kernels) have no per-shape cost.
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    return torch.device(name)
-
-
-def has_bf16(device):
-    """Whether a CUDA device computes in bf16 natively (compute capability 8.0+: A100, H100, RTX 30xx+);
-    older GPUs only emulate it, slowly, and train with --dtype fp32 instead."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
-
-
-def autocast(device, bf16=True):
-    """bf16 autocast on CUDA (--dtype bf16); fp32 on the CPU, under --dtype fp32 and --reference."""
-    if device.type == "cuda" and bf16 and fast_paths():
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 # =======================================================================================
 # Appendix A: fast paths. Each computes the math of the main text (tests check it; dropout's
 # distribution to 1/65536) and is there because a whole training step measured faster with it
@@ -616,3 +584,35 @@ class MultiLinearAttention(nn.Module):
         # Exercise multilinear: end
         T = F.pad(T, (0, self.L - t, 0, self.L - t))  # (B, H, t, L, L): a shorter segment's slices, zero beyond t
         return self.out(T.transpose(1, 2).reshape(b, t, self.heads * self.L * self.L))  # (B, t, D)
+
+
+# =======================================================================================
+# Appendix C: where the model runs. On a CUDA GPU: bf16 autocast (statistics stay fp32, see
+# norms.py), SDPA, fused Adam (train.py), pinned-memory batches (data.py) -- the nanoGPT recipe.
+# =======================================================================================
+def pick_device(name="auto"):
+    """--device auto|cpu|cuda -> torch.device; ValueError when cuda is asked for and absent."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available (use --device cpu or auto)")
+    if name == "cuda":
+        # Note: SDPA's cuDNN kernel builds a plan for every new input shape, ~8 ms of host time per
+        # call, and sentence lengths make nearly every batch (and every decoding step) a new shape:
+        # measured on an H100, 93% of a training step was the host waiting on it. Flash and
+        # memory-efficient attention (the other fused kernels) have no per-shape cost.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    return torch.device(name)
+
+
+def has_bf16(device):
+    """Whether a CUDA device computes in bf16 natively (compute capability 8.0+: A100, H100, RTX 30xx+);
+    older GPUs only emulate it, slowly, and train with --dtype fp32 instead."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def autocast(device, bf16=True):
+    """bf16 autocast on CUDA (--dtype bf16); fp32 on the CPU, under --dtype fp32 and --reference."""
+    if device.type == "cuda" and bf16 and fast_paths():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()

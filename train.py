@@ -1642,7 +1642,7 @@ def interrupted(args):
 # =======================================================================================
 # Appendix F: the corpus into the run directory. Read every split (data.py), train the joint BPE
 # into the run directory (reused by a later run only for the same training text and size),
-# encode (cached there too); a language model's text is cut into segments (data.py section 9).
+# encode (cached there too); a language model's text is cut into segments (data.py section 8).
 # =======================================================================================
 def read_corpus(args, log):
     """{split: [(src, tgt)]} of raw text, and the language suffixes; a language model's text:
@@ -1746,7 +1746,7 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
 
 
 def lm_data(args, tok, text, log):
-    """A language model's training and dev segments (data.py section 9), and the training ones again."""
+    """A language model's training and dev segments (data.py section 8), and the training ones again."""
     streams = {split: data.lm_stream(tok, text[split]) for split in data.SPLITS}
     if streams["dev"].numel() - 1 < args.seq_len:
         raise data.DataError(f"{Path(args.data or data.toy_corpus_dir()) / 'dev.txt'}: {streams['dev'].numel() - 1} "
