@@ -292,27 +292,6 @@ def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
                      weight_decay=args.weight_decay, fused=True if device.type == "cuda" else None)
     return model, optimizer
 
-def qknorm_g0(args, train, log):
-    """QKNorm's g0 = log2(L^2 - L) [3, eq. 3], L from --qk-length or the training data.
-
-    Paper [3] section 3: "L is the 97.5th percentile sequence length across all training data
-    sequences for source and target"; its Table 5 says "word count". Note: we count BPE tokens, the
-    sequence the attention sees (g0 is there because of the number of elements in QK^T), over every
-    training pair before the --max-len filter (which would cap a high percentile); whitespace words
-    give a smaller L (Multi30k en-de: 30 BPE tokens, 20 words). Code [3]: L hard-coded per pair."""
-    if args.qk_length is not None:
-        L, how = args.qk_length, "--qk-length"
-    elif args.task == "lm":
-        L, how = args.seq_len, "--seq-len: a language model's segments are that long"
-    else:
-        L = data.length_percentile(train, q=args.qk_percentile)
-        how = (f"{args.qk_percentile}th percentile of BPE training lengths, source and target pooled, no BOS/EOS, "
-               f"before the --max-len filter")
-    g0 = qk_g0(L)
-    log(f"qknorm: L = {L:.2f} ({how}); g0 = log2(L^2 - L) = {g0:.3f}")
-    return g0
-
-
 
 # ---------------------------------------------------------------------------------------
 # 4. The loop: one log line per --log-interval steps, dev BLEU every --epoch-size steps.
@@ -431,13 +410,7 @@ def end_of_epoch(run):
     # [1] Figure 1 (dev BLEU per epoch) and Figures 3-4 (learned g's) come from these records.
     run.metrics({"step": s.step, "epoch": s.epoch, **({} if lm else {"dev_bleu": bleu}), "dev_loss": dev_loss / max(n, 1),
                  "dev_ppl": dev_ppl, "lr": next_lr, "g": run.model.learned_scales()})
-    ckpt = make_checkpoint(run)
-    if improved:
-        write_file(run.dir / "checkpoint_best.pt", ckpt)
-    if args.keep_checkpoints > 0:  # per-epoch checkpoints, for averaging (Code [2]: the last 5)
-        write_file(run.dir / f"checkpoint_epoch{s.epoch}.pt", ckpt)
-        (run.dir / f"checkpoint_epoch{s.epoch - args.keep_checkpoints}.pt").unlink(missing_ok=True)
-    write_file(run.dir / "checkpoint_last.pt", ckpt)  # written last: the resume point
+    save_checkpoints(run, improved)  # Appendix E: best, last (the resume point), per epoch (--keep-checkpoints)
     if s.stopped:
         run.log(f"stopping: {s.stopped}")
 
@@ -459,10 +432,6 @@ def finish(run):
               # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd)
               "embedding_singular_values": decode.singular_values(run.model)}
     decode.print_g_table(run.model)  # [1] Figures 3-4: learned g versus depth
-    try:
-        decode.save_g_values(run.model, run.dir / "g_values.json")
-    except OSError as e:
-        raise data.DataError(f"{run.dir / 'g_values.json'}: cannot write it ({e.strerror})") from None
     if args.task == "lm":  # the field's test perplexity: every target token, EOS included, no smoothing
         ppl = decode.lm_perplexity(run.model, run.tokenizer, run.pairs["test"], args.seq_len, args.batch_tokens,
                                    run.step_options.bf16)
@@ -482,8 +451,7 @@ def finish(run):
         run.log(f"test BLEU (best checkpoint, step {ckpt['step']}, beam {args.beam}, {args.length_penalty} length "
                 f"penalty alpha {args.alpha}): "
                 f"{score.score:.2f}  {score.signature}")
-    run.metrics({"final": result})
-    write_file(run.dir / "results.json", json.dumps(result, indent=2) + "\n")
+    write_results(run, result)  # Appendix E: results.json, g_values.json, metrics.jsonl's last record
     return result
 
 
@@ -1366,6 +1334,27 @@ def make_checkpoint(run):
                     "word_dropout": run.step_options.rng.get_state()}}
 
 
+def save_checkpoints(run, improved):
+    """checkpoint_best.pt when dev improved, checkpoint_epochN.pt under --keep-checkpoints (for
+    averaging; Code [2]: the last 5), and checkpoint_last.pt, written last: the resume point."""
+    ckpt, s, keep = make_checkpoint(run), run.state, run.args.keep_checkpoints
+    if improved:
+        write_file(run.dir / "checkpoint_best.pt", ckpt)
+    if keep > 0:
+        write_file(run.dir / f"checkpoint_epoch{s.epoch}.pt", ckpt)
+        (run.dir / f"checkpoint_epoch{s.epoch - keep}.pt").unlink(missing_ok=True)
+    write_file(run.dir / "checkpoint_last.pt", ckpt)
+
+
+def write_results(run, result):
+    try:
+        decode.save_g_values(run.model, run.dir / "g_values.json")
+    except OSError as e:
+        raise data.DataError(f"{run.dir / 'g_values.json'}: cannot write it ({e.strerror})") from None
+    run.metrics({"final": result})
+    write_file(run.dir / "results.json", json.dumps(result, indent=2) + "\n")
+
+
 def score_of(run):
     """The checkpoint's dev score: dev BLEU, or a language model's dev perplexity."""
     if run.args.task == "lm":
@@ -1755,6 +1744,27 @@ def lm_data(args, tok, text, log):
     log("data: " + " / ".join(f"{streams[s].numel() - 1} {s}" for s in data.SPLITS) + f" tokens to predict, "
         f"vocabulary {tok.vocab_size}, {len(train)} training segments of --seq-len {args.seq_len}")
     return train, dev, train
+
+
+def qknorm_g0(args, train, log):
+    """QKNorm's g0 = log2(L^2 - L) [3, eq. 3], L from --qk-length or the training data.
+
+    Paper [3] section 3: "L is the 97.5th percentile sequence length across all training data
+    sequences for source and target"; its Table 5 says "word count". Note: we count BPE tokens, the
+    sequence the attention sees (g0 is there because of the number of elements in QK^T), over every
+    training pair before the --max-len filter (which would cap a high percentile); whitespace words
+    give a smaller L (Multi30k en-de: 30 BPE tokens, 20 words). Code [3]: L hard-coded per pair."""
+    if args.qk_length is not None:
+        L, how = args.qk_length, "--qk-length"
+    elif args.task == "lm":
+        L, how = args.seq_len, "--seq-len: a language model's segments are that long"
+    else:
+        L = data.length_percentile(train, q=args.qk_percentile)
+        how = (f"{args.qk_percentile}th percentile of BPE training lengths, source and target pooled, no BOS/EOS, "
+               f"before the --max-len filter")
+    g0 = qk_g0(L)
+    log(f"qknorm: L = {L:.2f} ({how}); g0 = log2(L^2 - L) = {g0:.3f}")
+    return g0
 
 
 if __name__ == "__main__":
