@@ -28,6 +28,7 @@ Contents
   Appendix D: --benchmark, the speed and BLEU of greedy and beam search
   Appendix E: pictures (--plot)
   Appendix F: the command line (python decode.py --help)
+  Appendix G: plumbing: the output length limit, eval mode for a while, the progress bar, a score's signature
 
   [1] Nguyen & Salazar 2019, Transformers without Tears (TwT): beam 4, alpha 0.6, maximum
       output length = source length + 50 (the authors' code, tnq177/transformers_without_tears).
@@ -48,6 +49,7 @@ import os
 import re
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,7 +63,6 @@ from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 import data
 from data import DataError
-from dataclasses import dataclass
 from model import BOS, EOS, PAD, ModelConfig, MultiHeadAttention, Transformer, autocast, has_bf16, pick_device
 from norms import BATCH_NORMS, timed, use_reference
 
@@ -69,13 +70,12 @@ NEG_INF = float("-inf")
 
 
 # ---------------------------------------------------------------------------------------
-# 1. Incremental decoding: encode the source once, then one output token per step. Each
-# decoder layer's self-attention keys/values are cached and the new step's appended, so the
-# prefix is never recomputed; each layer's cross-attention keys/values are computed once.
+# 1. Incremental decoding: encode the source once, then one output token per step. Each decoder layer's
+# self-attention keys/values are cached and the new step's appended, so the prefix is never recomputed; each
+# layer's cross-attention keys/values are computed once. DecoderCache carries them, one row per hypothesis.
 # ---------------------------------------------------------------------------------------
 @dataclass
 class DecoderCache:
-    """What incremental decoding carries from step to step; one row per hypothesis."""
     E: torch.Tensor  # (V, D) the (FixNorm'ed) embedding matrix, computed once
     src_pad: torch.Tensor  # (n, S) bool
     mem_kv: list  # per decoder layer: the cross-attention (k, v), each (n, H, S, Dh)
@@ -106,66 +106,35 @@ def decode_step(model, y, cache):
     return model.output_logits(h[:, -1], cache.E)
 
 
-
-
 # ---------------------------------------------------------------------------------------
 # 2. Length penalty:   s(Y) = log P(Y | X) / lp(Y)
 #     GNMT [7, eq. 14] (TwT and QKNorm, Code: alpha 0.6):       lp(Y) = ((5 + |Y|) / 6)^alpha
 #     fairseq (Ott et al. 2019; PowerNorm, "length penalty 1.0"): lp(Y) = |Y|^alpha
 # The two rank hypotheses differently for the same alpha: GNMT's 5 damps the penalty of short outputs.
-#
-# Note: |Y| counts every scored token of the hypothesis, EOS included. A hypothesis that emits
-# EOS at step t (t = 0 for the first output token) has |Y| = t + 1, which is the authors'
-# ((5 + t + 1) / 6)^alpha at step t [Code]. A hypothesis cut at the maximum length has no EOS:
-# |Y| = its number of tokens. Without the penalty (alpha = 0) beam search prefers short
-# outputs, since every extra token multiplies P(Y | X) by a number below 1.
+# Note: |Y| counts every scored token, EOS included: a hypothesis that emits EOS at step t (t = 0 for the first
+# output token) has |Y| = t + 1, the authors' ((5 + t + 1) / 6)^alpha at step t [Code] and fairseq's (t + 1)^alpha;
+# one cut at the maximum length has no EOS: |Y| = its number of tokens. Without the penalty (alpha = 0) beam
+# search prefers short outputs: every extra token multiplies P(Y | X) by a number below 1.
 # ---------------------------------------------------------------------------------------
 PENALTIES = ("gnmt", "fairseq")
 
 
 def length_penalty(length, alpha, kind="gnmt"):
-    """lp(Y) of GNMT, ((5 + |Y|) / 6)^alpha, or of fairseq, |Y|^alpha; length = |Y| counts the
-    scored tokens (EOS included: fairseq's (step + 1)^alpha for a hypothesis ending at step)."""
+    """lp(Y) of GNMT, ((5 + |Y|) / 6)^alpha, or of fairseq, |Y|^alpha; length = |Y| (EOS included)."""
     # Exercise length_penalty: begin
     return ((5.0 + length) / 6.0) ** alpha if kind == "gnmt" else float(length) ** alpha
     # Exercise length_penalty: end
 
 
-def _max_lengths(src, max_len):
-    """Maximum number of output tokens (EOS not counted) per sentence: (B,) long.
-
-    None: source length + 50 (Code); an int: the same for all; a tensor: one value per sentence.
-    A hypothesis that reaches the limit is closed as it is, without EOS. Note: the authors' loop
-    lets it take one more step, in which it may still emit EOS.
-    """
-    if max_len is None:
-        return src.ne(PAD).sum(1) + 50  # (B,)  |x| + 50
-    if torch.is_tensor(max_len):
-        return max_len.to(device=src.device, dtype=torch.long).reshape(src.size(0))
-    return torch.full((src.size(0),), int(max_len), dtype=torch.long, device=src.device)
-
-
-def _strip(tokens):
-    """Hypothesis tokens up to (not including) the first EOS or PAD placeholder."""
-    out = []
-    for w in tokens:
-        if w == EOS or w == PAD:
-            break
-        out.append(w)
-    return out
-
-
 # ---------------------------------------------------------------------------------------
-# 3. Greedy search:  y_t = argmax_w log P(w | y_<t, x),  until EOS or the maximum length.
+# 3. Greedy search:  y_t = argmax_w log P(w | y_<t, x),  until EOS or the maximum length (Code: source length
+# + 50; _max_lengths, Appendix G). Batched with decode_step's cache; a sentence leaves the batch once done.
+# EOS is forbidden at the first step, as in beam search: greedy_search = beam_search(beam=1) up to exact float ties.
 # ---------------------------------------------------------------------------------------
 @torch.no_grad()
 def greedy_search(model, src, max_len=None):
     """src (B, S) long, PAD-padded, each row with at least one token -> B token lists (no BOS/EOS).
-
-    Batched, with the cached keys/values of decode_step (the prefix is never recomputed); a
-    sentence leaves the batch as soon as it emits EOS or reaches max_len. EOS is forbidden at the
-    first step, as in beam search, so that greedy_search equals beam_search(beam=1).
-    """
+    max_len: None (source length + 50), an int, or a (B,) tensor."""
     B, dev = src.size(0), src.device
     limit = _max_lengths(src, max_len)  # (B,)
     cache = start_decoding(model, src)
@@ -195,26 +164,20 @@ def greedy_search(model, src, max_len=None):
 
 
 # ---------------------------------------------------------------------------------------
-# 4. Beam search [1; Code: the beam search of tnq177/transformers_without_tears].
-#
-# Each sentence keeps K hypotheses ("beams"); all n*K of them are rows of one decoding state, so
-# one decode_step advances every beam of every sentence. At step t:
+# 4. Beam search [1; Code: the beam search of tnq177/transformers_without_tears]. Each sentence keeps K
+# hypotheses ("beams"), all n*K of them rows of one decoding state: one decode_step advances them all. At step t:
 #   candidates  = every alive beam extended by every word w:   c = logP(y) + logP(w | y, x)
 #                 every finished beam, kept as it is (it "extends with EOS at no cost")
 #   ranking     = by the length-penalised score: c / lp(t + 1) for an extension,
 #                 logP(y) / lp(|y|) (fixed when it finished) for a finished beam
 #   new beams   = the K best candidates; an extension by EOS becomes finished.
-# Within one step all extensions share lp(t + 1), so among themselves they rank by plain
-# log-probability; the penalty matters when they meet finished beams, and at the end.
-# A sentence leaves the batch when all its K beams have finished (Code: the same rule).
+# All extensions of a step share lp(t + 1), so they rank among themselves by log-probability; the penalty matters
+# against finished beams and at the end. A sentence leaves the batch once its K beams have all finished (Code too).
 # ---------------------------------------------------------------------------------------
 @torch.no_grad()
 def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False, penalty="gnmt"):
-    """src (B, S) long, PAD-padded, each row with at least one token -> B token lists: each
-    sentence's best finished hypothesis without BOS and EOS (with return_scores, (tokens, score)
-    pairs). max_len: None (source length + 50), an int, or a (B,) tensor. penalty: the length
-    penalty, "gnmt" or "fairseq" (section 2).
-    With beam=1 the result is the greedy one (up to exact floating-point ties)."""
+    """src and max_len as for greedy_search -> B token lists: each sentence's best finished hypothesis without
+    BOS and EOS (with return_scores, (tokens, score) pairs). penalty: "gnmt" or "fairseq" (section 2)."""
     B, K, dev, V = src.size(0), beam, src.device, model.cfg.vocab_size
     limit = _max_lengths(src, max_len)  # (B,)
     cache = start_decoding(model, src).select(torch.arange(B, device=dev).repeat_interleave(K))  # B*K rows
@@ -240,12 +203,12 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
             if keep.numel() == 0:
                 break
             rows = (keep[:, None] * K + torch.arange(K, device=dev)).flatten()  # (n'*K,)
-            active, cum, score, finished, hist, y = active[keep], cum[keep], score[keep], finished[keep], hist[keep], y[rows]
+            active, cum, score, finished, hist = active[keep], cum[keep], score[keep], finished[keep], hist[keep]
+            y = y[rows]
             cache.select(rows)  # later steps compute less
         n = active.numel()
         logp = decode_step(model, y, cache).float().log_softmax(-1)  # (n*K, V)  log P(w | y, x)
-        # Note: masked words have log P = -inf; -inf only meets finite numbers or -inf in sums,
-        # divisions by lp > 0 and topk, so no NaN appears.
+        # Note: masked words have log P = -inf, which meets only finite numbers, -inf, lp > 0 and topk: no NaN.
         if t == 0:
             logp[:, EOS] = NEG_INF  # Code: EOS is forbidden at step 0 (no empty output)
         ext = cum.view(n * K, 1) + logp  # (n*K, V)  log P(y w | x)
@@ -263,7 +226,7 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
         finished = ~is_ext | word.eq(EOS) | dead  # (n, K)
         score = top.masked_fill(~finished, NEG_INF)  # EOS: c / lp(t+1); kept: unchanged
         hist = torch.cat([hist.gather(1, parent[:, :, None].expand(-1, -1, t)), word[:, :, None]], dim=2)
-        cache.select((torch.arange(n, device=dev)[:, None] * K + parent).flatten())  # each beam takes its parent's cache
+        cache.select((torch.arange(n, device=dev)[:, None] * K + parent).flatten())  # each beam: its parent's cache
         y = word.masked_fill(finished, EOS).flatten()  # finished rows are fed EOS, output ignored
         t += 1
     return results
@@ -275,26 +238,13 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
 # ---------------------------------------------------------------------------------------
 @dataclass
 class Search:
-    """How to search: beam size (1 = greedy search), the length penalty's alpha, the output length
-    limit |x| + max_len_b (TwT's defaults; Code: beam 4, alpha 0.6, + 50), and max_src_len: a longer
-    source (in BPE tokens) is cut to it, so that one huge line cannot exhaust memory."""
-    beam: int = 4
-    alpha: float = 0.6
-    max_len_b: int = 50
-    max_src_len: int = 1024
+    """How to search; TwT's defaults (Code: beam 4, alpha 0.6, output length |x| + 50)."""
+    beam: int = 4  # 1 = greedy search
+    alpha: float = 0.6  # the length penalty's alpha
+    max_len_b: int = 50  # at most |x| + max_len_b output tokens
+    max_src_len: int = 1024  # a longer source (BPE tokens) is cut to it: one huge line cannot exhaust memory
     bf16: bool = True  # bf16 autocast on CUDA (model.autocast); False: fp32
     penalty: str = "gnmt"  # the length penalty (section 2): gnmt (TwT, QKNorm) or fairseq (PowerNorm)
-
-
-@contextlib.contextmanager
-def evaluating(model):
-    """model.eval() for a while (no dropout, running statistics), then the mode it had."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
 
 
 def translate_ids(model, tokenizer, lines, search=Search(), batch_tokens=4096, progress=False):
@@ -304,8 +254,7 @@ def translate_ids(model, tokenizer, lines, search=Search(), batch_tokens=4096, p
     outputs = [[] for _ in encoded]  # an empty (or blank) line translates to an empty line
     todo = [i for i, x in enumerate(encoded) if x]
     sources = [(encoded[i], []) for i in todo]  # no target: batched by source length alone
-    bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                   TimeRemainingColumn(), console=Console(stderr=True), transient=True, disable=not progress)
+    bar = _progress_bar(progress)
     with bar, evaluating(model), autocast(device, search.bf16):  # train.py calls us mid-training: its mode comes back
         task = bar.add_task("translating", total=len(todo))
         for b in reversed(data.make_batches(sources, batch_tokens, shuffle=False)):
@@ -320,51 +269,32 @@ def translate_ids(model, tokenizer, lines, search=Search(), batch_tokens=4096, p
 
 
 def translate(model, tokenizer, lines, search=Search(), batch_tokens=4096, progress=False):
-    """Source lines -> detokenized outputs in the same order. Batches hold at most batch_tokens
-    source tokens (sentences x longest length); an empty line gives an empty output; bf16 autocast
-    on CUDA (model.autocast)."""
+    """Source lines -> detokenized outputs in order (empty -> empty); batches of batch_tokens (sentences x longest)."""
     return [tokenizer.decode(h) for h in translate_ids(model, tokenizer, lines, search, batch_tokens, progress)]
-
-
-def count_long(tokenizer, lines, max_src_len):
-    """How many lines translate() cuts (longer than max_src_len BPE tokens), for the caller to say so."""
-    return sum(len(x) > max_src_len for x in tokenizer.encode(list(lines))) if lines else 0
 
 
 # ---------------------------------------------------------------------------------------
 # 6. Scoring [8, 9]: the same outputs, three numbers.
-#
-#   tokenized BLEU  what the papers report. Paper [1] appendix A: "We report tokenized BLEU with
-#                   multi-bleu.perl"; [3] and [2] do the same. multi-bleu.perl splits on
-#                   whitespace only, so the number depends on the tokenization before scoring;
-#                   SacreBLEU with tokenize="none" on the same text reproduces it exactly (Code:
-#                   32.49 and 33.24 on the tst2013 outputs the TwT and QKNorm authors ship).
+#   tokenized BLEU  what the papers report. Paper [1] appendix A: "We report tokenized BLEU with multi-bleu.perl";
+#                   [3] and [2] do the same. multi-bleu.perl splits on whitespace only, so the number depends on
+#                   the tokenization before scoring; SacreBLEU with tokenize="none" on the same text reproduces it
+#                   exactly (Code: 32.49 and 33.24 on the tst2013 outputs the TwT and QKNorm authors ship).
 #   SacreBLEU       BLEU on detokenized text with SacreBLEU's 13a tokenizer, with its signature.
 #   chrF            character n-gram F-score [9] (beta 2): no tokenization at all.
-# Note: our corpora are raw text and the model writes raw text: for a multi-bleu.perl-style
-# number both sides are 13a-tokenized first, then scored with tokenize="none" (on raw text that
-# equals SacreBLEU's 13a BLEU). On corpora tokenized beforehand (IWSLT'15 en-vi as the TwT
-# authors ship it) pass already_tokenized=True (--tokenized): scored as they are.
+# Note: our corpora are raw text and the model writes raw text: for a multi-bleu.perl-style number both sides
+# are 13a-tokenized first, then scored with tokenize="none" (on raw text that equals SacreBLEU's 13a BLEU).
+# Corpora tokenized beforehand (IWSLT'15 en-vi as the TwT authors ship it): already_tokenized=True (--tokenized).
 # ---------------------------------------------------------------------------------------
-def _score(metric, hyps, refs):
-    """The corpus score of hyps against one reference each, with the metric's .signature."""
-    score = metric.corpus_score(list(hyps), [list(refs)])
-    score.signature = str(metric.get_signature())
-    return score
-
-
 def bleu(hyps, refs, lowercase=False):
-    """SacreBLEU (13a, detokenized), with .signature, e.g. "nrefs:1|case:mixed|eff:no|tok:13a|...";
-    lowercase: case-insensitive ("case:lc"), as [2] reports on IWSLT14. Note: force=True silences
-    SacreBLEU's "you forgot to detokenize" warning: the built-in corpus writes " ." like tokenized
-    text; the score and signature are unchanged by it."""
+    """SacreBLEU (13a, detokenized) with .signature, e.g. "nrefs:1|case:mixed|eff:no|tok:13a|..."; lowercase:
+    case-insensitive ("case:lc"), as [2] reports on IWSLT14. Note: force=True silences SacreBLEU's "you forgot
+    to detokenize" warning (the built-in corpus writes " ." like tokenized text); score and signature stay."""
     return _score(BLEU(force=True, lowercase=lowercase), hyps, refs)
 
 
 def tokenized_bleu(hyps, refs, already_tokenized=False, lowercase=False):
-    """multi-bleu.perl-style corpus BLEU (with .signature): 13a-tokenize both sides unless
-    already_tokenized, then BLEU with tokenize="none". Note: smooth_method="none" as in
-    multi-bleu.perl (0 when some n-gram order has no match)."""
+    """multi-bleu.perl-style BLEU (with .signature): 13a-tokenize both sides unless already_tokenized, then
+    tokenize="none". Note: smooth_method="none" as in multi-bleu.perl (0 when an n-gram order has no match)."""
     if not already_tokenized:
         tok = Tokenizer13a()
         hyps, refs = [tok(h.rstrip()) for h in hyps], [tok(r.rstrip()) for r in refs]
@@ -377,8 +307,7 @@ def chrf(hyps, refs, lowercase=False):
 
 
 # ---------------------------------------------------------------------------------------
-# 7. Held-out loss and perplexity ([1] Table 8). Teacher forcing over held-out pairs, n = all
-# target tokens y_1..y_m, EOS:
+# 7. Held-out loss and perplexity ([1] Table 8), teacher-forced; n = all target tokens y_1..y_m, EOS:
 #   NLL      = sum_t -log p(y_t | y_<t, x)                                   ppl = exp(NLL / n)
 #   smoothed = sum_t (1 - eps) (-log p(y_t)) + eps mean_{w in A} (-log p(w))    exp(smoothed / n)
 # with A the target vocabulary. The smoothed loss is the training objective (model.py), so its
@@ -408,20 +337,18 @@ def perplexity(model, tokenizer, pairs, label_smoothing=0.1, batch_tokens=4096, 
 
 
 # ---------------------------------------------------------------------------------------
-# 8. A language model ([2] Table 2). Perplexity is the field's: the text as one stream cut into
-# segments (data.py section 8), every token predicted once from the ones before it in its segment:
+# 8. A language model ([2] Table 2). Perplexity is the field's: the text as one stream cut into segments
+# (data.py section 8), every token predicted once from the ones before it in its segment:
 #   ppl = exp(NLL / n),  n = the text's tokens + one EOS a sentence;  per word: exp(NLL / (words + EOS))
-# (the same NLL; under BPE n counts pieces, so per-word perplexity is the one comparable across
-# vocabularies). Continuing a prefix: the last seq_len tokens predict the next, which is the most
-# probable one (greedy) or drawn from softmax(logits / temperature) (--sample).
+# (the same NLL; under BPE n counts pieces, so per-word perplexity is the one comparable across vocabularies).
 # ---------------------------------------------------------------------------------------
 def lm_perplexity(model, tokenizer, lines, seq_len, batch_tokens=4096, bf16=True):
     """dict(ppl, nll, n_tokens, word_ppl, n_words) of text lines (empty lines skipped, as training does)."""
     lines = [line for line in lines if line]
     if not lines:
         raise DataError("perplexity: no text (every line is empty)")
-    _, nll, n = evaluate_loss(model, data.lm_segments(data.lm_stream(tokenizer, lines), seq_len), batch_tokens,
-                              0.0, bf16)
+    segments = data.lm_segments(data.lm_stream(tokenizer, lines), seq_len)
+    _, nll, n = evaluate_loss(model, segments, batch_tokens, 0.0, bf16)
     words = sum(len(line.split()) + 1 for line in lines)  # + EOS each
     return {"ppl": math.exp(nll / n), "nll": nll / n, "n_tokens": n, "word_ppl": math.exp(nll / words),
             "n_words": words}
@@ -429,7 +356,8 @@ def lm_perplexity(model, tokenizer, lines, seq_len, batch_tokens=4096, bf16=True
 
 @torch.no_grad()
 def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, seed=0):
-    """The prefix continued until EOS or max_tokens: greedy (temperature 0), else sampled."""
+    """The prefix continued until EOS or max_tokens, each token predicted from the last seq_len: the most
+    probable one (temperature 0, greedy) or drawn from softmax(logits / temperature) (--sample)."""
     device = next(model.parameters()).device
     ids, rng = [EOS] + tokenizer.encode(prefix), torch.Generator().manual_seed(seed)
     start = len(ids)
@@ -448,16 +376,14 @@ def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, 
 
 
 # =======================================================================================
-# Appendix A: paired bootstrap resampling [10] (Koehn 2004), the significance test of [1] and [3].
-#
-# Draw n_samples test sets of the same size from the real one, with replacement, the same
-# sentence indices for both systems; on each draw compute both corpus BLEUs. The spread of a
-# system's BLEU over the draws gives its 95% confidence interval; how often the difference is
-# as large as the real one, once the draws are centred on "no difference", gives the p-value:
-#   p = (#{s : |d_s| - mean_s |d_s| > |BLEU_sys - BLEU_base|} + 1) / (n_samples + 1)
-# Note: we call SacreBLEU's own implementation (sacrebleu.significance.PairedTest, test_type="bs",
-# the Moses bootstrap-hypothesis-difference-significance.pl port), not a rewrite; the CI is
-# mean +- half the width of the 2.5%..97.5% percentile range.
+# Appendix A: paired bootstrap resampling [10] (Koehn 2004), the significance test of [1] and [3]. Draw n_samples
+# test sets of the same size from the real one, with replacement, the same sentence indices for both systems, and
+# compute both corpus BLEUs on each. The spread of a system's BLEU over the draws gives its 95% confidence
+# interval; how often the difference is as large as the real one, once the draws are centred on "no difference",
+# gives the p-value:   p = (#{s : |d_s| - mean_s |d_s| > |BLEU_sys - BLEU_base|} + 1) / (n_samples + 1)
+# Note: we call SacreBLEU's own implementation (sacrebleu.significance.PairedTest, test_type="bs", the Moses
+# bootstrap-hypothesis-difference-significance.pl port), not a rewrite; the CI is mean +- half the width of the
+# 2.5%..97.5% percentile range.
 # =======================================================================================
 @contextlib.contextmanager
 def _sacrebleu_seed(seed):
@@ -474,10 +400,10 @@ def _sacrebleu_seed(seed):
 
 
 def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=12345, already_tokenized=False):
-    """Paired bootstrap test of system vs baseline on corpus BLEU -> dict with "baseline" and
-    "system" ({"bleu", "mean", "ci", "ci_low", "ci_high"}: the real BLEU, the bootstrap mean, the
-    95% half-width), "p_value", "delta" (system - baseline), "n_samples", "signature" and
-    "identical" (line-for-line equal outputs: p = 1). Note: SacreBLEU treats seed 0 as no seed."""
+    """Paired bootstrap test of system vs baseline on corpus BLEU -> dict with "baseline" and "system" ({"bleu",
+    "mean", "ci", "ci_low", "ci_high"}: the real BLEU, the bootstrap mean, the 95% half-width), "p_value", "delta"
+    (system - baseline), "n_samples", "signature", "identical" (line-for-line equal outputs) and "undecidable" (why
+    p is 1, see below; "" otherwise). Note: SacreBLEU treats seed 0 as no seed."""
     base, sys_, refs = list(baseline_hyps), list(system_hyps), list(refs)
     if not (len(base) == len(sys_) == len(refs)):
         raise DataError(f"line counts differ: baseline {len(base)}, system {len(sys_)}, references {len(refs)}")
@@ -489,10 +415,9 @@ def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=1234
                           test_type="bs", n_samples=n_samples)
         signatures, scores = test()
     b, s = scores["BLEU"]  # sacrebleu Result objects: score, p_value, mean, ci
-    # Note: when the two BLEUs are equal (identical outputs, outputs that differ only in spacing,
-    # two outputs both at BLEU 0) the real difference is 0; SacreBLEU finds no strictly larger
-    # centred difference and returns its smallest p-value, 1 / (n_samples + 1), "significant".
-    # There is no difference to test: we report p = 1 and say why.
+    # Note: when the two BLEUs are equal (identical outputs, outputs that differ only in spacing, both at BLEU 0)
+    # the real difference is 0; SacreBLEU finds no strictly larger centred difference and returns its smallest
+    # p-value, 1 / (n_samples + 1), "significant". There is no difference to test: we report p = 1 and say why.
     undecidable = ("the two outputs are identical" if base == sys_ else
                    "both outputs score BLEU 0" if b.score == s.score == 0 else
                    "the two outputs score the same BLEU" if b.score == s.score else "")
@@ -534,23 +459,19 @@ def compare(args):
 
 
 # =======================================================================================
-# Appendix B: checkpoints (written by train.py): reading one safely (read_checkpoint), a run
-# directory's (load_checkpoint), and their average [2]:
-#   theta_avg = (1/N) sum_{i=1..N} theta_i   over the last N epochs.
-#
-# Paper [2] (section 5.1) averages the last 10 checkpoints; Code [2]: the released script averages
-# the last 5 epoch checkpoints (fairseq's average_checkpoints.py). Averaging nearby points of one
-# run acts like an ensemble at
-# the cost of one model. Only floating-point tensors are averaged. Integer and bool buffers are
-# copied from the last checkpoint: PowerNorm's num_batches_tracked (a long) decides whether the
-# layer still uses batch statistics, and the mean of counters is not a count (Code: fairseq's
-# averaging crashes on that int buffer); the target-vocabulary mask `allowed` is a bool.
+# Appendix B: checkpoints (written by train.py): reading one safely (read_checkpoint), a run directory's
+# (load_checkpoint), and their average [2]:   theta_avg = (1/N) sum_{i=1..N} theta_i   over the last N epochs.
+# Paper [2] (section 5.1) averages the last 10 checkpoints; Code [2]: the released script averages the last 5
+# epoch checkpoints (fairseq's average_checkpoints.py). Averaging nearby points of one run acts like an ensemble
+# at the cost of one model. Only floating-point tensors are averaged; integer and bool buffers are copied from the
+# last checkpoint: PowerNorm's num_batches_tracked (a long) decides whether the layer still uses batch statistics,
+# and a mean of counters is not a count (Code: fairseq's averaging crashes on that int buffer); the
+# target-vocabulary mask `allowed` is a bool.
 # =======================================================================================
-# A checkpoint holds only tensors and plain Python values, and is read with
-# torch.load(weights_only=True): unpickling anything else could run code, so a file that
-# holds anything else is refused, never retried with the full unpickler.
 def read_checkpoint(path, device="cpu"):
-    """torch.load(weights_only=True) of one checkpoint file, with its checks; DataError naming it."""
+    """torch.load(weights_only=True) of one checkpoint file, with its checks; DataError naming it. A checkpoint
+    holds only tensors and plain Python values: unpickling anything else could run code, so such a file is
+    refused, never retried with the full unpickler."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: no such checkpoint file")
@@ -558,9 +479,10 @@ def read_checkpoint(path, device="cpu"):
         ckpt = torch.load(p, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 -- any failure is the file's; say which, in one line
         why = "it holds objects other than tensors and plain values, and loading those could run code" \
-            if "Weights only load failed" in str(e) else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if "Weights only load failed" in str(e) else \
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         raise DataError(f"{p}: refused, not a readable checkpoint ({why})") from None
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model_config"), dict) or not isinstance(ckpt.get("model"), dict):
+    if not isinstance(ckpt, dict) or not all(isinstance(ckpt.get(k), dict) for k in ("model_config", "model")):
         raise DataError(f"{p}: not a checkpoint of this project (no 'model_config' and 'model' entries)")
     # Note: a module saved after torch.compile has "_orig_mod." prefixes; accept both.
     ckpt["model"] = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
@@ -568,13 +490,10 @@ def read_checkpoint(path, device="cpu"):
 
 
 def average_checkpoints(paths):
-    """Checkpoint files (oldest first) -> one checkpoint dict whose "model" is their average.
-
-    Everything else comes from the last file; its "optimizer" and "rng" entries are dropped
-    (they belong to the last weights, not the average: do not resume from it), and
-    "averaged_from" lists the files. Sums in float64, one file in memory at a time. DataError if
-    the files do not hold the same model or come from different runs ("run_id").
-    """
+    """Checkpoint files (oldest first) -> one checkpoint dict whose "model" is their average. Everything else
+    comes from the last file, less its "optimizer" and "rng" (they belong to the last weights, not the average: do
+    not resume from it); "averaged_from" lists the files. Sums in float64, one file in memory at a time. DataError
+    if the files do not hold the same model or come from different runs ("run_id")."""
     paths = [Path(x) for x in paths]
     if not paths:
         raise DataError("average_checkpoints: no checkpoint files given")
@@ -617,13 +536,10 @@ def epoch_checkpoints(run_dir):
 
 
 def load_checkpoint(path, device="cpu", average=0):
-    """A .pt file or a run directory -> (model in eval mode on device, tokenizer, ckpt dict).
-
-    A run directory gives its checkpoint_best.pt, else checkpoint_last.pt; with average=N > 0
-    (a run directory only) the average of its N highest-numbered checkpoint_epoch{N}.pt. The
-    tokenizer is rebuilt from the sentencepiece model inside the checkpoint ("bpe_model_proto"),
-    so a checkpoint file alone can translate. DataError (one line, naming the path) otherwise.
-    """
+    """A .pt file or a run directory -> (model in eval mode on device, tokenizer, ckpt dict). A run directory
+    gives its checkpoint_best.pt, else checkpoint_last.pt; with average=N > 0 (a run directory only) the average of
+    its N highest-numbered checkpoint_epoch{N}.pt. The tokenizer is rebuilt from the sentencepiece model inside the
+    checkpoint ("bpe_model_proto"), so a checkpoint file alone can translate. Otherwise DataError naming the path."""
     p = Path(path)
     if average > 0:
         if not p.is_dir():
@@ -654,29 +570,22 @@ def load_checkpoint(path, device="cpu", average=0):
 
 
 # =======================================================================================
-# Appendix C: looking inside the model.
-#
-# The learned g's ([1] Figures 3-4: the g of every ScaleNorm, by depth; [3]: QKNorm's g).
-#
-# Every scalar g of the model, from model.learned_scales(), in depth order:
+# Appendix C: looking inside the model. First the learned g's ([1] Figures 3-4: the g of every ScaleNorm, by
+# depth; [3]: QKNorm's g): every scalar g of the model, from model.learned_scales(), in depth order:
 #   ScaleNorm:  y = g * x / ||x||       one g per norm (per sublayer, plus a final one per stack)
 #   QKNorm:     softmax(g * Q^ K^T) V   one g per attention module
-# Paper [1] section 2.3 / eq. 6: with PreNorm + ScaleNorm + FixNorm the decoder's final
-# g multiplies every logit, logit_w = g cos(h, e_w) + b_w: it is the softmax temperature
-# (Code: there is no separate FixNorm g). LayerNorm and RMSNorm have vector gains and
-# are left out; a LayerNorm model without QKNorm has no scalar g at all.
+# Paper [1] section 2.3 / eq. 6: with PreNorm + ScaleNorm + FixNorm the decoder's final g multiplies every logit,
+# logit_w = g cos(h, e_w) + b_w: it is the softmax temperature (Code: there is no separate FixNorm g). LayerNorm
+# and RMSNorm have vector gains and are left out; a LayerNorm model without QKNorm has no scalar g at all.
 # ---------------------------------------------------------------------------------------
 _SUBLAYER = {"norm_attn": "self-attn", "norm_self": "self-attn", "norm_cross": "cross-attn",
              "norm_ff": "ffn", "self_attn": "self-attn", "cross_attn": "cross-attn"}
 
 
 def g_values(model):
-    """[{name, stack, layer, sublayer, kind, value}] for every scalar g, in depth order.
-
-    stack "encoder"/"decoder"; layer the 0-based layer index (the final norm gets
-    layer = number of layers); sublayer "self-attn", "cross-attn", "ffn", "final" (or
-    "final (temp.)": the decoder's final g under FixNorm); kind "ScaleNorm", "QKNorm", ...
-    """
+    """[{name, stack, layer, sublayer, kind, value}] for every scalar g, in depth order: stack "encoder"/"decoder";
+    layer the 0-based layer index (the final norm: the number of layers); sublayer "self-attn", "cross-attn", "ffn",
+    "final" (or "final (temp.)": the decoder's final g under FixNorm); kind "ScaleNorm", "QKNorm", ..."""
     out = []
     for name, value in model.learned_scales().items():
         owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
@@ -715,10 +624,8 @@ def g_table(model, bar_width=12):
 
 
 def print_g_table(model, console=None):
-    """Prints the g table on console (a rich Console; None: a new one on stdout).
-
-    A model without scalar g's (LayerNorm without QKNorm) gets one line saying so.
-    """
+    """Prints the g table on console (a rich Console; None: a new one on stdout), or one line saying there is no
+    scalar g (LayerNorm without QKNorm)."""
     console = console or Console()
     table = g_table(model)
     if table is None:
@@ -740,12 +647,20 @@ def save_g_values(model, path):
 # directions of the space. Note: the parameter E as trained; with --fixnorm the model reads its rows
 # normalised to unit length, and E's own row lengths are what FixNorm leaves free.
 # ---------------------------------------------------------------------------------------
+def singular_values(model):
+    """sigma_i / sigma_1 of the embedding matrix, largest first (a list of min(V, D) floats)."""
+    sigma = torch.linalg.svdvals(model.embed.detach().double().cpu())
+    return [round(x, 5) for x in (sigma / sigma[0]).tolist()]
+
+
+# ---------------------------------------------------------------------------------------
+# --leak: how far the batch statistics of a training forward let a causal model see the future ([2]'s BN and
+# PN-V in a language model). Zero for the per-token norms.
+# ---------------------------------------------------------------------------------------
 def future_leak(model, segments, t=None, seed=0):
-    """How far the batch statistics of a training forward let a causal model see the future ([2]'s
-    BN and PN-V in a language model): one batch of segments, then the same with every token after
-    position t replaced at random; the batch norms as in training (batch statistics, running ones
-    updated on a copy), dropout off. Returns the mean |change| of log p(next token) at positions
-    <= t, and those positions' perplexity before and after. Zero for the per-token norms."""
+    """One batch of segments, then the same with every token after position t replaced at random; the batch
+    norms as in training (batch statistics, running ones updated on a copy), dropout off. Returns the mean
+    |change| of log p(next token) at positions <= t, and those positions' perplexity before and after."""
     L = segments.x.size(1)
     t = L // 2 - 1 if t is None else t
     x, y = segments.x, segments.y
@@ -765,12 +680,6 @@ def future_leak(model, segments, t=None, seed=0):
     before, after = logp(x), logp(changed)
     return {"mean_abs_change": float((before - after).abs().mean()), "ppl_before": math.exp(-float(before.mean())),
             "ppl_after": math.exp(-float(after.mean())), "positions": t + 1, "segments": x.size(0)}
-
-
-def singular_values(model):
-    """sigma_i / sigma_1 of the embedding matrix, largest first (a list of min(V, D) floats)."""
-    sigma = torch.linalg.svdvals(model.embed.detach().double().cpu())
-    return [round(x, 5) for x in (sigma / sigma[0]).tolist()]
 
 
 # ---------------------------------------------------------------------------------------
@@ -795,19 +704,16 @@ def _attention_module(model, kind, layer):
     layers, attr = stacks[kind]
     if not 0 <= layer < len(layers):
         raise DataError(f"--layer {layer}: the {'encoder' if kind == 'enc' else 'decoder'} has "
-                          f"layers 0..{len(layers) - 1}")
+                        f"layers 0..{len(layers) - 1}")
     return getattr(layers[layer], attr)
 
 
 @torch.no_grad()
 def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0, kind="cross"):
-    """One attention map -> (weights (Tq, Tk) float tensor on CPU, query_tokens, key_tokens).
-
-    Teacher-forced on tgt_line, or on the model's own greedy translation when it is None.
-    Tokens are BPE pieces (strings), the labels of the rows and columns (see above).
-    keep_weights and last_weights of the module, and the model's train/eval mode, are
-    restored afterwards. Rows sum to 1.
-    """
+    """One attention map -> (weights (Tq, Tk) float tensor on CPU, rows summing to 1, query_tokens, key_tokens):
+    teacher-forced on tgt_line, or on the model's own greedy translation when it is None. Tokens are BPE pieces,
+    the labels of the rows and columns (see above). The module's keep_weights and last_weights, and the model's
+    train/eval mode, are restored afterwards."""
     module = _attention_module(model, kind, layer)
     if not 0 <= head < model.cfg.heads:
         raise DataError(f"--head {head}: the model has heads 0..{model.cfg.heads - 1}")
@@ -843,12 +749,9 @@ def _label(text, width):
 
 
 def render_heatmap(weights, rows, cols, max_label=8):
-    """A text heatmap of weights (R, C) in [0, 1]: one character per cell, by weight.
-
-    The shade is SHADES[round(w * 9)] on an absolute scale (not per row), so that maps of
-    different heads and models compare. Labels longer than max_label are cut ("~").
-    Column labels are written across the top; each column is as wide as its label.
-    """
+    """A text heatmap of weights (R, C) in [0, 1]: each cell the shade SHADES[round(w * 9)], on an absolute scale
+    (not per row) so that maps of different heads and models compare, as wide as its column's label (labels
+    across the top, cut to max_label with "~")."""
     w = torch.as_tensor(weights, dtype=torch.float32)
     if w.dim() != 2 or w.shape != (len(rows), len(cols)):
         raise ValueError(f"weights {tuple(w.shape)} do not match {len(rows)} rows x {len(cols)} columns")
@@ -864,39 +767,6 @@ def render_heatmap(weights, rows, cols, max_label=8):
         lines.append(r.rjust(rw) + " | " + " ".join(cells))
     lines.append(f"shades: {SHADES!r} for weights 0 .. 1 (absolute scale)")
     return "\n".join(lines)
-
-
-def check_output_file(path, flag, suffix=None):
-    """DataError naming the flag unless `path` can be written: not a folder, in a folder that exists
-    and takes a new file (tried, not guessed from permissions), with `suffix` if given."""
-    p = Path(path)
-    if suffix and p.suffix.lower() != suffix:
-        raise DataError(f"{flag} {path}: the file name must end in {suffix}")
-    if p.is_dir():
-        raise DataError(f"{flag} {path}: a folder, not a file")
-    folder = p.absolute().parent
-    if not folder.is_dir():
-        raise DataError(f"{flag} {path}: its folder {folder} does not exist")
-    try:
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise DataError(f"{flag} {path}: cannot write into {folder} ({e.strerror})") from None
-
-
-def check_not_an_input(args):
-    """--output never overwrites what decode.py reads (--input, --ref, the checkpoint), nor a file
-    train.py wrote into the run directory (its config, metrics, BPE model, checkpoints)."""
-    out = Path(args.output).resolve()
-    for flag, path in (("--input", args.input), ("--ref", args.ref), ("the checkpoint", args.checkpoint)):
-        if path and out.exists() and Path(path).exists() and out.samefile(path):
-            raise DataError(f"--output {args.output}: is {flag} {path}; write the translations elsewhere")
-    ckpt = Path(args.checkpoint).resolve()
-    run_dir = ckpt if ckpt.is_dir() else ckpt.parent
-    if out.parent == run_dir and out.exists() and (out.suffix not in (".hyp", ".txt") or out.name == "test.hyp"):
-        raise DataError(f"--output {args.output}: a file of the run directory {run_dir} (train.py's, or not a .hyp "
-                        f"or .txt file); write the translations elsewhere")
 
 
 def require_pyplot(path, flag):
@@ -951,7 +821,8 @@ def analyse(args, model, tokenizer):
         teacher = "given target" if args.attention_target is not None else "greedy translation"
         print(f"{args.kind} attention, layer {args.layer}, head {args.head} ({teacher}); rows = queries")
         print(render_heatmap(w, rows, cols))
-        if args.png and save_heatmap_png(w, rows, cols, args.png, title=f"{args.kind} layer {args.layer} head {args.head}"):
+        title = f"{args.kind} layer {args.layer} head {args.head}"
+        if args.png and save_heatmap_png(w, rows, cols, args.png, title=title):
             print(f"wrote {args.png}", file=sys.stderr)
     return 0
 
@@ -1044,7 +915,8 @@ def plot_series(run_dirs):
                 (f"{name} ({key})", [x for x, _ in stats], [s[key] for _, s in stats]))
         try:  # the finished run's embedding ([2] Figure 6), from results.json
             sv = json.loads((Path(run) / "results.json").read_text())["embedding_singular_values"]
-            panels["embedding singular values / the largest ([2] Fig. 6)"].append((name, list(range(1, len(sv) + 1)), sv))
+            panels["embedding singular values / the largest ([2] Fig. 6)"].append(
+                (name, list(range(1, len(sv) + 1)), sv))
         except (OSError, ValueError, KeyError, TypeError):  # not finished, or an older run
             pass
     return panels
@@ -1064,7 +936,8 @@ def plot_runs(run_dirs, out):
             if xs:
                 ax.plot(xs, ys, label=name, marker="o" if "depth" in title else None, lw=1)
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("layer (encoder, then decoder)" if "depth" in title else "index" if "singular" in title else "step")
+        ax.set_xlabel("layer (encoder, then decoder)" if "depth" in title else
+                      "index" if "singular" in title else "step")
         if "gradient" in title or "statistic" in title or "perplexity" in title:
             ax.set_yscale("log")
         ax.legend(fontsize=7)
@@ -1085,6 +958,11 @@ def attached_punctuation(lines):
     tokens = [w for line in lines for w in line.split()]
     glued = sum(len(w) > 1 and w[-1] in ".,!?;:" and w[:-1].isalpha() for w in tokens)
     return glued / max(len(tokens), 1)
+
+
+def count_long(tokenizer, lines, max_src_len):
+    """How many lines translate() cuts (longer than max_src_len BPE tokens), for the caller to say so."""
+    return sum(len(x) > max_src_len for x in tokenizer.encode(list(lines))) if lines else 0
 
 
 def score_report(hyps, refs, already_tokenized=False, lowercase=False):
@@ -1117,7 +995,8 @@ def build_parser():
                     "with fairseq)")
     ap.add_argument("--length-penalty", choices=PENALTIES, default="gnmt", help="gnmt: score / ((5 + |Y|) / 6)^alpha "
                     "(Wu et al. 2016; TwT, QKNorm); fairseq: score / |Y|^alpha (Ott et al. 2019; PowerNorm)")
-    ap.add_argument("--max-len-b", type=int, default=50, help="maximum output length = source length + this (TwT code: 50)")
+    ap.add_argument("--max-len-b", type=int, default=50,
+                    help="maximum output length = source length + this (TwT code: 50)")
     ap.add_argument("--max-len", type=int, default=1024, help="source lines longer than this (BPE tokens) are cut "
                     "to it, with a count on stderr (one huge line must not exhaust memory)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
@@ -1136,7 +1015,8 @@ def build_parser():
                          "(PowerNorm's released script: 5; its paper: 10); floats are averaged, integer/bool "
                          "buffers copied")
     ev.add_argument("--ppl", action="store_true",
-                    help="with --ref: also print the label-smoothed and plain perplexity (teacher forced, [1] Table 8); "
+                    help="with --ref: also print the label-smoothed and plain perplexity (teacher forced, [1] Table 8)"
+                         "; "
                          "a language model: the perplexity of the text of --input (or stdin)")
     ev.add_argument("--label-smoothing", type=float, default=None,
                     help="epsilon for --ppl (default: the checkpoint's training value, else 0.1)")
@@ -1144,7 +1024,8 @@ def build_parser():
                     help="paired bootstrap resampling (Koehn 2004, SacreBLEU's implementation) of two output files "
                          "against --ref: BLEU, 95%% CI, p-value; no checkpoint needed")
     ev.add_argument("--samples", type=int, default=1000, help="bootstrap resamples for --compare")
-    ev.add_argument("--seed", type=int, default=12345, help="resampling seed for --compare (SacreBLEU's default); --sample's seed")
+    ev.add_argument("--seed", type=int, default=12345,
+                    help="resampling seed for --compare (SacreBLEU's default); --sample's seed")
     ev.add_argument("--attention", metavar="SOURCE", help="print the attention map of this source sentence (QKNorm "
                     "[3] Figures 1-2), teacher-forced on --attention-target or the model's own greedy translation")
     ev.add_argument("--attention-target", metavar="TARGET", help="the target sentence for --attention")
@@ -1180,10 +1061,12 @@ def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
     for flag, ok, why in [("beam", args.beam >= 1, "at least 1"), ("max_len_b", args.max_len_b >= 0, "0 or more"),
-                          ("max_len", args.max_len >= 1, "at least 1"), ("batch_tokens", args.batch_tokens is None or args.batch_tokens >= 1, "at least 1"),
+                          ("max_len", args.max_len >= 1, "at least 1"),
+                          ("batch_tokens", args.batch_tokens is None or args.batch_tokens >= 1, "at least 1"),
                           ("alpha", args.alpha >= 0, "0 or more"), ("samples", args.samples >= 1, "at least 1"),
                           ("average", args.average >= 0, "0 (off) or a number of checkpoints"),
-                          ("label_smoothing", args.label_smoothing is None or 0 <= args.label_smoothing < 1, "in [0, 1)")]:
+                          ("label_smoothing", args.label_smoothing is None or 0 <= args.label_smoothing < 1,
+                           "in [0, 1)")]:
         if not ok:
             ap.error(f"--{flag.replace('_', '-')} must be {why} (got {getattr(args, flag)!r})")
     if args.compare and not args.ref:
@@ -1209,6 +1092,38 @@ def parse_args(argv=None):
             ap.error(f"--{flag} is for the map of --attention (or --svd): give --attention too")
     return args
 
+
+def check_output_file(path, flag, suffix=None):
+    """DataError naming the flag unless `path` can be written: not a folder, in a folder that exists
+    and takes a new file (tried, not guessed from permissions), with `suffix` if given."""
+    p = Path(path)
+    if suffix and p.suffix.lower() != suffix:
+        raise DataError(f"{flag} {path}: the file name must end in {suffix}")
+    if p.is_dir():
+        raise DataError(f"{flag} {path}: a folder, not a file")
+    folder = p.absolute().parent
+    if not folder.is_dir():
+        raise DataError(f"{flag} {path}: its folder {folder} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise DataError(f"{flag} {path}: cannot write into {folder} ({e.strerror})") from None
+
+
+def check_not_an_input(args):
+    """--output never overwrites what decode.py reads (--input, --ref, the checkpoint), nor a file
+    train.py wrote into the run directory (its config, metrics, BPE model, checkpoints)."""
+    out = Path(args.output).resolve()
+    for flag, path in (("--input", args.input), ("--ref", args.ref), ("the checkpoint", args.checkpoint)):
+        if path and out.exists() and Path(path).exists() and out.samefile(path):
+            raise DataError(f"--output {args.output}: is {flag} {path}; write the translations elsewhere")
+    ckpt = Path(args.checkpoint).resolve()
+    run_dir = ckpt if ckpt.is_dir() else ckpt.parent
+    if out.parent == run_dir and out.exists() and (out.suffix not in (".hyp", ".txt") or out.name == "test.hyp"):
+        raise DataError(f"--output {args.output}: a file of the run directory {run_dir} (train.py's, or not a .hyp "
+                        f"or .txt file); write the translations elsewhere")
 
 
 def run(args):
@@ -1301,7 +1216,8 @@ def language_model(args, model, tokenizer, ckpt, lines):
     if not model.cfg.lm:
         raise DataError(f"{args.checkpoint}: a translator; --generate, --leak and --seq-len are for a language model")
     if args.ref or args.benchmark or args.generate is None and not args.ppl and not args.leak:
-        raise DataError(f"{args.checkpoint}: a language model: give --ppl or --leak (with --input), or --generate PREFIX")
+        raise DataError(f"{args.checkpoint}: a language model: give --ppl or --leak (with --input), "
+                        f"or --generate PREFIX")
     defaults = vars(build_parser().parse_args([]))
     idle = [f for f in ("output", "beam", "alpha", "length_penalty", "max_len_b", "max_len", "tokenized", "lowercase",
                         "label_smoothing", "progress", "average") if getattr(args, f) != defaults[f]]
@@ -1361,6 +1277,55 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("decode.py: interrupted" + (f" ({args.output} was not written)" if args.output else ""), file=sys.stderr)
         return 130
+
+
+# =======================================================================================
+# Appendix G: plumbing a first reading can skip: the output length limit and a hypothesis's tokens (sections 3-4),
+# eval mode for a while and the progress bar (section 5), a corpus score with its signature (section 6).
+# =======================================================================================
+def _max_lengths(src, max_len):
+    """Maximum number of output tokens (EOS not counted) per sentence: (B,) long. None: source length + 50 (Code);
+    an int: the same for all; a tensor: one value per sentence. A hypothesis that reaches the limit is closed as it
+    is, without EOS. Note: the authors' loop lets it take one more step, in which it may still emit EOS."""
+    if max_len is None:
+        return src.ne(PAD).sum(1) + 50  # (B,)  |x| + 50
+    if torch.is_tensor(max_len):
+        return max_len.to(device=src.device, dtype=torch.long).reshape(src.size(0))
+    return torch.full((src.size(0),), int(max_len), dtype=torch.long, device=src.device)
+
+
+def _strip(tokens):
+    """Hypothesis tokens up to (not including) the first EOS or PAD placeholder."""
+    out = []
+    for w in tokens:
+        if w == EOS or w == PAD:
+            break
+        out.append(w)
+    return out
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    """model.eval() for a while (no dropout, running statistics), then the mode it had."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def _progress_bar(show):
+    """translate()'s progress bar on stderr (transient: gone when done); disabled unless show."""
+    return Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                    TimeRemainingColumn(), console=Console(stderr=True), transient=True, disable=not show)
+
+
+def _score(metric, hyps, refs):
+    """The corpus score of hyps against one reference each, with the metric's .signature."""
+    score = metric.corpus_score(list(hyps), [list(refs)])
+    score.signature = str(metric.get_signature())
+    return score
 
 
 if __name__ == "__main__":
