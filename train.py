@@ -7,10 +7,9 @@ Reading order: norms.py -> model.py -> data.py -> decode.py -> train.py (this fi
     python train.py --preset list                                 # the papers' rows, by name
     python train.py --help                                        # every flag, with its paper
 
-One run reads (or generates) the corpus, trains a joint BPE, encodes the data, builds the model
-and trains it with Adam and a schedule of [1] section 2.4; every --epoch-size steps it computes
-dev BLEU and keeps the best checkpoint; at the end it reports test BLEU of the best checkpoint.
-The run directory (--out) holds one run: config.json, metrics.jsonl, bpe.model, the checkpoints.
+A run reads the corpus, trains a joint BPE, builds the model and trains it with Adam and a schedule
+of [1] section 2.4; every --epoch-size steps it scores dev BLEU and keeps the best checkpoint, whose
+test BLEU it reports at the end. The run directory (--out) holds the run: its flags, log, checkpoints.
 
 Contents
   1. The learning rate: eq. 7 (INVSQRTDECAY), VALDECAY, NOWARMUP [1, section 2.4]
@@ -18,8 +17,7 @@ Contents
   3. The training state and the run: setting it up, one call each
   4. The loop
   5. End of an epoch: dev BLEU, validation decay, stopping, checkpoints; the final test
-  6. main
-  Appendix A: the flags (python train.py --help), and the model's configuration from them
+  Appendix A: main(), the flags (python train.py --help), and the model's configuration from them
   Appendix B: presets, the papers' table rows as named sets of flags (--preset NAME)
   Appendix C: speed and the log: FLOPs, MFU, log lines, batch-norm diagnostics, --benchmark, --profile
   Appendix D: this process (threads, seeds, device), and several (torchrun, DistributedDataParallel)
@@ -138,15 +136,12 @@ class StepOptions:
 
 
 def train_step(net, optimizer, batches, lr, opts: StepOptions):
-    """Forward, label-smoothed loss, backward for every micro-batch, then clip and Adam.
-    Returns this rank's (loss sum, NLL sum), the global gradient norm before clipping, and the
-    step's target tokens over all micro-batches and ranks, which the loss is divided by (a float;
-    under DDP a 0-dim tensor on the device, read with the step's other numbers).
-
-    Under DDP the ranks' gradients are averaged; multiplied by the world size they are the sum,
-    the gradient of one process with the whole batch. (Scaling each rank's loss by the world size
-    instead would scale every dL/dY too, which PowerNorm's backward is not linear in.)
-    """
+    """Forward, label-smoothed loss, backward for every micro-batch, then clip and Adam. Returns this
+    rank's (loss sum, NLL sum), the gradient norm before clipping, and the step's target tokens over all
+    micro-batches and ranks, which the loss is divided by (under DDP a 0-dim tensor on the device).
+    Under DDP the ranks' gradients are averaged; times the world size they are the sum, the gradient of
+    one process with the whole batch (scaling each rank's loss instead would scale every dL/dY, which
+    PowerNorm's backward is not linear in)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     n_tgt = float(sum(b.n_tgt for b in batches))
     if world > 1:  # all ranks' count, a device tensor: counted and summed there, the host waits for nothing
@@ -296,7 +291,7 @@ def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
 # ---------------------------------------------------------------------------------------
 # 4. The loop: one log line per --log-interval steps, dev BLEU every --epoch-size steps.
 # ---------------------------------------------------------------------------------------
-def train(args):
+def train(args):  # main() (Appendix A) calls it with the checked flags
     with contextlib.ExitStack() as stack:  # holds the run directory's lock until the end
         run = setup(args, stack)
         if args.benchmark:
@@ -449,15 +444,17 @@ def finish(run):
         write_file(run.dir / "test.hyp", "".join(h + "\n" for h in hyps))
         result.update(test_bleu=score.score, test_signature=score.signature)
         run.log(f"test BLEU (best checkpoint, step {ckpt['step']}, beam {args.beam}, {args.length_penalty} length "
-                f"penalty alpha {args.alpha}): "
-                f"{score.score:.2f}  {score.signature}")
+                f"penalty alpha {args.alpha}): {score.score:.2f}  {score.signature}")
     write_results(run, result)  # Appendix E: results.json, g_values.json, metrics.jsonl's last record
     return result
 
 
-# ---------------------------------------------------------------------------------------
-# 6. main
-# ---------------------------------------------------------------------------------------
+# =======================================================================================
+# Appendix A: main(), and the flags. Every flag names the paper and equation it comes from; --help is their
+# documentation. The parser's own defaults are suppressed, so that parse_args returns exactly the
+# flags given on the command line; DEFAULTS holds the defaults. A run's flags are
+#     DEFAULTS, then the --preset's flags (Appendix B), then the command line's   (resolve_flags)
+# =======================================================================================
 def main(argv=None):
     args, given = resolve_flags(argv)
     try:
@@ -471,12 +468,6 @@ def main(argv=None):
         sys.exit(interrupted(args))
 
 
-# =======================================================================================
-# Appendix A: the flags. Every flag names the paper and equation it comes from; --help is their
-# documentation. The parser's own defaults are suppressed, so that parse_args returns exactly the
-# flags given on the command line; DEFAULTS holds the defaults. A run's flags are
-#     DEFAULTS, then the --preset's flags (Appendix B), then the command line's   (resolve_flags)
-# =======================================================================================
 DEFAULTS, ACTIONS = {}, {}  # every flag's default, and its argparse action (its type and choices)
 
 
