@@ -990,11 +990,13 @@ def build_parser():
                          "first (prepare de-en writes raw text: leave it off there)")
     ap.add_argument("--lowercase", action="store_true",
                     help="case-insensitive BLEU and chrF (PowerNorm [2] reports case-insensitive BLEU on IWSLT14)")
-    ap.add_argument("--beam", type=int, default=4, help="beam size; 1 = greedy search (TwT: 4)")
-    ap.add_argument("--alpha", type=float, default=0.6, help="length penalty alpha (TwT: 0.6 with gnmt; PowerNorm: 1.0 "
-                    "with fairseq)")
-    ap.add_argument("--length-penalty", choices=PENALTIES, default="gnmt", help="gnmt: score / ((5 + |Y|) / 6)^alpha "
-                    "(Wu et al. 2016; TwT, QKNorm); fairseq: score / |Y|^alpha (Ott et al. 2019; PowerNorm)")
+    ap.add_argument("--beam", type=int, help="beam size; 1 = greedy search (default: the run's test beam, as "
+                    "train.py used it; TwT: 4)")
+    ap.add_argument("--alpha", type=float, help="length penalty alpha (default: the run's; TwT: 0.6 with gnmt; "
+                    "PowerNorm: 1.0 with fairseq)")
+    ap.add_argument("--length-penalty", choices=PENALTIES, help="gnmt: score / ((5 + |Y|) / 6)^alpha "
+                    "(Wu et al. 2016; TwT, QKNorm); fairseq: score / |Y|^alpha (Ott et al. 2019; PowerNorm); "
+                    "default: the run's")
     ap.add_argument("--max-len-b", type=int, default=50,
                     help="maximum output length = source length + this (TwT code: 50)")
     ap.add_argument("--max-len", type=int, default=1024, help="source lines longer than this (BPE tokens) are cut "
@@ -1060,10 +1062,12 @@ def build_parser():
 def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    for flag, ok, why in [("beam", args.beam >= 1, "at least 1"), ("max_len_b", args.max_len_b >= 0, "0 or more"),
+    for flag, ok, why in [("beam", args.beam is None or args.beam >= 1, "at least 1"),
+                          ("max_len_b", args.max_len_b >= 0, "0 or more"),
                           ("max_len", args.max_len >= 1, "at least 1"),
                           ("batch_tokens", args.batch_tokens is None or args.batch_tokens >= 1, "at least 1"),
-                          ("alpha", args.alpha >= 0, "0 or more"), ("samples", args.samples >= 1, "at least 1"),
+                          ("alpha", args.alpha is None or args.alpha >= 0, "0 or more"),
+                          ("samples", args.samples >= 1, "at least 1"),
                           ("average", args.average >= 0, "0 (off) or a number of checkpoints"),
                           ("label_smoothing", args.label_smoothing is None or 0 <= args.label_smoothing < 1,
                            "in [0, 1)")]:
@@ -1148,6 +1152,7 @@ def run(args):
     lines = data.read_lines(args.input) if args.input else None
     refs = data.read_lines(args.ref) if args.ref else None
     model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
+    search_flags(args, ckpt)
     if args.batch_tokens is None and not model.cfg.lm:
         args.batch_tokens = 4096
     if args.svd:
@@ -1163,6 +1168,23 @@ def run(args):
     return translate_and_score(args, model, tokenizer, ckpt, read_stdin() if lines is None else lines, refs)
 
 
+def search_flags(args, ckpt):
+    """--beam, --alpha and --length-penalty, where not given: the search train.py scored the run's test
+    set with (its checkpoint's flags), else TwT's beam 4, alpha 0.6, gnmt. The checkpoint's values are
+    checked, not trusted."""
+    saved = ckpt.get("args") if isinstance(ckpt.get("args"), dict) else {}
+    checks = (("beam", 4, lambda v: type(v) is int and v >= 1),
+              ("alpha", 0.6, lambda v: type(v) in (int, float) and math.isfinite(v) and v >= 0),
+              ("length_penalty", "gnmt", lambda v: v in PENALTIES))
+    for flag, default, ok in checks:
+        if getattr(args, flag) is None:
+            v = saved.get(flag, default)
+            if not ok(v):
+                raise DataError(f"{args.checkpoint}: its saved --{flag.replace('_', '-')} {v!r} is not one "
+                                f"decode.py takes; give --{flag.replace('_', '-')}")
+            setattr(args, flag, v)
+
+
 def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
     """A translator: translate the lines (to --output or stdout), and score them against refs."""
     if refs is not None and len(refs) != len(lines):
@@ -1174,7 +1196,8 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
               file=sys.stderr)
     avg = f", average of {len(ckpt['averaged_from'])} epochs" if "averaged_from" in ckpt else ""
     print(f"loaded {args.checkpoint} (step {ckpt.get('step')}, dev BLEU {ckpt.get('dev_bleu')}, "
-          f"{ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')}{avg})", file=sys.stderr)
+          f"{ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')}{avg}); beam {args.beam}, "
+          f"{args.length_penalty} length penalty alpha {args.alpha}", file=sys.stderr)
     if args.benchmark:
         if not any(lines):
             raise DataError(f"--benchmark: {args.input or 'stdin'} has no sentence to translate")

@@ -263,6 +263,30 @@ def test_cli_reads_stdin_writes_stdout(run_dir, monkeypatch, capsys):
     assert out.split("\n")[:-1] == translate(model, tok, lines[:3], Search(1, max_len_b=B_))
 
 
+def test_cli_searches_as_the_run_did_unless_told(run_dir, tmp_path, capsys):
+    """Without --beam/--alpha/--length-penalty, decode.py uses the search the run's checkpoint was
+    trained to be tested with (PowerNorm's rows: beam 5, fairseq's penalty with alpha 1.0), not
+    TwT's defaults; a flag given wins; a saved value decode.py does not take is refused by name."""
+    root, model, tok, lines = run_dir
+    ckpt = torch.load(root / "checkpoint_best.pt", weights_only=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    common = [str(run), "--input", str(root / "dev.src"), "--max-len-b", str(B_), "--device", "cpu"]
+    for saved, flags, want in [({"beam": 3, "alpha": 1.0, "length_penalty": "fairseq"}, [], (3, 1.0, "fairseq")),
+                               ({"beam": 3, "alpha": 1.0, "length_penalty": "fairseq"}, ["--beam", "2"], (2, 1.0, "fairseq")),
+                               ({}, [], (4, 0.6, "gnmt"))]:
+        torch.save(dict(ckpt, args=saved), run / "checkpoint_best.pt")
+        out = tmp_path / "hyp.txt"
+        assert decode.main(common + flags + ["--output", str(out)]) == 0
+        beam, alpha, penalty = want
+        assert out.read_text().split("\n")[:-1] == translate(model, tok, lines[:12], Search(beam, alpha, B_, penalty=penalty))
+        assert f"beam {beam}, {penalty} length penalty alpha {alpha}" in capsys.readouterr().err
+    torch.save(dict(ckpt, args={"beam": "4; rm -rf /"}), run / "checkpoint_best.pt")
+    with pytest.raises(SystemExit) as e:
+        decode.main(common)
+    assert "its saved --beam '4; rm -rf /' is not one decode.py takes" in str(e.value)
+
+
 def test_bleu_helpers():
     hyps, refs = ["the cat sat on the mat ."], ["the cat sat on the mat ."]
     score = decode.bleu(hyps, refs)
