@@ -1362,7 +1362,9 @@ def restore(run, ckpt):
         raise data.DataError(f"{run.dir}: its checkpoint does not fit the model of its config.json "
                              f"({str(e).splitlines()[0]})") from None
     run.state = TrainState(**ckpt["train_state"])
-    if (run.state.stopped or "").startswith("--max-"):  # a budget: the resumed run's own budget decides
+    # A budget (--max-*), --stop-lr or --early-stop: the resumed run's own flags decide (open_run_dir has
+    # refused a resume they would stop at once).
+    if run.state.stopped and not run.state.stopped.startswith("diverged"):
         run.state.stopped = None
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
@@ -1480,6 +1482,9 @@ def open_run_dir(args, pairs, log, stack, master):
             if getattr(args, flag) is not None and done > getattr(args, flag):
                 raise data.DataError(f"--resume {run_dir}: the run is already past --{flag.replace('_', '-')} "
                                      f"{getattr(args, flag)} ({done}): nothing to train; give a larger one to continue")
+        if why := still_stopped(args, ckpt["train_state"]):
+            raise data.DataError(f"--resume {run_dir}: the run stopped ({why}) and would stop again at once: nothing "
+                                 f"to train; give a smaller --stop-lr or a larger --early-stop (0: off) to continue")
         fixed = {k: v for k, v in ckpt["args"].items() if k not in RESUME_MAY_CHANGE and k not in NOT_FLAGS}
         edited = [f"{k} ({v!r} in the checkpoint, {getattr(args, k)!r} in config.json)" for k, v in fixed.items()
                   if hasattr(args, k) and getattr(args, k) != v]
@@ -1591,6 +1596,18 @@ def newest_checkpoint(run_dir, run_id, log):
         return ckpt
     raise data.DataError(f"--resume {run_dir}: nothing to resume from, no readable checkpoint (the run may have "
                          f"stopped before its first evaluation); start it again with --overwrite")
+
+
+def still_stopped(args, state):
+    """Why a run that stopped by --stop-lr or --early-stop would stop again at its next step under the
+    flags it resumes with (args), or None: changing either flag lets it go on."""
+    why = state.get("stopped") or ""
+    if "--stop-lr" in why:
+        next_lr = Schedule.from_args(args)(state.get("step", 0) + 1, state.get("lr_decay", 1.0))
+        return why if next_lr < args.stop_lr else None
+    if "has not improved" in why:
+        return why if args.early_stop and state.get("since_best", 0) >= args.early_stop else None
+    return None
 
 
 def keep_metrics_until(path, step):

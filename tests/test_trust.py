@@ -586,6 +586,26 @@ def test_a_resume_that_would_train_nothing_is_refused_and_a_budget_stop_is_recor
     assert torch.load(run / "checkpoint_last.pt", weights_only=True)["step"] == 20
 
 
+def test_a_run_stopped_by_stop_lr_or_early_stop_resumes_when_the_flag_changes(tmp_path, corpus):
+    """A run stopped by --stop-lr (or --early-stop) and resumed with that flag unchanged would stop at
+    once: refused in one line, nothing changed. With the flag changed it trains on."""
+    run = tmp_path / "run"
+    train.main(TINY + corpus + ["--warmup", "2", "--stop-lr", "10", "--max-steps", "10", "--out", str(run)])
+    stopped = json.loads((run / "results.json").read_text())["stopped"]
+    assert "--stop-lr" in stopped and torch.load(run / "checkpoint_last.pt", weights_only=True)["step"] == 5
+    before = snapshot(run)
+    one_line_error(lambda: train.main(["--resume", str(run)]), "would stop again at once", "--stop-lr")
+    assert snapshot(run) == before
+    train.main(["--resume", str(run), "--stop-lr", "0"])
+    assert torch.load(run / "checkpoint_last.pt", weights_only=True)["step"] == 10
+    assert json.loads((run / "results.json").read_text())["stopped"] == "--max-steps 10 reached"
+    args = train.resolve_flags(["--early-stop", "3"])[0]
+    state = {"stopped": "dev BLEU has not improved for 3 evaluations", "since_best": 3}
+    assert train.still_stopped(args, state) == state["stopped"]
+    for flags in (["--early-stop", "4"], ["--early-stop", "0"]):
+        assert train.still_stopped(train.resolve_flags(flags)[0], state) is None
+
+
 def test_a_read_only_run_directory_is_one_line(finished, tmp_path, monkeypatch):
     run = copy_run(finished, tmp_path)
     real_open = open
