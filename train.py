@@ -30,6 +30,7 @@ Contents
 import argparse
 import contextlib
 import ctypes
+import hashlib
 import json
 import math
 import os
@@ -1696,14 +1697,15 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
     only into `stage`, a folder whose files the run directory takes once every input has been
     checked (Appendix E; None: write nothing). ckpt: a resumed run's checkpoint, whose BPE model it keeps."""
     proto = ckpt and ckpt["bpe_model_proto"]
-    # The BPE model depends on the training text and --bpe-size: bpe.key holds their hash, so a
-    # bpe.model is reused only for the same text and size, never a stale one.
+    # The BPE model depends on the training text and --bpe-size: bpe.key holds their hash and the model's
+    # own, so a bpe.model is reused only for the same text and size, never a stale or damaged one.
     key = data.pairs_sha256(pairs["train"], f"{args.bpe_size}\n".encode())
+    model_sha256 = lambda proto: hashlib.sha256(proto).hexdigest()
     old, old_key = run_dir / "bpe.model", run_dir / "bpe.key"
     if proto is not None:  # a resumed run goes on with its checkpoint's own BPE model
         if old.exists() and old.read_bytes() != proto:
             raise data.DataError(f"{old}: not the BPE model its checkpoint was trained with")
-    elif old.exists() and old_key.exists() and old_key.read_text() == key:
+    elif old.exists() and old_key.exists() and old_key.read_text() == f"{key}\n{model_sha256(old.read_bytes())}":
         proto = old.read_bytes()
     else:
         t0 = time.time()
@@ -1717,7 +1719,7 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
             f"data: trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested) in {time.time() - t0:.1f}s")
     if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list
         data.atomic_write(stage / "bpe.model", proto)
-        data.atomic_write(stage / "bpe.key", key)
+        data.atomic_write(stage / "bpe.key", f"{key}\n{model_sha256(proto)}")
     tok = data.load_tokenizer(proto, old)
     if args.task == "lm":
         return (tok, *lm_data(args, tok, pairs, log))

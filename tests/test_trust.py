@@ -606,6 +606,14 @@ def test_a_run_stopped_by_stop_lr_or_early_stop_resumes_when_the_flag_changes(tm
         assert train.still_stopped(train.resolve_flags(flags)[0], state) is None
 
 
+def test_a_damaged_bpe_model_with_a_valid_key_is_made_again(finished, tmp_path, corpus, capsys):
+    run = copy_run(finished, tmp_path)
+    (run / "bpe.model").write_bytes((run / "bpe.model").read_bytes()[:100])  # bpe.key still matches the text
+    train.main(TINY + corpus + ["--max-steps", "5", "--out", str(run), "--overwrite"])
+    assert "trained joint BPE" in capsys.readouterr().out
+    assert data.load_tokenizer((run / "bpe.model").read_bytes()).vocab_size > 4
+
+
 def test_a_read_only_run_directory_is_one_line(finished, tmp_path, monkeypatch):
     run = copy_run(finished, tmp_path)
     real_open = open
