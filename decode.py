@@ -1152,7 +1152,6 @@ def run(args):
     lines = data.read_lines(args.input) if args.input else None
     refs = data.read_lines(args.ref) if args.ref else None
     model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
-    search_flags(args, ckpt)
     if args.batch_tokens is None and not model.cfg.lm:
         args.batch_tokens = 4096
     if args.svd:
@@ -1165,6 +1164,7 @@ def run(args):
         return language_model(args, model, tokenizer, ckpt, lines)
     if args.ppl and not args.ref:
         raise DataError("--ppl of a translator needs --ref (and the sources in --input or on stdin)")
+    search_flags(args, ckpt)
     return translate_and_score(args, model, tokenizer, ckpt, read_stdin() if lines is None else lines, refs)
 
 
