@@ -10,13 +10,13 @@ Contents
   5. Feed-forward [6, eq. 2]
   6. The residual placement: PostNorm (eq. 2) and PreNorm (eq. 3) of [1], side by side
   7. Encoder and decoder layers
-  8. The model: tied embeddings, FixNorm, the output layer with the target-vocabulary mask
-     ([1] appendix A), initialisation (Xavier normal eq. 4 vs SmallInit, [1] section 2.2);
-     a language model ([2] Table 2) is the same decoder without the encoder and cross-attention
+  8. The model: tied embeddings, FixNorm, the output layer with the target-vocabulary mask ([1] appendix A), Xavier
+     normal (eq. 4) vs SmallInit ([1] section 2.2); a language model ([2] Table 2): the decoder alone
   9. The training objective: label-smoothed cross entropy ([1] appendix A)
   Appendix A: fast paths (the same math, measured faster for a whole training step)
   Appendix B: the multi-linear attention of the tensorized Transformer [7] (PowerNorm's language models)
   Appendix C: where the model runs: device and precision
+  Appendix D: plumbing: the self-attention cache of incremental decoding, the parameter count
 
   [1] Nguyen & Salazar 2019, Transformers without Tears.     [2] Shen et al. 2020, PowerNorm.
   [3] Henry et al. 2020, Query-Key Normalization.           [6] Vaswani et al. 2017, Attention Is All You Need.
@@ -41,9 +41,7 @@ PAD, UNK, BOS, EOS = 0, 1, 2, 3
 
 
 @dataclass
-class ModelConfig:
-    """Everything needed to rebuild a model; saved inside every checkpoint."""
-
+class ModelConfig:  # everything needed to rebuild a model; saved inside every checkpoint
     vocab_size: int
     d_model: int = 256
     heads: int = 4
@@ -74,9 +72,8 @@ class ModelConfig:
 
 
 # ---------------------------------------------------------------------------------------
-# 2. Sinusoidal positions [6, section 3.5]:
+# 2. Sinusoidal positions [6, section 3.5], sin on even and cos on odd dimensions (Code: TwT's 2021 fix; so do we):
 #   PE(pos, 2i) = sin(pos / 10000^(2i/D)),   PE(pos, 2i+1) = cos(pos / 10000^(2i/D))
-# Code: TwT uses sin on even and cos on odd dimensions (its 2021 fix); so do we.
 # ---------------------------------------------------------------------------------------
 def sinusoidal_positions(length, d):
     pos = torch.arange(length, dtype=torch.float32)[:, None]  # (L, 1)
@@ -88,8 +85,8 @@ def sinusoidal_positions(length, d):
 
 
 # ---------------------------------------------------------------------------------------
-# 3. Dropout [Srivastava et al. 2014], inverted:  y = x * m / (1 - p),  m_i ~ Bernoulli(1 - p),
-# so that E[y] = x and evaluation needs no rescaling.
+# 3. Dropout [Srivastava et al. 2014], inverted:  y = x * m / (1 - p),  m_i ~ Bernoulli(1 - p),  so E[y] = x
+# and evaluation needs no rescaling.
 # ---------------------------------------------------------------------------------------
 def dropout(x, p, training=True):
     if not training or p == 0:
@@ -103,15 +100,14 @@ def dropout(x, p, training=True):
 
 
 # ---------------------------------------------------------------------------------------
-# 4. Attention [6, eq. 1]:  Attention(Q, K, V) = softmax(Q K^T * scale + mask) V
-#   scaled dot product:  scale = 1/sqrt(Dh)
-#   QKNorm [3, eqs. 2-5]: Q^ = Q/||Q||, K^ = K/||K|| along Dh (after the head split), and
-#                         softmax(g * Q^ K^T) V, no 1/sqrt(Dh); g learnable, init g0.
+# 4. Attention [6, eq. 1]:  Attention(Q, K, V) = softmax(Q K^T * scale + mask) V,  scaled dot product: 1/sqrt(Dh)
+#   QKNorm [3, eqs. 2-5]: softmax(g * Q^ K^T) V, no 1/sqrt(Dh); Q^ = Q/||Q||, K^ = K/||K|| along Dh; g init g0
+# QKNorm's g is one scalar per attention module, shared by its heads (Code: 18 in a 6+6 model). SDPA stays
+# usable: g * Q^ is passed as the query with scale 1, since softmax((g Q^) K^T * 1) = softmax(g * Q^ K^T).
 # ---------------------------------------------------------------------------------------
 def attention_math(q, k, v, key_mask=None, causal=False, scale=None, dropout_p=0.0):
-    """The written-out attention. q (B, H, Tq, Dh), k, v (B, H, Tk, Dh); key_mask bool,
-    broadcastable to (B, H, Tq, Tk), True where a key may be attended.
-    Returns the output (B, H, Tq, Dh) and the attention weights (B, H, Tq, Tk)."""
+    """The written-out attention. q (B, H, Tq, Dh), k, v (B, H, Tk, Dh); key_mask bool, broadcastable to
+    (B, H, Tq, Tk), True where a key may be attended. Returns the output (B, H, Tq, Dh), the weights (B, H, Tq, Tk)."""
     # Exercise attention: begin
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)  Q K^T * scale
@@ -127,8 +123,7 @@ def attention_math(q, k, v, key_mask=None, causal=False, scale=None, dropout_p=0
 
 
 def qk_g0(L):
-    """QKNorm's initial scale g0 = log2(L^2 - L) [3, eq. 3]; e.g. L=72 -> 12.32. L: the 97.5th percentile
-    of the training lengths (data.length_percentile), or --qk-length."""
+    """QKNorm's g0 = log2(L^2 - L) [3, eq. 3], e.g. L=72 -> 12.32; L: data.length_percentile (97.5th) or --qk-length."""
     if not L >= 2:  # Note: L^2 - L = 2 at L = 2 (g0 = 1); below, g0 falls to 0 and then is negative
         raise ValueError(f"qk_g0 needs a length L >= 2, got {L}")
     # Exercise qk_g0: begin
@@ -136,14 +131,7 @@ def qk_g0(L):
     # Exercise qk_g0: end
 
 
-class MultiHeadAttention(nn.Module):
-    """Multi-head attention with optional QKNorm [3]; one module per sublayer.
-
-    QKNorm's g is one scalar per attention module, shared by its heads (Code: 18 in a 6+6
-    model). SDPA stays usable: g * Q^ is passed as the query with scale 1, since
-    softmax((g Q^) K^T * 1) = softmax(g * Q^ K^T).
-    """
-
+class MultiHeadAttention(nn.Module):  # with optional QKNorm [3]; one module per sublayer
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, self.heads = cfg.d_model, cfg.heads
@@ -173,17 +161,15 @@ class MultiHeadAttention(nn.Module):
         """x (B, Tq, D) the queries' input; k, v (B, H, Tk, Dh) already projected."""
         q = self.split(self.q(x))  # (B, H, Tq, Dh)
         scale = None  # None = 1/sqrt(Dh)
-        if self.qknorm:  # Paper [3]: l2-normalise along the head dimension; statistics in fp32.
-            # Code: eps 1e-12 (divide by max(||q||, eps)).
+        if self.qknorm:  # Paper [3]: l2-normalise along Dh (in fp32). Code: eps 1e-12, divide by max(||q||, eps)
             q = (self.g * F.normalize(q.float(), dim=-1, eps=1e-12)).to(v.dtype)  # g * Q^
             k = F.normalize(k.float(), dim=-1, eps=1e-12).to(v.dtype)  # K^
             if self.norm_v:
                 v = F.normalize(v.float(), dim=-1, eps=1e-12).to(q.dtype)
             scale = 1.0  # Paper [3]: no 1/sqrt(Dh); g is the scale
         p = self.dropout_p if self.training else 0.0
-        if self.sdpa and fast_paths() and not self.keep_weights:  # torch's fused attention kernels
-            mask = None if key_mask is None else key_mask.expand(-1, -1, q.size(2), -1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale)
+        if self.sdpa and fast_paths() and not self.keep_weights:  # Appendix A: torch's fused attention kernels
+            o = fused_attention(q, k, v, key_mask, causal, scale, p)
         else:
             o, w = attention_math(q, k, v, key_mask, causal, scale, p)
             self.last_weights = w.detach() if self.keep_weights else None
@@ -207,10 +193,9 @@ class FeedForward(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# 6. The residual placement, both forms side by side [1, section 2.1]:
+# 6. The residual placement, both forms side by side [1, section 2.1]; dropout on F's output (Code: drop(f(.))):
 #   PostNorm (eq. 2):  x_{l+1} = norm(x_l + F_l(x_l))
 #   PreNorm  (eq. 3):  x_{l+1} = x_l + F_l(norm(x_l))     (+ one final norm per stack)
-# Dropout is on the sublayer output, before the residual sum (Code: drop(f(.))).
 # ---------------------------------------------------------------------------------------
 def residual(x, f, norm, pad_mask, cfg: ModelConfig, training):
     # Exercise residual: begin
@@ -247,28 +232,20 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.self_attn = MultiLinearAttention(cfg) if cfg.attention == "multilinear" else MultiHeadAttention(cfg)
-        # "decoder-encoder" attention in [1] Figure 3; a language model has no encoder, so none.
-        self.cross_attn = None if cfg.lm else MultiHeadAttention(cfg)
+        self.cross_attn = None if cfg.lm else MultiHeadAttention(cfg)  # [1] Figure 3 "decoder-encoder" attention
         self.ff = FeedForward(cfg)
         self.norm_self = _norm(cfg, norm_name)
         self.norm_cross = None if cfg.lm else _norm(cfg, norm_name)
         self.norm_ff = _norm(cfg, norm_name)
 
     def forward(self, x, pad_mask, mem_kv, mem_key_mask, self_kv=None):
-        """x (B, T, D). mem_kv: this layer's cross-attention (k, v) of the encoder output.
-        self_kv: None for a full (teacher-forced) pass with a causal mask; in incremental decoding
-        (decode.py) a dict with this layer's self-attention keys/values so far, which the new
-        step's are appended to (so the prefix is never recomputed)."""
+        """x (B, T, D); mem_kv: the encoder output's cross-attention (k, v); self_kv: None, or decode.py's cache."""
         def self_attn(h):
             if isinstance(self.self_attn, MultiLinearAttention):  # Appendix B; causal by construction
                 return self.self_attn(h)
-            k, v = self.self_attn.project_kv(h)  # (B, H, T, Dh)
-            if self_kv is None:
-                return self.self_attn(h, k, v, None, causal=True)
-            if "k" in self_kv:  # append this step to the cached prefix
-                k, v = torch.cat([self_kv["k"], k], dim=2), torch.cat([self_kv["v"], v], dim=2)
-            self_kv["k"], self_kv["v"] = k, v
-            return self.self_attn(h, k, v, None, causal=False)  # the new query sees the whole prefix
+            if self_kv is not None:  # incremental decoding: one new position, the prefix's k, v cached
+                return cached_self_attention(self.self_attn, h, self_kv)
+            return self.self_attn(h, *self.self_attn.project_kv(h), None, causal=True)  # k, v (B, H, T, Dh)
 
         def cross_attn(h):
             return self.cross_attn(h, mem_kv[0], mem_kv[1], mem_key_mask)
@@ -280,24 +257,16 @@ class DecoderLayer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# 8. The model.
+# 8. The model: an encoder-decoder Transformer with one shared embedding matrix E (V, D).
+# Paper [1] appendix A: "The source and target's input and output embeddings are shared, but we mask out words
+# that are not in the target's vocabulary at the final output layer before softmax, by setting their logits to -inf."
+#   input:   x_emb = E[w] * sqrt(D) + PE(pos), then dropout
+#   output:  logits = h E^T + b + m,   m_w = 0 if w is a target word else -inf
+# FixNorm: E's rows of unit length; PreNorm + ScaleNorm's final norm makes ||h|| = g: logit_w = g cos(h, e_w) + b_w.
+# A language model (cfg.lm, [2] Table 2) is this decoder with nothing to attend to (no encoder, no cross-attention),
+# the same embeddings, norms, residuals and output layer:   p(w_t | w_<t) = softmax(h_t E^T + b)_w
 # ---------------------------------------------------------------------------------------
 class Transformer(nn.Module):
-    """Encoder-decoder Transformer with one shared embedding matrix E (V, D).
-
-    Paper [1] appendix A: "The source and target's input and output embeddings are shared,
-    but we mask out words that are not in the target's vocabulary at the final output
-    layer before softmax, by setting their logits to -inf."
-      input:   x_emb = E[w] * sqrt(D) + PE(pos), then dropout
-      output:  logits = h E^T + b + m,   m_w = 0 if w is a target word else -inf
-    With FixNorm E is replaced by rows of unit length, and with PreNorm + ScaleNorm the
-    decoder's final norm gives ||h|| = g, so logit_w = g cos(h, e_w) + b_w: eq. 6.
-
-    A language model (cfg.lm, [2] Table 2) is this decoder with nothing to attend to: no encoder,
-    no cross-attention; it reads a text's tokens and predicts each next one, with the same
-    embeddings, norms, residuals and output layer:  p(w_t | w_<t) = softmax(h_t E^T + b)_w.
-    """
-
     def __init__(self, cfg: ModelConfig, tgt_vocab_mask=None):
         super().__init__()
         self.cfg = cfg
@@ -315,21 +284,17 @@ class Transformer(nn.Module):
         # Paper [1] section 2.1: under PreNorm "one must append an additional normalization
         # after both encoder and decoder so their outputs are appropriately scaled".
         self.enc_final_norm = _norm(cfg, enc_norm) if cfg.prenorm and not cfg.lm else None
-        # Paper [1] Table 7, "ScaleNorm (g = sqrt d) + FixNorm (learned)": with fixed-g ScaleNorm the
-        # output layer's g (the decoder's final norm, eq. 6) is still learned.
+        # Paper [1] Table 7, "ScaleNorm (g = sqrt d) + FixNorm (learned)": the output layer's g (eq. 6) stays learned.
         self.dec_final_norm = _norm(cfg, "scale" if dec_norm == "scale_fixed" else dec_norm) if cfg.prenorm else None
         index_target_words(self)  # Appendix A (and again whenever a checkpoint's mask is loaded):
         self.register_load_state_dict_post_hook(lambda module, keys: index_target_words(module))
         self.reset_parameters()
 
-    # -- initialisation [1, sections 2.2 and 3.2] ---------------------------------------
     def reset_parameters(self):
-        """Xavier normal (eq. 4): W ~ N(0, sqrt(2 / (d_in + d_out))); attention D x D gives
-        sqrt(2/(2D)). SmallInit (section 2.2): attention weights N(0, sqrt(2/(D + 4D))).
-        Feed-forward weights are N(0, sqrt(2/(D + FF))) either way, which equals sqrt(2/(5D))
-        at the paper's FF = 4D, so under SmallInit every weight has that std.
-        Note: the paper's N(0, x) writes the standard deviation x. Biases start at 0.
-        """
+        """Initialisation [1, sections 2.2 and 3.2]. Xavier normal (eq. 4): W ~ N(0, sqrt(2 / (d_in + d_out)));
+        attention D x D gives sqrt(2/(2D)). SmallInit (section 2.2): attention weights N(0, sqrt(2/(D + 4D))).
+        Feed-forward weights are N(0, sqrt(2/(D + FF))) either way, = sqrt(2/(5D)) at the paper's FF = 4D, so under
+        SmallInit every weight has that std. Note: the paper's N(0, x) writes the std x. Biases start at 0."""
         c = self.cfg
         if c.init not in ("small", "xavier"):
             raise ValueError(f"--init must be 'small' or 'xavier', not {c.init!r}")
@@ -339,8 +304,7 @@ class Transformer(nn.Module):
         # Exercise smallinit: end
         for m in self.modules():
             if isinstance(m, MultiHeadAttention):
-                # Note: W^K and W^V live in one (2D, D) matrix; each block is D x D, so the std
-                # comes from D x D fan sizes, not from the fused shape.
+                # Note: W^K, W^V are one (2D, D) matrix: the std is from each D x D block's fans, not the fused shape.
                 lins, std = (m.q, m.kv, m.out), attn_std
             elif isinstance(m, MultiLinearAttention):  # W^Q, W^K, W^V as above; W^O: Xavier of its own shape
                 nn.init.normal_(m.out.weight, 0.0, math.sqrt(2 / sum(m.out.weight.shape)))
@@ -359,7 +323,6 @@ class Transformer(nn.Module):
             nn.init.normal_(self.embed, 0.0, c.d_model ** -0.5)  # Paper 3.2: std sqrt(1/d)
         nn.init.zeros_(self.out_bias)
 
-    # -- pieces --------------------------------------------------------------------------
     def embedding_matrix(self):
         """E, or FixNorm(E) (unit rows) when --fixnorm: (V, D)."""
         return fixnorm(self.embed) if self.cfg.fixnorm else self.embed
@@ -367,10 +330,8 @@ class Transformer(nn.Module):
     def embed_tokens(self, tokens, E, start=0):
         if start + tokens.size(1) > self.pe.size(0):  # grow the position table on demand
             self.pe = sinusoidal_positions(2 * (start + tokens.size(1)), self.cfg.d_model).to(self.pe.device)
-        # Paper [1] 2.2: "one scales the word embeddings by a large value (e.g., sqrt(d) ...)";
-        # Code: kept with FixNorm too.
-        # F.embedding(tokens, E) is E[tokens], the rows of E; its backward sums the rows' gradients
-        # faster than indexing's (measured: 2-3x on the CPU; 5% of a GPU step was indexing's).
+        # Paper [1] 2.2: "one scales the word embeddings by a large value (e.g., sqrt(d) ...)"; Code: with FixNorm too.
+        # F.embedding(tokens, E) = E[tokens], with a faster backward (2-3x on the CPU; indexing's was 5% of a GPU step).
         x = F.embedding(tokens, E) * math.sqrt(self.cfg.d_model) + self.pe[start:start + tokens.size(1)]  # (B, L, D)
         return dropout(x, self.cfg.dropout, self.training)
 
@@ -389,13 +350,11 @@ class Transformer(nn.Module):
             x = self.enc_final_norm(x, src_pad)
         return x, src_pad
 
-    def memory_kv(self, memory):
-        """Each decoder layer's cross-attention keys/values, computed once per sentence."""
+    def memory_kv(self, memory):  # each decoder layer's cross-attention (k, v), computed once per sentence
         return [layer.cross_attn.project_kv(memory) for layer in self.decoder]
 
     def decode(self, tgt_in, src_pad, E, mem_kv, self_kv=None, start=0):
-        """tgt_in (B, T) -> decoder output h (B, T, D), before the output layer. self_kv: None, or
-        per layer the cached self-attention keys/values of incremental decoding (decode.py)."""
+        """tgt_in (B, T) -> h (B, T, D), the decoder's output. self_kv: None, or per layer decode.py's cache."""
         tgt_pad = tgt_in.eq(PAD) if self_kv is None else None  # (B, T)
         mem_key_mask = None if src_pad is None else ~src_pad[:, None, None, :]  # (B, 1, 1, S); None: an LM
         x = self.embed_tokens(tgt_in, E, start)
@@ -406,10 +365,9 @@ class Transformer(nn.Module):
         return x
 
     def forward(self, src, tgt_in, tgt_out=None, smoothing=0.0):
-        """Teacher-forced pass: src (B, S), tgt_in (B, T) -> logits (B, T, V); given the references
-        tgt_out (B, T), PAD-padded: (label-smoothed loss sum, NLL sum) instead. (The loss is
-        computed in forward, as nanoGPT does, so that DDP and torch.compile cover it.)
-        A language model has no source: src is None, tgt_in the text w_0..w_{T-1}, tgt_out w_1..w_T."""
+        """Teacher-forced pass: src (B, S), tgt_in (B, T) -> logits (B, T, V); given the references tgt_out (B, T),
+        PAD-padded: (label-smoothed loss sum, NLL sum) instead (in forward, as nanoGPT does: DDP and torch.compile
+        cover it). A language model has no source: src is None, tgt_in the text w_0..w_{T-1}, tgt_out w_1..w_T."""
         E = self.embedding_matrix()  # normalised once per forward
         if self.cfg.lm:  # the decoder alone, causal self-attention only
             h = self.decode(tgt_in, None, E, None)  # (B, T, D)
@@ -418,36 +376,27 @@ class Transformer(nn.Module):
             h = self.decode(tgt_in, src_pad, E, self.memory_kv(memory))  # (B, T, D)
         if tgt_out is None:
             return self.output_logits(h, E)
-        # Note: a reference word outside the target vocabulary (a BPE piece seen only on the source
-        # side of the training data) can never be produced; it is scored as UNK, so the loss stays
-        # finite. Every training target is a target word (data.target_vocab_mask).
+        # Note: a reference word outside the target vocabulary (a BPE piece seen only on the source side) can never be
+        # produced: scored as UNK, the loss stays finite. Training targets are target words (data.target_vocab_mask).
         tgt_out = torch.where(self.allowed[tgt_out] | tgt_out.eq(PAD), tgt_out, UNK)
         if fast_paths():  # Appendix A: the target words' logits only, the same softmax; 1.2x faster steps
             return target_words_loss(self, h, E, tgt_out, smoothing)
         return label_smoothed_loss(self.output_logits(h, E), tgt_out, smoothing, tgt_out.ne(PAD), self.allowed)
 
-    def learned_scales(self):
-        """Name -> value of every scalar g (ScaleNorm g, QKNorm g), in the order modules are built."""
+    def learned_scales(self):  # name -> value of every scalar g (ScaleNorm's, QKNorm's), in the order built
         return {n: p.detach().float().item() for n, p in self.named_parameters()
                 if p.dim() == 0 and n.split(".")[-1] == "g"}
 
 
-def count_parameters(model):
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
 # ---------------------------------------------------------------------------------------
 # 9. The training objective: label-smoothed cross entropy [1 appendix A; Szegedy et al. 2016]
-#   q = (1 - eps) * onehot(y) + eps * uniform over the allowed words A
-#   loss = -sum_w q_w log p_w = (1 - eps) * NLL + eps * mean_{w in A} (-log p_w)
-# Code: smoothing is spread over the target vocabulary only (masked words have p = 0).
-# Note: F.cross_entropy(..., label_smoothing=eps) over the allowed columns computes the same loss
-# (tests check it), but not the NLL the training log reports; one log_softmax gives both.
+#   q = (1 - eps) * onehot(y) + eps * uniform over the allowed words A     (Code: the target vocabulary only)
+#   loss = -sum_w q_w log p_w = (1 - eps) * NLL + eps * mean_{w in A} (-log p_w)      (masked words have p = 0)
+# Note: F.cross_entropy(label_smoothing=eps) on the allowed columns gives this loss (tests), not the NLL we log.
 # ---------------------------------------------------------------------------------------
 def label_smoothed_loss(logits, target, eps, real=None, allowed=None):
-    """logits (..., C), -inf where a class is not allowed; target (...) class ids; real (...) bool,
-    the positions that count (None: all); allowed (C,) bool (None: every class).
-    Returns (loss sum, NLL sum) over the real positions."""
+    """logits (..., C), -inf where a class is not allowed; target (...) class ids; real (...) bool, the positions
+    that count (None: all); allowed (C,) bool (None: every class). Returns (loss sum, NLL sum) over them."""
     # Exercise label_smoothing: begin
     logp = torch.log_softmax(at_least_fp32(logits), dim=-1)  # (..., C)  log p_w (fp32 softmax)
     nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (...)  -log p_y
@@ -486,6 +435,12 @@ def fast_dropout(x, p):
     keep = u >= drop - 32768  # m: True with probability 1 - p'
     # Note: bool -> float is a slow path on the CPU; the same bytes read as uint8 convert fast.
     return x * keep.view(torch.uint8).to(x.dtype).mul_(65536 / (65536 - drop))  # x * m / (1 - p')
+
+
+def fused_attention(q, k, v, key_mask, causal, scale, dropout_p):
+    """attention_math's output (not its weights) from F.scaled_dot_product_attention, torch's fused kernels."""
+    mask = None if key_mask is None else key_mask.expand(-1, -1, q.size(2), -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale)
 
 
 def target_words_loss(model, h, E, tgt_out, eps):
@@ -616,3 +571,21 @@ def autocast(device, bf16=True):
     if device.type == "cuda" and bf16 and fast_paths():
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+# =======================================================================================
+# Appendix D: plumbing a first reading can skip.
+# =======================================================================================
+def cached_self_attention(attn, h, self_kv):
+    """The decoder's self-attention in incremental decoding (decode.py): h (B, 1, D) the new step; self_kv a dict
+    with this layer's self-attention keys/values so far, which the new step's are appended to (so the prefix is
+    never recomputed)."""
+    k, v = attn.project_kv(h)  # (B, H, T, Dh)
+    if "k" in self_kv:  # append this step to the cached prefix
+        k, v = torch.cat([self_kv["k"], k], dim=2), torch.cat([self_kv["v"], v], dim=2)
+    self_kv["k"], self_kv["v"] = k, v
+    return attn(h, k, v, None, causal=False)  # the new query sees the whole prefix
+
+
+def count_parameters(model):
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

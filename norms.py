@@ -37,20 +37,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # ---------------------------------------------------------------------------------------
-# 1. Conventions
-#
-# Shapes, declared once for the whole project:
+# 1. Conventions. Shapes, declared once for the whole project:
 #     B  batch size (sentences)    S  source length    T  target length
 #     D  model width (d_model)     H  attention heads  Dh = D / H      V  vocabulary size
-# Every norm is called as norm(x, pad_mask) with x (B, T, D) and pad_mask (B, T) bool, True at
-# padding (or None). The per-token norms ignore the mask; the batch-statistics norms need it, so
-# that padding never enters their statistics.
+# Every norm is called as norm(x, pad_mask): x (B, T, D), pad_mask (B, T) bool, True at padding
+# (or None). Only the batch-statistics norms use the mask: padding never enters their statistics.
 # Statistics are computed in fp32 even under bf16/fp16 autocast: x^2 overflows fp16 at |x| > 256.
-#
-# --reference (train.py, decode.py): the project has a few fast paths, each one line away from
-# the equation it speeds up and each kept because a whole training step measured faster with it.
-# use_reference() turns them all off, so that every equation runs exactly as written: a student
-# who edits an equation and trains with --reference sees the effect.
+# --reference (train.py, decode.py): use_reference() turns off the few fast paths (each one line from the equation
+# it speeds up, kept because a whole training step measured faster with it), so that every equation runs exactly
+# as written: a student who edits an equation and trains with --reference sees the effect.
 # ---------------------------------------------------------------------------------------
 _fast_paths = True
 
@@ -76,9 +71,7 @@ def at_least_fp32(x):
 #      mu = mean_i x_i,  sigma^2 = mean_i (x_i - mu)^2       (over the D features of one token)
 # ---------------------------------------------------------------------------------------
 class LayerNorm(nn.Module):
-    """LayerNorm [5] with per-feature gamma and beta; eps 1e-5 as in the TwT code."""
-
-    def __init__(self, d, eps=1e-5):
+    def __init__(self, d, eps=1e-5):  # Code: eps 1e-5, as in TwT
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d))  # gamma
@@ -94,16 +87,11 @@ class LayerNorm(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# 3. ScaleNorm [1, eq. 5]:  ScaleNorm(x; g) = g * x / ||x||,   one scalar g, initialised to sqrt(D)
+# 3. ScaleNorm [1, eq. 5]:  ScaleNorm(x; g) = g * x / ||x||   (each token onto the sphere of radius g)
+#    one scalar g, initialised to sqrt(D); learn_g=False keeps it there ([1] Table 7, "ScaleNorm (g = sqrt d)";
+#    not in the authors' code). Code: eps *clamps* the norm, g x / max(||x||, eps), it is not added; eps 1e-5.
 # ---------------------------------------------------------------------------------------
 class ScaleNorm(nn.Module):
-    """Scaled l2 normalization [1, eq. 5]: projects each token onto the sphere of radius g.
-
-    Code: eps *clamps* the norm, g x / max(||x||, eps), it is not added; eps 1e-5.
-    ``learn_g=False`` keeps g fixed at sqrt(D) ([1] Table 7, "ScaleNorm (g = sqrt d)"; not in
-    the authors' code).
-    """
-
     def __init__(self, d, eps=1e-5, learn_g=True):
         super().__init__()
         self.eps = eps
@@ -123,26 +111,22 @@ class ScaleNorm(nn.Module):
 
 
 # FixNorm [1, section 2.3; Nguyen & Chiang 2018]:  FixNorm(w) = g * w / ||w||, g fixed
-#
 # Paper (eq. 6): with ScaleNorm + FixNorm the final linear layer computes
 #     g * (w . x) / (||w|| ||x||)     (cosine normalization with a learned scale g).
-# Code: FixNorm has no g of its own: each embedding row is l2-normalised on every forward
-# (w / ||w||, below), and the decoder's final PreNorm ScaleNorm makes ||x|| = g, so
-# logit_w = g cos(x, w) + b_w: the final ScaleNorm's g *is* eq. 6's g (a softmax temperature).
+# Code: FixNorm has no g of its own: each row of the embedding matrix (V, D) is l2-normalised on every
+# forward (w / ||w||, below: ||fixnorm(w)_v|| = 1), and the decoder's final PreNorm ScaleNorm makes ||x|| = g,
+# so logit_w = g cos(x, w) + b_w: the final ScaleNorm's g *is* eq. 6's g (a softmax temperature).
 def fixnorm(weight, eps=1e-12):
-    """Each row of an embedding matrix (V, D) divided by its l2 norm: ||fixnorm(w)_v|| = 1."""
     # Exercise fixnorm: begin
     return weight / torch.linalg.vector_norm(weight, dim=-1, keepdim=True).clamp_min(eps)
     # Exercise fixnorm: end
 
 
 # ---------------------------------------------------------------------------------------
-# 4. RMSNorm [4]:  y_i = g_i * x_i / RMS(x),  RMS(x) = sqrt(mean_i x_i^2 + eps),  g_i init 1
+# 4. RMSNorm [4]:  y_i = g_i * x_i / RMS(x),  RMS(x) = sqrt(mean_i x_i^2 + eps),  g_i init 1 (no centring, no bias)
 #    TwT section 4.2: tying the g_i of RMSNorm and dividing by sqrt(D) gives ScaleNorm.
 # ---------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    """Root mean square layer normalization [4]: per-feature gain, no centring, no bias."""
-
     def __init__(self, d, eps=1e-8):  # Note: eps 1e-8 as in [4]'s released code
         super().__init__()
         self.eps = eps
@@ -157,59 +141,43 @@ class RMSNorm(nn.Module):
 
 
 # =======================================================================================
-# 5. The batch-statistics norms of PowerNorm [2]. Unlike the per-token norms above, their
-# statistics run over the batch: over every *real* token of the batch, per channel.
-# Paper [2, footnote 1]: "the batch size actually corresponds to all non-padded words".
-# So a batch of B sentences of T positions is, for these norms, a set of N <= B*T tokens.
-# On several processes (DDP) each rank holds a shard of the batch, and batch_mean averages over
-# the real tokens of every rank (Appendix A): the ranks normalise as one process with the whole
-# batch would. Code: the authors' BN/PN use each GPU's own shard ("never synchronised").
-# With ``track = True`` a batch norm keeps [2] Figures 2-4's diagnostics in ``stats`` (Appendix B).
+# 5. The batch-statistics norms of PowerNorm [2]: per-channel statistics over the N <= B*T *real* tokens of a batch.
+# Paper [2, footnote 1]: "the batch size actually corresponds to all non-padded words". Under DDP batch_mean averages
+# over every rank's real tokens (Appendix A): the ranks normalise as one process with the whole batch would. Code: the
+# authors' BN/PN use each GPU's own shard. ``track = True``: [2] Figures 2-4's diagnostics in ``stats`` (Appendix B).
 # =======================================================================================
 def real_tokens(x, pad_mask):
     """The (B, T) bool mask of real (non-padding) tokens; a clear error for an all-padding batch."""
     if pad_mask is None:
         return torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
-    # Note: .bool() first; ~ on a uint8 mask gives 254/255, not False/True (a pitfall of the code).
-    real = ~pad_mask.bool()  # (B, T)
-    # Note: checked on the CPU only: on a GPU, reading real.any() would make the host wait for the
-    # device at every norm of every step (the batcher never makes an all-padding batch).
+    real = ~pad_mask.bool()  # (B, T)  Note: .bool() first: ~ on a uint8 mask gives 254/255 (a pitfall of the code)
+    # Note: checked on the CPU only: on a GPU, reading real.any() would make the host wait at every norm
+    # of every step (the batcher never makes an all-padding batch). Code: the authors' module returns NaN (0/0).
     if real.device.type == "cpu" and not real.any():
-        # Code: the authors' module divides 0 by 0 here and returns NaN; we refuse instead.
         raise ValueError("batch statistics need at least one non-padding token; the batch is all padding")
     return real
 
 
 def batch_mean(v, real):
-    """The per-channel mean of v (B, T, D) over the real tokens (real (B, T) True) of the batch,
-    every rank's, and their number N (a 0-dim tensor). Masked sums rather than v[real]: selecting
-    has a data-dependent shape, which makes the host wait for a GPU and breaks torch.compile's graph."""
+    """The per-channel mean of v (B, T, D) over the real tokens (real (B, T) True) of every rank, and their number
+    N (0-dim). Masked sums, not v[real]: its data-dependent shape makes the host wait and breaks torch.compile."""
     masked = torch.where(real.unsqueeze(-1), v, 0.0)  # (B, T, D)  padding contributes 0
     total, n = all_reduce_sum(masked.flatten(0, -2).sum(0), real.sum().to(v.dtype))  # (D,), ()
     return total / n, n
 
 
 # ---------------------------------------------------------------------------------------
-# BatchNorm for Transformers [2, Algorithm 1]:
+# BatchNorm for Transformers [2, Algorithm 1] ("Transformer_BN"), over the real tokens:
 #   mu_B = 1/N sum_i x_i,  sigma_B^2 = 1/N sum_i (x_i - mu_B)^2     (per channel, N real tokens)
 #   y = gamma * (x - mu_B) / sqrt(sigma_B^2 + eps) + beta
+# Equals torch.nn.BatchNorm1d on x[~pad_mask] (N, D): the same buffers and defaults (eps 1e-5, momentum 0.1, i.e.
+# the paper's alpha = 0.9). Padding is normalized with the real tokens' statistics and never enters them. Plain
+# autograd gives eq. 3 (both statistics get gradient). Note: a nonzero dL/dy at padding would reach the real
+# tokens through mu_B and sigma_B; in the Transformer it is zero (loss and attention mask padding).
+# Code: the authors' BN first RMS-scales each token over all D channels, overwrites padding rows with the real
+# rows' mean, then runs ordinary BN (momentum 0.05) over all B*T rows, shrinking the variance by N / (B*T).
 # ---------------------------------------------------------------------------------------
 class BatchNorm(nn.Module):
-    """Batch normalization over the real tokens of a batch [2, Algorithm 1] ("Transformer_BN").
-
-    Equals ``torch.nn.BatchNorm1d`` applied to ``x[~pad_mask]`` (N, D): the same buffers
-    (running_mean, running_var updated with the *unbiased* variance, num_batches_tracked) and
-    the same defaults (eps 1e-5, momentum 0.1, i.e. the paper's alpha = 0.9). Padding positions
-    are normalized with the real tokens' statistics and never enter them. Plain autograd, which
-    gives the paper's eq. 3 (both batch statistics get gradient). Note: a nonzero upstream
-    gradient at padding would reach the real tokens through mu_B and sigma_B; in the Transformer
-    it is zero (loss and attention mask padding).
-
-    Differs from the authors' code: their BN first RMS-scales each token over all D channels,
-    overwrites padding rows with the real rows' mean, then runs ordinary BN (momentum 0.05)
-    over all B*T rows, which shrinks the variance by N / (B*T). We follow Algorithm 1.
-    """
-
     def __init__(self, num_features, eps=1e-5, momentum=0.1):
         super().__init__()
         self.eps, self.momentum, self.track, self.stats = eps, momentum, False, {}
@@ -221,8 +189,7 @@ class BatchNorm(nn.Module):
 
     def forward(self, x, pad_mask=None):
         xf = at_least_fp32(x)  # statistics in fp32 under autocast
-        if not self.training:
-            # Paper (inference): y = gamma * (x - mu) / sigma + beta, running statistics only
+        if not self.training:  # Paper (inference): y = gamma * (x - mu) / sigma + beta, running statistics only
             y = self.weight * (xf - self.running_mean) / torch.sqrt(self.running_var + self.eps) + self.bias
             return y.to(x.dtype)
         real = real_tokens(xf, pad_mask)
@@ -237,33 +204,24 @@ class BatchNorm(nn.Module):
         if self.track:
             self.stats = batchnorm_diagnostics(self, y, xf, real, mu, var)
         with torch.no_grad():
-            m = self.momentum  # the paper's alpha = 1 - momentum
-            # Paper (Alg. 1): mu = alpha mu + (1 - alpha) mu_B
+            m = self.momentum  # Paper (Alg. 1): mu = alpha mu + (1 - alpha) mu_B, alpha = 1 - momentum
             self.running_mean.copy_((1 - m) * self.running_mean + m * mu)
-            # Note: like torch.nn.BatchNorm1d, the running variance takes the unbiased
-            # N/(N-1) sigma_B^2; Algorithm 1 writes the biased sigma_B^2.
+            # Note: the unbiased N/(N-1) sigma_B^2, as torch.nn.BatchNorm1d takes; Algorithm 1 writes the biased one.
             self.running_var.copy_((1 - m) * self.running_var + m * var * n / (n - 1).clamp_min(1))
             self.num_batches_tracked += 1
         return y.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------
-# PN-V [2, Definition 1]:  psi_B^2 = 1/N sum_i x_i^2   (quadratic mean, no centring)
+# PN-V [2, Definition 1, eqs. 4-5]: BN without the mean, divided by the per-channel quadratic mean
+#   psi_B^2 = 1/N sum_i x_i^2   (over the real tokens, no centring)
 #   y = gamma * x / sqrt(psi_B^2 + eps) + beta
+# Plain autograd gives eq. 6 (gradient through psi_B^2); padding as in BatchNorm. Eval divides by the running
+# quadratic mean phi (starts at 1; momentum 0.1, alpha = 0.9; no N/(N-1): a mean of squares is already unbiased
+# for E[x^2]). Note: the paper gives no inference rule for PN-V; the running phi is ours (PN's EMA, eq. 10).
+# [2] appendix A puts a "layer-scale layer" before every BN/PN; PN-V here is exactly Definition 1.
 # ---------------------------------------------------------------------------------------
 class PNV(nn.Module):
-    """Power normalization with batch statistics, PN-V [2, Definition 1, eqs. 4-5].
-
-    BN without the mean: divide by the per-channel quadratic mean of the real tokens. Plain
-    autograd, which gives the paper's eq. 6 (gradient through psi_B^2). Padding is normalized
-    too and kept out of psi_B^2 (same gradient note as BatchNorm). Eval uses the running quadratic
-    mean phi (starts at 1), updated in training as phi = (1 - momentum) phi + momentum psi_B^2,
-    momentum 0.1 (alpha = 0.9). No N/(N-1) factor: a mean of squares is already unbiased for E[x^2].
-    Note: the paper gives no inference rule for PN-V; the running phi is ours (PN's EMA, eq. 10).
-    Appendix A of [2] puts a "layer-scale layer" before every BN/PN; PN-V here is exactly
-    Definition 1 (PowerNorm below has GroupScaling).
-    """
-
     def __init__(self, num_features, eps=1e-5, momentum=0.1):
         super().__init__()
         self.eps, self.momentum, self.track, self.stats = eps, momentum, False, {}
@@ -288,18 +246,13 @@ class PNV(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# GroupScaling [2, appendix A "layer-scale layer"; code]: RMSNorm [4] without gain, per group:
-#   split the D channels of a token into G contiguous groups of D/G; in each group
+# GroupScaling [2, appendix A "layer-scale layer"; code]: RMSNorm [4] without gain, per group, in
+# front of PowerNorm (no parameters, eps 1e-5, not in the registry). In each of G contiguous groups of D/G channels:
 #   x_i <- x_i / sqrt(mean_group x_j^2 + eps)
+# Paper: one sentence ("a layer-scale layer (Zhang & Sennrich, 2019) ... before the normalization
+# layer"). Code: G = number of attention heads; the authors say it is what keeps PN from NaNs.
 # ---------------------------------------------------------------------------------------
 class GroupScaling(nn.Module):
-    """Per-token, per-group RMS scaling in front of PowerNorm (no parameters, eps 1e-5).
-
-    Paper: one sentence in appendix A ("a layer-scale layer (Zhang & Sennrich, 2019) ... before
-    the normalization layer"). Code: G = number of attention heads; the authors say it is what
-    keeps PN from NaNs. Not in the registry: PowerNorm owns one.
-    """
-
     def __init__(self, groups=1, eps=1e-5):
         super().__init__()
         self.groups, self.eps = groups, eps
@@ -311,7 +264,7 @@ class GroupScaling(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# PowerNorm (PN) [2, Definition 3, Algorithm 2]. At training step t, per channel:
+# PowerNorm (PN) [2, Definition 3, Algorithm 2], GroupScaling in front. At training step t, per channel:
 #   forward:   X^ = X / psi_{t-1}                                          (eq. 8)
 #              Y  = gamma X^ + beta                                         (eq. 9)
 #              psi_t^2 = alpha_fwd psi_{t-1}^2 + (1 - alpha_fwd) psi_B^2    (eq. 10, Alg. 2's form)
@@ -320,13 +273,14 @@ class GroupScaling(nn.Module):
 #              dL/dX = X^' / psi_{t-1}                                      (eq. 12)
 #              nu_t = nu_{t-1} (1 - (1 - alpha_bkw) Gamma) + (1 - alpha_bkw) Lambda   (eq. 13)
 #              Gamma = mean_i x^_i x^_i,  Lambda = mean_i dL/dx^_i x^_i
-#   inference: Y = gamma X / psi + beta
-# Here psi^2 is stored as running_phi (phi = psi^2) and psi = sqrt(phi + eps).
+#   inference: Y = gamma X / psi + beta   (running statistic only: a sentence's output is independent of the batch)
+# Here psi^2 is stored as running_phi (phi = psi^2) and psi = sqrt(phi + eps); statistics in fp32.
+# Code: the released module differs in three places: PowerNormCode (Appendix D, --pn-variant code) overrides
+# PowerNorm's last two methods. It also stores nu/(1-alpha_bkw) (we: nu); its psi_B^2, Gamma, Lambda are per GPU.
 # ---------------------------------------------------------------------------------------
 class _PowerNormFunction(torch.autograd.Function):
-    """Eqs. 8-9 forward and eqs. 11-13 backward of PN, for one training step: x is divided by
-    sqrt(psi2 + eps) in the forward and the gradient by sqrt(bwd_psi2 + eps) (the paper: the same
-    psi_{t-1}; the code variant, Appendix D, passes the batch's); nu is updated in place."""
+    """Eqs. 8-9 forward and 11-13 backward of PN for one training step (nu updated in place): x divided by
+    sqrt(psi2 + eps), the gradient by sqrt(bwd_psi2 + eps) (paper: the same psi_{t-1}; code variant: the batch's)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, psi2, bwd_psi2, nu, real, alpha_bkw, eps):
@@ -341,8 +295,7 @@ class _PowerNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         z, weight, psi2, real = ctx.saved_tensors
         nu, a = ctx.nu, ctx.alpha  # nu_{t-1}: (D,)
-        # Note: padding is not part of the paper's batch: it sends no gradient anywhere
-        # (not to x, gamma, beta, nor into Gamma and Lambda).
+        # Note: padding is not in the paper's batch: no gradient to x, gamma, beta, Gamma or Lambda.
         dy = torch.where(real.unsqueeze(-1), dy, 0.0)  # (B, T, D)
         # Exercise powernorm_backward: begin
         g = weight * dy  # (B, T, D)  Paper (Alg. 2): dL/dX^ = gamma dL/dY
@@ -362,22 +315,6 @@ class _PowerNormFunction(torch.autograd.Function):
 
 
 class PowerNorm(nn.Module):
-    """Power normalization, PN [2, Definition 3, Algorithm 2], with GroupScaling in front.
-
-    y = gamma * GroupScaling(x) / psi + beta, psi^2 a running quadratic mean of the real
-    tokens, with the approximate backward of eqs. 11-13 (a custom autograd.Function).
-    Warmup (appendix A names it; Algorithm 2 has none; details from the code): for the first
-    ``warmup`` training forwards the batch psi_B divides instead, while phi accumulates.
-    Eval: running statistic only, so each sentence's output is independent of the batch.
-    Buffers: running_phi (= psi^2, starts at 1), running_nu (the paper's nu itself, starts at
-    0), num_batches_tracked (int64, training forwards). All in fp32 under autocast.
-    The authors' released module differs in three places: PowerNormCode (Appendix D,
-    --pn-variant code) reproduces it by overriding the two methods at the end of this class.
-    Other differences from the code: it stores nu/(1-alpha_bkw) where we store nu; an all-padding
-    batch gives NaN there and a ValueError here; its psi_B^2, Gamma and Lambda are per GPU, ours
-    run over every rank under torch.distributed.
-    """
-
     def __init__(self, num_features, groups=1, warmup=4000, alpha_fwd=0.9, alpha_bkw=0.9, eps=1e-5):
         super().__init__()  # Paper: warmup = the LR warmup (train.py passes it)
         if num_features % groups:
@@ -390,10 +327,9 @@ class PowerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_features))  # beta
         self.register_buffer("running_phi", torch.ones(num_features))  # phi = psi^2, starts at 1
         self.register_buffer("running_nu", torch.zeros(num_features))  # nu (not nu/(1-alpha_bkw))
-        # Note: counts training *forwards*, not optimizer updates (as the code does): with
-        # --accumulate k, warmup W lasts W/k updates. Average only the float buffers when averaging
-        # checkpoints. phi and the counter change in forward and nu in backward: do not wrap PN in
-        # activation checkpointing (its forward would run twice).
+        # Note: counts training *forwards*, not optimizer updates (as the code does): with --accumulate k, warmup W
+        # lasts W/k updates. Average only the float buffers when averaging checkpoints. phi and the counter change in
+        # forward and nu in backward: do not wrap PN in activation checkpointing (its forward would run twice).
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
 
     def extra_repr(self):
@@ -410,8 +346,8 @@ class PowerNorm(nn.Module):
         with torch.no_grad():  # the statistics get no gradient (approximate backpropagation)
             psi2, _ = batch_mean(xs.pow(2), real)  # (D,)  Paper (Alg. 2): psi_B^2 = 1/N sum_i x_i^2
             phi = self.running_phi.clone()  # (D,)  psi_{t-1}^2
-        # Paper (appendix A) says only that a warmup "for accumulating psi" is used, W = the LR
-        # warmup. Code: the batch psi_B divides while t <= W (as in PN-V), then eq. 8's psi_{t-1}.
+        # Paper: appendix A names a warmup "for accumulating psi", W = the LR warmup; Algorithm 2 has
+        # none. Code: the batch psi_B divides while t <= W (as in PN-V), then eq. 8's psi_{t-1}.
         fwd_psi2 = torch.where(t <= self.warmup, psi2, phi)
         bwd_psi2, bwd_real = self.backward_statistic(fwd_psi2, psi2, real)
         if self.track:
@@ -425,9 +361,8 @@ class PowerNorm(nn.Module):
         return y.to(x.dtype)
 
     def backward_statistic(self, fwd_psi2, psi2, real):
-        """What eq. 12 divides by, and the tokens the backward runs over. Paper: psi_{t-1} (Note:
-        during warmup, what the forward divided by, psi_B; the approximate backward with nu runs
-        during warmup too, as in the code), and the real tokens."""
+        """What eq. 12 divides by, and the tokens the backward runs over. Paper: psi_{t-1} and the real tokens
+        (Note: in warmup, psi_B, as the forward; the approximate backward with nu runs then too, as in the code)."""
         return fwd_psi2, real
 
     def warmup_statistic(self, phi, psi2, t):
@@ -646,7 +581,8 @@ if __name__ == "__main__":
     use_reference(a.reference)
     best = benchmark(a.batch, a.length, a.d_model, a.heads, device=a.device, bf16=a.bf16 and a.device == "cuda")
     where = torch.cuda.get_device_name() if a.device == "cuda" else f"{torch.get_num_threads()} threads"
-    print(f"forward+backward on ({a.batch}, {a.length}, {a.d_model}) {'bf16' if a.bf16 and a.device == 'cuda' else 'fp32'}, {where}, "
+    print(f"forward+backward on ({a.batch}, {a.length}, {a.d_model}) "
+          f"{'bf16' if a.bf16 and a.device == 'cuda' else 'fp32'}, {where}, "
           f"best of 5 rounds x 30{', --reference' if a.reference else ''}:")
     for name, t in best.items():
         print(f"  {name:12s} {t * 1e3:8.3f} ms   {t / best['layer']:5.2f} x LayerNorm")
