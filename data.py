@@ -1,12 +1,10 @@
 """data.py -- chapter 3: corpus, subwords, batches, word dropout.
 
-Reading order: norms.py -> model.py -> data.py -> decode.py -> train.py.
-Run ``python data.py`` to build the built-in corpus (data/toy/) and print a summary of it (summary(),
-Appendix A); ``python data.py prepare NAME`` downloads and checks one of the papers' corpora.
+Reading order: norms.py -> model.py -> data.py -> decode.py -> train.py. ``python data.py`` builds the built-in
+corpus (data/toy/) and summarises it (Appendix A); ``python data.py prepare NAME`` fetches one of the papers' corpora.
 
 Contents
-  1. Reading a parallel corpus DIR/{train,dev,test}.{SRC,TGT}, with one-line errors that name
-     the file and line (the project's one line reader)
+  1. Reading a parallel corpus DIR/{train,dev,test}.{SRC,TGT}, with one-line errors that name the file and line
   2. Joint BPE with sentencepiece, and a small Tokenizer
   3. Encoding
   4. The target-vocabulary mask of [1]
@@ -16,15 +14,13 @@ Contents
   8. A language model's text ([2] Table 2): words or BPE, one stream, cut into segments
   Appendix A: the built-in corpus, a synthetic language pair (no download)
   Appendix B: the papers' corpora: python data.py prepare NAME (download, check, lay out)
-  Appendix C: files: reading lines exactly, writing atomically (the project's one atomic writer),
-              the encoding cache, padding's share
+  Appendix C: files and helpers: the corpus's file names, reading lines exactly (the project's one line reader),
+              writing atomically (its one atomic writer), the encoding cache, loading a tokenizer, padding's share
 
 Shapes: B sentences in a batch, S source length, T target length (after the BOS/EOS shift).
 
-  [1] Nguyen & Salazar 2019, Transformers without Tears (appendix A: word dropout,
-      vocabulary masking, 4k-token batches).
-  [3] Henry et al. 2020, Query-Key Normalization for Transformers (eq. 3: g0 = log2(L^2 - L),
-      L the 97.5th percentile of training lengths).
+  [1] Nguyen & Salazar 2019, Transformers without Tears (appendix A: word dropout, vocabulary masks, 4k-token batches).
+  [3] Henry et al. 2020, Query-Key Normalization for Transformers (eq. 3: g0 = log2(L^2 - L), L: 97.5th percentile).
   [2] Shen et al. 2020, PowerNorm (Table 2: language models on PTB and WikiText-103).
   [11] Sennrich, Haddow & Birch 2016, Edinburgh Neural Machine Translation Systems for WMT 16.
 """
@@ -67,20 +63,12 @@ class DataError(ValueError):
 # ---------------------------------------------------------------------------------------
 # 1. Reading a parallel corpus
 # ---------------------------------------------------------------------------------------
-def corpus_paths(data_dir, src, tgt):
-    """{split: (DIR/split.src, DIR/split.tgt)}, e.g. DIR/train.en, DIR/train.de."""
-    d = Path(data_dir)
-    return {s: (d / f"{s}.{src}", d / f"{s}.{tgt}") for s in SPLITS}
-
-
 def read_parallel(src_path, tgt_path, max_len=None, drop_empty=True):
     """Aligned files -> (pairs [(src_line, tgt_line)], stats {"lines", "empty", "long", "kept"}).
-
-    A pair with an empty side is dropped and counted in stats["empty"], on every split: an empty
-    source has nothing to translate and an empty reference cannot be scored, so BLEU on dev/test
-    is over the kept pairs (the caller prints the count). drop_empty=False keeps them. max_len
-    (whitespace words, either side) drops long pairs, counted in stats["long"]. DataError if a
-    file is missing, the files disagree, or nothing is left.
+    A pair with an empty side is dropped and counted in stats["empty"], on every split: an empty source has nothing
+    to translate and an empty reference cannot be scored, so BLEU on dev/test is over the kept pairs (the caller
+    prints the count). drop_empty=False keeps them. max_len (whitespace words, either side) drops long pairs, counted
+    in stats["long"]. DataError if a file is missing, the files disagree, or nothing is left.
     """
     for p in (src_path, tgt_path):
         if not Path(p).is_file():
@@ -111,13 +99,10 @@ def read_parallel(src_path, tgt_path, max_len=None, drop_empty=True):
 # ---------------------------------------------------------------------------------------
 def train_bpe(src_lines, tgt_lines, vocab_size, model_prefix):
     """Trains one BPE model on source + target training text; returns the .model path.
-
-    Paper: [1] uses joint BPE (fastBPE, 8000 merges); one vocabulary lets the source embedding,
-    target embedding and output layer be one matrix. Note: we use sentencepiece BPE with
-    vocab_size pieces instead of a number of merges, and the "identity" normalization, so
-    decode(encode(s)) == s and BLEU compares the output with the untouched reference text.
-    If the corpus is too small for vocab_size, the largest possible size is used instead, with
-    a message on stderr.
+    Paper: [1] uses joint BPE (fastBPE, 8000 merges); one vocabulary lets the source embedding, target embedding and
+    output layer be one matrix. Note: we use sentencepiece BPE with vocab_size pieces instead of a number of merges,
+    and the "identity" normalization, so decode(encode(s)) == s and BLEU compares the output with the untouched
+    reference text. A corpus too small for vocab_size gets the largest possible size, with a message on stderr.
     """
     model_prefix = Path(model_prefix)
     model_prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -126,11 +111,9 @@ def train_bpe(src_lines, tgt_lines, vocab_size, model_prefix):
     def train(v):
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(lines), model_prefix=str(model_prefix), vocab_size=v, model_type="bpe",
-            character_coverage=1.0, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
-            normalization_rule_name="identity",
-            # Deterministic: read every sentence (0 = no limit), in order, no sampling.
-            input_sentence_size=0, shuffle_input_sentence=False, max_sentence_length=1 << 16,
-            num_threads=min(4, os.cpu_count() or 1), minloglevel=2)  # quiet
+            character_coverage=1.0, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS, normalization_rule_name="identity",
+            input_sentence_size=0, shuffle_input_sentence=False,  # deterministic: all sentences (0), in order
+            max_sentence_length=1 << 16, num_threads=min(4, os.cpu_count() or 1), minloglevel=2)  # quiet
 
     try:
         train(vocab_size)
@@ -138,28 +121,15 @@ def train_bpe(src_lines, tgt_lines, vocab_size, model_prefix):
         if m := re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", str(e)):
             raise DataError(f"--bpe-size {vocab_size}: too small for this corpus, whose {int(m.group(1)) - 4} "
                             f"distinct characters and 4 special pieces need at least {m.group(1)}") from None
-        m = re.search(r"Vocabulary size too high \((\d+)\).*<= (\d+)", str(e))
-        if not m:
+        if not (m := re.search(r"Vocabulary size too high \((\d+)\).*<= (\d+)", str(e))):
             raise
         print(f"note: vocab_size {vocab_size} is too large for this corpus; using {m.group(2)}", file=sys.stderr)
         train(int(m.group(2)))
     return str(model_prefix) + ".model"
 
 
-def content_ids(ids):
-    """The ids up to the first EOS, without PAD and BOS: what a tokenizer turns back into text."""
-    out = []
-    for i in (ids.tolist() if torch.is_tensor(ids) else ids):
-        if i == EOS:
-            break
-        if i not in (PAD, BOS):
-            out.append(int(i))
-    return out
-
-
 class Tokenizer:
     """A thin wrapper around a sentencepiece model (a file, or its bytes) with our special ids."""
-
     def __init__(self, model_path=None, model_proto=None):
         self.sp = spm.SentencePieceProcessor(model_file=str(model_path)) if model_proto is None else \
             spm.SentencePieceProcessor(model_proto=bytes(model_proto))
@@ -174,7 +144,7 @@ class Tokenizer:
         return self.sp.encode(text, out_type=int, num_threads=os.cpu_count() or 1)
 
     def decode(self, ids):
-        """[ids] -> str: stops at the first EOS, skips PAD and BOS."""
+        """[ids] -> str: stops at the first EOS, skips PAD and BOS (content_ids, Appendix C)."""
         return self.sp.decode(content_ids(ids))
 
     def piece(self, i):
@@ -203,11 +173,9 @@ def filter_long(encoded_pairs, max_len):
 # ---------------------------------------------------------------------------------------
 def target_vocab_mask(encoded_tgt_seqs, vocab_size):
     """(V,) bool, True where the decoder may output that id.
-
-    Paper: [1] appendix A: the embeddings are shared, "but we mask out words that are not in
-    the target's vocabulary at the final output layer before softmax, by setting their logits
-    to -inf". Note: as in the authors' code, the target vocabulary is UNK, EOS and every id seen
-    in the BPE'd target training data; PAD and BOS are never outputs.
+    Paper: [1] appendix A: the embeddings are shared, "but we mask out words that are not in the target's vocabulary
+    at the final output layer before softmax, by setting their logits to -inf". Note: as in the authors' code, the
+    target vocabulary is UNK, EOS and every id seen in the BPE'd target training data; PAD and BOS are never outputs.
     """
     mask = torch.zeros(vocab_size, dtype=torch.bool)  # (V,)
     for seq in encoded_tgt_seqs:
@@ -220,27 +188,20 @@ def target_vocab_mask(encoded_tgt_seqs, vocab_size):
 # ---------------------------------------------------------------------------------------
 # 5. Batches by tokens, and collate
 # ---------------------------------------------------------------------------------------
-def _lengths(encoded_pairs):
-    return [(len(x), len(y) + 1) for x, y in encoded_pairs]  # the decoder reads BOS + y: T = len(y) + 1
-
-
 def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
     """Groups example indices into batches of at most batch_tokens; a list of lists.
-
-    Cost of a batch = B * max(S, T), "sentences x the longer side's padded length" as in the
-    authors' code (tnq177/transformers_without_tears); a single pair longer than batch_tokens gets
-    a batch of its own.
-    Examples are sorted by (longer side, source length, target length), so that a batch holds
-    similar lengths and little padding, then cut greedily. Note: sorting by the longer side
-    first, the quantity the budget counts, packs tighter than by (source, target): padding falls
-    from 6.0% to 3.9% at 4096 tokens on the built-in corpus. With shuffle, equal lengths are
-    tie-broken at random and the batch order is shuffled, both from (seed, epoch) only, so an
-    epoch can be replayed exactly; without, the sorted order (for evaluation and translation:
-    pairs with an empty target batch by source length alone).
+    Cost of a batch = B * max(S, T), "sentences x the longer side's padded length" as in the authors' code
+    (tnq177/transformers_without_tears); a pair longer than batch_tokens gets a batch of its own. Examples are sorted
+    by (longer side, source length, target length), so that a batch holds similar lengths and little padding, then
+    cut greedily. Note: sorting by the longer side first, the quantity the budget counts, packs tighter than by
+    (source, target): padding falls from 6.0% to 3.9% at 4096 tokens on the built-in corpus. With shuffle, equal
+    lengths are tie-broken at random and the batch order is shuffled, both from (seed, epoch) only, so an epoch can be
+    replayed exactly; without, the sorted order (for evaluation and translation: pairs with an empty target batch by
+    source length alone).
     """
     if isinstance(encoded_pairs, Segments):  # a language model's text (section 8)
         return encoded_pairs.batches(batch_tokens, shuffle, seed, epoch)
-    lens = _lengths(encoded_pairs)
+    lens = _lengths(encoded_pairs)  # [(S, T)], T = len(y) + 1: the decoder reads BOS + y
     rng = random.Random(seed * 1000003 + epoch)
     tie = [rng.random() for _ in lens] if shuffle else list(range(len(lens)))
     order = sorted(range(len(lens)), key=lambda i: (max(lens[i]), *lens[i], tie[i]))
@@ -262,7 +223,6 @@ def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
 @dataclass
 class Batch:
     """One padded batch, batch-first; made by collate."""
-
     src: Optional[torch.Tensor]  # (B, S) source ids, PAD-padded, no BOS/EOS; None for a language model
     tgt_in: torch.Tensor  # (B, T) [BOS] + y, the decoder's input
     tgt_out: torch.Tensor  # (B, T) y + [EOS], what it must predict
@@ -272,14 +232,12 @@ class Batch:
 
 
 def collate(encoded_pairs, idx, device=None, multiple=1):
-    """Pads the examples idx into a Batch (on device, if given), the lengths rounded up to a
-    multiple of ``multiple`` (train.py --compile: 8, so that every batch has the shapes' alignment
-    the compiled kernels were specialised for)."""
+    """Pads the examples idx into a Batch (on device, if given), the lengths rounded up to a multiple of ``multiple``
+    (train.py --compile: 8, so that every batch has the shapes' alignment the compiled kernels were specialised for)."""
     if isinstance(encoded_pairs, Segments):  # a language model's text (section 8)
         return encoded_pairs.collate(idx, device)
     xs, ys = [encoded_pairs[i][0] for i in idx], [encoded_pairs[i][1] for i in idx]
-    S, T = max(len(x) for x in xs), max(len(y) for y in ys) + 1
-    S, T = round_up(S, multiple), round_up(T, multiple)
+    S, T = round_up(max(len(x) for x in xs), multiple), round_up(max(len(y) for y in ys) + 1, multiple)
     # Decoder input and output are the same target, shifted by one position:
     #   tgt_in  = BOS y1 ... yn        tgt_out = y1 ... yn EOS
     tensors = [torch.tensor([x + [PAD] * (S - len(x)) for x in xs]),  # (B, S)
@@ -297,12 +255,10 @@ def collate(encoded_pairs, idx, device=None, multiple=1):
 # ---------------------------------------------------------------------------------------
 def word_dropout(x, p, generator=None):
     """A copy of x where each non-PAD token is replaced by UNK with probability p.
-
-    Paper: [1] appendix A: "we also do word dropout (Sennrich et al., 2016a) with probability
-    0.1. However, instead of zeroing the word embeddings, we randomly replace tokens with UNK."
-    Training only, on src and tgt_in, never on tgt_out (the labels). Note: like the authors'
-    code, BOS in tgt_in can be dropped too. Unlike it, we never write into x: their in-place
-    version corrupted cached batches (the UNK rate grew every epoch).
+    Paper: [1] appendix A: "we also do word dropout (Sennrich et al., 2016a) with probability 0.1. However, instead
+    of zeroing the word embeddings, we randomly replace tokens with UNK." Training only, on src and tgt_in, never on
+    tgt_out (the labels). Note: like the authors' code, BOS in tgt_in can be dropped too. Unlike it, we never write
+    into x: their in-place version corrupted cached batches (the UNK rate grew every epoch).
     """
     if p <= 0:
         return x.clone()
@@ -317,50 +273,44 @@ def word_dropout(x, p, generator=None):
 # ---------------------------------------------------------------------------------------
 def length_percentile(encoded_pairs, q=97.5, count_bos_eos=False):
     """The q-th percentile of training lengths in BPE tokens (QKNorm's L).
-
-    Paper: [3] eq. 3, "L is the 97.5th percentile sequence length across all training data
-    sequences for source and target". Note: we pool source and target lengths into one list
-    (the paper does not say how; the authors hard-coded L per language pair) and interpolate
-    linearly like numpy.percentile. BOS/EOS are not counted unless count_bos_eos (then the
-    +1 the decoder sees, T = len(y) + 1).
+    Paper: [3] eq. 3, "L is the 97.5th percentile sequence length across all training data sequences for source and
+    target". Note: we pool source and target lengths into one list (the paper does not say how; the authors
+    hard-coded L per language pair) and interpolate linearly like numpy.percentile. BOS/EOS are not counted unless
+    count_bos_eos (then the +1 the decoder sees, T = len(y) + 1).
     """
-    extra = 1 if count_bos_eos else 0
-    lens = [len(x) for x, _ in encoded_pairs] + [len(y) + extra for _, y in encoded_pairs]
+    lens = [len(x) for x, _ in encoded_pairs] + [len(y) + int(count_bos_eos) for _, y in encoded_pairs]
     if not lens:
         raise ValueError("length_percentile: no sequences")
     return torch.quantile(torch.tensor(lens, dtype=torch.float64), q / 100.0).item()
 
 
 # ---------------------------------------------------------------------------------------
-# 8. A language model's text ([2] Table 2, PTB): DIR/{train,dev,test}.txt, one sentence a line.
-# Tokens are whitespace words (--bpe-size 0, the vocabulary of the training text; PTB's own <unk>
-# is UNK, and so is any word the training text lacks) or the BPE of section 2. The sentences are
-# joined into one stream, each followed by EOS, and cut into non-overlapping segments of L tokens;
-# a segment predicts each next token from the ones before it in the segment only (no memory
-# across segments: the baseline's mem_len 0):
+# 8. A language model's text ([2] Table 2, PTB): DIR/{train,dev,test}.txt, one sentence a line. Tokens are
+# whitespace words (--bpe-size 0, the vocabulary of the training text; PTB's own <unk> is UNK, and so is any word the
+# training text lacks) or the BPE of section 2. The sentences are joined into one stream, each followed by EOS, and
+# cut into non-overlapping segments of L tokens; a segment predicts each next token from the ones before it in the
+# segment only (no memory across segments: the baseline's mem_len 0):
 #   stream  = EOS s_1 EOS s_2 EOS ... s_n EOS        (the first EOS: the first word is predicted too)
 #   input_i = stream[iL : (i+1)L],   target_i = stream[iL + 1 : (i+1)L + 1]     (last one PAD-padded)
 # Perplexity is exp(mean NLL) over every target, EOS included: n = words + sentences.
 # ---------------------------------------------------------------------------------------
 class WordVocab:
-    """--bpe-size 0: whitespace words, most frequent first, after our four special ids. Its bytes
-    (`proto`, like the sentencepiece model's) are a header and one word a line."""
-    HEADER = b"words v1\n"
+    """--bpe-size 0: whitespace words, most frequent first, after our four special ids. Its bytes (`proto`, like the
+    sentencepiece model's) are a header and one word a line."""
+    HEADER, SPECIALS = b"words v1\n", ("<pad>", "<unk>", "<s>", "</s>")
 
     def __init__(self, proto):
         if not bytes(proto).startswith(self.HEADER):
             raise DataError("not a word vocabulary written by data.WordVocab")
         self.proto = bytes(proto)
-        self.words = ["<pad>", "<unk>", "<s>", "</s>"] + self.proto[len(self.HEADER):].decode("utf-8").split("\n")
+        self.words = list(self.SPECIALS) + self.proto[len(self.HEADER):].decode("utf-8").split("\n")
         # A word that looks like a special token ("<s>" in the text) is an unknown word, not that id.
         self.index = {w: i for i, w in enumerate(self.words) if i > EOS} | {"<unk>": UNK}
         self.vocab_size = len(self.words)
 
     @classmethod
     def build(cls, lines):
-        counts = Counter(w for line in lines for w in line.split())
-        for special in ("<pad>", "<unk>", "<s>", "</s>"):
-            counts.pop(special, None)
+        counts = Counter(w for line in lines for w in line.split() if w not in cls.SPECIALS)
         return cls(cls.HEADER + "\n".join(sorted(counts, key=lambda w: (-counts[w], w))).encode("utf-8"))
 
     def encode(self, text):
@@ -376,19 +326,8 @@ class WordVocab:
         return self.words[int(i)]
 
 
-def load_tokenizer(proto, name="vocabulary"):
-    """The tokenizer of a run's vocabulary bytes: a WordVocab, or a sentencepiece Tokenizer."""
-    if bytes(proto).startswith(WordVocab.HEADER):
-        return WordVocab(proto)
-    return Tokenizer(name, model_proto=proto)
-
-
-def lm_stream(tok, lines):
-    """One 1-D LongTensor: EOS, then every line's tokens followed by EOS."""
-    ids = [EOS]
-    for seq in tok.encode(list(lines)):
-        ids += seq + [EOS]
-    return torch.tensor(ids, dtype=torch.long)
+def lm_stream(tok, lines):  # the banner's stream, a 1-D LongTensor: EOS, then each line's tokens followed by EOS
+    return torch.tensor([EOS] + [i for seq in tok.encode(list(lines)) for i in seq + [EOS]], dtype=torch.long)
 
 
 @dataclass
@@ -430,256 +369,153 @@ def lm_segments(stream, seq_len):
 
 
 # =======================================================================================
-# Appendix A: the built-in corpus, a synthetic language pair ("src" -> "tgt") that needs what
-# real translation needs: reordering, agreement, a long tail of rare words. No download.
-#
-#   The source is English-like (subject-verb-object, determiners and adjectives before the
-#   noun, prepositions, relative clauses with "that", "and" between clauses, time adverbs at
-#   the end). The target is an invented language that is a deterministic function of it:
-#   - word order: the verb goes last (SOV), a sentence-level place phrase moves right after
-#     the subject, time adverbs move to the front; inside a noun phrase everything is mirrored:
-#     noun, adjectives (reversed), determiner; prepositions become postpositions; a relative
-#     clause stays after its noun but is verb-final too ("that sees the cat" -> "ke <cat>-k <see>");
-#   - morphology: nouns take plural "-li" and accusative "-k"/"-ek"; adjectives agree in number
-#     ("-n"); verbs take tense ("-ta" past, "-su" future) and a person/number suffix ("-m",
-#     "-s", "", "-mos", "-n"); "a"/"an" disappears, negation "does not" becomes "ma";
-#   - vocabulary: 243 nouns, 57 verbs and 47 adjectives drawn with Zipf frequencies, plus 3000
-#     invented proper names with a very long Zipf tail (most occur once or never in training).
-#     Names are transliterated letter by letter (c,q->k  w->v  y->i  j->y  x->ks), so the model
-#     must learn to copy and rewrite subword pieces it may never have seen whole.
+# Appendix A: the built-in corpus, a synthetic language pair ("src" -> "tgt") that needs what real translation
+# needs: reordering, agreement, a long tail of rare words. No download. The source is English-like (SVO, determiners
+# and adjectives before the noun, prepositions, relative clauses with "that", "and" between clauses, time adverbs at
+# the end); the target, an invented language, is a deterministic function of it:
+#   - word order: the verb goes last (SOV), a sentence-level place phrase right after the subject, time adverbs to the
+#     front; a noun phrase is mirrored (noun, adjectives reversed, determiner); prepositions become postpositions; a
+#     relative clause stays after its noun but is verb-final too ("that sees the cat" -> "ke <cat>-k <see>");
+#   - morphology: nouns take plural "-li" and accusative "-k"/"-ek", adjectives agree in number ("-n"), verbs take
+#     tense ("-ta" past, "-su" future) and person ("-m", "-s", "", "-mos", "-n"); "a"/"an" goes, "does not" -> "ma";
+#   - vocabulary: 243 nouns, 57 verbs and 47 adjectives with Zipf frequencies, plus 3000 invented proper names with a
+#     very long Zipf tail (most occur once or never in training), transliterated letter by letter (c,q->k w->v y->i
+#     j->y x->ks): the model must learn to copy and rewrite subword pieces it may never have seen whole.
 #   Example pair (seed 1, line 83 of train.src / train.tgt):
 #     src: the green man that likes us will not take Thullockmeyth beside a table .
 #     tgt: mibiso pida na ke nosek riko neto kana Thullokkmeithek ma pavisu .
 #     gloss: man green the | that us-ACC like | table beside | Thullockmeyth-ACC | NEG take-FUT .
 # =======================================================================================
-# Bump when the generator changes, so old data/toy/ files get rebuilt.
-TOY_VERSION = 2
+TOY_VERSION = 2  # bump when the generator changes, so that old data/toy/ files get rebuilt
 
-# The lexicon (which target word translates which source word) is fixed for all
-# seeds: the seed only chooses sentences.  Different seeds give different
-# corpora of the same language.
-_LEXICON_SEED = 20191105
-
-# Nouns, most frequent first (the Zipf rank is the position in this list).
-# "man:men" gives an irregular English plural; the target is always regular.
-_NOUNS = """
-dog cat man:men woman:women child:children house friend king teacher bird
-tree book city river boy girl horse garden door table letter road mother
-father doctor farmer apple window car ship village school market song
-student queen soldier baby brother sister key hat box cup boat flower
-stone star picture story gift coin chair bed bag bottle glass plate
-knife:knives mouse:mice fox wolf:wolves bear lion tiger monkey snake frog
-cow pig goat duck rabbit sailor baker painter singer writer driver neighbor
-uncle aunt cousin guest stranger thief judge priest nurse forest mountain
-bridge church castle tower island lake field farm hill valley beach harbor
-station library kitchen room wall roof basket bowl spoon pen pencil paper
-map poem ring coat shoe shirt dress boot glove scarf:scarves umbrella clock
-lamp candle mirror bell drum flute guitar piano ball toy kite train bus
-bicycle wagon lemon banana cherry grape potato:potatoes carrot onion
-tomato:tomatoes egg cake cookie sandwich pie leaf:leaves rose branch rock
-moon cloud storm lantern anchor barrel compass feather hammer ladder needle
-saddle shovel spider turtle parrot eagle owl dolphin whale shark crab
-lobster camel donkey elephant giraffe zebra squirrel hedgehog beetle
-butterfly violin trumpet harp statue fountain tunnel cave cliff meadow
-orchard vineyard lighthouse windmill chimney cellar attic balcony staircase
-carpet curtain pillow blanket kettle teapot jar jug bucket broom brush comb
-wallet purse diamond pearl crown sword shield helmet arrow wheel engine
-rocket planet comet volcano:volcanoes desert glacier canyon swamp pond
-stream waterfall
-"""
-
-# Verbs: base, third person singular, past.  Transitive first, then
-# intransitive.  No verb whose past equals its base ("read", "put"): the tense
-# must be recoverable from the source, or the target would not be a function
-# of it.
-_TRANSITIVE = """
-see sees saw|like likes liked|find finds found|help helps helped|
-call calls called|follow follows followed|watch watches watched|
-visit visits visited|carry carries carried|love loves loved|
-bring brings brought|take takes took|hold holds held|open opens opened|
-buy buys bought|sell sells sold|build builds built|break breaks broke|
-push pushes pushed|pull pulls pulled|paint paints painted|draw draws drew|
-write writes wrote|clean cleans cleaned|wash washes washed|
-catch catches caught|throw throws threw|kick kicks kicked|
-touch touches touched|hide hides hid|need needs needed|want wants wanted|
-remember remembers remembered|forget forgets forgot|meet meets met|
-greet greets greeted|fear fears feared|admire admires admired|
-feed feeds fed|chase chases chased|lose loses lost|keep keeps kept|
-"""
-_INTRANSITIVE = """
-sleep sleeps slept|run runs ran|walk walks walked|sing sings sang|
-dance dances danced|laugh laughs laughed|cry cries cried|wait waits waited|
-swim swims swam|jump jumps jumped|sit sits sat|smile smiles smiled|
-work works worked|play plays played|rest rests rested|
-"""
-
-_ADJECTIVES = """
-big small old young red blue green black white happy sad tall short quiet
-loud brave clever lazy angry hungry tired rich poor famous strange beautiful
-ugly heavy warm cold wet dry dirty new ancient tiny huge gentle wild proud
-shy curious lucky noisy sleepy golden wooden
-"""
-
-# Function words: source -> target, written by hand so they stay short.
-_PREPOSITIONS = {"in": "ulu", "on": "sope", "under": "dabu", "near": "peri",
-                 "behind": "tolo", "beside": "kana", "with": "sin",
-                 "without": "nasin", "from": "deko", "to": "ade"}
-# Person/number of each subject pronoun, its target form, and its object form.
-_PRONOUNS = {  # src subject: (person, src object, tgt subject)
-    "I": ("1sg", "me", "mi"), "you": ("2sg", "you", "tu"),
-    "he": ("3sg", "him", "el"), "she": ("3sg", "her", "ela"),
-    "we": ("1pl", "us", "nos"), "they": ("3pl", "them", "ilo")}
+# Nouns, most frequent first (the Zipf rank); "man:men" an irregular English plural (the target's are all regular).
+_NOUNS = """dog cat man:men woman:women child:children house friend king teacher bird tree book city river boy girl
+horse garden door table letter road mother father doctor farmer apple window car ship village school market song
+student queen soldier baby brother sister key hat box cup boat flower stone star picture story gift coin chair bed
+bag bottle glass plate knife:knives mouse:mice fox wolf:wolves bear lion tiger monkey snake frog cow pig goat duck
+rabbit sailor baker painter singer writer driver neighbor uncle aunt cousin guest stranger thief judge priest nurse
+forest mountain bridge church castle tower island lake field farm hill valley beach harbor station library kitchen
+room wall roof basket bowl spoon pen pencil paper map poem ring coat shoe shirt dress boot glove scarf:scarves
+umbrella clock lamp candle mirror bell drum flute guitar piano ball toy kite train bus bicycle wagon lemon banana
+cherry grape potato:potatoes carrot onion tomato:tomatoes egg cake cookie sandwich pie leaf:leaves rose branch rock
+moon cloud storm lantern anchor barrel compass feather hammer ladder needle saddle shovel spider turtle parrot eagle
+owl dolphin whale shark crab lobster camel donkey elephant giraffe zebra squirrel hedgehog beetle butterfly violin
+trumpet harp statue fountain tunnel cave cliff meadow orchard vineyard lighthouse windmill chimney cellar attic
+balcony staircase carpet curtain pillow blanket kettle teapot jar jug bucket broom brush comb wallet purse diamond
+pearl crown sword shield helmet arrow wheel engine rocket planet comet volcano:volcanoes desert glacier canyon swamp
+pond stream waterfall"""
+# Verbs, transitive then intransitive; "see:saw" an irregular past. No verb whose past is its base ("read", "put"):
+# the tense must be recoverable from the source, or the target would not be a function of it.
+_TRANSITIVE = """see:saw like find:found help call follow watch visit carry love bring:brought take:took hold:held open
+buy:bought sell:sold build:built break:broke push pull paint draw:drew write:wrote clean wash catch:caught throw:threw
+kick touch hide:hid need want remember forget:forgot meet:met greet fear admire feed:fed chase lose:lost keep:kept"""
+_INTRANSITIVE = "sleep:slept run:ran walk sing:sang dance laugh cry wait swim:swam jump sit:sat smile work play rest"
+_ADJECTIVES = """big small old young red blue green black white happy sad tall short quiet loud brave clever lazy
+angry hungry tired rich poor famous strange beautiful ugly heavy warm cold wet dry dirty new ancient tiny huge gentle
+wild proud shy curious lucky noisy sleepy golden wooden"""
+# Function words, written by hand so that they stay short. Pronouns: subject -> (person, object form, target).
+_PREPOSITIONS = dict(w.split(":") for w in "in:ulu on:sope under:dabu near:peri behind:tolo beside:kana with:sin "
+                                           "without:nasin from:deko to:ade".split())
+_PRONOUNS = {"I": ("1sg", "me", "mi"), "you": ("2sg", "you", "tu"), "he": ("3sg", "him", "el"),
+             "she": ("3sg", "her", "ela"), "we": ("1pl", "us", "nos"), "they": ("3pl", "them", "ilo")}
 _PERSON_SUFFIX = {"1sg": "m", "2sg": "s", "3sg": "", "1pl": "mos", "3pl": "n"}
 _TENSE_SUFFIX = {"pres": "", "past": "ta", "fut": "su"}
-# Time adverbs must agree with the tense of their clause.
-_TIMES = {"past": [("yesterday", "iru"), ("last night", "oneko")],
-          "pres": [("today", "oge"), ("every day", "sadi")],
-          "fut": [("tomorrow", "mane"), ("next week", "sekan")]}
-# Determiners: source word, number it goes with, target word ("" = dropped).
-_DETS_SG = [("the", 55, "na"), ("a", 30, ""), ("this", 15, "ve")]
-_DETS_PL = [("the", 35, "na"), ("", 20, ""), ("these", 10, "ve"),
-            ("some", 10, "sa"), ("many", 5, "mul"), ("two", 8, "du"),
-            ("three", 6, "tre"), ("four", 4, "kat"), ("five", 2, "pen")]
-
-# Letter-by-letter transliteration of proper names into the target.
-_TRANSLIT = {"c": "k", "q": "k", "w": "v", "y": "i", "j": "y", "x": "ks"}
+_TIMES = {"past": [("yesterday", "iru"), ("last night", "oneko")],  # a time adverb agrees with its clause's tense
+          "pres": [("today", "oge"), ("every day", "sadi")], "fut": [("tomorrow", "mane"), ("next week", "sekan")]}
+_DETS_SG = [("the", 55, "na"), ("a", 30, ""), ("this", 15, "ve")]  # (source, weight, target); "" = none
+_DETS_PL = [("the", 35, "na"), ("", 20, ""), ("these", 10, "ve"), ("some", 10, "sa"), ("many", 5, "mul"),
+            ("two", 8, "du"), ("three", 6, "tre"), ("four", 4, "kat"), ("five", 2, "pen")]
+_TRANSLIT = str.maketrans({"c": "k", "q": "k", "w": "v", "y": "i", "j": "y", "x": "ks"})  # proper names
 
 
-def _english_plural(noun):
-    if noun.endswith(("s", "x", "ch", "sh", "z")):
-        return noun + "es"
-    if noun.endswith("y") and noun[-2] not in "aeiou":
-        return noun[:-1] + "ies"
-    return noun + "s"
+def _english(word, ending):  # regular: plural or third person singular ("s": boxes, cities, sees), past ("ed")
+    if word.endswith("y") and word[-2] not in "aeiou":
+        return word[:-1] + "i" + ("es" if ending == "s" else "ed")
+    if ending == "s":
+        return word + ("es" if word.endswith(("s", "x", "ch", "sh", "z")) else "s")
+    return word + ("d" if word.endswith("e") else "ed")
 
 
-def _zipf_cum_weights(n, s):
-    # Zipf's law: the r-th most frequent word has frequency ~ 1 / r^s.
-    # Cumulative weights, so that random.choices need not add them up per call.
-    return list(itertools.accumulate(1.0 / (r ** s) for r in range(1, n + 1)))
+def _translit(name):
+    return name.lower().translate(_TRANSLIT).capitalize()
 
 
 def _make_lexicon():
-    """Fixed source/target vocabulary, independent of the corpus seed."""
-    rng = random.Random(_LEXICON_SEED)
-    consonants, vowels = "bdgkmnprstvz", "aeiou"
-    taken = set(_PREPOSITIONS.values()) | {"na", "ve", "sa", "mul", "du", "tre",
-                                           "kat", "pen", "ke", "ma", "i"}
+    """(nouns, verbs, adjectives, names): the same for every corpus seed, which only chooses sentences."""
+    rng = random.Random(20191105)
+    taken = set(_PREPOSITIONS.values()) | {d[2] for d in _DETS_SG + _DETS_PL} | {"ke", "ma", "i"}
 
-    def new_word(n_syll):  # target stems: CV syllables, always end in a vowel
+    def new_word(n_syll):  # a target stem: CV syllables, no function word
         while True:
-            w = "".join(rng.choice(consonants) + rng.choice(vowels)
-                        for _ in range(n_syll))
+            w = "".join(rng.choice("bdgkmnprstvz") + rng.choice("aeiou") for _ in range(n_syll))
             if w not in taken:
                 taken.add(w)
                 return w
 
-    nouns = []
-    for entry in _NOUNS.split():
-        sg, _, pl = entry.partition(":")
-        if sg in (n[0] for n in nouns):
-            continue
-        nouns.append((sg, pl or _english_plural(sg), new_word(rng.choice((2, 3)))))
-    verbs = [tuple(v.split()) + (new_word(2), trans)
-             for block, trans in ((_TRANSITIVE, True), (_INTRANSITIVE, False))
-             for v in block.split("|") if v.strip()]
+    nouns = [(sg, pl or _english(sg, "s"), new_word(rng.choice((2, 3))))
+             for sg, _, pl in (e.partition(":") for e in _NOUNS.split())]
+    verbs = [(base, _english(base, "s"), past or _english(base, "ed"), new_word(2), transitive)
+             for words, transitive in ((_TRANSITIVE, True), (_INTRANSITIVE, False))
+             for base, _, past in (e.partition(":") for e in words.split())]
     adjs = [(a, new_word(2)) for a in _ADJECTIVES.split()]
-
-    # Proper names: invented, English-looking, using the letters that the
-    # transliteration rewrites often enough that copying alone is not enough.
-    onsets = ["b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r",
-              "s", "t", "v", "w", "y", "z", "br", "cl", "dr", "gw", "qu", "th",
-              "wr", "x"]
-    nuclei = ["a", "e", "i", "o", "u", "ay", "ey", "oa"]
-    codas = ["", "", "n", "r", "l", "s", "x", "ck", "th", "m", "w"]
-    names, seen = [], set()
+    # Proper names: invented, English-looking, rich in the letters transliteration rewrites (copying is not enough).
+    onsets = "b c d f g h j k l m n p r s t v w y z br cl dr gw qu th wr x".split()
+    nuclei, codas = "a e i o u ay ey oa".split(), "||n|r|l|s|x|ck|th|m|w".split("|")
+    names = {}  # an ordered set
     while len(names) < 3000:
-        parts = [rng.choice(onsets) + rng.choice(nuclei) + rng.choice(codas)
-                 for _ in range(rng.choice((2, 2, 2, 2, 3)))]
-        name = "".join(parts).capitalize()
-        if name not in seen:
-            seen.add(name)
-            names.append(name)
-    return nouns, verbs, adjs, names
-
-
-def _translit(name):
-    out = "".join(_TRANSLIT.get(ch, ch) for ch in name.lower())
-    return out.capitalize()
-
-
-def _accusative(word):
-    # Target accusative: "-k" after a vowel, "-ek" after a consonant.
-    return word + ("k" if word[-1] in "aeiou" else "ek")
+        names["".join(rng.choice(onsets) + rng.choice(nuclei) + rng.choice(codas)
+                      for _ in range(rng.choice((2, 2, 2, 2, 3)))).capitalize()] = None
+    return nouns, verbs, adjs, list(names)
 
 
 class _ToyGrammar:
-    """Samples one (source, target) sentence pair at a time.
-
-    Every function returns (src_words, tgt_words) for one constituent; the
-    target order is assembled from the parts independently of the source
-    order, which is where the reordering comes from.  Ambiguities that would
-    make the target not a function of the source are avoided by construction:
-    object noun phrases never take a prepositional phrase, a noun phrase takes
-    at most one modifier, and a sentence-level place phrase or time adverb is
-    never combined with a relative clause on the object.
-    """
+    """Samples (source, target) sentence pairs. A method returns one constituent's source and target words; the target
+    order is assembled from the parts independently of the source order (the reordering). The target stays a function
+    of the source by construction: an object noun phrase takes no prepositional phrase, a noun phrase at most one
+    modifier, and a sentence-level place phrase or time adverb never comes with a relative clause on the object."""
 
     def __init__(self, rng):
-        self.rng = rng
-        self.nouns, verbs, self.adjs, self.names = _make_lexicon()
-        self.trans = [v for v in verbs if v[4]]
-        self.intrans = [v for v in verbs if not v[4]]
-        self.w_nouns = _zipf_cum_weights(len(self.nouns), 1.1)
-        self.w_trans = _zipf_cum_weights(len(self.trans), 0.8)
-        self.w_intrans = _zipf_cum_weights(len(self.intrans), 0.8)
-        self.w_adjs = _zipf_cum_weights(len(self.adjs), 0.8)
-        self.w_names = _zipf_cum_weights(len(self.names), 1.1)
+        self.rng, (nouns, verbs, adjs, names) = rng, _make_lexicon()
+        trans, intrans = [v for v in verbs if v[4]], [v for v in verbs if not v[4]]
+        # Zipf's law, exponent s: the r-th most frequent word has frequency ~ 1 / r^s (cumulated once, for choices).
+        self.lists = {kind: (words, list(itertools.accumulate(1.0 / (r ** s) for r in range(1, len(words) + 1))))
+                      for kind, words, s in (("noun", nouns, 1.1), ("trans", trans, 0.8), ("intrans", intrans, 0.8),
+                                             ("adj", adjs, 0.8), ("name", names, 1.1))}
 
-    def pick(self, items, cum_weights):
-        return self.rng.choices(items, cum_weights=cum_weights)[0]
+    def pick(self, kind):
+        words, cum_weights = self.lists[kind]
+        return self.rng.choices(words, cum_weights=cum_weights)[0]
 
     def noun_phrase(self, case, modifier=None):
-        """Returns (src, tgt, person).  modifier: None, "pp" or "rel"."""
-        r = self.rng
-        kind = r.random()
-        if kind < 0.08:  # a proper name, always third person singular
-            name = self.pick(self.names, self.w_names)
-            tgt = _translit(name)
-            return [name], [_accusative(tgt) if case == "acc" else tgt], "3sg"
+        """(src, tgt, person); case "nom", "acc" or "obl", modifier None, "pp" or "rel"."""
+        r, kind = self.rng, self.rng.random()
+        acc = (lambda w: w + ("k" if w[-1] in "aeiou" else "ek")) if case == "acc" else (lambda w: w)  # accusative
+        if kind < 0.08:  # a proper name
+            name = self.pick("name")
+            return [name], [acc(_translit(name))], "3sg"
         if kind < 0.26 and modifier is None:  # a pronoun
-            pron = r.choice(list(_PRONOUNS))
-            person, obj, tgt = _PRONOUNS[pron]
-            src = pron if case == "nom" else obj
-            return [src], [_accusative(tgt) if case == "acc" else tgt], person
-        plural = r.random() < 0.35
-        sg, pl, noun_t = self.pick(self.nouns, self.w_nouns)
-        n_adj = r.choices((0, 1, 2), (55, 38, 7))[0]
-        adjs = []
+            person, obj, tgt = _PRONOUNS[pron := r.choice(list(_PRONOUNS))]
+            return [pron if case == "nom" else obj], [acc(tgt)], person
+        plural, (sg, pl, noun_t) = r.random() < 0.35, self.pick("noun")
+        n_adj, adjs = r.choices((0, 1, 2), (55, 38, 7))[0], []
         while len(adjs) < n_adj:
-            a = self.pick(self.adjs, self.w_adjs)
-            if a not in adjs:
+            if (a := self.pick("adj")) not in adjs:
                 adjs.append(a)
         dets = _DETS_PL if plural else _DETS_SG
         det_s, _, det_t = r.choices(dets, [d[1] for d in dets])[0]
         src = [a[0] for a in adjs] + [pl if plural else sg]
         if det_s == "a" and src[0][0] in "aeiou":
             det_s = "an"  # English agreement with the next sound
-        if det_s:
-            src = [det_s] + src
-        # Target: noun + plural + case, adjectives mirrored + agreement, det.
-        noun_w = noun_t + ("li" if plural else "")
-        if case == "acc":
-            noun_w = _accusative(noun_w)
-        tgt = [noun_w] + [a[1] + ("n" if plural else "") for a in reversed(adjs)]
-        if det_t:
-            tgt.append(det_t)
+        src = [det_s] + src if det_s else src
+        # Target: noun + plural + case, the adjectives mirrored and agreeing, the determiner.
+        tgt = [acc(noun_t + ("li" if plural else ""))] + [a[1] + ("n" if plural else "") for a in reversed(adjs)]
+        tgt += [det_t] if det_t else []
         person = "3pl" if plural else "3sg"
-        if modifier == "pp":  # "the dog in the garden": PP goes before the noun
+        if modifier == "pp":  # "the dog in the garden": the PP goes before the noun
             p_src, p_tgt = self.prep_phrase()
             src, tgt = src + p_src, p_tgt + tgt
         elif modifier == "rel":  # "the dog that sees the cat": head, ke, O V
-            r_src, r_tgt = self.verb_phrase(person, in_relative=True)
+            r_src, r_tgt, _ = self.verb_phrase(person)
             src, tgt = src + ["that"] + r_src, tgt + ["ke"] + r_tgt
         return src, tgt, person
 
@@ -688,99 +524,76 @@ class _ToyGrammar:
         np_src, np_tgt, _ = self.noun_phrase("obl")
         return [prep] + np_src, np_tgt + [_PREPOSITIONS[prep]]
 
-    def verb(self, entry, person, tense, negated):
-        """English verb group and the target verb (with "ma" if negated)."""
-        base, s3, past, stem, _ = entry
-        if tense == "fut":
-            src = ["will", "not", base] if negated else ["will", base]
-        elif negated:
-            aux = "did" if tense == "past" else ("does" if person == "3sg" else "do")
-            src = [aux, "not", base]
-        else:
-            src = [past if tense == "past" else (s3 if person == "3sg" else base)]
-        tgt = stem + _TENSE_SUFFIX[tense] + _PERSON_SUFFIX[person]
-        return src, (["ma", tgt] if negated else [tgt])
-
-    def verb_phrase(self, person, in_relative=False, obj_modifier=None):
-        """Verb (+ object).  Source: V O.  Target: O V."""
+    def verb_phrase(self, person, obj_modifier=None):
+        """(src, tgt, tense): source V (O), target (O) V, "ma" before a negated verb."""
         r = self.rng
-        tense = r.choices(("pres", "past", "fut"), (50, 30, 20))[0]
-        negated = r.random() < 0.1
+        tense, negated = r.choices(("pres", "past", "fut"), (50, 30, 20))[0], r.random() < 0.1
         if r.random() < 0.75:
-            entry = self.pick(self.trans, self.w_trans)
-            o_src, o_tgt, _ = self.noun_phrase("acc", None if in_relative else obj_modifier)
+            base, s3, past, stem, _ = self.pick("trans")
+            o_src, o_tgt, _ = self.noun_phrase("acc", obj_modifier)
         else:
-            entry = self.pick(self.intrans, self.w_intrans)
-            o_src, o_tgt = [], []
-        v_src, v_tgt = self.verb(entry, person, tense, negated)
-        self.last_tense = tense
-        return v_src + o_src, o_tgt + v_tgt
+            (base, s3, past, stem, _), o_src, o_tgt = self.pick("intrans"), [], []
+        if tense == "fut":
+            v_src = ["will", "not", base] if negated else ["will", base]
+        elif negated:
+            v_src = ["did" if tense == "past" else "does" if person == "3sg" else "do", "not", base]
+        else:
+            v_src = [past if tense == "past" else s3 if person == "3sg" else base]
+        v_tgt = stem + _TENSE_SUFFIX[tense] + _PERSON_SUFFIX[person]
+        return v_src + o_src, o_tgt + (["ma", v_tgt] if negated else [v_tgt]), tense
 
     def clause(self):
         r = self.rng
-        subj_mod = r.choices((None, "pp", "rel"), (76, 12, 12))[0]
-        obj_rel = r.random() < 0.12
+        subj_mod, obj_rel = r.choices((None, "pp", "rel"), (76, 12, 12))[0], r.random() < 0.12
         s_src, s_tgt, person = self.noun_phrase("nom", subj_mod)
-        vp_src, vp_tgt = self.verb_phrase(person, obj_modifier="rel" if obj_rel else None)
-        tense = self.last_tense
+        vp_src, vp_tgt, tense = self.verb_phrase(person, "rel" if obj_rel else None)
         src, tgt = s_src + vp_src, s_tgt
-        if not obj_rel and r.random() < 0.35:  # place phrase: end -> after subject
+        if not obj_rel and r.random() < 0.35:  # a place phrase: at the end -> after the subject
             p_src, p_tgt = self.prep_phrase()
             src, tgt = src + p_src, tgt + p_tgt
         tgt = tgt + vp_tgt
-        if not obj_rel and r.random() < 0.2:  # time adverb: end -> front
+        if not obj_rel and r.random() < 0.2:  # a time adverb: at the end -> at the front
             t_src, t_tgt = r.choice(_TIMES[tense])
             src, tgt = src + t_src.split(), [t_tgt] + tgt
         return src, tgt
 
     def sentence(self):
         src, tgt = self.clause()
-        if self.rng.random() < 0.12:
+        if self.rng.random() < 0.12:  # two clauses, joined by "and" ("i")
             src2, tgt2 = self.clause()
             src, tgt = src + ["and"] + src2, tgt + ["i"] + tgt2
         return " ".join(src + ["."]), " ".join(tgt + ["."])
 
 
-
 def make_toy_corpus(out_dir, seed=1, n_train=20000, n_dev=500, n_test=500):
-    """Writes {train,dev,test}.{src,tgt} into out_dir; returns out_dir (a Path).
-
-    Deterministic in (seed, sizes).  Sentences are 4 to 25 source tokens and
-    unique across all three splits, so dev and test hold no training sentence.
-    Does nothing if a stamp file says the files were made with these settings.
-    """
+    """Writes {train,dev,test}.{src,tgt} into out_dir (a Path, returned), unless its stamp file says they were made
+    with these settings. Deterministic in (seed, sizes); sentences have 4 to 25 source tokens and are unique across
+    the splits, so dev and test hold no training sentence."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = {"version": TOY_VERSION, "seed": seed, "n_train": n_train,
-             "n_dev": n_dev, "n_test": n_test}
-    stamp_path = out_dir / "toy_corpus.json"
-    files = [out_dir / f"{s}.{l}" for s in SPLITS for l in ("src", "tgt")]
-    if stamp_path.exists() and all(f.exists() for f in files):
-        try:
-            if json.loads(stamp_path.read_text()) == stamp:
-                return out_dir
-        except ValueError:
-            pass  # a damaged stamp: rebuild
-    grammar = _ToyGrammar(random.Random(seed))
-    seen, pairs = set(), []
+    stamp = {"version": TOY_VERSION, "seed": seed, "n_train": n_train, "n_dev": n_dev, "n_test": n_test}
+    stamp_path, files = out_dir / "toy_corpus.json", [out_dir / f"{s}.{l}" for s in SPLITS for l in ("src", "tgt")]
+    try:
+        if json.loads(stamp_path.read_text()) == stamp and all(f.exists() for f in files):
+            return out_dir
+    except (FileNotFoundError, ValueError):
+        pass  # no stamp, or a damaged one: rebuild
+    grammar, seen, pairs = _ToyGrammar(random.Random(seed)), set(), []
     while len(pairs) < n_train + n_dev + n_test:
         src, tgt = grammar.sentence()
         if 4 <= len(src.split()) <= 25 and src not in seen:
             seen.add(src)
             pairs.append((src, tgt))
-    bounds = {"train": (0, n_train), "dev": (n_train, n_train + n_dev),
-              "test": (n_train + n_dev, n_train + n_dev + n_test)}
     stamp_path.unlink(missing_ok=True)  # the stamp is written last
-    for split, (a, b) in bounds.items():
+    ends = list(itertools.accumulate((n_train, n_dev, n_test)))
+    for split, a, b in zip(SPLITS, [0] + ends, ends):
         for side, lang in ((0, "src"), (1, "tgt")):
-            atomic_write(out_dir / f"{split}.{lang}",
-                          "".join(p[side] + "\n" for p in pairs[a:b]))
+            atomic_write(out_dir / f"{split}.{lang}", "".join(p[side] + "\n" for p in pairs[a:b]))
     atomic_write(stamp_path, json.dumps(stamp) + "\n")
     return out_dir
 
 
 def toy_corpus_dir():
-    """Default place of the toy corpus: data/toy/ next to this file."""
+    """The built-in corpus's default place: data/toy/ next to this file."""
     return Path(__file__).resolve().parent / "data" / "toy"
 
 
@@ -794,24 +607,18 @@ def summary():
     t0 = time.time()
     d = ensure_toy_corpus()
     t_make = time.time() - t0
-    paths = corpus_paths(d, "src", "tgt")
-    splits = {s: read_parallel(*paths[s])[0] for s in SPLITS}
+    splits = {s: read_parallel(*p)[0] for s, p in corpus_paths(d, "src", "tgt").items()}
     print(f"toy corpus in {d} ({t_make:.1f}s): " + ", ".join(f"{s} {len(p)} pairs" for s, p in splits.items()))
     train = splits["train"]
     for side, name in ((0, "src"), (1, "tgt")):
-        words = [w for p in train for w in p[side].split()]
-        counts = {}
-        for w in words:
-            counts[w] = counts.get(w, 0) + 1
-        rare = sum(1 for c in counts.values() if c <= 2)
-        print(f"  {name}: {len(words) / len(train):.1f} words/sentence, {len(counts)} types, "
-              f"{rare} of them seen once or twice")
+        counts = Counter(w for p in train for w in p[side].split())
+        print(f"  {name}: {sum(counts.values()) / len(train):.1f} words/sentence, {len(counts)} types, "
+              f"{sum(1 for c in counts.values() if c <= 2)} of them seen once or twice")
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         tok = Tokenizer(train_bpe([p[0] for p in train], [p[1] for p in train], 2000, Path(tmp) / "bpe"))
     enc = encode_pairs(tok, train)
-    L = length_percentile(enc)
-    pad = padding_share(enc, make_batches(enc, 4096, shuffle=True, seed=1))
+    L, pad = length_percentile(enc), padding_share(enc, make_batches(enc, 4096, shuffle=True, seed=1))
     print(f"  BPE: {tok.vocab_size} pieces ({time.time() - t0:.1f}s to train and encode), L(97.5%) = {L:.1f}, "
           f"g0 = {qk_g0(L):.2f}, padding at 4096 tokens {pad:.1%}")
     for s, t in train[:3]:
@@ -821,16 +628,14 @@ def summary():
 # =======================================================================================
 # Appendix B: the papers' corpora: python data.py prepare NAME
 # =======================================================================================
-# One pipeline for every corpus: download (resumable) -> open the archive or
-# folder -> select and clean each split's lines -> write DIR/split.LANG ->
-# check the line counts -> print the train.py command.  BPE is not applied
-# here: train.py trains the joint sentencepiece model itself (--bpe-size).
+# One pipeline for every corpus: download (resumable) -> open the archive or folder -> select and clean each split's
+# lines -> write DIR/split.LANG -> check the line counts -> print the train.py command. BPE is not applied here:
+# train.py trains the joint sentencepiece model itself (--bpe-size).
 
-_TED_NOTE = ("TED talks of Qi et al. 2018 (github.com/neulab/word-embeddings-for-nmt), read as "
-             "its ted_reader.py (used by [1] and [3]) does: a pair with an empty side or 'NULL' is dropped; "
-             "Moses-tokenized as shipped.  qi18naacl-dataset.tar.gz has gl_to_en but no sk, ar or "
-             "he, so all four pairs come from ted_talks.tar.gz (336 MB).  Train size: [1] Table 1, "
-             "rounded (a warning if 2% off); dev/test sizes are not published.")
+_TED_NOTE = ("TED talks of Qi et al. 2018 (github.com/neulab/word-embeddings-for-nmt), read as its ted_reader.py "
+             "(used by [1] and [3]) does: a pair with an empty side or 'NULL' is dropped; Moses-tokenized as shipped.  "
+             "qi18naacl-dataset.tar.gz has gl_to_en but no sk, ar or he, so all four pairs come from ted_talks.tar.gz "
+             "(336 MB).  Train size: [1] Table 1, rounded (a warning if 2% off); dev/test sizes are not published.")
 
 
 def _ted(src, tgt, n_train, bpe, args):
@@ -874,11 +679,10 @@ CORPORA = {
         "steps": {"train": ("tags", "clean", "lower", "not23"),
                   "dev": ("tags", "clean", "lower", "every23"), "test": ("xml", "lower")},
         "counts": {"train": 160239, "dev": 7283, "test": 6750}, "exact": ("test",), "args": "",
-        "notes": "PowerNorm's IWSLT'14 de-en, following fairseq's prepare-iwslt14.sh only "
-                 "approximately: same archive (fairseq's copy of the WIT3 release) and steps, "
-                 "but no Moses tokenizer, so cleaning counts untokenized words and train/dev "
-                 "may differ a little from 160,239/7,283 (a warning); test is exact.  fairseq "
-                 "learns 10k BPE merges; here a 10k sentencepiece vocabulary."},
+        "notes": "PowerNorm's IWSLT'14 de-en, following fairseq's prepare-iwslt14.sh only approximately: same archive "
+                 "(fairseq's copy of the WIT3 release) and steps, but no Moses tokenizer, so cleaning counts "
+                 "untokenized words and train/dev may differ a little from 160,239/7,283 (a warning); test is exact.  "
+                 "fairseq learns 10k BPE merges; here a 10k sentencepiece vocabulary."},
     "multi30k": _multi30k("de", "German"),  # the laptop-scale corpus of the README's study
     "multi30k-en-cs": _multi30k("cs", "Czech"),  # its second pair: the same English captions
     "ptb": {  # a language model's text (train.py --task lm): PowerNorm's Table 2
@@ -895,15 +699,12 @@ CORPORA = {
 def download(url, dest, hint="/path/to/the/file", timeout=30):
     """Fetches url (http(s) or file://) into dest, with a progress bar; returns dest.
 
-    Resumable: bytes go to dest.part, and a later call continues from its end
-    (an HTTP Range request; a server that ignores it sends everything again).
-    Atomic: dest appears, by a rename, only when complete, and its size is
-    checked when the server gives one.  Unreachable hosts raise a one-line
-    DataError that names --url hint; the .part file stays.
+    Resumable: bytes go to dest.part, and a later call continues from its end (an HTTP Range request; a server that
+    ignores it sends everything again). Atomic: dest appears, by a rename, only when complete, and its size is checked
+    when the server gives one. Unreachable hosts raise a one-line DataError that names --url hint; the .part file
+    stays. Note: torch.hub.download_url_to_file does the same job but cannot resume a broken download (the TED archive
+    is 336 MB); this one can (tests: over HTTP and file://).
     """
-
-    # Note: torch.hub.download_url_to_file does the same job but cannot resume a broken
-    # download (the TED archive is 336 MB); this one can (tests: over HTTP and file://).
     dest = Path(dest)
     if dest.exists():
         return dest
@@ -954,11 +755,9 @@ def download(url, dest, hint="/path/to/the/file", timeout=30):
 def _opener(root):
     """open_text(name): a text stream of a file in folder root or in the tar(.gz) root.
 
-    A name also matches a member ending in "/name" (archives that add a top
-    folder or "./").  Nothing is extracted to disk.  errors="replace": one bad
-    byte must not stop a 336 MB run.
+    A name also matches a member ending in "/name" (archives that add a top folder or "./"). Nothing is extracted to
+    disk. errors="replace": one bad byte must not stop a 336 MB run.
     """
-
     root = Path(root)
     if root.is_dir():
         names, open_ = [str(p.relative_to(root)) for p in root.rglob("*")], lambda n: open(root / n, "rb")
@@ -1041,11 +840,10 @@ def _split_pairs(c, split, open_text):
 def prepare(name, out_dir=None, url=None, expected=None):
     """Downloads corpus NAME and writes out_dir/{train,dev,test}.{src,tgt}; returns out_dir.
 
-    url: an archive (for en-vi, a folder) as http(s)://, file:// or a local
-    path (read in place); default $NMT_DATA_MIRROR/<original file name>, else
-    CORPORA's url.  expected: {split: lines} replacing the papers' counts, all
-    checked exactly (for tests).  Skips everything when DIR/prepared.json says
-    it is done.  Raises DataError with a one-line message.
+    url: an archive (for en-vi, a folder) as http(s)://, file:// or a local path (read in place); default
+    $NMT_DATA_MIRROR/<original file name>, else CORPORA's url. expected: {split: lines} replacing the papers' counts,
+    all checked exactly (for tests). Skips everything when DIR/prepared.json says it is done. Raises DataError with a
+    one-line message.
     """
     if name not in CORPORA:
         raise DataError(f"unknown corpus {name!r}; choose from {', '.join(CORPORA)}")
@@ -1080,8 +878,8 @@ def prepare(name, out_dir=None, url=None, expected=None):
         for side in (0, 1):
             atomic_write(files[split][side], "".join(p[side] + "\n" for p in pairs))
         counts[split] = len(pairs)
-    # Exact counts must match; approximate ones (the papers' rounded numbers,
-    # or a pipeline we only approximate) print a warning when 2% or more off.
+    # Exact counts must match; approximate ones (the papers' rounded numbers, or a pipeline we only approximate) print
+    # a warning when 2% or more off.
     want, exact = (expected, SPLITS) if expected else (c["counts"], c["exact"])
     for split, n in counts.items():
         w = want.get(split)
@@ -1125,7 +923,6 @@ def _prepare_text(name, c, out, url):
 
 def prepare_main(argv=None):
     """CLI: python data.py prepare NAME [--dir DIR] [--url URL]; returns the exit status."""
-
     p = argparse.ArgumentParser(prog="data.py prepare",
                                 description="Download, check and lay out a corpus of the papers.")
     p.add_argument("name", metavar="NAME", choices=list(CORPORA), help=", ".join(CORPORA))
@@ -1145,12 +942,18 @@ def prepare_main(argv=None):
 
 
 # =======================================================================================
-# Appendix C: files. Reading lines exactly (one-line errors naming the file and line), writing
-# atomically (a temporary file with a unique name in the same folder, flushed to disk, then
-# renamed over the target: a kill at any moment leaves the old file or the new one, never half
-# of one, and two processes never share a temporary file), the encoding cache, and the share of
-# padding in a set of batches.
+# Appendix C: files and helpers. A corpus's file names; reading lines exactly (one-line errors naming the file and
+# line); writing atomically (a temporary file with a unique name in the same folder, flushed to disk, then renamed over
+# the target: a kill at any moment leaves the old file or the new one, never half of one, and two processes never
+# share a temporary file); the encoding cache; ids back to text, and a run's tokenizer; the share of padding in a set
+# of batches.
 # =======================================================================================
+def corpus_paths(data_dir, src, tgt):
+    """{split: (DIR/split.src, DIR/split.tgt)}, e.g. DIR/train.en, DIR/train.de."""
+    d = Path(data_dir)
+    return {s: (d / f"{s}.{src}", d / f"{s}.{tgt}") for s in SPLITS}
+
+
 def split_lines(raw, name):
     """UTF-8 bytes -> stripped lines, split on "\\n" only; DataError naming `name` and the line.
 
@@ -1213,6 +1016,21 @@ def load_or_encode(tok, pairs, cache_path, write_path=None):
     if write_path is not False:
         atomic_write(write_path or cache_path, blob)
     return enc
+
+
+def content_ids(ids):
+    """The ids up to the first EOS, without PAD and BOS: what a tokenizer turns back into text."""
+    ids = ids.tolist() if torch.is_tensor(ids) else ids
+    return [int(i) for i in itertools.takewhile(lambda i: i != EOS, ids) if i not in (PAD, BOS)]
+
+
+def load_tokenizer(proto, name="vocabulary"):
+    """The tokenizer of a run's vocabulary bytes: a WordVocab (section 8), or a sentencepiece Tokenizer."""
+    return WordVocab(proto) if bytes(proto).startswith(WordVocab.HEADER) else Tokenizer(name, model_proto=proto)
+
+
+def _lengths(encoded_pairs):
+    return [(len(x), len(y) + 1) for x, y in encoded_pairs]  # the decoder reads BOS + y: T = len(y) + 1
 
 
 def round_up(n, multiple):
