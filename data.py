@@ -15,7 +15,8 @@ Contents
   Appendix A: the built-in corpus, a synthetic language pair (no download)
   Appendix B: the papers' corpora: python data.py prepare NAME (download, check, lay out)
   Appendix C: files and helpers: the corpus's file names, reading lines exactly (the project's one line reader),
-              writing atomically (its one atomic writer), the encoding cache, loading a tokenizer, padding's share
+              writing atomically (its one atomic writer), the encoding cache, a language model's word vocabulary,
+              loading a tokenizer, padding's share
 
 Shapes: B sentences in a batch, S source length, T target length (after the BOS/EOS shift).
 
@@ -286,46 +287,14 @@ def length_percentile(encoded_pairs, q=97.5, count_bos_eos=False):
 
 # ---------------------------------------------------------------------------------------
 # 8. A language model's text ([2] Table 2, PTB): DIR/{train,dev,test}.txt, one sentence a line. Tokens are
-# whitespace words (--bpe-size 0, the vocabulary of the training text; PTB's own <unk> is UNK, and so is any word the
-# training text lacks) or the BPE of section 2. The sentences are joined into one stream, each followed by EOS, and
-# cut into non-overlapping segments of L tokens; a segment predicts each next token from the ones before it in the
-# segment only (no memory across segments: the baseline's mem_len 0):
+# whitespace words (--bpe-size 0: WordVocab in Appendix C, the training text's words; PTB's own <unk> is UNK, and so
+# is any word the training text lacks) or the BPE of section 2. The sentences are joined into one stream, each
+# followed by EOS, and cut into non-overlapping segments of L tokens; a segment predicts each next token from the
+# ones before it in the segment only (no memory across segments: the baseline's mem_len 0):
 #   stream  = EOS s_1 EOS s_2 EOS ... s_n EOS        (the first EOS: the first word is predicted too)
 #   input_i = stream[iL : (i+1)L],   target_i = stream[iL + 1 : (i+1)L + 1]     (last one PAD-padded)
 # Perplexity is exp(mean NLL) over every target, EOS included: n = words + sentences.
 # ---------------------------------------------------------------------------------------
-class WordVocab:
-    """--bpe-size 0: whitespace words, most frequent first, after our four special ids. Its bytes (`proto`, like the
-    sentencepiece model's) are a header and one word a line."""
-    HEADER, SPECIALS = b"words v1\n", ("<pad>", "<unk>", "<s>", "</s>")
-
-    def __init__(self, proto):
-        if not bytes(proto).startswith(self.HEADER):
-            raise DataError("not a word vocabulary written by data.WordVocab")
-        self.proto = bytes(proto)
-        self.words = list(self.SPECIALS) + self.proto[len(self.HEADER):].decode("utf-8").split("\n")
-        # A word that looks like a special token ("<s>" in the text) is an unknown word, not that id.
-        self.index = {w: i for i, w in enumerate(self.words) if i > EOS} | {"<unk>": UNK}
-        self.vocab_size = len(self.words)
-
-    @classmethod
-    def build(cls, lines):
-        counts = Counter(w for line in lines for w in line.split() if w not in cls.SPECIALS)
-        return cls(cls.HEADER + "\n".join(sorted(counts, key=lambda w: (-counts[w], w))).encode("utf-8"))
-
-    def encode(self, text):
-        """str -> [ids] (an unknown word is UNK); a list of str gives a list of lists."""
-        if not isinstance(text, str):
-            return [self.encode(t) for t in text]
-        return [self.index.get(w, UNK) for w in text.split()]
-
-    def decode(self, ids):
-        return " ".join(self.words[i] for i in content_ids(ids))
-
-    def piece(self, i):
-        return self.words[int(i)]
-
-
 def lm_stream(tok, lines):  # the banner's stream, a 1-D LongTensor: EOS, then each line's tokens followed by EOS
     return torch.tensor([EOS] + [i for seq in tok.encode(list(lines)) for i in seq + [EOS]], dtype=torch.long)
 
@@ -945,8 +914,8 @@ def prepare_main(argv=None):
 # Appendix C: files and helpers. A corpus's file names; reading lines exactly (one-line errors naming the file and
 # line); writing atomically (a temporary file with a unique name in the same folder, flushed to disk, then renamed over
 # the target: a kill at any moment leaves the old file or the new one, never half of one, and two processes never
-# share a temporary file); the encoding cache; ids back to text, and a run's tokenizer; the share of padding in a set
-# of batches.
+# share a temporary file); the encoding cache; ids back to text, a language model's word vocabulary, and a run's
+# tokenizer; the share of padding in a set of batches.
 # =======================================================================================
 def corpus_paths(data_dir, src, tgt):
     """{split: (DIR/split.src, DIR/split.tgt)}, e.g. DIR/train.en, DIR/train.de."""
@@ -1022,6 +991,38 @@ def content_ids(ids):
     """The ids up to the first EOS, without PAD and BOS: what a tokenizer turns back into text."""
     ids = ids.tolist() if torch.is_tensor(ids) else ids
     return [int(i) for i in itertools.takewhile(lambda i: i != EOS, ids) if i not in (PAD, BOS)]
+
+
+class WordVocab:
+    """--bpe-size 0: whitespace words, most frequent first, after our four special ids. Its bytes (`proto`, like the
+    sentencepiece model's) are a header and one word a line."""
+    HEADER, SPECIALS = b"words v1\n", ("<pad>", "<unk>", "<s>", "</s>")
+
+    def __init__(self, proto):
+        if not bytes(proto).startswith(self.HEADER):
+            raise DataError("not a word vocabulary written by data.WordVocab")
+        self.proto = bytes(proto)
+        self.words = list(self.SPECIALS) + self.proto[len(self.HEADER):].decode("utf-8").split("\n")
+        # A word that looks like a special token ("<s>" in the text) is an unknown word, not that id.
+        self.index = {w: i for i, w in enumerate(self.words) if i > EOS} | {"<unk>": UNK}
+        self.vocab_size = len(self.words)
+
+    @classmethod
+    def build(cls, lines):
+        counts = Counter(w for line in lines for w in line.split() if w not in cls.SPECIALS)
+        return cls(cls.HEADER + "\n".join(sorted(counts, key=lambda w: (-counts[w], w))).encode("utf-8"))
+
+    def encode(self, text):
+        """str -> [ids] (an unknown word is UNK); a list of str gives a list of lists."""
+        if not isinstance(text, str):
+            return [self.encode(t) for t in text]
+        return [self.index.get(w, UNK) for w in text.split()]
+
+    def decode(self, ids):
+        return " ".join(self.words[i] for i in content_ids(ids))
+
+    def piece(self, i):
+        return self.words[int(i)]
 
 
 def load_tokenizer(proto, name="vocabulary"):

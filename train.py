@@ -19,7 +19,7 @@ Contents
   5. End of an epoch: dev BLEU, validation decay, stopping, checkpoints; the final test
   Appendix A: main(), the flags (python train.py --help), and the model's configuration from them
   Appendix B: presets, the papers' table rows as named sets of flags (--preset NAME)
-  Appendix C: speed and the log: FLOPs, MFU, log lines, batch-norm diagnostics, --benchmark, --profile
+  Appendix C: speed and the log: FLOPs, MFU, log lines, divergence, batch-norm diagnostics, --benchmark, --profile
   Appendix D: this process (threads, seeds, device), and several (torchrun, DistributedDataParallel)
   Appendix E: the run directory: one run, checked, locked; checkpoints; --resume
   Appendix F: the corpus into the run directory: read, BPE, encode (data.py does each)
@@ -303,10 +303,6 @@ def train(args):  # main() (Appendix A) calls it with the checked flags
     return result
 
 
-class Diverged(Exception):
-    """The training loss became NaN or infinite."""
-
-
 def train_loop(run):
     args, s = run.args, run.state
     total = min(args.max_epochs * args.epoch_size, args.max_steps or math.inf)
@@ -332,16 +328,9 @@ def train_loop(run):
 
 
 # ---------------------------------------------------------------------------------------
-# 5. End of an epoch: dev perplexity and BLEU, validation decay, stopping, checkpoints (rank 0).
+# 5. End of an epoch: dev perplexity and BLEU, validation decay, stopping, checkpoints (rank 0). A diverged
+# run (diverged, Appendix C) stops with its last good checkpoint.
 # ---------------------------------------------------------------------------------------
-def diverged(run, what):
-    """Stop the run as diverged: one line saying what and where the last good checkpoint is."""
-    last = run.dir / "checkpoint_last.pt"
-    run.state.stopped = (f"diverged: {what} (try a smaller --lr, --prenorm, --init small or more --warmup); "
-                         + (f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"))
-    run.log("error: " + run.state.stopped)
-
-
 def dev_score(run):
     """Rank 0: (score, dev loss, dev NLL, dev tokens). The score is dev BLEU, or minus a language
     model's dev perplexity (higher is better for both); None when the model diverged: a checkpoint is
@@ -912,8 +901,8 @@ def print_presets():
 
 # =======================================================================================
 # Appendix C: speed and the log. Model FLOPs, the machine's own matmul throughput (MFU), the log
-# line, the batch norms' diagnostics, --benchmark, --profile, and keeping freed memory. Figures
-# are printed, never asserted.
+# line (StepLog), a diverged run, the batch norms' diagnostics, --benchmark, --profile, and keeping
+# freed memory. Figures are printed, never asserted.
 # =======================================================================================
 def step_flops(cfg, B, S, T, out_vocab=None):
     """Training FLOPs of one step on a (B, S) source / (B, T) target batch, padding included.
@@ -1097,6 +1086,18 @@ def keep_freed_memory():
         libc.mallopt(m_top_pad, 64 << 20)
     except (OSError, AttributeError):
         pass
+
+
+class Diverged(Exception):
+    """The training loss became NaN or infinite."""
+
+
+def diverged(run, what):
+    """Stop the run as diverged: one line saying what and where the last good checkpoint is."""
+    last = run.dir / "checkpoint_last.pt"
+    run.state.stopped = (f"diverged: {what} (try a smaller --lr, --prenorm, --init small or more --warmup); "
+                         + (f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"))
+    run.log("error: " + run.state.stopped)
 
 
 def append_metrics(run, record):
