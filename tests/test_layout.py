@@ -35,3 +35,22 @@ def test_imports_run_one_way_so_there_is_no_cycle():
     for i, name in enumerate(ORDER):
         for m, line, _ in project_imports(name):
             assert ORDER.index(m) < i, f"{name}.py:{line} imports {m}, which comes after it in the reading order"
+
+
+def main_text(name):
+    """The lines above the file's first `# Appendix` line: what a first reading goes through."""
+    lines = (ROOT / f"{name}.py").read_text(encoding="utf-8").splitlines()
+    return lines[:next(i for i, line in enumerate(lines) if line.startswith("# Appendix"))]
+
+
+def test_the_main_text_stays_a_course_not_a_codebase():
+    """The five main texts together stay under 2,000 lines (a course a student reads through); no function
+    is over 60 lines but the flag parsers; nothing points at files a user of the repository does not have."""
+    sizes = {name: len(main_text(name)) for name in ORDER}
+    assert sum(sizes.values()) <= 2000, f"main text {sum(sizes.values())} lines: {sizes}"
+    for name in ORDER:
+        src = (ROOT / f"{name}.py").read_text(encoding="utf-8")
+        assert "../shared" not in src and "REFERENCE.md" not in src, name
+        long = [f"{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(ast.parse(src))
+                if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno >= 60 and n.name != "build_parser"]
+        assert not long, f"{name}.py: " + ", ".join(long)
