@@ -72,7 +72,8 @@ NEG_INF = float("-inf")
 # ---------------------------------------------------------------------------------------
 # 1. Incremental decoding: encode the source once, then one output token per step. Each decoder layer's
 # self-attention keys/values are cached and the new step's appended, so the prefix is never recomputed; each
-# layer's cross-attention keys/values are computed once. DecoderCache carries them, one row per hypothesis.
+# layer's cross-attention keys/values are computed once. DecoderCache carries them, one row per hypothesis
+# (the layers append to the cache in model.py's cached_self_attention, Appendix D).
 # ---------------------------------------------------------------------------------------
 @dataclass
 class DecoderCache:
@@ -1017,9 +1018,8 @@ def build_parser():
                          "(PowerNorm's released script: 5; its paper: 10); floats are averaged, integer/bool "
                          "buffers copied")
     ev.add_argument("--ppl", action="store_true",
-                    help="with --ref: also print the label-smoothed and plain perplexity (teacher forced, [1] Table 8)"
-                         "; "
-                         "a language model: the perplexity of the text of --input (or stdin)")
+                    help="with --ref: also print the label-smoothed and plain perplexity (teacher forced, "
+                         "[1] Table 8); a language model: the perplexity of the text of --input (or stdin)")
     ev.add_argument("--label-smoothing", type=float, default=None,
                     help="epsilon for --ppl (default: the checkpoint's training value, else 0.1)")
     ev.add_argument("--compare", nargs=2, metavar=("BASELINE", "SYSTEM"),

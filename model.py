@@ -262,7 +262,8 @@ class DecoderLayer(nn.Module):
 # that are not in the target's vocabulary at the final output layer before softmax, by setting their logits to -inf."
 #   input:   x_emb = E[w] * sqrt(D) + PE(pos), then dropout
 #   output:  logits = h E^T + b + m,   m_w = 0 if w is a target word else -inf
-# FixNorm: E's rows of unit length; PreNorm + ScaleNorm's final norm makes ||h|| = g: logit_w = g cos(h, e_w) + b_w.
+# FixNorm: E's rows of unit length; PreNorm + ScaleNorm's final norm makes ||h|| = g: logit_w = g cos(h, e_w) + b_w
+# ([1] eq. 6).
 # A language model (cfg.lm, [2] Table 2) is this decoder with nothing to attend to (no encoder, no cross-attention),
 # the same embeddings, norms, residuals and output layer:   p(w_t | w_<t) = softmax(h_t E^T + b)_w
 # ---------------------------------------------------------------------------------------

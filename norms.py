@@ -454,7 +454,8 @@ def all_reduce_sum(*tensors):
 #             dist(a, b) = ||a - b|| / D  ([2] section 3.1): dist_mu, dist_sigma2 (BN), dist_psi2
 #   backward: the norm of the part of dL/dx_i that each batch statistic contributes, averaged over
 #             the real tokens: g_mu, g_sigma2 (BN, eq. 3), g_psi2 (PN-V, eq. 6); for PN, whose
-#             statistics get no gradient, the nu X^ term of eqs. 11-12 (g_nu)
+#             statistics get no gradient, the nu X^ term of eqs. 11-12 (g_nu, computed in the forward:
+#             nu_{t-1} is known there)
 # =======================================================================================
 def dist(a, b):
     return (torch.linalg.vector_norm(a.detach() - b) / a.numel()).item()

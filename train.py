@@ -281,8 +281,9 @@ def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
     model = Transformer(cfg, allowed).to(device)
     log(f"model: {count_parameters(model) / 1e6:.2f}M parameters, {'PreNorm' if cfg.prenorm else 'PostNorm'}, "
         f"norm={cfg.encoder_norm or cfg.norm}/{cfg.decoder_norm or cfg.norm}, fixnorm={cfg.fixnorm}, "
-        f"init={cfg.init}, qknorm={cfg.qknorm}, device={device}{' bf16' if bf16 else ''}, threads={torch.get_num_threads()}"
-        + (f", {dist.get_world_size()} ranks" if dist.is_initialized() else "") + (", --reference" if args.reference else ""))
+        f"init={cfg.init}, qknorm={cfg.qknorm}, device={device}{' bf16' if bf16 else ''}, "
+        f"threads={torch.get_num_threads()}" + (f", {dist.get_world_size()} ranks" if dist.is_initialized() else "")
+        + (", --reference" if args.reference else ""))
     adam = torch.optim.AdamW if args.weight_decay > 0 else torch.optim.Adam
     optimizer = adam(model.parameters(), lr=0.0, betas=(args.beta1, args.beta2), eps=args.adam_eps,
                      weight_decay=args.weight_decay, fused=True if device.type == "cuda" else None)
@@ -306,7 +307,7 @@ def train(args):  # main() (Appendix A) calls it with the checked flags
 def train_loop(run):
     args, s = run.args, run.state
     total = min(args.max_epochs * args.epoch_size, args.max_steps or math.inf)
-    with StepLog(run, total) as log:  # Appendix C: the progress bar, log lines, metrics.jsonl, MFU
+    with StepLog(run, total) as step_log:  # Appendix C: the progress bar, log lines, metrics.jsonl, MFU
         while s.step < total and not s.stopped:
             batches = run.next_batches()
             s.step += 1
@@ -314,10 +315,10 @@ def train_loop(run):
             # Appendix C's diagnostics at log steps (not under --compile: they read values mid-graph)
             track_batch_statistics(run.model, s.step % args.log_interval == 0 and not args.compile)
             loss, nll, gnorm, n_tgt = train_step(run.net, run.optimizer, batches, lr, run.step_options)
-            log.step(batches, lr, loss, nll, gnorm, n_tgt)  # may stop the run: a non-finite loss
+            step_log.step(batches, lr, loss, nll, gnorm, n_tgt)  # may stop the run: a non-finite loss or gradient norm
             if not s.stopped and (s.step % args.epoch_size == 0 or s.step == total):
                 end_of_epoch(run)
-                log.evaluated()
+                step_log.evaluated()
     if not s.stopped and s.step >= total:  # the budget, recorded in results.json
         s.stopped = (f"--max-steps {args.max_steps} reached" if args.max_steps and s.step >= args.max_steps
                      else f"--max-epochs {args.max_epochs} reached")
@@ -417,6 +418,7 @@ def finish(run):
               # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd)
               "embedding_singular_values": decode.singular_values(run.model)}
     decode.print_g_table(run.model)  # [1] Figures 3-4: learned g versus depth
+    save_g_values(run)  # Appendix E: g_values.json, before the test (a stopped test leaves it)
     if args.task == "lm":  # the field's test perplexity: every target token, EOS included, no smoothing
         ppl = decode.lm_perplexity(run.model, run.tokenizer, run.pairs["test"], args.seq_len, args.batch_tokens,
                                    run.step_options.bf16)
@@ -435,7 +437,7 @@ def finish(run):
         result.update(test_bleu=score.score, test_signature=score.signature)
         run.log(f"test BLEU (best checkpoint, step {ckpt['step']}, beam {args.beam}, {args.length_penalty} length "
                 f"penalty alpha {args.alpha}): {score.score:.2f}  {score.signature}")
-    write_results(run, result)  # Appendix E: results.json, g_values.json, metrics.jsonl's last record
+    write_results(run, result)  # Appendix E: results.json, metrics.jsonl's last record
     return result
 
 
@@ -1127,7 +1129,8 @@ class StepLog:
         self.n_out = output_columns(run.model)
         run.log(f"speed: dense {args.d_model}x{args.ff} matmul runs at {self.matmul_peak / 1e9:.1f} GFLOP/s here "
                 f"(MFU's denominator)")
-        self.bar = Progress(TextColumn("[bold]train[/]"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+        self.bar = Progress(TextColumn("[bold]train[/]"), BarColumn(),
+                            TextColumn("{task.completed}/{task.total} steps"),
                             TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
                             console=run.console, disable=not run.console.is_terminal)
         self.win = dict.fromkeys(("loss", "nll", "tok", "flops", "t", "gnorm", "n"), 0.0)
@@ -1221,10 +1224,9 @@ def track_batch_statistics(model, on):
 
 # =======================================================================================
 # Appendix D: this process (threads, seeds, device), and several processes. torchrun sets
-# WORLD_SIZE/RANK/LOCAL_RANK: PyTorch's
-# DistributedDataParallel, gloo on the CPU and NCCL on CUDA. Each step's batches are sharded by
-# rank (Run.next_batches); the batch norms sum their statistics over the ranks (norms.py
-# Appendix A); rank 0 alone evaluates, logs and writes, and shares its dev BLEU.
+# WORLD_SIZE/RANK/LOCAL_RANK: PyTorch's DistributedDataParallel, gloo on the CPU and NCCL on CUDA.
+# Each step's batches are sharded by rank (Run.next_batches); the batch norms sum their statistics
+# over the ranks (norms.py Appendix A); rank 0 alone evaluates, logs and writes, and shares its dev BLEU.
 # =======================================================================================
 def start_process(args):
     """(rank, world size, device, bf16, console) of this process: --threads, --reference, the
@@ -1275,7 +1277,8 @@ def wrap_model(model, args, world, device):
     and/or torch.compile (Appendix C) around the model; checkpoints save `model` itself."""
     net = model
     if world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ids = [device.index] if device.type == "cuda" else None
+        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     return compile_model(net) if args.compile else net
 
 
@@ -1339,11 +1342,15 @@ def save_checkpoints(run, improved):
     write_file(run.dir / "checkpoint_last.pt", ckpt)
 
 
-def write_results(run, result):
+def save_g_values(run):
     try:
         decode.save_g_values(run.model, run.dir / "g_values.json")
     except OSError as e:
         raise data.DataError(f"{run.dir / 'g_values.json'}: cannot write it ({e.strerror})") from None
+
+
+def write_results(run, result):
+    """results.json and metrics.jsonl's "final" record (rank 0)."""
     run.metrics({"final": result})
     write_file(run.dir / "results.json", json.dumps(result, indent=2) + "\n")
 
@@ -1485,8 +1492,9 @@ def open_run_dir(args, pairs, log, stack, master):
                 raise data.DataError(f"--resume {run_dir}: the run is already past --{flag.replace('_', '-')} "
                                      f"{getattr(args, flag)} ({done}): nothing to train; give a larger one to continue")
         if why := still_stopped(args, ckpt["train_state"]):
+            fix = "a smaller --stop-lr" if "--stop-lr" in why else "a larger --early-stop (0: off)"
             raise data.DataError(f"--resume {run_dir}: the run stopped ({why}) and would stop again at once: nothing "
-                                 f"to train; give a smaller --stop-lr or a larger --early-stop (0: off) to continue")
+                                 f"to train; give {fix} to continue")
         fixed = {k: v for k, v in ckpt["args"].items() if k not in RESUME_MAY_CHANGE and k not in NOT_FLAGS}
         edited = [f"{k} ({v!r} in the checkpoint, {getattr(args, k)!r} in config.json)" for k, v in fixed.items()
                   if hasattr(args, k) and getattr(args, k) != v]
@@ -1637,6 +1645,7 @@ def interrupted(args):
         return (f"interrupted before the run's first checkpoint (one every --epoch-size {args.epoch_size} steps): "
                 f"nothing to resume; start it again with the same command and --overwrite")
     return "interrupted before the run started: nothing was written; start it again with the same command"
+
 
 # =======================================================================================
 # Appendix F: the corpus into the run directory. Read every split (data.py), train the joint BPE

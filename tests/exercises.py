@@ -18,8 +18,6 @@ check calls one exercise's code on fixed inputs and runs the project's own code 
 blank in one exercise fails that exercise alone; grading runs with every fast path off
 (norms.use_reference), so the code the student writes is the code that runs.
 """
-import math
-import os
 import re
 import shutil
 import sys

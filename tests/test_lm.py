@@ -8,7 +8,6 @@ perplexity is decode.py's; a killed language model resumes exactly; bad input is
 """
 import hashlib
 import json
-import math
 
 import pytest
 import torch

@@ -232,8 +232,8 @@ def test_residual_computes_eq2_and_eq3():
 # Every configuration trains
 # ---------------------------------------------------------------------------------------
 def smoothed_ce(logits, target, allowed, eps):
-    """Label smoothing over the allowed types only (REFERENCE: "Label smoothing spreads
-    epsilon over the allowed types only"), mean over non-pad targets."""
+    """Label smoothing over the allowed types only (the TwT code, tnq177/transformers_without_tears,
+    spreads epsilon over the target vocabulary), mean over non-pad targets."""
     lp = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
     nll = -lp.gather(-1, target[..., None])[..., 0]
     smooth = -lp.masked_fill(~allowed, 0.0).sum(-1) / allowed.sum()

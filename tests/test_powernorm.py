@@ -136,7 +136,8 @@ def test_group_scaling_equals_formula_and_gives_unit_rms_per_group(groups):
 # ---------------------------------------------------------------------------------------
 class RefPN:
     """PN Algorithm 2 / eqs. 8-13, token by token, with the warmup of appendix A; the
-    "code" variant with the released code's three departures (REFERENCE.md)."""
+    "code" variant with the released code's three departures (norms.py Appendix D;
+    sIncerass/powernorm, fairseq/modules/norms/mask_powernorm.py)."""
 
     def __init__(self, D, warmup, alpha_fwd, alpha_bkw, eps, variant):
         self.phi = torch.ones(D, dtype=F64)  # running psi^2
@@ -213,7 +214,7 @@ def test_powernorm_matches_algorithm_2_step_by_step_across_warmup(variant):
         norm.zero_grad()
 
 
-def test_the_two_variants_differ_only_where_reference_md_says():
+def test_the_two_variants_differ_only_where_the_released_code_departs():
     """Same batches: outputs agree during warmup; the gradients part once nu or phi do."""
     gen = torch.Generator().manual_seed(5)
     B, T, D, W = 2, 5, 4, 2

@@ -33,7 +33,7 @@ def test_invsqrt_schedule_equals_eq7(step):
 
 
 def test_invsqrt_peaks_at_warmup_with_the_papers_value():
-    # [1] / REFERENCE: d 512, warmup 8000, lambda 1 peaks at about 4.94e-4.
+    # [1] eq. 7 (and the QKNorm configs' peak): d 512, warmup 8000, lambda 1 peaks at about 4.94e-4.
     lrs = [train.inverse_sqrt_lr(n, 512, 8000, 1.0) for n in range(0, 20001, 50)]
     assert max(lrs) == pytest.approx(train.inverse_sqrt_lr(8000, 512, 8000, 1.0))
     assert train.inverse_sqrt_lr(8000, 512, 8000, 1.0) == pytest.approx(4.94e-4, rel=2e-3)
