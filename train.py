@@ -253,8 +253,8 @@ def setup(args, stack):
     rank, world, device, bf16, console = start_process(args)  # Appendix D: threads, seeds, torchrun's ranks
     log = partial(log_line, console)
     pairs, langs = read_corpus(args, log)  # Appendix F
-    run_dir, ckpt, stage = open_run_dir(args, pairs, log, stack, rank == 0)  # Appendix E: checked, not yet changed
-    with rank0_first(rank, world):  # Appendix D: the other ranks read what rank 0 prepares and commits
+    with rank0_first(rank, world):  # Appendix D: the other ranks read what rank 0 checks, prepares and commits
+        run_dir, ckpt, stage = open_run_dir(args, pairs, log, stack, rank == 0)  # Appendix E: checked, not changed
         tokenizer, train, dev, unfiltered = prepare_data(args, pairs, run_dir, stage, log, ckpt)  # Appendix F
         model, optimizer = build_model(args, tokenizer, train, unfiltered, device, bf16, log)
         # Word dropout draws from its own generator, on the device the batches live on.
@@ -1263,13 +1263,25 @@ def start_process(args):
 
 @contextlib.contextmanager
 def rank0_first(rank, world):
-    """Under torchrun, what runs inside runs on rank 0 first: it prepares the BPE model and the
-    caches and commits the run directory; the other ranks then read them."""
-    if world > 1 and rank != 0:
-        dist.barrier()
-    yield
-    if world > 1 and rank == 0:
-        dist.barrier()
+    """Under torchrun, what runs inside runs on rank 0 first: it checks the run directory, prepares the
+    BPE model and the caches and commits the run directory; the other ranks then read them. When rank 0
+    refuses (one line, from it), the other ranks stop too, instead of waiting for it for ever."""
+    if world == 1:
+        yield
+        return
+    if rank != 0:
+        refused = [None]
+        dist.broadcast_object_list(refused, src=0)  # waits for rank 0's verdict
+        if refused[0]:
+            raise SystemExit(1)
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        dist.broadcast_object_list([True], src=0)
+        raise
+    dist.broadcast_object_list([False], src=0)
 
 
 def wrap_model(model, args, world, device):

@@ -305,6 +305,16 @@ def test_train_py_under_torchrun_with_two_processes(tmp_path):
     assert not list(run.glob("*.tmp"))
     ckpt = torch.load(run / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert ckpt["step"] == 6
+    # The same command again: rank 0 refuses (the directory holds a run), and rank 1 stops with it, not
+    # waiting for rank 0 for ever; nothing changes.
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
+    cmd[cmd.index("--master_port") + 1] = str(free_port())
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=dist_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a refused start under torchrun did not end in {TIMEOUT_S}s (a rank waiting for rank 0)")
+    assert p.returncode != 0 and (p.stdout + p.stderr).count("already holds a run") == 1, p.stdout + p.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
