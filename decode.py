@@ -382,9 +382,8 @@ def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, 
 # compute both corpus BLEUs on each. The spread of a system's BLEU over the draws gives its 95% confidence
 # interval; how often the difference is as large as the real one, once the draws are centred on "no difference",
 # gives the p-value:   p = (#{s : |d_s| - mean_s |d_s| > |BLEU_sys - BLEU_base|} + 1) / (n_samples + 1)
-# Note: we call SacreBLEU's own implementation (sacrebleu.significance.PairedTest, test_type="bs", the Moses
-# bootstrap-hypothesis-difference-significance.pl port), not a rewrite; the CI is mean +- half the width of the
-# 2.5%..97.5% percentile range.
+# Note: we call SacreBLEU's own implementation (sacrebleu.significance.PairedTest, test_type="bs", a port of Moses'
+# bootstrap-hypothesis-difference-significance.pl); the CI is mean +- half the 2.5%..97.5% percentile range.
 # =======================================================================================
 @contextlib.contextmanager
 def _sacrebleu_seed(seed):
@@ -401,10 +400,10 @@ def _sacrebleu_seed(seed):
 
 
 def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=12345, already_tokenized=False):
-    """Paired bootstrap test of system vs baseline on corpus BLEU -> dict with "baseline" and "system" ({"bleu",
-    "mean", "ci", "ci_low", "ci_high"}: the real BLEU, the bootstrap mean, the 95% half-width), "p_value", "delta"
-    (system - baseline), "n_samples", "signature", "identical" (line-for-line equal outputs) and "undecidable" (why
-    p is 1, see below; "" otherwise). Note: SacreBLEU treats seed 0 as no seed."""
+    """Paired bootstrap test of system vs baseline on corpus BLEU -> dict: "baseline", "system" ({"bleu", "mean",
+    "ci", "ci_low", "ci_high"}: real BLEU, bootstrap mean, 95% half-width), "p_value", "delta" (system - baseline),
+    "n_samples", "signature", "identical" (line-for-line equal), "undecidable" (why p is 1, see below; else "").
+    Note: SacreBLEU treats seed 0 as no seed."""
     base, sys_, refs = list(baseline_hyps), list(system_hyps), list(refs)
     if not (len(base) == len(sys_) == len(refs)):
         raise DataError(f"line counts differ: baseline {len(base)}, system {len(sys_)}, references {len(refs)}")
@@ -452,9 +451,8 @@ def compare(args):
     result = paired_bootstrap(base, system, refs, args.samples, args.seed, args.tokenized)
     Console().print(bootstrap_table(result, names=(base_path, sys_path)))
     print(result["signature"])
-    verdict = f"{'' if result['p_value'] < 0.05 else 'not '}significant at 0.05"
-    if result["undecidable"]:
-        verdict = f"not significant: {result['undecidable']}, so there is no difference to test"
+    verdict = (f"not significant: {result['undecidable']}, so there is no difference to test" if result["undecidable"]
+               else f"{'' if result['p_value'] < 0.05 else 'not '}significant at 0.05")
     print(f"delta {result['delta']:+.2f} BLEU, p = {result['p_value']:.4f} ({verdict})")
     return 0
 
@@ -462,12 +460,11 @@ def compare(args):
 # =======================================================================================
 # Appendix B: checkpoints (written by train.py): reading one safely (read_checkpoint), a run directory's
 # (load_checkpoint), and their average [2]:   theta_avg = (1/N) sum_{i=1..N} theta_i   over the last N epochs.
-# Paper [2] (section 5.1) averages the last 10 checkpoints; Code [2]: the released script averages the last 5
-# epoch checkpoints (fairseq's average_checkpoints.py). Averaging nearby points of one run acts like an ensemble
-# at the cost of one model. Only floating-point tensors are averaged; integer and bool buffers are copied from the
-# last checkpoint: PowerNorm's num_batches_tracked (a long) decides whether the layer still uses batch statistics,
-# and a mean of counters is not a count (Code: fairseq's averaging crashes on that int buffer); the
-# target-vocabulary mask `allowed` is a bool.
+# Paper [2] (section 5.1) averages the last 10 checkpoints; Code [2]: its script averages the last 5 epoch
+# checkpoints (fairseq's average_checkpoints.py). Nearby points of one run averaged act like an ensemble at the cost
+# of one model. Only floating-point tensors are averaged; integer and bool buffers come from the last checkpoint:
+# PowerNorm's num_batches_tracked (a long) decides whether the layer still uses batch statistics, and a mean of
+# counters is not a count (Code: fairseq's averaging crashes on it); the target-vocabulary mask `allowed` is a bool.
 # =======================================================================================
 def read_checkpoint(path, device="cpu"):
     """torch.load(weights_only=True) of one checkpoint file, with its checks; DataError naming it. A checkpoint
@@ -491,10 +488,9 @@ def read_checkpoint(path, device="cpu"):
 
 
 def average_checkpoints(paths):
-    """Checkpoint files (oldest first) -> one checkpoint dict whose "model" is their average. Everything else
-    comes from the last file, less its "optimizer" and "rng" (they belong to the last weights, not the average: do
-    not resume from it); "averaged_from" lists the files. Sums in float64, one file in memory at a time. DataError
-    if the files do not hold the same model or come from different runs ("run_id")."""
+    """Checkpoint files (oldest first) -> one checkpoint dict whose "model" is their average; the rest is the last
+    file's, less "optimizer" and "rng" (they belong to its weights: do not resume from it); "averaged_from" lists the
+    files. Sums in float64, one file in memory at a time. DataError if the models or runs ("run_id") differ."""
     paths = [Path(x) for x in paths]
     if not paths:
         raise DataError("average_checkpoints: no checkpoint files given")
@@ -596,14 +592,12 @@ def g_values(model):
         elif parts[0] in ("enc_final_norm", "dec_final_norm"):
             stack = "encoder" if parts[0].startswith("enc") else "decoder"
             layer = len(model.encoder if stack == "encoder" else model.decoder)
-            sub = "final"
-            if stack == "decoder" and model.cfg.fixnorm:
-                sub = "final (temp.)"  # FixNorm: logit = g cos(h, e_w) + b_w
+            # FixNorm: logit = g cos(h, e_w) + b_w
+            sub = "final (temp.)" if stack == "decoder" and model.cfg.fixnorm else "final"
         else:
             stack, layer, sub = "-", -1, parts[0]
         kind = "QKNorm" if isinstance(owner, MultiHeadAttention) else type(owner).__name__
-        out.append({"name": name, "stack": stack, "layer": layer, "sublayer": sub, "kind": kind,
-                    "value": value})
+        out.append({"name": name, "stack": stack, "layer": layer, "sublayer": sub, "kind": kind, "value": value})
     return sorted(out, key=lambda r: (r["stack"] != "encoder", r["layer"]))  # encoder first, by depth (stable)
 
 
@@ -625,14 +619,9 @@ def g_table(model, bar_width=12):
 
 
 def print_g_table(model, console=None):
-    """Prints the g table on console (a rich Console; None: a new one on stdout), or one line saying there is no
-    scalar g (LayerNorm without QKNorm)."""
-    console = console or Console()
+    """Prints the g table on console (a rich Console; None: a new one on stdout), or a line saying there is none."""
     table = g_table(model)
-    if table is None:
-        console.print("no scalar g in this model (no ScaleNorm and no QKNorm)")
-    else:
-        console.print(table)
+    (console or Console()).print("no scalar g in this model (no ScaleNorm and no QKNorm)" if table is None else table)
 
 
 def save_g_values(model, path):
@@ -643,10 +632,9 @@ def save_g_values(model, path):
 
 
 # ---------------------------------------------------------------------------------------
-# The embedding's singular values ([2] Figure 6, after Gao et al. 2019): sigma_1 >= ... of the
-# learned embedding matrix E (V, D), divided by sigma_1. Slow decay: the embeddings use more
-# directions of the space. Note: the parameter E as trained; with --fixnorm the model reads its rows
-# normalised to unit length, and E's own row lengths are what FixNorm leaves free.
+# The embedding's singular values ([2] Figure 6, after Gao et al. 2019): sigma_1 >= ... of the learned embedding
+# matrix E (V, D), divided by sigma_1. Slow decay: the embeddings use more directions of the space. Note: E as
+# trained; with --fixnorm the model reads its rows normalised to unit length (their lengths are left free).
 # ---------------------------------------------------------------------------------------
 def singular_values(model):
     """sigma_i / sigma_1 of the embedding matrix, largest first (a list of min(V, D) floats)."""
@@ -662,8 +650,7 @@ def future_leak(model, segments, t=None, seed=0):
     """One batch of segments, then the same with every token after position t replaced at random; the batch
     norms as in training (batch statistics, running ones updated on a copy), dropout off. Returns the mean
     |change| of log p(next token) at positions <= t, and those positions' perplexity before and after."""
-    L = segments.x.size(1)
-    t = L // 2 - 1 if t is None else t
+    t = segments.x.size(1) // 2 - 1 if t is None else t
     x, y = segments.x, segments.y
     changed = x.clone()
     changed[:, t + 1:] = torch.randint(4, model.cfg.vocab_size, changed[:, t + 1:].shape,
@@ -684,18 +671,14 @@ def future_leak(model, segments, t=None, seed=0):
 
 
 # ---------------------------------------------------------------------------------------
-# Attention heatmaps ([3] Figures 1-2: attention weights with and without QKNorm).
-#
-# One teacher-forced forward of (x, BOS y) with keep_weights on the chosen module: its
-# written-out path stores softmax(scores) (B, H, Tq, Tk) as last_weights; we take head h.
+# Attention heatmaps ([3] Figures 1-2: attention weights with and without QKNorm). One teacher-forced forward of
+# (x, BOS y) with keep_weights on the chosen module: its written-out path stores softmax(scores) (B, H, Tq, Tk) as
+# last_weights; we take head h.
 #   kind "enc":   encoder self-attention    rows = cols = source pieces x_1..x_S
-#   kind "dec":   decoder self-attention    rows = cols = decoder inputs BOS, y_1..y_m
-#                 (causal: row t has zeros right of the diagonal)
-#   kind "cross": decoder-encoder attention rows = the piece each position predicts,
-#                 y_1..y_m, EOS; cols = source pieces
-# Note: decoder row t reads input y_{t-1} (BOS at t = 1) and predicts y_t. For "cross" we
-# label rows with the predicted piece, so that a row shows where the model looked to
-# write that piece (an alignment); for "dec" both axes are the same input positions.
+#   kind "dec":   decoder self-attention    rows = cols = decoder inputs BOS, y_1..y_m (causal: 0 right of diagonal)
+#   kind "cross": decoder-encoder attention rows = the piece each position predicts, y_1..y_m, EOS; cols = source
+# Note: decoder row t reads input y_{t-1} (BOS at t = 1) and predicts y_t. For "cross" rows are labelled with the
+# predicted piece, so a row shows where the model looked to write it (an alignment); for "dec" both axes are inputs.
 # ---------------------------------------------------------------------------------------
 def _attention_module(model, kind, layer):
     stacks = {"enc": (model.encoder, "self_attn"), "dec": (model.decoder, "self_attn"),
@@ -711,10 +694,9 @@ def _attention_module(model, kind, layer):
 
 @torch.no_grad()
 def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0, kind="cross"):
-    """One attention map -> (weights (Tq, Tk) float tensor on CPU, rows summing to 1, query_tokens, key_tokens):
-    teacher-forced on tgt_line, or on the model's own greedy translation when it is None. Tokens are BPE pieces,
-    the labels of the rows and columns (see above). The module's keep_weights and last_weights, and the model's
-    train/eval mode, are restored afterwards."""
+    """One attention map -> (weights (Tq, Tk) float CPU tensor, rows summing to 1, query_tokens, key_tokens),
+    teacher-forced on tgt_line, else on the model's greedy translation. Tokens: BPE pieces labelling rows and columns
+    (see above). The module's keep_weights and last_weights and the model's train/eval mode are restored after."""
     module = _attention_module(model, kind, layer)
     if not 0 <= head < model.cfg.heads:
         raise DataError(f"--head {head}: the model has heads 0..{model.cfg.heads - 1}")
@@ -756,15 +738,12 @@ def render_heatmap(weights, rows, cols, max_label=8):
     w = torch.as_tensor(weights, dtype=torch.float32)
     if w.dim() != 2 or w.shape != (len(rows), len(cols)):
         raise ValueError(f"weights {tuple(w.shape)} do not match {len(rows)} rows x {len(cols)} columns")
-    rlab = [_label(r, max_label) for r in rows]
-    clab = [_label(c, max_label) for c in cols]
+    rlab, clab = [_label(r, max_label) for r in rows], [_label(c, max_label) for c in cols]
     rw = max([len(r) for r in rlab] + [1])
     lines = [" " * rw + " | " + " ".join(clab)]
     for r, row in zip(rlab, w.tolist()):
-        cells = []
-        for c, v in zip(clab, row):
-            ch = SHADES[min(len(SHADES) - 1, max(0, round(v * (len(SHADES) - 1))))]
-            cells.append(ch * len(c))  # the shade, as wide as its column's label
+        # each cell the shade, as wide as its column's label
+        cells = [SHADES[min(len(SHADES) - 1, max(0, round(v * (len(SHADES) - 1))))] * len(c) for c, v in zip(clab, row)]
         lines.append(r.rjust(rw) + " | " + " ".join(cells))
     lines.append(f"shades: {SHADES!r} for weights 0 .. 1 (absolute scale)")
     return "\n".join(lines)
@@ -853,9 +832,8 @@ def benchmark(model, tokenizer, lines, refs, args):
 
 
 # =======================================================================================
-# Appendix E: pictures. python decode.py --plot RUN [RUN ...] --out FILE.png overlays runs from
-# their metrics.jsonl (train.py writes it): what [1] Figures 1-4 and [2] Figures 2-4 show.
-# plot_series() picks the curves (tested); plot_runs() draws them with matplotlib, if installed.
+# Appendix E: pictures. --plot RUN [RUN ...] --out FILE.png overlays runs' metrics.jsonl (from train.py), as in [1]
+# Figs. 1-4, [2] Figs. 2-4. plot_series() picks the curves (tested); plot_runs() draws them (matplotlib, if installed).
 # =======================================================================================
 def read_metrics(run_dir):
     """The records of RUN/metrics.jsonl; a half-written last line (a killed run) is skipped."""
@@ -926,8 +904,7 @@ def plot_series(run_dirs):
 def plot_runs(run_dirs, out):
     """--plot: draw plot_series() into out (PNG); DataError (one line) without matplotlib or a place to write."""
     plt = require_pyplot(out, "--out")
-    panels = plot_series(run_dirs)
-    panels = {t: c for t, c in panels.items() if any(xs for _, xs, _ in c)}  # only panels with data
+    panels = {t: c for t, c in plot_series(run_dirs).items() if any(xs for _, xs, _ in c)}  # only panels with data
     rows = -(-max(len(panels), 1) // 3)
     fig, axes = plt.subplots(rows, 3, figsize=(15, 4 * rows), squeeze=False)
     for ax in axes.flat[len(panels):]:
@@ -953,9 +930,8 @@ def plot_runs(run_dirs, out):
 # Appendix F: the command line: its flags (python decode.py --help) and what main() does.
 # =======================================================================================
 def attached_punctuation(lines):
-    """The share of whitespace tokens that are a word with punctuation attached ("dog." "cat,"):
-    about 5-15% in raw English or German, near 0 in Moses-tokenized text. --tokenized on raw text
-    scores such tokens as words, which is no paper's BLEU."""
+    """The share of whitespace tokens that are a word with punctuation attached ("dog." "cat,"): about 5-15% in raw
+    English or German, ~0 in Moses-tokenized text; --tokenized on raw text scores them as words (no paper's BLEU)."""
     tokens = [w for line in lines for w in line.split()]
     glued = sum(len(w) > 1 and w[-1] in ".,!?;:" and w[:-1].isalpha() for w in tokens)
     return glued / max(len(tokens), 1)
@@ -984,20 +960,18 @@ def build_parser():
     ap.add_argument("--output", help="where to write translations, one a line (default: stdout)")
     ap.add_argument("--ref", help="reference translations: print tokenized BLEU, SacreBLEU with its signature, "
                     "and chrF on stderr")
-    ap.add_argument("--tokenized", action="store_true",
-                    help="the references (and so the outputs) are already tokenized, e.g. the Moses-tokenized "
-                         "IWSLT'15 en-vi of [1] or the TED pairs as shipped: tokenized BLEU scores them as they are, "
-                         "which is exactly multi-bleu.perl ([1] appendix A). Without it, raw text is 13a-tokenized "
-                         "first (prepare de-en writes raw text: leave it off there)")
+    ap.add_argument("--tokenized", action="store_true", help="the references (and so the outputs) are already "
+                    "tokenized, e.g. the Moses-tokenized IWSLT'15 en-vi of [1] or the TED pairs as shipped: tokenized "
+                    "BLEU scores them as they are, which is exactly multi-bleu.perl ([1] appendix A). Without it, raw "
+                    "text is 13a-tokenized first (prepare de-en writes raw text: leave it off there)")
     ap.add_argument("--lowercase", action="store_true",
                     help="case-insensitive BLEU and chrF (PowerNorm [2] reports case-insensitive BLEU on IWSLT14)")
     ap.add_argument("--beam", type=int, help="beam size; 1 = greedy search (default: the run's test beam, as "
                     "train.py used it; TwT: 4)")
     ap.add_argument("--alpha", type=float, help="length penalty alpha (default: the run's; TwT: 0.6 with gnmt; "
                     "PowerNorm: 1.0 with fairseq)")
-    ap.add_argument("--length-penalty", choices=PENALTIES, help="gnmt: score / ((5 + |Y|) / 6)^alpha "
-                    "(Wu et al. 2016; TwT, QKNorm); fairseq: score / |Y|^alpha (Ott et al. 2019; PowerNorm); "
-                    "default: the run's")
+    ap.add_argument("--length-penalty", choices=PENALTIES, help="gnmt: score / ((5 + |Y|) / 6)^alpha (Wu et al. 2016; "
+                    "TwT, QKNorm); fairseq: score / |Y|^alpha (Ott et al. 2019; PowerNorm); default: the run's")
     ap.add_argument("--max-len-b", type=int, default=50,
                     help="maximum output length = source length + this (TwT code: 50)")
     ap.add_argument("--max-len", type=int, default=1024, help="source lines longer than this (BPE tokens) are cut "
@@ -1013,10 +987,9 @@ def build_parser():
     ap.add_argument("--benchmark", action="store_true", help="time greedy (beam 1) and beam search on --input "
                     "(after a warm-up); print sentences/s, target tokens/s and, with --ref, the BLEU of each")
     ev = ap.add_argument_group("evaluation and analysis")
-    ev.add_argument("--average", type=int, default=0, metavar="N",
-                    help="translate with the average of the run directory's last N checkpoint_epoch*.pt "
-                         "(PowerNorm's released script: 5; its paper: 10); floats are averaged, integer/bool "
-                         "buffers copied")
+    ev.add_argument("--average", type=int, default=0, metavar="N", help="translate with the average of the run "
+                    "directory's last N checkpoint_epoch*.pt (PowerNorm's released script: 5; its paper: 10); floats "
+                    "are averaged, integer/bool buffers copied")
     ev.add_argument("--ppl", action="store_true",
                     help="with --ref: also print the label-smoothed and plain perplexity (teacher forced, "
                          "[1] Table 8); a language model: the perplexity of the text of --input (or stdin)")
@@ -1098,8 +1071,8 @@ def parse_args(argv=None):
 
 
 def check_output_file(path, flag, suffix=None):
-    """DataError naming the flag unless `path` can be written: not a folder, in a folder that exists
-    and takes a new file (tried, not guessed from permissions), with `suffix` if given."""
+    """DataError naming the flag unless `path` can be written: not a folder, in a folder that exists and takes a new
+    file (tried, not guessed from permissions), with `suffix` if given."""
     p = Path(path)
     if suffix and p.suffix.lower() != suffix:
         raise DataError(f"{flag} {path}: the file name must end in {suffix}")
@@ -1117,8 +1090,8 @@ def check_output_file(path, flag, suffix=None):
 
 
 def check_not_an_input(args):
-    """--output never overwrites what decode.py reads (--input, --ref, the checkpoint), nor a file
-    train.py wrote into the run directory (its config, metrics, BPE model, checkpoints)."""
+    """--output never overwrites what decode.py reads (--input, --ref, the checkpoint), nor a file train.py wrote into
+    the run directory (its config, metrics, BPE model, checkpoints)."""
     out = Path(args.output).resolve()
     for flag, path in (("--input", args.input), ("--ref", args.ref), ("the checkpoint", args.checkpoint)):
         if path and out.exists() and Path(path).exists() and out.samefile(path):
@@ -1169,9 +1142,8 @@ def run(args):
 
 
 def search_flags(args, ckpt):
-    """--beam, --alpha and --length-penalty, where not given: the search train.py scored the run's test
-    set with (its checkpoint's flags), else TwT's beam 4, alpha 0.6, gnmt. The checkpoint's values are
-    checked, not trusted."""
+    """--beam, --alpha and --length-penalty, where not given: the search train.py scored the run's test set with (its
+    checkpoint's flags, checked, not trusted), else TwT's beam 4, alpha 0.6, gnmt."""
     saved = ckpt.get("args") if isinstance(ckpt.get("args"), dict) else {}
     checks = (("beam", 4, lambda v: type(v) is int and v >= 1),
               ("alpha", 0.6, lambda v: type(v) in (int, float) and math.isfinite(v) and v >= 0),
@@ -1307,9 +1279,9 @@ def main(argv=None):
 # eval mode for a while and the progress bar (section 5), a corpus score with its signature (section 6).
 # =======================================================================================
 def _max_lengths(src, max_len):
-    """Maximum number of output tokens (EOS not counted) per sentence: (B,) long. None: source length + 50 (Code);
-    an int: the same for all; a tensor: one value per sentence. A hypothesis that reaches the limit is closed as it
-    is, without EOS. Note: the authors' loop lets it take one more step, in which it may still emit EOS."""
+    """Maximum output tokens (EOS not counted) per sentence, (B,) long. None: source length + 50 (Code); an int: the
+    same for all; a tensor: one per sentence. A hypothesis reaching it is closed as is, without EOS. Note: the
+    authors' loop lets it take one more step, in which it may still emit EOS."""
     if max_len is None:
         return src.ne(PAD).sum(1) + 50  # (B,)  |x| + 50
     if torch.is_tensor(max_len):
