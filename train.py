@@ -443,9 +443,9 @@ def finish(run):
 
 # =======================================================================================
 # Appendix A: main(), and the flags. Every flag names the paper and equation it comes from; --help is their
-# documentation. The parser's own defaults are suppressed, so that parse_args returns exactly the
-# flags given on the command line; DEFAULTS holds the defaults. A run's flags are
-#     DEFAULTS, then the --preset's flags (Appendix B), then the command line's   (resolve_flags)
+# documentation. The parser's own defaults are suppressed, so that parse_args returns exactly the flags given on the
+# command line; DEFAULTS holds the defaults. A run's flags are DEFAULTS, then the --preset's flags (Appendix B), then
+# the command line's (resolve_flags).
 # =======================================================================================
 def main(argv=None):
     args, given = resolve_flags(argv)
@@ -682,7 +682,6 @@ def validate_args(args):
             v = getattr(args, f)
             if not (optional and v is None) and not ok(v):
                 bad(f, why)
-
     check(("batch_tokens", "epoch_size", "d_model", "heads", "ff", "layers", "warmup", "seq_len", "max_len",
            "accumulate", "log_interval", "beam", "dev_beam", "max_epochs", "patience"), lambda v: v >= 1, "must be at least 1")
     check(("enc_layers", "dec_layers", "max_steps", "threads"), lambda v: v >= 1, "must be at least 1", optional=True)
@@ -729,11 +728,10 @@ def model_config_from_args(args, vocab_size, qk_g0=1.0):
 
 
 # =======================================================================================
-# Appendix B: presets. Each is one row of a paper's table as a set of flags, applied after the
-# defaults and before the flags of the command line (which override it): --preset NAME.
-# A row names its language pair (PAIRS); --pair NAME swaps in another pair's corpus and
-# per-pair flags ([1] Table 1 and appendix A; the TwT code's per-pair configs). `python data.py prepare NAME`
-# lays each corpus out under data/NAME.
+# Appendix B: presets. Each is one row of a paper's table as a set of flags, applied after the defaults and before the
+# flags of the command line (which override it): --preset NAME. A row names its language pair (PAIRS); --pair NAME
+# swaps in another pair's corpus and per-pair flags ([1] Table 1 and appendix A; the TwT code's per-pair configs).
+# `python data.py prepare NAME` lays each corpus out under data/NAME.
 # =======================================================================================
 _TWT_PAIR = dict(bpe_size=8000, layers=6, heads=8, dropout=0.3, max_epochs=200, early_stop=20)
 PAIRS = {
@@ -769,16 +767,14 @@ PN = dict(layers=6, d_model=512, heads=4, ff=1024, dropout=0.3, attn_dropout=0.1
           schedule="invsqrt", lr=0.0015, warmup=8000, beta2=0.98, weight_decay=1e-4, clip=0.0, stop_lr=1e-9,
           epoch_size=1000, max_epochs=100, early_stop=5, keep_checkpoints=5, beam=5, alpha=1.0, length_penalty="fairseq",
           norm="layer")
-# PowerNorm's language models ([2] appendix A.2, Table 2): the tensorized Transformer core-1 of Ma
-# et al. 2019 with every LN replaced; its PTB script (szhangtju/The-compression-of-Transformer):
-# 3 layers, d 256, 1 head, FFN 2100, dropout 0.3, no attention dropout, post-norm, tied embeddings,
-# segments of 32 tokens without memory, 120 segments (3,840 tokens) a batch, clip 0.25, Adam at
-# 2.5e-4 with a cosine decay ([2] A.2: "we follow the learning rate setting in (Ma et al., 2019)").
-# [2] A.2: 30 epochs, warmup 4000 steps, label smoothing 0.1, PN's warmup as for MT, its alphas
-# tuned over 0.9/0.95/0.99. Guessed or changed (neither says): alpha 0.9 both ways, Xavier init
-# instead of N(0, 0.02), the head dimension D / H = 256 instead of the script's 40, the cosine
-# reaching 0 at the last of the 30 epochs. One epoch is one pass over PTB's 929,589 training
-# tokens (243 batches).
+# PowerNorm's language models ([2] appendix A.2, Table 2): the tensorized Transformer core-1 of Ma et al. 2019 with
+# every LN replaced; its PTB script (szhangtju/The-compression-of-Transformer): 3 layers, d 256, 1 head, FFN 2100,
+# dropout 0.3, no attention dropout, post-norm, tied embeddings, segments of 32 tokens without memory, 120 segments
+# (3,840 tokens) a batch, clip 0.25, Adam at 2.5e-4 with a cosine decay ([2] A.2: "we follow the learning rate setting
+# in (Ma et al., 2019)"). [2] A.2: 30 epochs, warmup 4000 steps, label smoothing 0.1, PN's warmup as for MT, its
+# alphas tuned over 0.9/0.95/0.99. Guessed or changed (neither says): alpha 0.9 both ways, Xavier init instead of
+# N(0, 0.02), the head dimension D / H = 256 instead of the script's 40, the cosine reaching 0 at the last of the 30
+# epochs. One epoch is one pass over PTB's 929,589 training tokens (243 batches).
 PN2 = dict(task="lm", layers=3, d_model=256, heads=1, ff=2100, dropout=0.3, attn_dropout=0.0, relu_dropout=0.3,
            word_dropout=0.0, label_smoothing=0.1, attention="multilinear", seq_len=32, batch_tokens=3840,
            prenorm=False, fixnorm=False, init="xavier", schedule="cosine", lr=2.5e-4, warmup=4000, clip=0.25,
@@ -859,11 +855,10 @@ M30K_DEEP = row(M30K_LN, layers=6, schedule="nowarmup", lr=1e-3, max_steps=250) 
 M30K_PN = row(M30K, prenorm=True, norm="layer", fixnorm=False, init="xavier", beta2=0.98, weight_decay=1e-4,
               lr=1.5e-3, clip=0.0, word_dropout=0.0)
 M30K_QK = row(M30K, prenorm=True, norm="layer", fixnorm=True, qknorm=True)  # [3]: QKNorm + LayerNorm
-# PowerNorm's Table 2 at laptop scale, on PTB (`python data.py prepare ptb`): [2]'s recipe (post-norm,
-# tied embeddings without FixNorm, Xavier, 1 head, segments of 32, 3,840-token batches, label smoothing
-# 0.1, clip 0.25, no word dropout) at d 128, FFN 512, dropout 0.1, eq. 7 to a 1e-3 peak at step 200,
-# 3 passes over PTB (729 updates), dev perplexity every pass. Multi-linear attention; --attention
-# softmax gives the other half of the study.
+# PowerNorm's Table 2 at laptop scale, on PTB (`python data.py prepare ptb`): [2]'s recipe (post-norm, tied embeddings
+# without FixNorm, Xavier, 1 head, segments of 32, 3,840-token batches, label smoothing 0.1, clip 0.25, no word
+# dropout) at d 128, FFN 512, dropout 0.1, eq. 7 to a 1e-3 peak at step 200, 3 passes over PTB (729 updates), dev
+# perplexity every pass. Multi-linear attention; --attention softmax gives the other half of the study.
 PTB = row(PN2, d_model=128, ff=512, dropout=0.1, relu_dropout=0.1, schedule="invsqrt", lr=1e-3, warmup=200,
           epoch_size=243, max_epochs=3, log_interval=27)
 PRESETS.update({
@@ -902,22 +897,20 @@ def print_presets():
 
 
 # =======================================================================================
-# Appendix C: speed and the log. Model FLOPs, the machine's own matmul throughput (MFU), the log
-# line (StepLog), a diverged run, the batch norms' diagnostics, --benchmark, --profile, and keeping
-# freed memory. Figures are printed, never asserted.
+# Appendix C: speed and the log. Model FLOPs, the machine's own matmul throughput (MFU), the log line (StepLog), a
+# diverged run, the batch norms' diagnostics, --benchmark, --profile, keeping freed memory. Figures are never asserted.
 # =======================================================================================
 def step_flops(cfg, B, S, T, out_vocab=None):
     """Training FLOPs of one step on a (B, S) source / (B, T) target batch, padding included.
 
-    Counts the matmuls (2 FLOPs per multiply-add) of the forward pass and multiplies by 3 (the
-    backward costs about two forwards). Per token, per layer:
+    Counts the matmuls (2 FLOPs per multiply-add) of the forward pass, times 3 (backward ~ two forwards). Per token,
+    per layer:
       encoder:  Q, K, V, O projections 4 D^2 + FFN 2 D FF          + scores Q K^T, A V: 2 S D
       decoder:  self 4 D^2 + cross Q, O 2 D^2 + FFN 2 D FF          + scores 2 T D + 2 S D
                 (+ cross K, V 2 D^2 per *source* token)
-      output:   D Vt per target token (training computes only the Vt = out_vocab target words'
-                logits, default all V)
-    A language model (S = 0) has no cross-attention; the multi-linear attention (model.py Appendix B)
-    costs W^QKV 3 D^2, the tensor T^2 D (T^2 R per head) and W^O H L^2 D per token.
+      output:   D Vt per target token (training computes only the Vt = out_vocab target words' logits, default all V)
+    A language model (S = 0) has no cross-attention; the multi-linear attention (model.py Appendix B) costs W^QKV
+    3 D^2, the tensor T^2 D (T^2 R per head) and W^O H L^2 D per token.
     """
     D, FF, V = cfg.d_model, cfg.ff, out_vocab or cfg.vocab_size
     enc = cfg.enc_layers * (S * (4 * D * D + 2 * D * FF) + 2 * S * S * D)
@@ -941,10 +934,9 @@ def output_columns(model):
 
 
 def matmul_flops(device, d, ff, bf16=False, tokens=4096, seconds=1.0):
-    """FLOP/s of a dense (tokens x d) @ (d x ff) GEMM, the model's largest matmul shape, in the
-    dtype the step's matmuls run in (bf16 under CUDA autocast, else fp32), in this process: the
-    denominator of MFU. The best of 5 short windows: a busy moment on a shared machine would
-    otherwise understate the peak (and inflate MFU). On a GPU, 20 products per synchronisation."""
+    """FLOP/s of a dense (tokens x d) @ (d x ff) GEMM, the model's largest matmul, in the step's matmul dtype (bf16
+    under CUDA autocast, else fp32), in this process: MFU's denominator. The best of 5 short windows: a busy moment on
+    a shared machine would otherwise understate the peak (and inflate MFU). On a GPU, 20 products per sync."""
     gen = torch.Generator(device=device).manual_seed(0)  # its own RNG: training's stays untouched
     dtype = torch.bfloat16 if bf16 else torch.float32
     a = torch.randn(tokens, d, device=device, generator=gen).to(dtype)
@@ -977,9 +969,8 @@ def peak_memory_mb(device):
 
 
 def benchmark(run):
-    """--benchmark N: time N training steps after 3 warm-up steps (and the compilations of
-    --compile); print figures, assert nothing. As in training, the host reads nothing back from
-    the device inside the N steps: one synchronisation at the end."""
+    """--benchmark N: time N training steps after 3 warm-up steps (and --compile's compilations); print figures,
+    assert nothing. As in training, the host reads nothing back from the device in the N steps: one sync at the end."""
     args, cfg, warm, dev = run.args, run.model.cfg, 3, run.device
     matmul_peak = matmul_flops(dev, cfg.d_model, cfg.ff, run.step_options.bf16)
     if dev.type == "cuda":
@@ -991,7 +982,6 @@ def benchmark(run):
         batches = run.next_batches()
         loss, _, _, n_tgt = train_step(run.net, run.optimizer, batches, run.schedule(i + 1), run.step_options)
         return batches, loss / n_tgt, n_tgt
-
     t0 = time.perf_counter()
     for i in range(warm):
         losses.append(step(i)[1])
@@ -1025,12 +1015,10 @@ def benchmark(run):
 
 
 def profile_steps(run, step, secs, n_tok):
-    """--profile: 5 more steps under torch.profiler (not in --benchmark's figures: it slows them);
-    prints where the time goes and, on a GPU, the share of a step (the timed steps took secs for
-    n_tok target tokens) its kernels do not cover."""
-    dev, result = run.device, {}
+    """--profile: 5 more steps under torch.profiler (not in --benchmark's figures: it slows them): where the time
+    goes and, on a GPU, the share of a step (the timed steps: secs for n_tok target tokens) its kernels do not cover."""
+    dev, result, prof_tok = run.device, {}, 0
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    prof_tok = 0
     with profile(activities=acts) as prof:
         for i in range(5):
             prof_tok += float(step(i)[2])
@@ -1049,15 +1037,13 @@ def profile_steps(run, step, secs, n_tok):
 
 
 def compile_model(net):
-    """torch.compile for batches whose shapes change at every step (sentence lengths, sentences
-    per batch): compiled once for symbolic shapes (dynamic=True), rather than for the first
-    batch's shapes, then again, or once per shape. Two more specialisations each recompiled the
-    whole base model (60-90 s each, H100, 2026-11-24), so both are off: "duck sizing" (two lengths
-    equal in the first batch were assumed equal for ever) and inductor's matmul padding, which asks
-    whether each matmul is compute-bound (with lengths padded to multiples of 8 it has nothing to
-    pad). Note: the padding to multiples of 8 changes no result except PowerNorm's code variant,
-    whose backward statistics average over padding too. torch's compiler modules are imported only
-    here, with --compile."""
+    """torch.compile for batches whose shapes change at every step (sentence lengths, sentences per batch): compiled
+    once for symbolic shapes (dynamic=True), rather than for the first batch's shapes, then again, or once per shape.
+    Two more specialisations each recompiled the whole base model (60-90 s each, H100, 2026-11-24), so both are off:
+    "duck sizing" (two lengths equal in the first batch were assumed equal for ever) and inductor's matmul padding,
+    which asks whether each matmul is compute-bound (with lengths padded to multiples of 8 it has nothing to pad).
+    Note: the padding to multiples of 8 changes no result except PowerNorm's code variant, whose backward statistics
+    average over padding too. torch's compiler modules are imported only here, with --compile."""
     import torch._inductor.config as inductor_config
     import torch.fx.experimental._config as fx_config
     fx_config.use_duck_shape = False
@@ -1072,14 +1058,11 @@ def compiled_graphs():
 
 
 def keep_freed_memory():
-    """Ask glibc's malloc to keep freed memory for reuse instead of returning it to the OS.
-
-    By default a block over 32 MiB (a batch's logits, an FFN activation) is mmap'ed fresh at
-    every allocation and unmapped when freed, so each training step faults every page of it in
-    again, zero-filled by the kernel (system time was a sixth of a Multi30k step). With these
-    limits the freed blocks stay in malloc's heap: +10-15% tokens/s, the same peak memory.
-    Linux/glibc only; elsewhere a no-op. (The usual alternative is preloading jemalloc.)
-    """
+    """Ask glibc's malloc to keep freed memory for reuse instead of returning it to the OS. By default a block over
+    32 MiB (a batch's logits, an FFN activation) is mmap'ed fresh at every allocation and unmapped when freed, so each
+    training step faults every page of it in again, zero-filled by the kernel (system time was a sixth of a Multi30k
+    step). With these limits the freed blocks stay in malloc's heap: +10-15% tokens/s, the same peak memory.
+    Linux/glibc only; elsewhere a no-op. (The usual alternative is preloading jemalloc.)"""
     try:
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # <malloc.h>
@@ -1117,11 +1100,10 @@ def append_metrics(run, record):
 
 
 class StepLog:
-    """The training loop's log: a progress bar on a terminal, a metrics record per step ([1]
-    Figure 2), a log line per --log-interval steps (loss, tokens/s, MFU), a stop when the loss or
-    the gradient norm is not finite. The steps' numbers stay on the device: reading them (.item())
-    would wait for the GPU at every step. They are read together at each log line and before each
-    evaluation."""
+    """The training loop's log: a progress bar on a terminal, a metrics record per step ([1] Figure 2), a log line per
+    --log-interval steps (loss, tokens/s, MFU), a stop when the loss or the gradient norm is not finite. The steps'
+    numbers stay on the device: reading them (.item()) would wait for the GPU at every step. They are read together at
+    each log line and before each evaluation."""
 
     def __init__(self, run, total):
         self.run, self.total, args = run, total, run.args
@@ -1169,9 +1151,8 @@ class StepLog:
         self.bar.update(self.task, completed=s.step)
 
     def evaluated(self):
-        """After an evaluation: MFU's denominator again, the larger kept (a busy moment at the start,
-        another process on a shared machine, reads it low and MFU above 100%); the clock restarts,
-        since evaluation is not training time."""
+        """After an evaluation: MFU's denominator again, the larger kept (a busy moment at the start, another process
+        on a shared machine, reads it low and MFU above 100%); the clock restarts: evaluation is not training time."""
         args = self.run.args
         self.matmul_peak = max(self.matmul_peak, matmul_flops(self.run.device, args.d_model, args.ff,
                                                               self.run.step_options.bf16, seconds=0.25))
@@ -1179,9 +1160,8 @@ class StepLog:
 
 
 def record_steps(run, pending, values, win):
-    """The steps since the last host sync, their numbers read together (values): into the log
-    window and metrics.jsonl ([1] Figure 2); a non-finite loss or gradient norm stops the run as
-    diverged. Returns the last step's target tokens."""
+    """The steps since the last host sync, their numbers read together (values): into the log window and metrics.jsonl;
+    a non-finite loss or gradient norm stops the run as diverged. Returns the last step's target tokens."""
     for (step, step_lr, n, f, _), (l, ll, g, *n_read) in zip(pending, values):
         n = n_read[0] if n_read else n
         for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
@@ -1209,8 +1189,7 @@ def log_window(run, win, lr, matmul_peak):
                    f"diverging (a smaller --lr, --prenorm or more --warmup may help)")
         run.log("warning: " + warning)
         run.metrics({"step": run.state.step, "warning": warning})
-    stats = {name: m.stats for name, m in run.model.named_modules()
-             if isinstance(m, BATCH_NORMS) and m.stats}
+    stats = {name: m.stats for name, m in run.model.named_modules() if isinstance(m, BATCH_NORMS) and m.stats}
     if stats:  # [2] Figures 2-4: batch vs running statistics, and the batch statistics' gradient terms
         run.metrics({"step": run.state.step, "batch_norm_stats": stats})
 
@@ -1295,12 +1274,11 @@ def wrap_model(model, args, world, device):
 
 
 # =======================================================================================
-# Appendix E: the run directory, checkpoints and --resume. A run directory holds one run.
-# Training into one that already holds a run is refused unless --resume (continue it) or
-# --overwrite (replace it). Nothing is deleted or written before every input is checked, and a
-# lock keeps a second process out. A resumed run keeps its flags (those in RESUME_MAY_CHANGE may
-# be given again), its corpus and its BPE model, and starts from the newest checkpoint that reads
-# back (torch.load weights_only). Checkpoints hold only tensors and plain Python values.
+# Appendix E: the run directory, checkpoints and --resume. A run directory holds one run. Training into one that
+# already holds a run is refused unless --resume (continue it) or --overwrite (replace it). Nothing is deleted or
+# written before every input is checked, and a lock keeps a second process out. A resumed run keeps its flags (those
+# in RESUME_MAY_CHANGE may be given again), its corpus and its BPE model, and starts from the newest checkpoint that
+# reads back (torch.load weights_only). Checkpoints hold only tensors and plain Python values.
 # =======================================================================================
 RESUME_MAY_CHANGE = {"max_steps", "max_epochs", "early_stop", "stop_lr", "patience", "log_interval", "device",
                      "dtype", "threads", "compile", "dev_beam", "beam", "alpha", "length_penalty", "keep_checkpoints",
@@ -1470,10 +1448,9 @@ def check_out(run_dir):
 
 
 def open_run_dir(args, pairs, log, stack, master):
-    """(the run directory, the checkpoint to resume from or None, the staging folder) after every
-    check of the run directory, which is not changed here: commit_run_dir changes it once every
-    other input is checked too. Rank 0 holds its lock (in stack); the other ranks write nothing
-    (staging None). --benchmark trains in a temporary directory, removed at the end."""
+    """(the run directory, the checkpoint to resume from or None, the staging folder) after every check of the run
+    directory, unchanged here: commit_run_dir changes it once every other input is checked too. Rank 0 holds its lock
+    (in stack); the other ranks write nothing (staging None). --benchmark trains in a temporary directory, removed."""
     if args.benchmark:
         args.run_id = None
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="benchmark-")))
@@ -1517,9 +1494,7 @@ def open_run_dir(args, pairs, log, stack, master):
             log(f"resume: --{k.replace('_', '-')} {v} (changed on resume)")
     else:
         args.run_id, args.corpus_sha256 = uuid.uuid4().hex, corpus_hashes(pairs)  # recorded in config.json
-    if not master:
-        return run_dir, ckpt, None
-    return run_dir, ckpt, stack.enter_context(staging(run_dir))
+    return run_dir, ckpt, stack.enter_context(staging(run_dir)) if master else None
 
 
 NOT_FLAGS = {"resume", "out", "overwrite", "replaces", "changed_on_resume"}  # what a start did, not the run's flags
@@ -1665,8 +1640,7 @@ def interrupted(args):
 # encode (cached there too); a language model's text is cut into segments (data.py section 8).
 # =======================================================================================
 def read_corpus(args, log):
-    """{split: [(src, tgt)]} of raw text, and the language suffixes; a language model's text:
-    {split: [line]} (read_text)."""
+    """{split: [(src, tgt)]} of raw text, and the language suffixes; a language model's: {split: [line]} (read_text)."""
     if args.data is None:
         data_dir, langs = data.ensure_toy_corpus(), ("src", "tgt")
         log(f"data: built-in synthetic corpus in {data_dir}")
@@ -1714,9 +1688,8 @@ def read_text(data_dir, builtin, log):
 
 
 def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
-    """(tokenizer, encoded training pairs, encoded dev pairs, every encoded training pair before the
-    --max-len filter, for QKNorm's L). Reads what run_dir holds and writes
-    only into `stage`, a folder whose files the run directory takes once every input has been
+    """(tokenizer, encoded training pairs, encoded dev pairs, every encoded training pair before the --max-len filter,
+    for QKNorm's L). Reads run_dir; writes only into `stage`, whose files the run directory takes once every input is
     checked (Appendix E; None: write nothing). ckpt: a resumed run's checkpoint, whose BPE model it keeps."""
     proto = ckpt and ckpt["bpe_model_proto"]
     # The BPE model depends on the training text and --bpe-size: bpe.key holds their hash and the model's
@@ -1754,9 +1727,8 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
     if not train:
         raise data.DataError(f"no training pair left after --max-len {args.max_len}")
     dev = encode("dev")
-    # Dev and test are never dropped (BLEU would be over other sentences); a line longer than --max-len
-    # BPE tokens is cut to it for translation and for the dev loss, with a count, so that one huge
-    # line cannot exhaust memory at the end of an epoch.
+    # Dev and test are never dropped (BLEU would be over other sentences); a line longer than --max-len BPE tokens is
+    # cut to it for translation and the dev loss, with a count, so one huge line cannot exhaust memory at epoch end.
     for split in ("dev", "test"):
         if n := decode.count_long(tok, [x for x, _ in pairs[split]], args.max_len):
             log(f"data: {split}: {n} source lines longer than --max-len {args.max_len} BPE tokens are cut to it")
@@ -1779,13 +1751,11 @@ def lm_data(args, tok, text, log):
 
 
 def qknorm_g0(args, train, log):
-    """QKNorm's g0 = log2(L^2 - L) [3, eq. 3], L from --qk-length or the training data.
-
-    Paper [3] section 3: "L is the 97.5th percentile sequence length across all training data
-    sequences for source and target"; its Table 5 says "word count". Note: we count BPE tokens, the
-    sequence the attention sees (g0 is there because of the number of elements in QK^T), over every
-    training pair before the --max-len filter (which would cap a high percentile); whitespace words
-    give a smaller L (Multi30k en-de: 30 BPE tokens, 20 words). Code [3]: L hard-coded per pair."""
+    """QKNorm's g0 = log2(L^2 - L) [3, eq. 3], L from --qk-length or the training data. Paper [3] section 3: "L is the
+    97.5th percentile sequence length across all training data sequences for source and target"; its Table 5 says
+    "word count". Note: we count BPE tokens, the sequence the attention sees (g0 is there because of the number of
+    elements in QK^T), over every training pair before the --max-len filter (which would cap a high percentile);
+    whitespace words give a smaller L (Multi30k en-de: 30 BPE tokens, 20 words). Code [3]: L hard-coded per pair."""
     if args.qk_length is not None:
         L, how = args.qk_length, "--qk-length"
     elif args.task == "lm":
