@@ -293,7 +293,7 @@ class _PowerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        z, weight, psi2, real = ctx.saved_tensors
+        z, weight, psi2, real = ctx.saved_tensors  # psi2: bwd_psi2 (psi_{t-1}; the code variant's psi_B)
         nu, a = ctx.nu, ctx.alpha  # nu_{t-1}: (D,)
         # Note: padding is not in the paper's batch: no gradient to x, gamma, beta, Gamma or Lambda.
         dy = torch.where(real.unsqueeze(-1), dy, 0.0)  # (B, T, D)
