@@ -624,13 +624,6 @@ def print_g_table(model, console=None):
     (console or Console()).print("no scalar g in this model (no ScaleNorm and no QKNorm)" if table is None else table)
 
 
-def save_g_values(model, path):
-    """Writes g_values(model) as a JSON list to path (atomically); returns the list."""
-    rows = g_values(model)
-    data.atomic_write(path, json.dumps(rows, indent=2) + "\n")
-    return rows
-
-
 # ---------------------------------------------------------------------------------------
 # The embedding's singular values ([2] Figure 6, after Gao et al. 2019): sigma_1 >= ... of the learned embedding
 # matrix E (V, D), divided by sigma_1. Slow decay: the embeddings use more directions of the space. Note: E as
@@ -1179,6 +1172,7 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
     text = "".join(h + "\n" for h in hyps)
     if args.output:
         data.atomic_write(args.output, text)
+        args.output_written = True  # for the message of a Ctrl-C while scoring
     else:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -1270,7 +1264,8 @@ def main(argv=None):
     except DataError as e:
         sys.exit(f"decode.py: error: {e}")
     except KeyboardInterrupt:
-        print("decode.py: interrupted" + (f" ({args.output} was not written)" if args.output else ""), file=sys.stderr)
+        unwritten = args.output and not getattr(args, "output_written", False)
+        print("decode.py: interrupted" + (f" ({args.output} was not written)" if unwritten else ""), file=sys.stderr)
         return 130
 
 

@@ -418,7 +418,7 @@ def finish(run):
               # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd)
               "embedding_singular_values": decode.singular_values(run.model)}
     decode.print_g_table(run.model)  # [1] Figures 3-4: learned g versus depth
-    save_g_values(run)  # Appendix E: g_values.json, before the test (a stopped test leaves it)
+    write_file(run.dir / "g_values.json", json.dumps(decode.g_values(run.model), indent=2) + "\n")  # before the test
     if args.task == "lm":  # the field's test perplexity: every target token, EOS included, no smoothing
         ppl = decode.lm_perplexity(run.model, run.tokenizer, run.pairs["test"], args.seq_len, args.batch_tokens,
                                    run.step_options.bf16)
@@ -454,10 +454,12 @@ def main(argv=None):
             args = resume_flags(args, given)  # Appendix E: the run's own flags, and what may change
         validate_args(args)
         return train(args)
+    except WriteFailed as e:  # a full disk: what was written before is intact
+        sys.exit(f"error: {e}: make room, then {what_next(args)}")
     except (data.DataError, Diverged) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        sys.exit(interrupted(args))
+        sys.exit(f"interrupted: {what_next(args)}")
 
 
 DEFAULTS, ACTIONS = {}, {}  # every flag's default, and its argparse action (its type and choices)
@@ -1095,8 +1097,7 @@ def append_metrics(run, record):
             with open(run.dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
         except OSError as e:
-            raise data.DataError(f"{run.dir / 'metrics.jsonl'}: cannot append to it ({e.strerror}); the "
-                                 f"checkpoints written before are intact (--resume {run.dir})") from None
+            raise WriteFailed(f"{run.dir / 'metrics.jsonl'}: cannot append to it ({e.strerror})") from None
 
 
 class StepLog:
@@ -1332,13 +1333,6 @@ def save_checkpoints(run, improved):
     write_file(run.dir / "checkpoint_last.pt", ckpt)
 
 
-def save_g_values(run):
-    try:
-        decode.save_g_values(run.model, run.dir / "g_values.json")
-    except OSError as e:
-        raise data.DataError(f"{run.dir / 'g_values.json'}: cannot write it ({e.strerror})") from None
-
-
 def write_results(run, result):
     """results.json and metrics.jsonl's "final" record (rank 0)."""
     run.metrics({"final": result})
@@ -1461,10 +1455,8 @@ def open_run_dir(args, pairs, log, stack, master):
     if held and not (args.resume or args.overwrite):
         raise data.DataError(f"{run_dir} already holds a run ({held}): continue it with --resume {run_dir}, "
                              f"or replace it with --overwrite")
-    args.replaces = None  # the run id of the run that --overwrite replaces
     if held and args.overwrite:
-        args.replaces = run_id_of(run_dir / "config.json")
-        if args.replaces is None:
+        if run_id_of(run_dir / "config.json") is None:  # commit_run_dir removes the files of that run id
             raise data.DataError(f"--overwrite {run_dir}: not a run directory of train.py (no config.json with a "
                                  f"run_id; it holds {held}), so none of its files are removed; choose another --out")
     if args.resume:
@@ -1497,7 +1489,7 @@ def open_run_dir(args, pairs, log, stack, master):
     return run_dir, ckpt, stack.enter_context(staging(run_dir)) if master else None
 
 
-NOT_FLAGS = {"resume", "out", "overwrite", "replaces", "changed_on_resume"}  # what a start did, not the run's flags
+NOT_FLAGS = {"resume", "out", "overwrite", "changed_on_resume"}  # what a start did, not the run's flags
 
 
 @contextlib.contextmanager
@@ -1535,18 +1527,22 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
         temporary = p.name.startswith(".") and p.name.endswith(".tmp") and own_file(p.name[1:].rsplit(".", 2)[0])
         if temporary or (p.name.startswith(".staging-") and p != stage):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
+    replaces = run_id_of(run_dir / "config.json") if args.overwrite else None  # the run --overwrite replaces
     for f in stage.iterdir():
         os.replace(f, run_dir / f.name)
-    if args.replaces:  # --overwrite: the old run's results, and its checkpoints (by their run id)
+    if replaces:  # the old run's results, and its checkpoints (by their run id)
         gone = [run_dir / n for n in RESULT_FILES if (run_dir / n).exists()]
-        gone += [p for p in run_dir.iterdir() if CHECKPOINT_NAME.fullmatch(p.name) and run_id_of(p) == args.replaces]
+        gone += [p for p in run_dir.iterdir() if CHECKPOINT_NAME.fullmatch(p.name) and run_id_of(p) == replaces]
         for f in gone:
             f.unlink()
         log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
-    write_file(run_dir / "config.json", json.dumps({k: v for k, v in vars(args).items() if k != "replaces"},
-                                                   indent=2) + "\n")
+    write_file(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
     if ckpt is not None:
         keep_metrics_until(run_dir / "metrics.jsonl", ckpt["step"])
+
+
+class WriteFailed(data.DataError):
+    """A write into the run directory failed (a full disk): main() says what to do next (what_next)."""
 
 
 def write_file(path, content):
@@ -1554,8 +1550,7 @@ def write_file(path, content):
     try:
         data.atomic_write(path, content)
     except OSError as e:
-        raise data.DataError(f"{path}: cannot write it ({e.strerror}); the files written before it are intact: "
-                             f"make room and continue with --resume {Path(path).parent}") from None
+        raise WriteFailed(f"{path}: cannot write it ({e.strerror}); the files written before it are intact") from None
 
 
 @contextlib.contextmanager
@@ -1618,20 +1613,21 @@ def keep_metrics_until(path, step):
                 continue
             if record.get("step", 1 << 62) <= step:
                 keep.append(line + "\n")
-        data.atomic_write(path, "".join(keep))
+        write_file(path, "".join(keep))
 
 
-def interrupted(args):
-    """What to do after Ctrl-C: resume from a checkpoint, or start again (nothing to resume)."""
+def what_next(args):
+    """What to do after a run ended early (Ctrl-C, a full disk), from what its run directory holds now: resume from
+    its checkpoint, or start it again (with --overwrite once the run is in the directory: its config.json)."""
     run_dir = Path(args.out)
     if args.benchmark:
-        return "interrupted (--benchmark writes no run directory)"
-    if run_dir.is_dir() and any(CHECKPOINT_NAME.fullmatch(p.name) for p in run_dir.iterdir()):
-        return f"interrupted: continue with python train.py --resume {run_dir}"
-    if (run_dir / "config.json").exists():
-        return (f"interrupted before the run's first checkpoint (one every --epoch-size {args.epoch_size} steps): "
-                f"nothing to resume; start it again with the same command and --overwrite")
-    return "interrupted before the run started: nothing was written; start it again with the same command"
+        return "--benchmark writes no run directory"
+    if getattr(args, "run_id", None) is None or run_id_of(run_dir / "config.json") != args.run_id:
+        return f"the run had not started in {run_dir}: start it again with the same command"
+    if any(CHECKPOINT_NAME.fullmatch(p.name) for p in run_dir.iterdir()):
+        return f"continue with python train.py --resume {run_dir}"
+    return (f"nothing to resume (the first checkpoint comes after --epoch-size {args.epoch_size} steps): start it "
+            f"again with the same command and --overwrite")
 
 
 # =======================================================================================
@@ -1713,13 +1709,17 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
         log(f"data: word vocabulary made in {time.time() - t0:.1f}s" if args.bpe_size == 0 else
             f"data: trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested) in {time.time() - t0:.1f}s")
     if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list
-        data.atomic_write(stage / "bpe.model", proto)
-        data.atomic_write(stage / "bpe.key", f"{key}\n{model_sha256(proto)}")
+        write_file(stage / "bpe.model", proto)
+        write_file(stage / "bpe.key", f"{key}\n{model_sha256(proto)}")
     tok = data.load_tokenizer(proto, old)
     if args.task == "lm":
         return (tok, *lm_data(args, tok, pairs, log))
-    encode = lambda split: data.load_or_encode(tok, pairs[split], run_dir / f"{split}.enc.pt",
-                                               stage / f"{split}.enc.pt" if stage is not None else False)
+    def encode(split):  # from the run directory's cache, or encoded and cached in the staging folder
+        try:
+            return data.load_or_encode(tok, pairs[split], run_dir / f"{split}.enc.pt",
+                                       stage / f"{split}.enc.pt" if stage is not None else False)
+        except OSError as e:
+            raise WriteFailed(f"{stage / f'{split}.enc.pt'}: cannot write it ({e.strerror})") from None
     everything = encode("train")
     train, dropped = data.filter_long(everything, args.max_len)
     if dropped:

@@ -11,7 +11,7 @@ import torch
 @pytest.fixture
 def killed_run(monkeypatch):
     """killed_run(argv, n): train.main(argv) interrupted (Ctrl-C) at its n-th training step; it
-    exits as train.py does on Ctrl-C, and train_step is restored for the resume."""
+    exits as train.py does on Ctrl-C (its message is returned), and train_step is restored for the resume."""
     import train
 
     def run(argv, n):
@@ -24,9 +24,10 @@ def killed_run(monkeypatch):
             return real_step(*a, **k)
 
         monkeypatch.setattr(train, "train_step", dying_step)
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as e:
             train.main(argv)
         monkeypatch.setattr(train, "train_step", real_step)
+        return str(e.value.code)
 
     return run
 

@@ -290,9 +290,7 @@ def test_g_values_json_and_table_for_scalenorm_qknorm(tmp_path):
     with torch.no_grad():
         model.decoder[1].cross_attn.g.fill_(7.25)
         model.encoder[0].norm_ff.g.fill_(2.5)
-    rows = decode.save_g_values(model, tmp_path / "g_values.json")
-    saved = json.loads((tmp_path / "g_values.json").read_text())
-    assert saved == rows
+    saved = decode.g_values(model)
     # 2 encoder layers x (2 ScaleNorm + 1 QKNorm) + 2 decoder layers x (3 + 2) + 2 final norms
     assert len(saved) == 2 * 3 + 2 * 5 + 2
     by_name = {r["name"]: r for r in saved}
@@ -318,7 +316,7 @@ def test_g_table_for_layernorm_model_is_one_line(tmp_path):
     console = Console(file=io.StringIO(), width=120)
     decode.print_g_table(model, console)
     assert len(console.file.getvalue().strip().splitlines()) == 1
-    assert decode.save_g_values(model, tmp_path / "g.json") == []
+    assert decode.g_values(model) == []
 
 
 def test_cli_g_table_and_attention(tmp_path, toy, capsys):

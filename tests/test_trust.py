@@ -536,8 +536,31 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_old_checkpoints_sur
     monkeypatch.setattr(data, "atomic_write", full_disk)
     run = tmp_path / "run"
     one_line_error(lambda: train.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
-                   "No space left on device", "intact", "--resume")
+                   "No space left on device", "intact", f"make room, then continue with python train.py --resume {run}")
     assert torch.load(run / "checkpoint_last.pt", weights_only=True)["step"] == 5
+
+
+@pytest.mark.parametrize("full", ["metrics.jsonl", "bpe.model", "config.json"])
+def test_a_full_disk_before_the_first_checkpoint_never_advises_resume(full, tmp_path, corpus, monkeypatch):
+    """The advice follows what the run directory holds: no checkpoint yet, nothing to resume."""
+    real_write, real_open = data.atomic_write, open
+
+    def full_disk(path, content):
+        if Path(path).name == full:
+            raise OSError(28, "No space left on device", str(path))
+        return real_write(path, content)
+
+    def full_append(path, *a, **k):
+        if Path(path).name == full:
+            raise OSError(28, "No space left on device", str(path))
+        return real_open(path, *a, **k)
+    monkeypatch.setattr(data, "atomic_write", full_disk)
+    monkeypatch.setattr(train, "open", full_append, raising=False)  # metrics.jsonl is appended to, not replaced
+    run = tmp_path / "run"
+    msg = one_line_error(lambda: train.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
+                         "No space left on device", full, "make room, then")
+    assert "--resume" not in msg, msg
+    assert ("--overwrite" in msg) == (full == "metrics.jsonl"), msg  # committed: the run's config.json is there
 
 
 def test_decode_and_plot_outputs_are_checked_before_any_work(finished, tmp_path, monkeypatch):
@@ -564,16 +587,24 @@ def test_decode_never_overwrites_what_it_reads_or_what_train_wrote(finished, tmp
     assert decode.main([str(run), "--input", str(tmp_path / "x.en"), "--output", str(run / "x.hyp")]) == 0
 
 
-def test_ctrl_c_says_what_can_be_done(tmp_path, corpus, killed_run, capsys):
+def test_ctrl_c_says_what_can_be_done(tmp_path, corpus, killed_run, finished, monkeypatch):
     run = tmp_path / "run"
-    killed_run(TINY + corpus + ["--max-steps", "20", "--out", str(run)], 3)  # before the first checkpoint
-    capsys.readouterr()
-    msg = train.interrupted(train.resolve_flags(TINY + corpus + ["--out", str(run)])[0])
-    assert "nothing to resume" in msg and "--overwrite" in msg
-    msg = train.interrupted(train.resolve_flags(TINY + corpus + ["--out", str(tmp_path / "never")])[0])
-    assert "nothing was written" in msg
-    killed_run(TINY + corpus + ["--max-steps", "20", "--overwrite", "--out", str(run)], 8)  # after step 5's checkpoint
-    assert "--resume" in train.interrupted(train.resolve_flags(TINY + corpus + ["--out", str(run)])[0])
+    msg = killed_run(TINY + corpus + ["--max-steps", "20", "--out", str(run)], 3)  # before the first checkpoint
+    assert "nothing to resume" in msg and "--overwrite" in msg and "--resume" not in msg, msg
+    msg = killed_run(TINY + corpus + ["--max-steps", "20", "--overwrite", "--out", str(run)], 8)  # after step 5's
+    assert f"--resume {run}" in msg, msg
+    # Before the run directory changes (here: while the model is built), an --overwrite start leaves the old run
+    # as it was: start again, never "--resume" (that would continue the old run).
+    old = copy_run(finished, tmp_path / "o")
+    before = snapshot(old)
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "build_model", killed)
+    for argv in (["--overwrite", "--out", str(old)], ["--out", str(tmp_path / "never")]):
+        msg = one_line_error(lambda: train.main(TINY + corpus + ["--max-steps", "20", *argv]), "the same command")
+        assert "had not started" in msg and "--resume" not in msg, msg
+    assert snapshot(old) == before and not (tmp_path / "never").exists()
 
 
 def test_a_resume_that_would_train_nothing_is_refused_and_a_budget_stop_is_recorded(finished, tmp_path):
@@ -682,3 +713,19 @@ def test_a_failed_start_removes_only_empty_folders_it_made_and_decode_sees_throu
     for output in (run / ".." / "run" / "config.json", run / "test.hyp"):
         one_line_error(lambda: decode.main([str(run), "--input", str(tmp_path / "x.en"), "--output", str(output)]),
                        "a file of the run directory")
+
+
+def test_decode_ctrl_c_says_whether_the_output_was_written(finished, tmp_path, monkeypatch, capsys):
+    (tmp_path / "in.txt").write_text("the dog sees a cat .\n")
+    (tmp_path / "ref.txt").write_text("the dog sees a cat .\n")
+    argv = [str(finished), "--input", str(tmp_path / "in.txt"), "--ref", str(tmp_path / "ref.txt")]
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(decode, "score_report", killed)  # Ctrl-C while scoring: the translations are written
+    assert decode.main(argv + ["--output", str(tmp_path / "a.hyp")]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "not written" not in err and (tmp_path / "a.hyp").exists(), err
+    monkeypatch.setattr(decode, "translate", killed)  # Ctrl-C while translating: nothing is written
+    assert decode.main(argv + ["--output", str(tmp_path / "b.hyp")]) == 130
+    assert "b.hyp was not written" in capsys.readouterr().err and not (tmp_path / "b.hyp").exists()
