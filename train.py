@@ -1464,6 +1464,11 @@ def open_run_dir(args, pairs, log, stack, master):
             raise data.DataError(f"--resume {run_dir}: its config.json has no record of the corpus (an older "
                                  f"train.py wrote it); start it again with --overwrite")
         changed = [s for s, h in corpus_hashes(pairs).items() if h != args.corpus_sha256.get(s)]
+        if changed and all(data.pairs_sha256([p for p in pairs[s] if all(p)]) == args.corpus_sha256.get(s)
+                           for s in changed):  # train.py before 2026-11-24 dropped the lines with an empty side
+            raise data.DataError(f"--resume {run_dir}: {changed[0]} differs only in its lines with an empty side: an "
+                                 f"older train.py dropped those, this one keeps and scores them; start it again with "
+                                 f"--overwrite")
         if changed:
             raise data.DataError(f"--resume {run_dir}: the corpus changed since the run started "
                                  f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''})")

@@ -187,6 +187,18 @@ def test_resume_says_what_it_cannot_honour(finished, tmp_path, corpus):
     data.atomic_write(run / "config.json", json.dumps(dict(config, data=str(toy))))
     (toy / "train.tgt").write_text((toy / "train.tgt").read_text().replace(" .", " !", 1))
     one_line_error(lambda: train.main(["--resume", str(run)]), "the corpus changed", "train")
+    # A run whose dev hash was taken without its empty-side lines (train.py before 2026-11-24 dropped them): says so
+    run, toy = tmp_path / "older", tmp_path / "toy2"
+    shutil.copytree(finished, run)
+    shutil.copytree(corpus[1], toy)
+    (toy / "dev.tgt").write_text("\n" + (toy / "dev.tgt").read_text().split("\n", 1)[1])  # line 1's target: empty
+    dev = data.read_parallel(toy / "dev.src", toy / "dev.tgt")[0]
+    config["corpus_sha256"]["dev"] = data.pairs_sha256([p for p in dev if all(p)])
+    data.atomic_write(run / "config.json", json.dumps(dict(config, data=str(toy))))
+    before = snapshot(run)
+    one_line_error(lambda: train.main(["--resume", str(run)]), "dev differs only in its lines with an empty side",
+                   "--overwrite")
+    assert snapshot(run) == before
 
 
 def test_resume_survives_a_half_written_metrics_line_and_a_damaged_newest_checkpoint(finished, tmp_path, capsys):
