@@ -38,6 +38,7 @@ import re
 import sys
 import tarfile
 import tempfile
+import textwrap
 import time
 import urllib.error
 import urllib.parse
@@ -892,8 +893,14 @@ def _prepare_text(name, c, out, url):
 
 def prepare_main(argv=None):
     """CLI: python data.py prepare NAME [--dir DIR] [--url URL]; returns the exit status."""
-    p = argparse.ArgumentParser(prog="data.py prepare",
-                                description="Download, check and lay out a corpus of the papers.")
+    by_note = {}  # the corpora's notes, each once (the four TED pairs share one)
+    for name, c in CORPORA.items():
+        by_note.setdefault(c["notes"], []).append(name)
+    p = argparse.ArgumentParser(prog="data.py prepare", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Download, check and lay out a corpus of the papers.",
+                                epilog="the corpora:\n" + "\n".join(textwrap.fill(
+                                    f"{', '.join(names)}: {note}", 100, subsequent_indent="  ")
+                                    for note, names in by_note.items()))
     p.add_argument("name", metavar="NAME", choices=list(CORPORA), help=", ".join(CORPORA))
     p.add_argument("--dir", default=None, help="output folder (default data/NAME)")
     p.add_argument("--url", default=None, help="source: http(s)://, file:// or a local path "

@@ -244,3 +244,13 @@ def test_multi30k_from_gzipped_files_in_a_folder(name, tgt, tmp_path, capsys):
     assert (out / f"dev.{tgt}").read_text() == f"val {tgt} 0 ä\nval {tgt} 1 ä\n"
     assert len((out / "test.en").read_text().splitlines()) == 3
     assert f"python train.py --data {out} --src en --tgt {tgt} --bpe-size 4000" in capsys.readouterr().out
+
+
+def test_prepare_help_says_what_each_corpus_is_and_where_it_departs(capsys):
+    with pytest.raises(SystemExit) as e:
+        data.prepare_main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # unwrapped
+    for name, c in data.CORPORA.items():
+        assert f"{name}" in text and " ".join(c["notes"].split()) in text, name
+    assert "prepare-iwslt14.sh only approximately" in text
