@@ -135,7 +135,6 @@ class Tokenizer:
     def __init__(self, model_path=None, model_proto=None):
         self.sp = spm.SentencePieceProcessor(model_file=str(model_path)) if model_proto is None else \
             spm.SentencePieceProcessor(model_proto=bytes(model_proto))
-        self.model_path = str(model_path)
         self.proto = self.sp.serialized_model_proto()  # the model's bytes: what caches and checkpoints key on
         self.vocab_size = self.sp.get_piece_size()
         if (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id()) != (PAD, UNK, BOS, EOS):
