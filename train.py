@@ -390,12 +390,12 @@ def end_of_epoch(run):
     if not run.master:
         return
     dev_ppl = math.exp(min(dev_nll / max(n, 1), 50))
-    best = f"best {-s.best_bleu:7.2f}" if lm else f"dev BLEU {bleu:6.2f} | dev ppl {dev_ppl:7.2f} | best {s.best_bleu:6.2f}"
-    run.log(f"epoch {s.epoch:3d} | step {s.step:6d} | " + (f"dev ppl {dev_ppl:7.2f} | " if lm else "")
-            + f"{best} (step {s.best_step}) | eval {time.time() - t0:.1f}s")
+    scores = f"dev ppl {dev_ppl:7.2f} | best {-s.best_bleu:7.2f}" if lm else \
+        f"dev BLEU {bleu:6.2f} | dev ppl {dev_ppl:7.2f} | best {s.best_bleu:6.2f}"
+    run.log(f"epoch {s.epoch:3d} | step {s.step:6d} | {scores} (step {s.best_step}) | eval {time.time() - t0:.1f}s")
     # [1] Figure 1 (dev BLEU per epoch) and Figures 3-4 (learned g's) come from these records.
-    run.metrics({"step": s.step, "epoch": s.epoch, **({} if lm else {"dev_bleu": bleu}), "dev_loss": dev_loss / max(n, 1),
-                 "dev_ppl": dev_ppl, "lr": next_lr, "g": run.model.learned_scales()})
+    run.metrics({"step": s.step, "epoch": s.epoch, **({} if lm else {"dev_bleu": bleu}),
+                 "dev_loss": dev_loss / max(n, 1), "dev_ppl": dev_ppl, "lr": next_lr, "g": run.model.learned_scales()})
     save_checkpoints(run, improved)  # Appendix E: best, last (the resume point), per epoch (--keep-checkpoints)
     if s.stopped:
         run.log(f"stopping: {s.stopped}")
@@ -425,8 +425,9 @@ def finish(run):
         result.update(test_ppl=ppl["ppl"], test_tokens=ppl["n_tokens"])
         if args.bpe_size:  # BPE: per word too (the same NLL over the text's words and EOS)
             result.update(test_word_ppl=ppl["word_ppl"], test_words=ppl["n_words"])
+        per_word = f" ({ppl['word_ppl']:.2f} per word, {ppl['n_words']} words and EOS)" if args.bpe_size else ""
         run.log(f"test perplexity (best checkpoint, step {ckpt['step']}): {ppl['ppl']:.2f} over {ppl['n_tokens']} "
-                f"tokens" + (f" ({ppl['word_ppl']:.2f} per word, {ppl['n_words']} words and EOS)" if args.bpe_size else ""))
+                f"tokens{per_word}")
     elif run.pairs["test"]:
         hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["test"]],
                                 decode.Search(args.beam, args.alpha, max_src_len=args.max_len,
@@ -685,7 +686,8 @@ def validate_args(args):
             if not (optional and v is None) and not ok(v):
                 bad(f, why)
     check(("batch_tokens", "epoch_size", "d_model", "heads", "ff", "layers", "warmup", "seq_len", "max_len",
-           "accumulate", "log_interval", "beam", "dev_beam", "max_epochs", "patience"), lambda v: v >= 1, "must be at least 1")
+           "accumulate", "log_interval", "beam", "dev_beam", "max_epochs", "patience"), lambda v: v >= 1,
+          "must be at least 1")
     check(("enc_layers", "dec_layers", "max_steps", "threads"), lambda v: v >= 1, "must be at least 1", optional=True)
     check(("keep_checkpoints", "early_stop", "benchmark", "pn_warmup"), lambda v: v >= 0, "must be 0 or more")
     check(("seed",), lambda v: 0 <= v < 2 ** 63 - 64, "must be in [0, 2^63 - 64) (torch's generators take 64 bits)")
@@ -767,8 +769,8 @@ QK = dict(TWT, norm="layer", prenorm=True, fixnorm=True, qknorm=True, schedule="
 PN = dict(layers=6, d_model=512, heads=4, ff=1024, dropout=0.3, attn_dropout=0.1, relu_dropout=0.1,
           word_dropout=0.0, label_smoothing=0.1, batch_tokens=4096, prenorm=True, fixnorm=False, init="xavier",
           schedule="invsqrt", lr=0.0015, warmup=8000, beta2=0.98, weight_decay=1e-4, clip=0.0, stop_lr=1e-9,
-          epoch_size=1000, max_epochs=100, early_stop=5, keep_checkpoints=5, beam=5, alpha=1.0, length_penalty="fairseq",
-          norm="layer")
+          epoch_size=1000, max_epochs=100, early_stop=5, keep_checkpoints=5, beam=5, alpha=1.0,
+          length_penalty="fairseq", norm="layer")
 # PowerNorm's language models ([2] appendix A.2, Table 2): the tensorized Transformer core-1 of Ma et al. 2019 with
 # every LN replaced; its PTB script (szhangtju/The-compression-of-Transformer): 3 layers, d 256, 1 head, FFN 2100,
 # dropout 0.3, no attention dropout, post-norm, tied embeddings, segments of 32 tokens without memory, 120 segments
@@ -882,7 +884,8 @@ PRESETS.update({
     "m30k-fixed-g": ("multi30k", "study, TwT Table 7: ScaleNorm (g = sqrt d) + FixNorm (learned)",
                      row(M30K_FINAL, norm="scale_fixed")),
     "m30k-pn-layernorm": ("multi30k", "study, PowerNorm Table 1: LN", M30K_PN),
-    "m30k-pn-batchnorm": ("multi30k", "study, PowerNorm Table 1: BN in the encoder", row(M30K_PN, encoder_norm="batch")),
+    "m30k-pn-batchnorm": ("multi30k", "study, PowerNorm Table 1: BN in the encoder",
+                          row(M30K_PN, encoder_norm="batch")),
     "m30k-pn-pnv": ("multi30k", "study, PowerNorm Table 1: PN-V in the encoder", row(M30K_PN, encoder_norm="pnv")),
     "m30k-pn-powernorm": ("multi30k", "study, PowerNorm Table 1: PN in the encoder (Algorithm 2)",
                           row(M30K_PN, encoder_norm="power")),
@@ -1012,7 +1015,8 @@ def benchmark(run):
             f"{result['flops_per_tgt_token'] / 1e6:.1f} MFLOP/target token | achieved "
             f"{result['achieved_flops'] / 1e9:.1f} GFLOP/s | matmul peak {matmul_peak / 1e9:.1f} GFLOP/s | MFU "
             f"{100 * result['mfu']:.1f}% | padding {100 * pad:.1f}% | peak memory {result['peak_memory_mb']:.0f} MiB "
-            f"| {result['threads']} threads" + (f" | {result['compiled_graphs']} compiled graphs" if args.compile else ""))
+            f"| {result['threads']} threads"
+            + (f" | {result['compiled_graphs']} compiled graphs" if args.compile else ""))
     return result
 
 
@@ -1384,7 +1388,8 @@ def resume_flags(args, given):
         if k not in ACTIONS and k not in ("run_id", "corpus_sha256", "changed_on_resume"):
             raise data.DataError(f"--resume {run_dir}: config.json: {k} is not a flag of train.py (was it edited?)")
         if k in ACTIONS and not flag_value_ok(k, v):
-            raise data.DataError(f"--resume {run_dir}: config.json: {k} is {v!r}, not a value of --{k.replace('_', '-')}")
+            raise data.DataError(f"--resume {run_dir}: config.json: {k} is {v!r}, not a value of "
+                                 f"--{k.replace('_', '-')}")
     given = {k: v for k, v in given.items() if k != "resume" and not (k == "out" and Path(v) == run_dir)}
     refused = [f"--{k.replace('_', '-')} ({saved.get(k, DEFAULTS.get(k))!r} -> {v!r})" for k, v in given.items()
                if k not in RESUME_MAY_CHANGE and v != saved.get(k, DEFAULTS.get(k))]
@@ -1577,12 +1582,15 @@ def lock(run_dir):
 def newest_checkpoint(run_dir, run_id, log):
     """The newest checkpoint of run_dir's run (run_id) that reads back safely and can be resumed from:
     the last, or else an epoch checkpoint (newest first), or else the best; DataError if none can."""
-    candidates = [run_dir / "checkpoint_last.pt"] + decode.epoch_checkpoints(run_dir)[::-1] + [run_dir / "checkpoint_best.pt"]
+    candidates = [run_dir / "checkpoint_last.pt", *decode.epoch_checkpoints(run_dir)[::-1],
+                  run_dir / "checkpoint_best.pt"]
     for path in [c for c in candidates if c.exists()]:
         try:
             ckpt = decode.read_checkpoint(path)
-            if not {"optimizer", "train_state", "rng", "bpe_model_proto", "args"} <= ckpt.keys() or "word_dropout" not in ckpt["rng"]:
-                raise data.DataError(f"{path}: not a checkpoint this train.py can resume from (another version wrote it)")
+            needs = {"optimizer", "train_state", "rng", "bpe_model_proto", "args"}
+            if not needs <= ckpt.keys() or "word_dropout" not in ckpt["rng"]:
+                raise data.DataError(f"{path}: not a checkpoint this train.py can resume from (another version "
+                                     f"wrote it)")
             if ckpt.get("run_id") != run_id:
                 raise data.DataError(f"{path}: a checkpoint of another run (run id {ckpt.get('run_id')})")
         except data.DataError as e:
@@ -1711,8 +1719,9 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
             sides = (pairs["train"], []) if args.task == "lm" else zip(*pairs["train"])
             with tempfile.TemporaryDirectory(dir=stage) as tmp:
                 proto = Path(data.train_bpe(*sides, args.bpe_size, Path(tmp) / "bpe")).read_bytes()
-        log(f"data: word vocabulary made in {time.time() - t0:.1f}s" if args.bpe_size == 0 else
-            f"data: trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested) in {time.time() - t0:.1f}s")
+        made = "word vocabulary made" if args.bpe_size == 0 else \
+            f"trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested)"
+        log(f"data: {made} in {time.time() - t0:.1f}s")
     if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list
         write_file(stage / "bpe.model", proto)
         write_file(stage / "bpe.key", f"{key}\n{model_sha256(proto)}")

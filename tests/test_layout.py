@@ -45,7 +45,7 @@ def main_text(name):
 
 def test_the_main_text_stays_a_course_not_a_codebase():
     """The five main texts together stay under 2,000 lines (a course a student reads through); no function
-    is over 60 lines but the flag parsers; nothing points at files a user of the repository does not have."""
+    is over 60 lines but the flag parsers, no line over 120 characters; nothing points at files a user of the repository does not have."""
     sizes = {name: len(main_text(name)) for name in ORDER}
     assert sum(sizes.values()) <= 2000, f"main text {sum(sizes.values())} lines: {sizes}"
     for name in ORDER:
@@ -54,3 +54,5 @@ def test_the_main_text_stays_a_course_not_a_codebase():
         long = [f"{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(ast.parse(src))
                 if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno >= 60 and n.name != "build_parser"]
         assert not long, f"{name}.py: " + ", ".join(long)
+        wide = [i + 1 for i, line in enumerate(src.splitlines()) if len(line) > 120]
+        assert not wide, f"{name}.py: lines over 120 characters: {wide}"
