@@ -299,7 +299,7 @@ def tokenized_bleu(hyps, refs, already_tokenized=False, lowercase=False):
     if not already_tokenized:
         tok = Tokenizer13a()
         hyps, refs = [tok(h.rstrip()) for h in hyps], [tok(r.rstrip()) for r in refs]
-    return _score(BLEU(tokenize="none", smooth_method="none", lowercase=lowercase), hyps, refs)
+    return _score(BLEU(tokenize="none", smooth_method="none", lowercase=lowercase, force=True), hyps, refs)
 
 
 def chrf(hyps, refs, lowercase=False):
@@ -399,7 +399,8 @@ def _sacrebleu_seed(seed):
             os.environ["SACREBLEU_SEED"] = old
 
 
-def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=12345, already_tokenized=False):
+def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=12345, already_tokenized=False,
+                     lowercase=False):
     """Paired bootstrap test of system vs baseline on corpus BLEU -> dict: "baseline", "system" ({"bleu", "mean",
     "ci", "ci_low", "ci_high"}: real BLEU, bootstrap mean, 95% half-width), "p_value", "delta" (system - baseline),
     "n_samples", "signature", "identical" (line-for-line equal), "undecidable" (why p is 1, see below; else "").
@@ -409,7 +410,9 @@ def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=1234
         raise DataError(f"line counts differ: baseline {len(base)}, system {len(sys_)}, references {len(refs)}")
     if not refs:
         raise DataError("paired bootstrap needs at least one sentence")
-    metric = BLEU(tokenize="none") if already_tokenized else BLEU()
+    # The BLEU of score_report: tokenized BLEU as multi-bleu.perl (no smoothing) under --tokenized, else SacreBLEU.
+    metric = BLEU(tokenize="none", smooth_method="none", lowercase=lowercase, force=True) if already_tokenized \
+        else BLEU(lowercase=lowercase, force=True)
     with _sacrebleu_seed(seed):
         test = PairedTest([("baseline", base), ("system", sys_)], {"BLEU": metric}, [refs],
                           test_type="bs", n_samples=n_samples)
@@ -448,7 +451,7 @@ def compare(args):
     for path, lines in ((base_path, base), (sys_path, system)):
         if len(lines) != len(refs):
             raise DataError(f"{path}: {len(lines)} lines, but {args.ref} has {len(refs)}")
-    result = paired_bootstrap(base, system, refs, args.samples, args.seed, args.tokenized)
+    result = paired_bootstrap(base, system, refs, args.samples, args.seed, args.tokenized, args.lowercase)
     Console().print(bootstrap_table(result, names=(base_path, sys_path)))
     print(result["signature"])
     verdict = (f"not significant: {result['undecidable']}, so there is no difference to test" if result["undecidable"]
@@ -473,6 +476,9 @@ def read_checkpoint(path, device="cpu"):
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: no such checkpoint file")
+    with open(p, "rb") as f:
+        if not (head := f.read(2)).startswith(b"PK") and head[:1] != b"\x80":  # torch.save: a zip (or a pickle)
+            raise DataError(f"{p}: refused, not a checkpoint (not a file torch.save writes)")
     try:
         ckpt = torch.load(p, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 -- any failure is the file's; say which, in one line
@@ -1032,7 +1038,7 @@ def parse_args(argv=None):
                           ("max_len_b", args.max_len_b >= 0, "0 or more"),
                           ("max_len", args.max_len >= 1, "at least 1"),
                           ("batch_tokens", args.batch_tokens is None or args.batch_tokens >= 1, "at least 1"),
-                          ("alpha", args.alpha is None or args.alpha >= 0, "0 or more"),
+                          ("alpha", args.alpha is None or 0 <= args.alpha <= 10, "in [0, 10] (the papers: 0.6, 1.0)"),
                           ("samples", args.samples >= 1, "at least 1"),
                           ("average", args.average >= 0, "0 (off) or a number of checkpoints"),
                           ("label_smoothing", args.label_smoothing is None or 0 <= args.label_smoothing < 1,
@@ -1045,14 +1051,16 @@ def parse_args(argv=None):
         ap.error("--plot needs --out FILE.png")
     if not args.compare and not args.plot and not args.checkpoint:
         ap.error("a checkpoint (file or run directory) is needed, except with --compare or --plot")
-    if args.temperature <= 0:
-        ap.error(f"--temperature must be positive (got {args.temperature!r})")
+    if not 0 < args.temperature < math.inf:
+        ap.error(f"--temperature must be positive and finite (got {args.temperature!r})")
+    if args.compare and args.seed < 1:  # SacreBLEU takes 0 as "no seed": another resampling at every run
+        ap.error(f"--seed must be at least 1 for --compare (got {args.seed!r})")
+    if args.out and not args.plot:
+        ap.error("--out is the picture of --plot; translations go to --output")
     for flag, given, needs in (("sample", args.sample, "generate"), ("max_tokens", args.max_tokens != 50, "generate"),
                                ("temperature", args.temperature != 1.0, "sample")):
-        if given and not getattr(args, needs):
+        if given and getattr(args, needs) in (None, False):
             ap.error(f"--{flag.replace('_', '-')} is for --{needs}: give --{needs} too")
-    if args.svd and (args.ppl or args.leak or args.generate is not None or args.attention is not None or args.g_table):
-        ap.error("--svd prints the embedding's singular values and nothing else: give it alone (with --png)")
     if args.seq_len is not None and args.seq_len < 1:
         ap.error(f"--seq-len must be at least 1 (got {args.seq_len!r})")
     if args.attention_target is not None and args.attention is None:
@@ -1060,6 +1068,19 @@ def parse_args(argv=None):
     for flag, default in (("png", None), ("layer", 0), ("head", 0), ("kind", "cross")):
         if getattr(args, flag) != default and args.attention is None and not (flag == "png" and args.svd):
             ap.error(f"--{flag} is for the map of --attention (or --svd): give --attention too")
+    # What a mode does not read is refused, as train.py refuses a flag that would do nothing.
+    given = {f for f, v in vars(args).items() if v != ap.get_default(f)}
+    model_flags = {"checkpoint", "average", "device", "dtype", "reference"}
+    inside = model_flags | {"g_table", "attention", "attention_target", "layer", "head", "kind", "png", "beam", "alpha",
+                            "length_penalty", "max_len_b", "max_len", "batch_tokens"}  # --attention translates once
+    for mode, reads in (("compare", {"compare", "ref", "samples", "seed", "tokenized", "lowercase"}),
+                        ("plot", {"plot", "out"}), ("svd", model_flags | {"svd", "png"}),
+                        ("g_table", inside), ("attention", inside),
+                        ("benchmark", given - {"output", "ppl", "label_smoothing", "progress"})):
+        if mode in given:
+            if extra := sorted(given - reads):
+                ap.error(f"--{extra[0].replace('_', '-')} does nothing with --{mode.replace('_', '-')}")
+            break
     return args
 
 
@@ -1071,6 +1092,11 @@ def check_output_file(path, flag, suffix=None):
         raise DataError(f"{flag} {path}: the file name must end in {suffix}")
     if p.is_dir():
         raise DataError(f"{flag} {path}: a folder, not a file")
+    if p.exists() and not p.is_file():  # a device or a pipe (/dev/stdout, a FIFO): written as a stream
+        if not os.access(p, os.W_OK):
+            raise DataError(f"{flag} {path}: not writable")
+        return
+    p = p.resolve()  # a symbolic link: its file is replaced, not the link
     folder = p.absolute().parent
     if not folder.is_dir():
         raise DataError(f"{flag} {path}: its folder {folder} does not exist")
@@ -1139,7 +1165,7 @@ def search_flags(args, ckpt):
     checkpoint's flags, checked, not trusted), else TwT's beam 4, alpha 0.6, gnmt."""
     saved = ckpt.get("args") if isinstance(ckpt.get("args"), dict) else {}
     checks = (("beam", 4, lambda v: type(v) is int and v >= 1),
-              ("alpha", 0.6, lambda v: type(v) in (int, float) and math.isfinite(v) and v >= 0),
+              ("alpha", 0.6, lambda v: type(v) in (int, float) and 0 <= v <= 10),
               ("length_penalty", "gnmt", lambda v: v in PENALTIES))
     for flag, default, ok in checks:
         if getattr(args, flag) is None:
@@ -1163,6 +1189,8 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
     print(f"loaded {args.checkpoint} (step {ckpt.get('step')}, dev BLEU {ckpt.get('dev_bleu')}, "
           f"{ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')}{avg}); beam {args.beam}, "
           f"{args.length_penalty} length penalty alpha {args.alpha}", file=sys.stderr)
+    if args.ppl and not any(line.strip() for line in lines):
+        raise DataError(f"--ppl: {args.input or 'stdin'} has no non-empty source line to score")
     if args.benchmark:
         if not any(lines):
             raise DataError(f"--benchmark: {args.input or 'stdin'} has no sentence to translate")
@@ -1171,7 +1199,7 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
     hyps = translate(model, tokenizer, lines, search, args.batch_tokens, args.progress)
     text = "".join(h + "\n" for h in hyps)
     if args.output:
-        data.atomic_write(args.output, text)
+        write_output(args.output, text)
         args.output_written = True  # for the message of a Ctrl-C while scoring
     else:
         sys.stdout.write(text)
@@ -1190,6 +1218,16 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
             print(f"test perplexity: label-smoothed (eps {eps}) {ppl['smoothed_ppl']:.2f}, "
                   f"plain {ppl['ppl']:.2f} over {ppl['n_tokens']} target tokens", file=sys.stderr)
     return 0
+
+
+def write_output(path, text):
+    """--output: atomically (a kill leaves the old file or the new one), through a symbolic link to its file; a device
+    or a pipe, which cannot be replaced, as a stream."""
+    if Path(path).exists() and not Path(path).is_file():
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        data.atomic_write(Path(path).resolve(), text)
 
 
 def read_stdin():
@@ -1213,6 +1251,8 @@ def language_model(args, model, tokenizer, ckpt, lines):
     if idle:
         raise DataError(f"--{idle[0].replace('_', '-')}: a translator's flag; a language model's --ppl, --leak and "
                         f"--generate do not use it")
+    if args.input and not (args.ppl or args.leak):
+        raise DataError("--input does nothing with --generate (its text is for --ppl and --leak)")
     saved = ckpt.get("args") or {}
     seq_len = args.seq_len or saved.get("seq_len") or model.cfg.seq_len or 32
     # The run's own batches by default: the NLL is summed in the same order, so --ppl prints results.json's number.
@@ -1222,9 +1262,14 @@ def language_model(args, model, tokenizer, ckpt, lines):
                         f"{model.cfg.seq_len} tokens; give --seq-len {model.cfg.seq_len} or less")
     if args.leak:
         text = [line for line in (read_stdin() if lines is None else lines) if line]
+        if seq_len < 2:
+            raise DataError(f"--leak: --seq-len {seq_len}: a segment needs a token after its middle to change")
         segs = data.lm_segments(data.lm_stream(tokenizer, text), seq_len)
+        full = segs.y.ne(PAD).all(1)  # whole segments: a padded one would score log p(PAD) = -inf
         n = max(1, batch_tokens // seq_len)
-        r = future_leak(model, data.Segments(segs.x[:n], segs.y[:n]))
+        if not full.any():
+            raise DataError(f"--leak: {args.input or 'stdin'} is shorter than one segment of {seq_len} tokens")
+        r = future_leak(model, data.Segments(segs.x[full][:n], segs.y[full][:n]))
         print(f"future leak: changing tokens {r['positions'] + 1}..{seq_len} of {r['segments']} segments moves "
               f"log p(next token) at positions 1..{r['positions']} by {r['mean_abs_change']:.4f} nats on average; "
               f"their perplexity {r['ppl_before']:.2f} -> {r['ppl_after']:.2f}")

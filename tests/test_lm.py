@@ -164,6 +164,19 @@ def test_a_bpe_language_model_reports_perplexity_per_word_too(text, tmp_path, ca
     assert r["test_word_ppl"] == pytest.approx(r["test_ppl"] ** (r["test_tokens"] / r["test_words"]), rel=1e-9)
     decode.main([str(run), "--generate", "a", "--max-tokens", "5"])
     assert capsys.readouterr().out.strip()
+    assert decode.main([str(run), "--generate", "", "--max-tokens", "3"]) == 0  # an empty prefix takes it too
+    capsys.readouterr()
+    # --leak on whole segments only: the text's padded last segment would score log p(PAD) = -inf
+    _, tok, _ = decode.load_checkpoint(run)
+    lines = [l for l in (text / "test.txt").read_text().splitlines() if l]
+    assert data.lm_segments(data.lm_stream(tok, lines), 32).y.eq(PAD).any()  # the text ends in a padded segment
+    assert decode.main([str(run), "--leak", "--input", str(text / "test.txt")]) == 0
+    out = capsys.readouterr().out
+    assert "future leak" in out and "nan" not in out and "inf" not in out, out
+    (tmp_path / "short.txt").write_text("a b\n")
+    for extra, words in ((["--input", str(tmp_path / "short.txt")], "shorter than one segment"),
+                         (["--input", str(text / "test.txt"), "--seq-len", "1"], "--seq-len 1")):
+        assert words in _one_line_error(lambda: decode.main([str(run), "--leak", *extra]))
 
 
 def test_a_killed_language_model_resumes_to_the_same_metrics(text, tmp_path, killed_run):
@@ -275,7 +288,8 @@ def test_review_fixes_special_words_idle_flags_and_the_cosine_schedule(text, tmp
         assert words in _one_line_error(lambda: decode.main(argv))
     with pytest.raises(SystemExit):
         decode.main([str(run), "--svd", "--ppl", "--input", str(text / "test.txt")])
-    assert "give it alone" in capsys.readouterr().err
+    assert "--input does nothing with --svd" in capsys.readouterr().err
+    assert "--input" in _one_line_error(lambda: decode.main([str(run), "--generate", "a", "--input", str(text / "test.txt")]))
     # cosine: eq. 7's linear warmup to the peak, then (1 + cos(pi progress)) / 2 down to 0 at the last step
     s = train.Schedule("cosine", 256, 100, 1e-3, total=1100)
     assert s(50) == pytest.approx(0.5e-3) and s(100) == pytest.approx(1e-3) and s(600) == pytest.approx(0.5e-3)

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -741,3 +742,57 @@ def test_decode_ctrl_c_says_whether_the_output_was_written(finished, tmp_path, m
     monkeypatch.setattr(decode, "translate", killed)  # Ctrl-C while translating: nothing is written
     assert decode.main(argv + ["--output", str(tmp_path / "b.hyp")]) == 130
     assert "b.hyp was not written" in capsys.readouterr().err and not (tmp_path / "b.hyp").exists()
+
+
+def test_decode_writes_through_a_link_and_into_a_pipe(finished, tmp_path):
+    (tmp_path / "in.txt").write_text("the dog sees a cat .\nthe cat sees a dog .\n")
+    target, link = tmp_path / "target.hyp", tmp_path / "link.hyp"
+    target.write_text("old\n")
+    link.symlink_to(target)
+    assert decode.main([str(finished), "--input", str(tmp_path / "in.txt"), "--output", str(link)]) == 0
+    assert link.is_symlink() and len(target.read_text().splitlines()) == 2  # the link's file, not the link
+    fifo, got = tmp_path / "pipe", []
+    os.mkfifo(fifo)
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    assert decode.main([str(finished), "--input", str(tmp_path / "in.txt"), "--output", str(fifo)]) == 0
+    reader.join(timeout=60)
+    assert fifo.is_fifo() and got == [target.read_text()]  # a pipe stays a pipe, and gets the translations
+
+
+def test_decode_refuses_what_would_silently_do_nothing_or_mislead(finished, tmp_path, caplog, capsys):
+    src, ref = tmp_path / "in.txt", tmp_path / "ref.txt"
+    src.write_text("the dog sees a cat .\n")
+    ref.write_text("the dog sees a cat .\n")
+    run = [str(finished), "--input", str(src)]
+    for argv, words in ((run + ["--out", str(tmp_path / "o.hyp")], "--out is the picture of --plot"),
+                        ([str(finished), "--g-table", "--input", str(src)], "--input does nothing with --g-table"),
+                        (run + ["--benchmark", "--output", str(tmp_path / "o.hyp")], "--output does nothing"),
+                        (run + ["--svd"], "--input does nothing with --svd"),
+                        (run + ["--alpha", "inf"], "--alpha must be in [0, 10]"),
+                        (run + ["--alpha", "11"], "--alpha must be in [0, 10]"),
+                        (["--compare", str(src), str(src), "--ref", str(ref), "--seed", "0"], "--seed must be at least 1"),
+                        ([str(finished / "config.json")], "not a file torch.save writes")):
+        with pytest.raises(SystemExit) as e:
+            decode.main(argv)
+        assert e.value.code != 0
+        err = capsys.readouterr().err + str(e.value.code)
+        assert words in err, (argv, err)
+    assert not (tmp_path / "o.hyp").exists()
+    one_line_error(lambda: train.main(TINY + ["--lr", "inf"]), "--lr", "finite")
+    # --ppl with nothing to score is refused before anything is translated or written
+    (tmp_path / "empty.txt").write_text("\n")
+    one_line_error(lambda: decode.main([str(finished), "--input", str(tmp_path / "empty.txt"), "--ref",
+                                        str(tmp_path / "empty.txt"), "--ppl", "--output", str(tmp_path / "p.hyp")]),
+                   "--ppl", "no non-empty source line")
+    assert not (tmp_path / "p.hyp").exists()
+    # --compare honours --lowercase (case:lc): outputs that differ only in case score the same
+    upper = tmp_path / "upper.txt"
+    upper.write_text("THE DOG SEES A CAT .\n")
+    assert decode.main(["--compare", str(src), str(upper), "--ref", str(ref), "--lowercase", "--samples", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "case:lc" in out and "score the same BLEU" in out, out
+    # tokenized BLEU scores tokenized text on purpose: no "did you forget to detokenize" warning
+    with caplog.at_level("WARNING"):
+        decode.score_report(["a b ."] * 120, ["a b ."] * 120)
+    assert "detokenize" not in caplog.text.lower() and "tokenized period" not in caplog.text.lower(), caplog.text
