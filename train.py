@@ -412,7 +412,7 @@ def finish(run):
     ckpt = decode.read_checkpoint(best, run.device)
     run.model.load_state_dict(ckpt["model"])
     run.model.eval()
-    result = {"run_id": args.run_id, "best_step": ckpt["step"],
+    result = {"run_id": args.run_id, "steps": run.state.step, "best_step": ckpt["step"],
               **({"best_dev_ppl": ckpt["dev_ppl"]} if args.task == "lm" else {"best_dev_bleu": ckpt["dev_bleu"]}),
               "train_seconds": run.state.train_seconds, "stopped": run.state.stopped,
               # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd)
@@ -1480,10 +1480,13 @@ def open_run_dir(args, pairs, log, stack, master):
             raise data.DataError(f"--resume {run_dir}: the corpus changed since the run started "
                                  f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''})")
         ckpt = newest_checkpoint(run_dir, args.run_id, log)
-        for flag, done in (("max_steps", ckpt["step"]), ("max_epochs", ckpt["train_state"]["epoch"])):
-            if getattr(args, flag) is not None and done > getattr(args, flag):
-                raise data.DataError(f"--resume {run_dir}: the run is already past --{flag.replace('_', '-')} "
-                                     f"{getattr(args, flag)} ({done}): nothing to train; give a larger one to continue")
+        budget = min(args.max_epochs * args.epoch_size, args.max_steps or math.inf)  # train_loop's last step
+        flag = f"--max-steps {args.max_steps}" if budget == args.max_steps else f"--max-epochs {args.max_epochs}"
+        done = ckpt["step"]
+        if done > budget or done == budget and finished_at(run_dir, args.run_id) == done:  # else: finish the test
+            raise data.DataError(f"--resume {run_dir}: the run has trained {done} steps, "
+                                 f"{'past' if done > budget else 'all'} that {flag} allows: nothing to train; give a "
+                                 f"larger {flag.split()[0]} to continue")
         if why := still_stopped(args, ckpt["train_state"]):
             fix = "a smaller --stop-lr" if "--stop-lr" in why else "a larger --early-stop (0: off)"
             raise data.DataError(f"--resume {run_dir}: the run stopped ({why}) and would stop again at once: nothing "
@@ -1603,6 +1606,15 @@ def newest_checkpoint(run_dir, run_id, log):
         return ckpt
     raise data.DataError(f"--resume {run_dir}: nothing to resume from, no readable checkpoint (the run may have "
                          f"stopped before its first evaluation); start it again with --overwrite")
+
+
+def finished_at(run_dir, run_id):
+    """The step at which this run (run_id) wrote its results.json, or None."""
+    try:
+        results = json.loads((run_dir / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return results.get("steps") if isinstance(results, dict) and results.get("run_id") == run_id else None
 
 
 def still_stopped(args, state):

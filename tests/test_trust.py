@@ -470,7 +470,7 @@ def test_train_seconds_count_every_part_of_a_resumed_run(tmp_path, corpus, monke
     with pytest.raises(SystemExit):
         train.main(TINY + corpus + ["--max-steps", "15", "--out", str(run)])
     assert train.main(["--resume", str(run)])["train_seconds"] == 15.0
-    assert train.main(["--resume", str(run)])["train_seconds"] == 15.0  # a finished run: the same
+    one_line_error(lambda: train.main(["--resume", str(run)]), "nothing to train")  # finished: refused, unchanged
     assert json.loads((run / "results.json").read_text())["train_seconds"] == 15.0
 
 
@@ -624,10 +624,28 @@ def test_a_resume_that_would_train_nothing_is_refused_and_a_budget_stop_is_recor
     run = copy_run(finished, tmp_path)
     assert json.loads((run / "results.json").read_text())["stopped"] == "--max-steps 15 reached"
     before = snapshot(run)
-    one_line_error(lambda: train.main(["--resume", str(run), "--max-steps", "10"]), "already past --max-steps 10")
+    one_line_error(lambda: train.main(["--resume", str(run), "--max-steps", "10"]), "past that --max-steps 10")
+    # finished: the same budget, or a larger one that another budget (--max-epochs 1000 x 5 steps) still binds
+    one_line_error(lambda: train.main(["--resume", str(run)]), "trained 15 steps, all that --max-steps 15 allows")
+    one_line_error(lambda: train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "3"]),
+                   "all that --max-epochs 3 allows", "give a larger --max-epochs")
     assert snapshot(run) == before
     train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])  # a larger budget continues
     assert torch.load(run / "checkpoint_last.pt", weights_only=True)["step"] == 20
+
+
+def test_a_run_killed_in_its_final_test_resumes_to_finish_it(tmp_path, corpus, monkeypatch):
+    run, real = tmp_path / "run", train.write_results
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "write_results", killed)  # Ctrl-C just before results.json
+    with pytest.raises(SystemExit):
+        train.main(TINY + corpus + ["--max-steps", "10", "--out", str(run)])
+    assert not (run / "results.json").exists()
+    monkeypatch.setattr(train, "write_results", real)
+    result = train.main(["--resume", str(run)])  # all 10 steps trained: only the test is left
+    assert result["steps"] == 10 and "test_bleu" in result and (run / "results.json").exists()
 
 
 def test_a_run_stopped_by_stop_lr_or_early_stop_resumes_when_the_flag_changes(tmp_path, corpus):
