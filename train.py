@@ -643,8 +643,11 @@ def resolve_flags(argv=None):
         if PAIRS[given["pair"]].get("task", "mt") != task:
             sys.exit(f"error: --pair {given['pair']}: not a corpus for --preset {given['preset']}, a "
                      f"{'language model' if task == 'lm' else 'translator'}")
+    if "pair" in given and "task" in given and given["task"] != PAIRS[given["pair"]].get("task", "mt"):
+        sys.exit(f"error: --pair {given['pair']}: not a corpus for --task {given['task']}")
     args = argparse.Namespace(**flags)
-    refuse_idle_flags(args, given)
+    if "resume" not in given:  # a resume checks them against the run's own flags (resume_flags)
+        refuse_idle_flags(args, given)
     # Values that depend on other flags are fixed here, once, and recorded in config.json.
     if args.bpe_size is None:
         args.bpe_size = 0 if args.task == "lm" else 2000 if args.data is None else 8000
@@ -1456,6 +1459,8 @@ def open_run_dir(args, pairs, log, stack, master):
         args.run_id = None
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="benchmark-")))
         return tmp, None, tmp
+    if not str(args.out).strip():  # Path("") would be this folder
+        raise data.DataError("--out is empty: give the run directory, e.g. --out runs/NAME")
     run_dir, ckpt = Path(args.out), None
     check_out(run_dir)
     held = holds_a_run(run_dir) if run_dir.is_dir() and master else ""  # rank 0 checks, and may have committed

@@ -282,6 +282,9 @@ def test_review_fixes_special_words_idle_flags_and_the_cosine_schedule(text, tmp
     run = tmp_path / "run"
     train.main(LM + ["--data", str(text), "--max-steps", "4", "--epoch-size", "4", "--out", str(run)])
     assert "--beam" in _one_line_error(lambda: train.main(["--resume", str(run), "--max-steps", "8", "--beam", "7"]))
+    assert "--task mt" in _one_line_error(lambda: train.main(["--pair", "ptb", "--task", "mt"]))
+    # A resume that repeats the run's own language-model flag is checked against the run, not the defaults
+    train.main(["--resume", str(run), "--max-steps", "8", "--seq-len", "32"])
     for argv, words in (([str(run), "--attention", "a b"], "--attention"),
                         ([str(run), "--ppl", "--input", str(text / "test.txt"), "--beam", "7"], "--beam"),
                         ([str(run), "--generate", "a", "--output", str(tmp_path / "o.txt")], "--output")):

@@ -634,6 +634,12 @@ def test_a_resume_that_would_train_nothing_is_refused_and_a_budget_stop_is_recor
     assert torch.load(run / "checkpoint_last.pt", weights_only=True)["step"] == 20
 
 
+def test_an_empty_out_is_refused_not_this_folder(tmp_path, corpus, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    one_line_error(lambda: train.main(TINY + corpus + ["--max-steps", "5", "--out", ""]), "--out is empty")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_run_killed_in_its_final_test_resumes_to_finish_it(tmp_path, corpus, monkeypatch):
     run, real = tmp_path / "run", train.write_results
 
