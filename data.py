@@ -935,6 +935,8 @@ def split_lines(raw, name):
     Note: str.splitlines() would also split on \\x0b, \\x1c, U+2028 ..., which would silently
     break the line alignment of a parallel corpus.
     """
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16's byte-order mark: latin1 would make garbage of it
+        raise DataError(f"{name}: UTF-16 text, not UTF-8 (convert it with iconv -f utf-16 -t utf-8)")
     bom = 3 if raw.startswith(b"\xef\xbb\xbf") else 0  # a UTF-8 byte-order mark (Windows editors) is
     lines, offset = raw[bom:].split(b"\n"), bom  # not text: it would become a BPE piece of the first line
     if lines and lines[-1] == b"":
@@ -945,7 +947,7 @@ def split_lines(raw, name):
             out.append(line.decode("utf-8").strip())
         except UnicodeDecodeError as e:
             raise DataError(f"{name}: line {i + 1}: invalid UTF-8 byte 0x{line[e.start]:02x} at byte offset "
-                            f"{offset + e.start} (convert it with e.g. iconv -f latin1 -t utf-8)") from None
+                            f"{offset + e.start} (convert it with iconv -f ENCODING -t utf-8, e.g. latin1)") from None
         offset += len(line) + 1
     return out
 

@@ -504,6 +504,9 @@ def test_a_byte_order_mark_is_not_text(tmp_path):
     (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbfthe dog .\nthe \xff cat .\n")
     with pytest.raises(data.DataError, match="line 2: invalid UTF-8 byte 0xff at byte offset 17"):
         data.read_lines(tmp_path / "b.txt")  # offsets still count from the file's first byte
+    (tmp_path / "c.txt").write_bytes("the dog .\n".encode("utf-16"))  # a Windows "Unicode" file
+    with pytest.raises(data.DataError, match="UTF-16 text, not UTF-8 .*iconv -f utf-16"):
+        data.read_lines(tmp_path / "c.txt")
 
 
 # --- 10. one line naming the flag or file, never a traceback -----------------------------------
