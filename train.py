@@ -216,6 +216,7 @@ class Run:
     step_options: StepOptions
     state: TrainState = field(default_factory=TrainState)
     order: list = field(default_factory=list)  # this pass's shuffled batches
+    rank_rngs: list = field(default_factory=list)  # under torchrun: every rank's generators (share_epoch)
 
     @property
     def master(self):  # rank 0 alone logs and writes files
@@ -264,10 +265,11 @@ def setup(args, stack):
                   optimizer, Schedule.from_args(args), options)
         if ckpt is not None:
             restore(run, ckpt)  # Appendix E
+        run.order = data.make_batches(train, args.batch_tokens, True, args.seed, run.state.data_pass)
+        check_batches(run)  # Appendix D: a batch for every process at every step
         if run.master and not args.benchmark:
             commit_run_dir(args, run_dir, stage, ckpt, log)  # Appendix E: every input checked, the first change
     run.net = wrap_model(model, args, world, device)  # Appendix D: DDP; Appendix C: --compile
-    run.order = data.make_batches(train, args.batch_tokens, True, args.seed, run.state.data_pass)
     model.train()
     return run
 
@@ -361,10 +363,8 @@ def end_of_epoch(run):
     t0, bleu = time.time(), None
     if run.master:
         bleu, dev_loss, dev_nll, n = dev_score(run)
-    if run.world > 1:  # every rank takes the same decisions: share rank 0's score
-        box = [bleu, s.stopped]
-        dist.broadcast_object_list(box, src=0)
-        bleu, s.stopped = box
+    if run.world > 1:  # every rank takes the same decisions: share rank 0's score (Appendix D)
+        bleu, s.stopped = share_epoch(run, bleu)
     if bleu is None:  # diverged
         return
     s.dev_bleu = bleu
@@ -459,8 +459,8 @@ def main(argv=None):
         sys.exit(f"error: {e}: make room, then {what_next(args)}")
     except (data.DataError, Diverged) as e:
         sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        sys.exit(f"interrupted: {what_next(args)}")
+    except KeyboardInterrupt:  # under torchrun, rank 0 alone says what to do
+        sys.exit(f"interrupted: {what_next(args)}" if os.environ.get("RANK", "0") == "0" else "interrupted")
 
 
 DEFAULTS, ACTIONS = {}, {}  # every flag's default, and its argparse action (its type and choices)
@@ -1273,6 +1273,25 @@ def rank0_first(rank, world):
     dist.broadcast_object_list([False], src=0)
 
 
+def share_epoch(run, bleu):
+    """At each evaluation: rank 0's dev score and stop, so that every rank decides alike; and every rank's random
+    generators into run.rank_rngs, which rank 0's checkpoint keeps, so that each rank resumes its own streams."""
+    box = [bleu, run.state.stopped]
+    dist.broadcast_object_list(box, src=0)
+    run.rank_rngs = [None] * run.world
+    dist.all_gather_object(run.rank_rngs, rng_state(run))
+    return box
+
+
+def check_batches(run):
+    """Each step takes world x --accumulate batches of the shuffled order (Run.next_batches): enough for each."""
+    need = run.world * run.args.accumulate
+    if len(run.order) < need:
+        raise data.DataError(f"the training data makes {len(run.order)} batches of --batch-tokens "
+                             f"{run.args.batch_tokens}, fewer than the {need} of a step ({run.world} processes x "
+                             f"--accumulate {run.args.accumulate}): give a smaller --batch-tokens")
+
+
 def wrap_model(model, args, world, device):
     """What a step calls: PyTorch's DDP (gradients all-reduced, averaged, across ranks in backward)
     and/or torch.compile (Appendix C) around the model; checkpoints save `model` itself."""
@@ -1324,10 +1343,15 @@ def make_checkpoint(run):
     return {"model_config": run.model.cfg.to_dict(), "model": run.model.state_dict(), "run_id": run.args.run_id,
             "optimizer": run.optimizer.state_dict(), "bpe_model_proto": (run.dir / "bpe.model").read_bytes(),
             "src_lang": run.langs[0], "tgt_lang": run.langs[1], "step": run.state.step,
-            **score_of(run), "train_state": asdict(run.state), "args": vars(run.args),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                    "word_dropout": run.step_options.rng.get_state()}}
+            **score_of(run), "train_state": asdict(run.state), "args": vars(run.args), "world": run.world,
+            "rng": dict(rng_state(run), **({"ranks": run.rank_rngs} if run.world > 1 else {}))}
+
+
+def rng_state(run):
+    """This process's random generators: what a resumed run restores to continue exactly."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "word_dropout": run.step_options.rng.get_state()}
 
 
 def save_checkpoints(run, improved):
@@ -1363,16 +1387,20 @@ def restore(run, ckpt):
     except (RuntimeError, ValueError, KeyError) as e:
         raise data.DataError(f"{run.dir}: its checkpoint does not fit the model of its config.json "
                              f"({str(e).splitlines()[0]})") from None
+    if ckpt.get("world", run.world) != run.world:  # checkpoints before 2026-11-24 do not say
+        raise data.DataError(f"{run.dir}: the run trained on {ckpt['world']} processes and this is {run.world}; "
+                             f"resume it with as many (a step's batches and batch statistics depend on them)")
     run.state = TrainState(**ckpt["train_state"])
     # A budget (--max-*), --stop-lr or --early-stop: the resumed run's own flags decide (open_run_dir has
     # refused a resume they would stop at once).
     if run.state.stopped and not run.state.stopped.startswith("diverged"):
         run.state.stopped = None
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    random.setstate(ckpt["rng"]["python"])
-    if ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-    run.step_options.rng.set_state(ckpt["rng"]["word_dropout"])
+    rng = ckpt["rng"]["ranks"][run.rank] if len(ckpt["rng"].get("ranks", [])) == run.world else ckpt["rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    run.step_options.rng.set_state(rng["word_dropout"])
 
 
 def resume_flags(args, given):
@@ -1657,7 +1685,9 @@ def what_next(args):
     if getattr(args, "run_id", None) is None or run_id_of(run_dir / "config.json") != args.run_id:
         return f"the run had not started in {run_dir}: start it again with the same command"
     if any(CHECKPOINT_NAME.fullmatch(p.name) for p in run_dir.iterdir()):
-        return f"continue with python train.py --resume {run_dir}"
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        how = "python train.py" if world == 1 else f"torchrun (as many processes as before, {world}) train.py"
+        return f"continue with {how} --resume {run_dir}"
     return (f"nothing to resume (the first checkpoint comes after --epoch-size {args.epoch_size} steps): start it "
             f"again with the same command and --overwrite")
 

@@ -4,6 +4,7 @@ that say so in one line, before any training, and exit non-zero.
 Every test is one claim, on tiny models (a few seconds each): the built-in language pair, 300
 sentence pairs, d 32, one layer, 5 steps an epoch.
 """
+import argparse
 import fcntl
 import hashlib
 import io
@@ -635,6 +636,16 @@ def test_a_resume_that_would_train_nothing_is_refused_and_a_budget_stop_is_recor
     assert snapshot(run) == before
     train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])  # a larger budget continues
     assert torch.load(run / "checkpoint_last.pt", weights_only=True)["step"] == 20
+
+
+def test_too_few_batches_for_a_step_and_the_advice_under_torchrun(finished, tmp_path, corpus, monkeypatch):
+    one_line_error(lambda: train.main(TINY + corpus + ["--accumulate", "1000", "--out", str(tmp_path / "r")]),
+                   "batches of --batch-tokens 512, fewer than the 1000 of a step", "--accumulate 1000")
+    assert not (tmp_path / "r").exists()
+    config = json.loads((finished / "config.json").read_text())
+    args = argparse.Namespace(out=str(finished), benchmark=False, run_id=config["run_id"], epoch_size=5)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert f"torchrun (as many processes as before, 2) train.py --resume {finished}" in train.what_next(args)
 
 
 def test_an_empty_out_is_refused_not_this_folder(tmp_path, corpus, monkeypatch):
