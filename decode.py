@@ -1079,7 +1079,8 @@ def parse_args(argv=None):
                         ("benchmark", given - {"output", "ppl", "label_smoothing", "progress"})):
         if mode in given:
             if extra := sorted(given - reads):
-                ap.error(f"--{extra[0].replace('_', '-')} does nothing with --{mode.replace('_', '-')}")
+                what = "a checkpoint" if extra[0] == "checkpoint" else f"--{extra[0].replace('_', '-')}"
+                ap.error(f"{what} does nothing with --{mode.replace('_', '-')}")
             break
     return args
 

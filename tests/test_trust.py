@@ -807,6 +807,8 @@ def test_decode_refuses_what_would_silently_do_nothing_or_mislead(finished, tmp_
                         ([str(finished), "--g-table", "--input", str(src)], "--input does nothing with --g-table"),
                         (run + ["--benchmark", "--output", str(tmp_path / "o.hyp")], "--output does nothing"),
                         (run + ["--svd"], "--input does nothing with --svd"),
+                        ([str(finished), "--plot", str(finished), "--out", str(tmp_path / "p.png")],
+                         "a checkpoint does nothing with --plot"),
                         (run + ["--alpha", "inf"], "--alpha must be in [0, 10]"),
                         (run + ["--alpha", "11"], "--alpha must be in [0, 10]"),
                         (["--compare", str(src), str(src), "--ref", str(ref), "--seed", "0"], "--seed must be at least 1"),
