@@ -1074,7 +1074,10 @@ def atomic_write(path, content):
             elif isinstance(content, (bytes, bytearray)):
                 f.write(content)
             else:
-                torch.save(content, f)
+                try:
+                    torch.save(content, f)
+                except RuntimeError as e:  # torch's zip writer reports a failed write (a full disk) as this
+                    raise e.__context__ if isinstance(e.__context__, OSError) else e
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)

@@ -476,9 +476,13 @@ def read_checkpoint(path, device="cpu"):
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: no such checkpoint file")
-    with open(p, "rb") as f:
-        if not (head := f.read(2)).startswith(b"PK") and head[:1] != b"\x80":  # torch.save: a zip (or a pickle)
-            raise DataError(f"{p}: refused, not a checkpoint (not a file torch.save writes)")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(2)
+    except OSError as e:
+        raise DataError(f"{p}: cannot read it ({e.strerror})") from None
+    if not head.startswith(b"PK") and head[:1] != b"\x80":  # torch.save writes a zip (or, before 1.6, a pickle)
+        raise DataError(f"{p}: refused, not a checkpoint (not a file torch.save writes)")
     try:
         ckpt = torch.load(p, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 -- any failure is the file's; say which, in one line
@@ -1053,12 +1057,16 @@ def parse_args(argv=None):
         ap.error("a checkpoint (file or run directory) is needed, except with --compare or --plot")
     if not 0 < args.temperature < math.inf:
         ap.error(f"--temperature must be positive and finite (got {args.temperature!r})")
+    if args.seed != 12345 and not (args.compare or args.sample):
+        ap.error("--seed is for --compare's resampling and --sample's draws")
     if args.compare and args.seed < 1:  # SacreBLEU takes 0 as "no seed": another resampling at every run
         ap.error(f"--seed must be at least 1 for --compare (got {args.seed!r})")
     if args.out and not args.plot:
         ap.error("--out is the picture of --plot; translations go to --output")
     for flag, given, needs in (("sample", args.sample, "generate"), ("max_tokens", args.max_tokens != 50, "generate"),
-                               ("temperature", args.temperature != 1.0, "sample")):
+                               ("temperature", args.temperature != 1.0, "sample"), ("samples", args.samples != 1000,
+                               "compare"), ("tokenized", args.tokenized, "ref"), ("lowercase", args.lowercase, "ref"),
+                               ("label_smoothing", args.label_smoothing is not None, "ppl")):
         if given and getattr(args, needs) in (None, False):
             ap.error(f"--{flag.replace('_', '-')} is for --{needs}: give --{needs} too")
     if args.seq_len is not None and args.seq_len < 1:
@@ -1076,7 +1084,8 @@ def parse_args(argv=None):
     for mode, reads in (("compare", {"compare", "ref", "samples", "seed", "tokenized", "lowercase"}),
                         ("plot", {"plot", "out"}), ("svd", model_flags | {"svd", "png"}),
                         ("g_table", inside), ("attention", inside),
-                        ("benchmark", given - {"output", "ppl", "label_smoothing", "progress"})):
+                        ("benchmark", given - {"output", "ppl", "label_smoothing", "progress", "tokenized",
+                                               "lowercase"})):
         if mode in given:
             if extra := sorted(given - reads):
                 what = "a checkpoint" if extra[0] == "checkpoint" else f"--{extra[0].replace('_', '-')}"
@@ -1093,9 +1102,9 @@ def check_output_file(path, flag, suffix=None):
         raise DataError(f"{flag} {path}: the file name must end in {suffix}")
     if p.is_dir():
         raise DataError(f"{flag} {path}: a folder, not a file")
-    if p.exists() and not p.is_file():  # a device or a pipe (/dev/stdout, a FIFO): written as a stream
+    if is_stream(p):  # a device or a pipe (/dev/stdout, a FIFO): written as a stream
         if not os.access(p, os.W_OK):
-            raise DataError(f"{flag} {path}: not writable")
+            raise DataError(f"{flag} {path}: cannot write to it")
         return
     p = p.resolve()  # a symbolic link: its file is replaced, not the link
     folder = p.absolute().parent
@@ -1221,11 +1230,17 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
     return 0
 
 
+def is_stream(path):
+    """A device, a pipe or a process's open file (/dev/..., /proc/...): written to, never replaced."""
+    p = Path(path).absolute()
+    return p.parts[1:2] in (("dev",), ("proc",)) or p.exists() and not p.is_file()
+
+
 def write_output(path, text):
-    """--output: atomically (a kill leaves the old file or the new one), through a symbolic link to its file; a device
-    or a pipe, which cannot be replaced, as a stream."""
-    if Path(path).exists() and not Path(path).is_file():
-        with open(path, "w", encoding="utf-8") as f:
+    """--output: atomically (a kill leaves the old file or the new one), through a symbolic link to its file; a
+    stream (is_stream) appended to: /dev/stdout may be a file the shell opened (> out.txt 2>&1), not to be cut."""
+    if is_stream(path):
+        with open(path, "a", encoding="utf-8") as f:
             f.write(text)
     else:
         data.atomic_write(Path(path).resolve(), text)

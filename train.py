@@ -1391,9 +1391,10 @@ def restore(run, ckpt):
         raise data.DataError(f"{run.dir}: the run trained on {ckpt['world']} processes and this is {run.world}; "
                              f"resume it with as many (a step's batches and batch statistics depend on them)")
     run.state = TrainState(**ckpt["train_state"])
-    # A budget (--max-*), --stop-lr or --early-stop: the resumed run's own flags decide (open_run_dir has
-    # refused a resume they would stop at once).
-    if run.state.stopped and not run.state.stopped.startswith("diverged"):
+    # A budget (--max-*), --stop-lr or --early-stop: the resumed run's own flags decide (open_run_dir has refused a
+    # finished run they would stop at once; one killed in its final test goes straight to the test).
+    stop = run.state.stopped
+    if stop and not stop.startswith("diverged") and not still_stopped(run.args, ckpt["train_state"]):
         run.state.stopped = None
     rng = ckpt["rng"]["ranks"][run.rank] if len(ckpt["rng"].get("ranks", [])) == run.world else ckpt["rng"]
     torch.set_rng_state(rng["torch"])
@@ -1520,7 +1521,7 @@ def open_run_dir(args, pairs, log, stack, master):
             raise data.DataError(f"--resume {run_dir}: the run has trained {done} steps, "
                                  f"{'past' if done > budget else 'all'} that {flag} allows: nothing to train; give a "
                                  f"larger {flag.split()[0]} to continue")
-        if why := still_stopped(args, ckpt["train_state"]):
+        if (why := still_stopped(args, ckpt["train_state"])) and finished_at(run_dir, args.run_id) == done:
             fix = "a smaller --stop-lr" if "--stop-lr" in why else "a larger --early-stop (0: off)"
             raise data.DataError(f"--resume {run_dir}: the run stopped ({why}) and would stop again at once: nothing "
                                  f"to train; give {fix} to continue")
@@ -1681,10 +1682,10 @@ def what_next(args):
     its checkpoint, or start it again (with --overwrite once the run is in the directory: its config.json)."""
     run_dir = Path(args.out)
     if args.benchmark:
-        return "--benchmark writes no run directory"
+        return "run the benchmark again (it writes no run directory)"
     if getattr(args, "run_id", None) is None or run_id_of(run_dir / "config.json") != args.run_id:
         return f"the run had not started in {run_dir}: start it again with the same command"
-    if any(CHECKPOINT_NAME.fullmatch(p.name) for p in run_dir.iterdir()):
+    if any(CHECKPOINT_NAME.fullmatch(p.name) and run_id_of(p) == args.run_id for p in run_dir.iterdir()):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         how = "python train.py" if world == 1 else f"torchrun (as many processes as before, {world}) train.py"
         return f"continue with {how} --resume {run_dir}"

@@ -610,6 +610,10 @@ def test_ctrl_c_says_what_can_be_done(tmp_path, corpus, killed_run, finished, mo
     assert "nothing to resume" in msg and "--overwrite" in msg and "--resume" not in msg, msg
     msg = killed_run(TINY + corpus + ["--max-steps", "20", "--overwrite", "--out", str(run)], 8)  # after step 5's
     assert f"--resume {run}" in msg, msg
+    foreign = torch.load(run / "checkpoint_last.pt", weights_only=True)  # another run's, which --overwrite keeps
+    torch.save(dict(foreign, run_id="another run"), run / "checkpoint_epoch99.pt")
+    msg = killed_run(TINY + corpus + ["--max-steps", "20", "--overwrite", "--out", str(run)], 3)
+    assert "nothing to resume" in msg and (run / "checkpoint_epoch99.pt").exists(), msg
     # Before the run directory changes (here: while the model is built), an --overwrite start leaves the old run
     # as it was: start again, never "--resume" (that would continue the old run).
     old = copy_run(finished, tmp_path / "o")
@@ -654,18 +658,21 @@ def test_an_empty_out_is_refused_not_this_folder(tmp_path, corpus, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_run_killed_in_its_final_test_resumes_to_finish_it(tmp_path, corpus, monkeypatch):
+@pytest.mark.parametrize("flags, steps", [([], 10), (["--warmup", "2", "--stop-lr", "10"], 5)])
+def test_a_run_killed_in_its_final_test_resumes_to_finish_it(flags, steps, tmp_path, corpus, monkeypatch):
+    """Stopped by its budget or by --stop-lr, then killed before results.json: the resume runs the test alone."""
     run, real = tmp_path / "run", train.write_results
 
     def killed(*a, **k):
         raise KeyboardInterrupt
     monkeypatch.setattr(train, "write_results", killed)  # Ctrl-C just before results.json
     with pytest.raises(SystemExit):
-        train.main(TINY + corpus + ["--max-steps", "10", "--out", str(run)])
+        train.main(TINY + corpus + ["--max-steps", "10", *flags, "--out", str(run)])
     assert not (run / "results.json").exists()
     monkeypatch.setattr(train, "write_results", real)
-    result = train.main(["--resume", str(run)])  # all 10 steps trained: only the test is left
-    assert result["steps"] == 10 and "test_bleu" in result and (run / "results.json").exists()
+    result = train.main(["--resume", str(run)])  # every step trained: only the test is left
+    assert result["steps"] == steps and "test_bleu" in result and (run / "results.json").exists()
+    one_line_error(lambda: train.main(["--resume", str(run)]), "nothing to train")  # now it is finished
 
 
 def test_a_run_stopped_by_stop_lr_or_early_stop_resumes_when_the_flag_changes(tmp_path, corpus):
@@ -782,7 +789,7 @@ def test_decode_ctrl_c_says_whether_the_output_was_written(finished, tmp_path, m
     assert "b.hyp was not written" in capsys.readouterr().err and not (tmp_path / "b.hyp").exists()
 
 
-def test_decode_writes_through_a_link_and_into_a_pipe(finished, tmp_path):
+def test_decode_writes_through_a_link_and_into_a_pipe(finished, tmp_path, monkeypatch):
     (tmp_path / "in.txt").write_text("the dog sees a cat .\nthe cat sees a dog .\n")
     target, link = tmp_path / "target.hyp", tmp_path / "link.hyp"
     target.write_text("old\n")
@@ -796,6 +803,48 @@ def test_decode_writes_through_a_link_and_into_a_pipe(finished, tmp_path):
     assert decode.main([str(finished), "--input", str(tmp_path / "in.txt"), "--output", str(fifo)]) == 0
     reader.join(timeout=60)
     assert fifo.is_fifo() and got == [target.read_text()]  # a pipe stays a pipe, and gets the translations
+    # /dev/stdout when the shell sent it to a file (> log.txt 2>&1): appended to, not replaced
+    log = tmp_path / "log.txt"
+    with open(log, "a") as f:
+        f.write("earlier\n")
+        f.flush()
+        assert decode.main([str(finished), "--input", str(tmp_path / "in.txt"), "--output",
+                            f"/proc/self/fd/{f.fileno()}"]) == 0
+    assert log.read_text() == "earlier\n" + target.read_text()
+    # an unreadable checkpoint: one line, not a traceback (a resume skips it)
+    def denied(path, *a, **k):
+        if str(path).endswith(".pt"):
+            raise PermissionError(13, "Permission denied")
+        return open(path, *a, **k)
+    monkeypatch.setattr(decode, "open", denied, raising=False)
+    with pytest.raises(data.DataError, match="cannot read it"):
+        decode.read_checkpoint(finished / "checkpoint_last.pt")
+
+
+def test_a_full_disk_inside_torch_save_is_the_os_error(tmp_path, monkeypatch):
+    """torch's zip writer reports a failed write as a RuntimeError; atomic_write says the OSError (ENOSPC)."""
+    real_fdopen = os.fdopen
+
+    class Full(io.RawIOBase):
+        def __init__(self, fd):
+            self.fd, self.n = fd, 0
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.n += len(b)
+            if self.n > 5000:
+                raise OSError(28, "No space left on device")
+            return len(b)
+
+        def close(self):
+            real_fdopen(self.fd, "wb").close()
+            super().close()
+    monkeypatch.setattr(data.os, "fdopen", lambda fd, mode: io.BufferedWriter(Full(fd)))
+    with pytest.raises(OSError) as e:
+        data.atomic_write(tmp_path / "c.pt", {"x": torch.zeros(100000)})
+    assert e.value.errno == 28 and list(tmp_path.iterdir()) == []
 
 
 def test_decode_refuses_what_would_silently_do_nothing_or_mislead(finished, tmp_path, caplog, capsys):
@@ -812,7 +861,12 @@ def test_decode_refuses_what_would_silently_do_nothing_or_mislead(finished, tmp_
                         (run + ["--alpha", "inf"], "--alpha must be in [0, 10]"),
                         (run + ["--alpha", "11"], "--alpha must be in [0, 10]"),
                         (["--compare", str(src), str(src), "--ref", str(ref), "--seed", "0"], "--seed must be at least 1"),
-                        ([str(finished / "config.json")], "not a file torch.save writes")):
+                        ([str(finished / "config.json")], "not a file torch.save writes"),
+                        (run + ["--samples", "50"], "--samples is for --compare"),
+                        (run + ["--seed", "3"], "--seed is for --compare"),
+                        (run + ["--tokenized"], "--tokenized is for --ref"),
+                        (run + ["--ref", str(ref), "--label-smoothing", "0.2"], "--label-smoothing is for --ppl"),
+                        (run + ["--ref", str(ref), "--benchmark", "--lowercase"], "--lowercase does nothing with")):
         with pytest.raises(SystemExit) as e:
             decode.main(argv)
         assert e.value.code != 0
