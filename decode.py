@@ -1231,9 +1231,11 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
 
 
 def is_stream(path):
-    """A device, a pipe or a process's open file (/dev/..., /proc/...): written to, never replaced."""
+    """A device, a pipe, or an open file's path (/dev/stdout, /dev/fd/N, /proc/self/fd/N: maybe a file the shell
+    opened): written to, never replaced."""
     p = Path(path).absolute()
-    return p.parts[1:2] in (("dev",), ("proc",)) or p.exists() and not p.is_file()
+    descriptor = re.fullmatch(r"/dev/(stdout|stderr|fd/\d+)|/proc/[^/]+/fd/\d+", str(p))
+    return bool(descriptor) or p.exists() and not p.is_file()
 
 
 def write_output(path, text):
