@@ -1038,6 +1038,7 @@ def build_parser():
 def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
+    given = {f for f, v in vars(args).items() if v != ap.get_default(f)}  # the flags given a value of their own
     for flag, ok, why in [("beam", args.beam is None or args.beam >= 1, "at least 1"),
                           ("max_len_b", args.max_len_b >= 0, "0 or more"),
                           ("max_len", args.max_len >= 1, "at least 1"),
@@ -1057,17 +1058,15 @@ def parse_args(argv=None):
         ap.error("a checkpoint (file or run directory) is needed, except with --compare or --plot")
     if not 0 < args.temperature < math.inf:
         ap.error(f"--temperature must be positive and finite (got {args.temperature!r})")
-    if args.seed != 12345 and not (args.compare or args.sample):
+    if "seed" in given and not (args.compare or args.sample):
         ap.error("--seed is for --compare's resampling and --sample's draws")
     if args.compare and args.seed < 1:  # SacreBLEU takes 0 as "no seed": another resampling at every run
         ap.error(f"--seed must be at least 1 for --compare (got {args.seed!r})")
     if args.out and not args.plot:
         ap.error("--out is the picture of --plot; translations go to --output")
-    for flag, given, needs in (("sample", args.sample, "generate"), ("max_tokens", args.max_tokens != 50, "generate"),
-                               ("temperature", args.temperature != 1.0, "sample"), ("samples", args.samples != 1000,
-                               "compare"), ("tokenized", args.tokenized, "ref"), ("lowercase", args.lowercase, "ref"),
-                               ("label_smoothing", args.label_smoothing is not None, "ppl")):
-        if given and getattr(args, needs) in (None, False):
+    for flag, needs in (("sample", "generate"), ("max_tokens", "generate"), ("temperature", "sample"),
+                        ("samples", "compare"), ("tokenized", "ref"), ("lowercase", "ref"), ("label_smoothing", "ppl")):
+        if flag in given and getattr(args, needs) in (None, False):
             ap.error(f"--{flag.replace('_', '-')} is for --{needs}: give --{needs} too")
     if args.seq_len is not None and args.seq_len < 1:
         ap.error(f"--seq-len must be at least 1 (got {args.seq_len!r})")
@@ -1077,7 +1076,6 @@ def parse_args(argv=None):
         if getattr(args, flag) != default and args.attention is None and not (flag == "png" and args.svd):
             ap.error(f"--{flag} is for the map of --attention (or --svd): give --attention too")
     # What a mode does not read is refused, as train.py refuses a flag that would do nothing.
-    given = {f for f, v in vars(args).items() if v != ap.get_default(f)}
     model_flags = {"checkpoint", "average", "device", "dtype", "reference"}
     inside = model_flags | {"g_table", "attention", "attention_target", "layer", "head", "kind", "png", "beam", "alpha",
                             "length_penalty", "max_len_b", "max_len", "batch_tokens"}  # --attention translates once

@@ -1516,12 +1516,12 @@ def open_run_dir(args, pairs, log, stack, master):
         ckpt = newest_checkpoint(run_dir, args.run_id, log)
         budget = min(args.max_epochs * args.epoch_size, args.max_steps or math.inf)  # train_loop's last step
         flag = f"--max-steps {args.max_steps}" if budget == args.max_steps else f"--max-epochs {args.max_epochs}"
-        done = ckpt["step"]
-        if done > budget or done == budget and finished_at(run_dir, args.run_id) == done:  # else: finish the test
+        done, finished = ckpt["step"], finished_at(run_dir, args.run_id) == ckpt["step"]  # else: finish the test
+        if done > budget or done == budget and finished:
             raise data.DataError(f"--resume {run_dir}: the run has trained {done} steps, "
                                  f"{'past' if done > budget else 'all'} that {flag} allows: nothing to train; give a "
                                  f"larger {flag.split()[0]} to continue")
-        if (why := still_stopped(args, ckpt["train_state"])) and finished_at(run_dir, args.run_id) == done:
+        if (why := still_stopped(args, ckpt["train_state"])) and finished:
             fix = "a smaller --stop-lr" if "--stop-lr" in why else "a larger --early-stop (0: off)"
             raise data.DataError(f"--resume {run_dir}: the run stopped ({why}) and would stop again at once: nothing "
                                  f"to train; give {fix} to continue")
