@@ -56,3 +56,32 @@ def test_the_main_text_stays_a_course_not_a_codebase():
         assert not long, f"{name}.py: " + ", ".join(long)
         wide = [i + 1 for i, line in enumerate(src.splitlines()) if len(line) > 120]
         assert not wide, f"{name}.py: lines over 120 characters: {wide}"
+
+
+def test_the_readme_is_a_landing_page_and_every_link_in_the_docs_resolves():
+    """README.md is a landing page of at most 250 lines that links every page of docs/; in README.md and docs/*.md
+    every relative link (text or image) points at a file of the repository, no prose line is over 120 characters
+    (README.md's tables too; commands and program output in fenced blocks stay verbatim), no count that drifts
+    (of tests, of exercises) is written down, and nothing points at files a user of the repository does not have."""
+    import re
+    readme, docs = ROOT / "README.md", sorted((ROOT / "docs").glob("*.md"))
+    lines = readme.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines (at most 250: the rest goes to docs/)"
+    problems = []
+    for page in [readme] + docs:
+        text, name = page.read_text(encoding="utf-8"), page.relative_to(ROOT).as_posix()
+        prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)  # fenced blocks: verbatim, not links
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            path = target.split("#")[0]
+            if path and not re.match(r"[a-z]+:", path) and not (page.parent / path).resolve().is_file():
+                problems.append(f"{name} links {target}, which does not exist")
+        for i, line in enumerate(prose.splitlines()):
+            if len(line) > 120 and (page == readme or not line.startswith("|")):
+                problems.append(f"{name}: a line over 120 characters: {line[:50]}...")
+        problems += [f"{name} writes down a count that drifts: {m}"
+                     for m in re.findall(r"\b\d[\d,]* (?:tests|exercises|passed)\b", text)]
+        if "../shared" in text or "REFERENCE.md" in text:
+            problems.append(f"{name} points at ../shared or REFERENCE.md, which users do not have")
+    linked = {(ROOT / t.split("#")[0]).resolve() for t in re.findall(r"\]\(([^)\s]+)\)", readme.read_text("utf-8"))}
+    problems += [f"README.md does not link {p.relative_to(ROOT).as_posix()}" for p in docs if p.resolve() not in linked]
+    assert not problems, "\n".join(problems)
