@@ -101,11 +101,11 @@ def dropout(x, p, training=True):
 # ---------------------------------------------------------------------------------------
 # 4. Attention [6, eq. 1]:  Attention(Q, K, V) = softmax(Q K^T * scale + mask) V,  scaled dot product: 1/sqrt(Dh)
 #   QKNorm [3, eqs. 2-5]: softmax(g * Q^ K^T) V, no 1/sqrt(Dh); Q^ = Q/||Q||, K^ = K/||K|| along Dh; g init g0
-# QKNorm's g is one scalar per attention module, shared by its heads (Code: 18 in a 6+6 model).
 # Why: [3] section 3: softmax sees only differences, and dot products are unbounded, so a few large logits can
 # silence every other key (a saturated, "winner-take-all" softmax). Cosines are bounded, |Q^ K^T| <= 1, but too
 # flat for a softmax to ignore a key, so a learned g scales them: logits in [-g, g], one key outweighs another
 # at most e^(2g) times. g0 = log2(L^2 - L) sets that bound from the L^2 - L off-diagonal entries of QK^T.
+# QKNorm's g is one scalar per attention module, shared by its heads (Code: 18 in a 6+6 model).
 # ---------------------------------------------------------------------------------------
 def attention_math(q, k, v, key_mask=None, causal=False, scale=None, dropout_p=0.0):
     """The written-out attention. q (B, H, Tq, Dh), k, v (B, H, Tk, Dh); key_mask bool, broadcastable to
@@ -293,9 +293,9 @@ class Transformer(nn.Module):
         index_target_words(self)  # Appendix A (and again whenever a checkpoint's mask is loaded)
         self.reset_parameters()
 
-    # Why: [1] section 2.2: Xavier normal starts the attention weights too large: the embeddings are scaled by sqrt(d),
-    # and residual sums and the products q.k compound any excess, so PostNorm can fail from its first steps, whatever
-    # the warmup ([1] Table 2). SmallInit's factor sqrt(2/5) ~ 0.63 lets it train; PreNorm trains either way.
+    # Why: [1] section 2.2: Xavier normal starts attention too large: embeddings are scaled by sqrt(d), and in the
+    # early steps residual sums and the products q.k compound any excess, so PostNorm can fail to converge whatever
+    # the warmup ([1] Table 2). SmallInit's factor sqrt(2/5) ~ 0.63 on attention lets it train (PreNorm trains anyway).
     def reset_parameters(self):
         """Initialisation [1, sections 2.2 and 3.2]. Xavier normal (eq. 4): W ~ N(0, sqrt(2 / (d_in + d_out)));
         attention D x D gives sqrt(2/(2D)). SmallInit (section 2.2): attention weights N(0, sqrt(2/(D + 4D))).

@@ -92,12 +92,12 @@ class LayerNorm(nn.Module):
 
 # ---------------------------------------------------------------------------------------
 # 3. ScaleNorm [1, eq. 5]:  ScaleNorm(x; g) = g * x / ||x||   (each token onto the sphere of radius g)
-#    one scalar g, initialised to sqrt(D); learn_g=False keeps it there ([1] Table 7, "ScaleNorm (g = sqrt d)";
-#    not in the authors' code). Code: eps *clamps* the norm, g x / max(||x||, eps), it is not added; eps 1e-5.
-# Why: [1] section 2.3: what helps a norm is less a fixed mean and variance than a fixed scale. ScaleNorm keeps
-# only each token's direction and puts it on a sphere of learned radius g, the one "global scale" a sublayer's
-# activations should have (in a run, g grows with depth: decode.py --g-table). One scalar in place of LayerNorm's
-# 2D gains and biases, and fewer operations per token ([1]: 3d, not 7d; about 5% faster training).
+# Why: [1] section 2.3: a norm need not fix a mean and a variance (what helps is a smoother loss landscape, after
+# Santurkar et al. 2018). ScaleNorm keeps only each token's direction, on a sphere of learned radius g: the one
+# "global scale" a sublayer's activations should have (in a run g tends to grow with depth: decode.py --g-table).
+# One scalar in place of LayerNorm's 2D gains and biases, and fewer operations ([1]: 3d, not 7d; ~5% faster).
+# One scalar g, initialised to sqrt(D); learn_g=False keeps it there ([1] Table 7, "ScaleNorm (g = sqrt d)";
+# not in the authors' code). Code: eps *clamps* the norm, g x / max(||x||, eps), it is not added; eps 1e-5.
 # ---------------------------------------------------------------------------------------
 class ScaleNorm(nn.Module):
     def __init__(self, d, eps=1e-5, learn_g=True):
@@ -119,14 +119,14 @@ class ScaleNorm(nn.Module):
 
 
 # FixNorm [1, section 2.3; Nguyen & Chiang 2018]:  FixNorm(w) = g * w / ||w||, g fixed
+# Why: at the output layer large inner products sharpen the softmax, and frequent words (long embeddings) crowd
+# out rare ones. With unit rows and ||x|| = g a logit is g times a cosine: words compete by direction alone, which
+# [1] and Nguyen & Chiang 2018 find helps rare words (and faster learning early in training, [1] Figure 1).
 # Paper (eq. 6): with ScaleNorm + FixNorm the final linear layer computes
 #     g * (w . x) / (||w|| ||x||)     (cosine normalization with a learned scale g).
 # Code: FixNorm has no g of its own: each row of the embedding matrix (V, D) is l2-normalised on every
 # forward (w / ||w||, below: ||fixnorm(w)_v|| = 1), and the decoder's final PreNorm ScaleNorm makes ||x|| = g,
 # so logit_w = g cos(x, w) + b_w: the final ScaleNorm's g *is* eq. 6's g (a softmax temperature).
-# Why: at the output layer large inner products sharpen the softmax, and frequent words (long embeddings) crowd
-# out rare ones. With unit rows and ||x|| = g a logit is g times a cosine: words compete by direction alone, which
-# [1] and Nguyen & Chiang 2018 find helps rare words (and faster learning early in training, [1] Figure 1).
 def fixnorm(weight, eps=1e-12):
     # Exercise fixnorm: begin
     return weight / torch.linalg.vector_norm(weight, dim=-1, keepdim=True).clamp_min(eps)
@@ -217,13 +217,13 @@ class BatchNorm(nn.Module):
 # PN-V [2, Definition 1, eqs. 4-5]: BN without the mean, divided by the per-channel quadratic mean
 #   psi_B^2 = 1/N sum_i x_i^2   (over the real tokens, no centring)
 #   y = gamma * x / sqrt(psi_B^2 + eps) + beta
+# Why: [2] section 4.1: the mean is the statistic that fluctuates most, so PN-V stops centring and divides by the
+# quadratic mean, which fluctuates orders of magnitude less than sigma_B^2 ([2] Figure 4); the backward keeps one
+# batch term, g_psi^2 (eq. 6), in place of g_mu and g_sigma^2. It beats BatchNorm, not yet LayerNorm ([2] Table 1).
 # Plain autograd gives eq. 6 (gradient through psi_B^2); padding as in BatchNorm. Eval divides by the running
 # quadratic mean phi (starts at 1; momentum 0.1, alpha = 0.9; no N/(N-1): a mean of squares is already unbiased
 # for E[x^2]). Note: the paper gives no inference rule for PN-V; the running phi is ours (PN's EMA, eq. 10).
 # [2] appendix A puts a "layer-scale layer" before every BN/PN; PN-V here is exactly Definition 1.
-# Why: [2] section 4.1: the mean is the statistic that fluctuates most, so PN-V stops centring and divides by the
-# quadratic mean, which fluctuates orders of magnitude less than sigma_B^2 ([2] Figure 4); the backward keeps one
-# batch term, g_psi^2 (eq. 6), in place of g_mu and g_sigma^2. It beats BatchNorm, not yet LayerNorm ([2] Table 1).
 # ---------------------------------------------------------------------------------------
 class PNV(nn.Module):
     def __init__(self, num_features, eps=1e-5, momentum=0.1):
@@ -252,11 +252,11 @@ class PNV(nn.Module):
 # GroupScaling [2, appendix A "layer-scale layer"; code]: RMSNorm [4] without gain, per group, in
 # front of PowerNorm (no parameters, eps 1e-5, not in the registry). In each of G contiguous groups of D/G channels:
 #   x_i <- x_i / sqrt(mean_group x_j^2 + eps)
-# Paper: one sentence ("a layer-scale layer (Zhang & Sennrich, 2019) ... before the normalization
-# layer"). Code: G = number of attention heads; the authors say it is what keeps PN from NaNs.
 # Why: PN's divisor is per channel and over many batches, so it does not bound the size of one token: a token far
 # larger than the rest would pass through large. GroupScaling first brings each group of each token to unit RMS
 # ([2]: "to control the scale of the activation"), so what reaches PN has a known scale.
+# Paper: one sentence ("a layer-scale layer (Zhang & Sennrich, 2019) ... before the normalization
+# layer"). Code: G = number of attention heads; the authors say it is what keeps PN from NaNs.
 # ---------------------------------------------------------------------------------------
 class GroupScaling(nn.Module):
     def __init__(self, groups=1, eps=1e-5):
@@ -280,14 +280,14 @@ class GroupScaling(nn.Module):
 #              nu_t = nu_{t-1} (1 - (1 - alpha_bkw) Gamma) + (1 - alpha_bkw) Lambda   (eq. 13)
 #              Gamma = mean_i x^_i x^_i,  Lambda = mean_i dL/dx^_i x^_i
 #   inference: Y = gamma X / psi + beta   (running statistic only: a sentence's output is independent of the batch)
+# Why: [2] section 4.2: psi_B still jumps from batch to batch, so PN divides by a running average psi^2 of the past
+# batches' quadratic means (eq. 10): a slowly moving statistic, the same kind in training and at inference. The
+# exact gradient through a running average reaches back to the first step; the approximate backward takes PN-V's
+# (eq. 6: dL/dX = (dL/dX^ - Lambda X^) / psi_B) and replaces its batch term Lambda by nu, a running estimate of it
+# (eq. 13's fixed point: nu = Lambda / Gamma, Gamma ~ 1), and the gradient stays bounded ([2] Theorem 4).
 # Here psi^2 is stored as running_phi (phi = psi^2) and psi = sqrt(phi + eps); statistics in fp32.
 # Code: the released module differs in three places (PowerNormCode, Appendix D, --pn-variant code). It also stores
 # nu/(1-alpha_bkw) (we: nu); its psi_B^2, Gamma, Lambda are per GPU.
-# Why: [2] section 4.2: psi_B still jumps from batch to batch, so PN divides by a running average psi^2 of the past
-# batches' quadratic means (eq. 10): a slowly moving statistic, the same kind in training and at inference. The
-# exact gradient through a running average reaches back to the first step; the approximate backward replaces the
-# batch term of PN-V's (eq. 6: dL/dX = (dL/dX^ - Lambda X^) / psi_B) with nu, a running estimate of that Lambda
-# (eq. 13's fixed point: nu = Lambda / Gamma, Gamma ~ 1), and the gradient stays bounded ([2] Theorem 4).
 # ---------------------------------------------------------------------------------------
 class _PowerNormFunction(torch.autograd.Function):
     """Eqs. 8-9 forward and 11-13 backward of PN for one training step (nu updated in place)."""
