@@ -247,8 +247,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, pad_mask, mem_kv, mem_key_mask, self_kv=None):
         """x (B, T, D); mem_kv: the encoder output's cross-attention (k, v); self_kv: None, or decode.py's cache."""
         def self_attn(h):  # causal: position t attends to positions <= t
-            if self_kv is not None or isinstance(self.self_attn, MultiLinearAttention):  # Appendix D: decode.py's
-                return other_self_attention(self.self_attn, h, self_kv)  # cache, or Appendix B's attention
+            if self_kv is not None or isinstance(self.self_attn, MultiLinearAttention):  # decoding's cache, or [7]
+                return other_self_attention(self.self_attn, h, self_kv)  # Appendix D
             return self.self_attn(h, *self.self_attn.project_kv(h), None, causal=True)  # k, v (B, H, T, Dh)
 
         def cross_attn(h):
