@@ -10,7 +10,7 @@ Contents
   5. Feed-forward [6, eq. 2]
   6. The residual placement: PostNorm (eq. 2) and PreNorm (eq. 3) of [1], side by side
   7. Encoder and decoder layers
-  8. The model: tied embeddings, FixNorm, the target-vocabulary mask, Xavier vs SmallInit; a language model
+  8. The model: tied embeddings, FixNorm, the target-vocabulary mask ([1] app. A), Xavier (eq. 4) vs SmallInit; an LM
   9. The training objective: label-smoothed cross entropy ([1] appendix A)
   Appendix A: fast paths (the same math, measured faster for a whole training step)
   Appendix B: the multi-linear attention of the tensorized Transformer [7] (PowerNorm's language models)
