@@ -617,8 +617,8 @@ def g_table(model, bar_width=12):
     if not rows:
         return None
     top = max(abs(r["value"]) for r in rows) or 1.0
-    table = Table(title="learned g (ScaleNorm / QKNorm), by depth", box=box.SIMPLE_HEAD, pad_edge=False,
-                  collapse_padding=True)
+    kinds = " / ".join(dict.fromkeys(r["kind"] for r in rows))  # the modules with a scalar g, e.g. ScaleNorm / QKNorm
+    table = Table(title=f"learned g ({kinds}), by depth", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for col in ("name", "layer", "sublayer", "kind", "g", "|g|"):
         table.add_column(col, justify="right" if col in ("layer", "g") else "left", no_wrap=True,
                          min_width=bar_width if col == "|g|" else None)
@@ -631,7 +631,7 @@ def g_table(model, bar_width=12):
 def print_g_table(model, console=None):
     """Prints the g table on console (a rich Console; None: a new one on stdout), or a line saying there is none."""
     table = g_table(model)
-    (console or Console()).print("no scalar g in this model (no ScaleNorm and no QKNorm)" if table is None else table)
+    (console or Console()).print("no scalar g in this model (no norm with one, no QKNorm)" if table is None else table)
 
 
 # ---------------------------------------------------------------------------------------

@@ -10,8 +10,7 @@ Contents
   5. Feed-forward [6, eq. 2]
   6. The residual placement: PostNorm (eq. 2) and PreNorm (eq. 3) of [1], side by side
   7. Encoder and decoder layers
-  8. The model: tied embeddings, FixNorm, the output layer with the target-vocabulary mask ([1] appendix A), Xavier
-     normal (eq. 4) vs SmallInit ([1] section 2.2); a language model ([2] Table 2): the decoder alone
+  8. The model: tied embeddings, FixNorm, the target-vocabulary mask ([1] app. A), Xavier (eq. 4) vs SmallInit; an LM
   9. The training objective: label-smoothed cross entropy ([1] appendix A)
   Appendix A: fast paths (the same math, measured faster for a whole training step)
   Appendix B: the multi-linear attention of the tensorized Transformer [7] (PowerNorm's language models)
@@ -54,7 +53,7 @@ class ModelConfig:  # everything needed to rebuild a model; saved inside every c
     norm: str = "scale"  # --norm: every sublayer's norm (norms.NORMS)
     encoder_norm: Optional[str] = None  # --encoder-norm (PowerNorm paper: PN in the encoder only)
     decoder_norm: Optional[str] = None  # --decoder-norm
-    norm_options: dict = field(default_factory=dict)  # PowerNorm's warmup, variant, alpha_fwd, alpha_bkw
+    norm_options: dict = field(default_factory=dict)  # each norm takes those its registry entry names (PowerNorm's)
     prenorm: bool = True  # PreNorm (eq. 3) or PostNorm (eq. 2)
     fixnorm: bool = True  # l2-normalised embedding rows (section 2.3)
     init: str = "small"  # "small" (SmallInit) or "xavier" (Xavier normal, eq. 4)
@@ -102,8 +101,11 @@ def dropout(x, p, training=True):
 # ---------------------------------------------------------------------------------------
 # 4. Attention [6, eq. 1]:  Attention(Q, K, V) = softmax(Q K^T * scale + mask) V,  scaled dot product: 1/sqrt(Dh)
 #   QKNorm [3, eqs. 2-5]: softmax(g * Q^ K^T) V, no 1/sqrt(Dh); Q^ = Q/||Q||, K^ = K/||K|| along Dh; g init g0
-# QKNorm's g is one scalar per attention module, shared by its heads (Code: 18 in a 6+6 model). SDPA stays
-# usable: g * Q^ is passed as the query with scale 1, since softmax((g Q^) K^T * 1) = softmax(g * Q^ K^T).
+# Why: [3] section 3: softmax sees only differences, and dot products are unbounded, so a few large logits can
+# silence every other key (a saturated, "winner-take-all" softmax). Cosines are bounded, |Q^ K^T| <= 1, but too
+# flat for a softmax to ignore a key, so a learned g scales them: logits in [-g, g], one key outweighs another
+# at most e^(2g) times. g0 = log2(L^2 - L) sets that bound from the L^2 - L off-diagonal entries of QK^T.
+# QKNorm's g is one scalar per attention module, shared by its heads (Code: 18 in a 6+6 model).
 # ---------------------------------------------------------------------------------------
 def attention_math(q, k, v, key_mask=None, causal=False, scale=None, dropout_p=0.0):
     """The written-out attention. q (B, H, Tq, Dh), k, v (B, H, Tk, Dh); key_mask bool, broadcastable to
@@ -196,6 +198,10 @@ class FeedForward(nn.Module):
 # 6. The residual placement, both forms side by side [1, section 2.1]; dropout on F's output (Code: drop(f(.))):
 #   PostNorm (eq. 2):  x_{l+1} = norm(x_l + F_l(x_l))
 #   PreNorm  (eq. 3):  x_{l+1} = x_l + F_l(norm(x_l))     (+ one final norm per stack)
+# Why: [1] section 2.1: a residual network trains deep because its identity path carries the gradient from the top
+# back to every layer unchanged. PostNorm puts a norm on that path after every sublayer, like scaling x_l by some
+# lambda_l != 1: products of the lambdas explode or vanish, and warmup is needed while the norms settle. PreNorm
+# keeps the path an identity: it trains without warmup, at large learning rates, with steadier gradient norms.
 # ---------------------------------------------------------------------------------------
 def residual(x, f, norm, pad_mask, cfg: ModelConfig, training):
     # Exercise residual: begin
@@ -240,11 +246,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, pad_mask, mem_kv, mem_key_mask, self_kv=None):
         """x (B, T, D); mem_kv: the encoder output's cross-attention (k, v); self_kv: None, or decode.py's cache."""
-        def self_attn(h):
-            if isinstance(self.self_attn, MultiLinearAttention):  # Appendix B; causal by construction
-                return self.self_attn(h)
-            if self_kv is not None:  # incremental decoding: one new position, the prefix's k, v cached
-                return cached_self_attention(self.self_attn, h, self_kv)
+        def self_attn(h):  # causal: position t attends to positions <= t
+            if self_kv is not None or isinstance(self.self_attn, MultiLinearAttention):  # decoding's cache, or [7]
+                return other_self_attention(self.self_attn, h, self_kv)  # Appendix D
             return self.self_attn(h, *self.self_attn.project_kv(h), None, causal=True)  # k, v (B, H, T, Dh)
 
         def cross_attn(h):
@@ -262,8 +266,7 @@ class DecoderLayer(nn.Module):
 # that are not in the target's vocabulary at the final output layer before softmax, by setting their logits to -inf."
 #   input:   x_emb = E[w] * sqrt(D) + PE(pos), then dropout
 #   output:  logits = h E^T + b + m,   m_w = 0 if w is a target word else -inf
-# FixNorm: E's rows of unit length; PreNorm + ScaleNorm's final norm makes ||h|| = g: logit_w = g cos(h, e_w) + b_w
-# ([1] eq. 6).
+# FixNorm: E's rows of unit length; PreNorm + ScaleNorm's final norm makes ||h|| = g: logit_w = g cos(h, e_w) + b_w.
 # A language model (cfg.lm, [2] Table 2) is this decoder with nothing to attend to (no encoder, no cross-attention),
 # the same embeddings, norms, residuals and output layer:   p(w_t | w_<t) = softmax(h_t E^T + b)_w
 # ---------------------------------------------------------------------------------------
@@ -287,10 +290,12 @@ class Transformer(nn.Module):
         self.enc_final_norm = _norm(cfg, enc_norm) if cfg.prenorm and not cfg.lm else None
         # Paper [1] Table 7, "ScaleNorm (g = sqrt d) + FixNorm (learned)": the output layer's g (eq. 6) stays learned.
         self.dec_final_norm = _norm(cfg, "scale" if dec_norm == "scale_fixed" else dec_norm) if cfg.prenorm else None
-        index_target_words(self)  # Appendix A (and again whenever a checkpoint's mask is loaded):
-        self.register_load_state_dict_post_hook(lambda module, keys: index_target_words(module))
+        index_target_words(self)  # Appendix A (and again whenever a checkpoint's mask is loaded)
         self.reset_parameters()
 
+    # Why: [1] section 2.2: Xavier normal starts attention too large: embeddings are scaled by sqrt(d), and in the
+    # early steps residual sums and the products q.k compound any excess, so PostNorm can fail to converge whatever
+    # the warmup ([1] Table 2). SmallInit's factor sqrt(2/5) ~ 0.63 on attention lets it train (PreNorm trains anyway).
     def reset_parameters(self):
         """Initialisation [1, sections 2.2 and 3.2]. Xavier normal (eq. 4): W ~ N(0, sqrt(2 / (d_in + d_out)));
         attention D x D gives sqrt(2/(2D)). SmallInit (section 2.2): attention weights N(0, sqrt(2/(D + 4D))).
@@ -307,10 +312,8 @@ class Transformer(nn.Module):
             if isinstance(m, MultiHeadAttention):
                 # Note: W^K, W^V are one (2D, D) matrix: the std is from each D x D block's fans, not the fused shape.
                 lins, std = (m.q, m.kv, m.out), attn_std
-            elif isinstance(m, MultiLinearAttention):  # W^Q, W^K, W^V as above; W^O: Xavier of its own shape
-                nn.init.normal_(m.out.weight, 0.0, math.sqrt(2 / sum(m.out.weight.shape)))
-                nn.init.zeros_(m.out.bias)
-                lins, std = (m.qkv,), attn_std
+            elif isinstance(m, MultiLinearAttention):  # W^Q, W^K, W^V as above; W^O: Appendix B
+                lins, std = m.init_output_layer(), attn_std
             elif isinstance(m, FeedForward):
                 lins, std = (m.w1, m.w2), ff_std
             else:
@@ -329,11 +332,9 @@ class Transformer(nn.Module):
         return fixnorm(self.embed) if self.cfg.fixnorm else self.embed
 
     def embed_tokens(self, tokens, E, start=0):
-        if start + tokens.size(1) > self.pe.size(0):  # grow the position table on demand
-            self.pe = sinusoidal_positions(2 * (start + tokens.size(1)), self.cfg.d_model).to(self.pe.device)
         # Paper [1] 2.2: "one scales the word embeddings by a large value (e.g., sqrt(d) ...)"; Code: with FixNorm too.
         # F.embedding(tokens, E) = E[tokens], with a faster backward (2-3x on the CPU; indexing's was 5% of a GPU step).
-        x = F.embedding(tokens, E) * math.sqrt(self.cfg.d_model) + self.pe[start:start + tokens.size(1)]  # (B, L, D)
+        x = F.embedding(tokens, E) * math.sqrt(self.cfg.d_model) + positions(self, start, tokens.size(1))  # (B, L, D)
         return dropout(x, self.cfg.dropout, self.training)
 
     def output_logits(self, h, E):
@@ -439,7 +440,8 @@ def fast_dropout(x, p):
 
 
 def fused_attention(q, k, v, key_mask, causal, scale, dropout_p):
-    """attention_math's output (not its weights) from F.scaled_dot_product_attention, torch's fused kernels."""
+    """attention_math's output (not its weights) from F.scaled_dot_product_attention, torch's fused kernels. With
+    QKNorm too: g * Q^ is passed as the query with scale 1, since softmax((g Q^) K^T * 1) = softmax(g * Q^ K^T)."""
     mask = None if key_mask is None else key_mask.expand(-1, -1, q.size(2), -1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale)
 
@@ -490,10 +492,13 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.z_dtype), None, None, None
 
 
-def index_target_words(model):
-    """The target words' ids (Vt,) and each word's column among them (V,), from the mask."""
+def index_target_words(model, hook=True):
+    """The target words' ids (Vt,) and each word's column among them (V,), from the mask; hook: again whenever a
+    checkpoint's mask is loaded."""
     model.register_buffer("target_ids", model.allowed.nonzero().squeeze(1), persistent=False)  # (Vt,)
     model.register_buffer("target_column", (model.allowed.cumsum(0) - 1).clamp_min(0), persistent=False)  # (V,)
+    if hook:
+        model.register_load_state_dict_post_hook(lambda module, keys: index_target_words(module, hook=False))
 
 
 # =======================================================================================
@@ -526,6 +531,12 @@ class MultiLinearAttention(nn.Module):
         i = torch.arange(self.L)
         causal = (i[None, :, None] <= i[:, None, None]) & (i[None, None, :] <= i[:, None, None])  # [j <= i and k <= i]
         self.register_buffer("causal", causal, persistent=False)  # (L, L, L)
+
+    def init_output_layer(self):
+        """W^O (H L^2 inputs): Xavier normal of its own shape, bias 0; returns the layers initialised as attention's."""
+        nn.init.normal_(self.out.weight, 0.0, math.sqrt(2 / sum(self.out.weight.shape)))
+        nn.init.zeros_(self.out.bias)
+        return (self.qkv,)
 
     def forward(self, x):
         """x (B, t, D), t <= L -> (B, t, D)."""
@@ -577,6 +588,14 @@ def autocast(device, bf16=True):
 # =======================================================================================
 # Appendix D: plumbing a first reading can skip.
 # =======================================================================================
+def other_self_attention(attn, h, self_kv):
+    """The decoder's self-attention other than the plain causal one: Appendix B's multi-linear attention (causal by
+    construction), or incremental decoding with decode.py's cache (self_kv not None)."""
+    if isinstance(attn, MultiLinearAttention):
+        return attn(h)
+    return cached_self_attention(attn, h, self_kv)
+
+
 def cached_self_attention(attn, h, self_kv):
     """The decoder's self-attention in incremental decoding (decode.py): h (B, 1, D) the new step; self_kv a dict
     with this layer's self-attention keys/values so far, which the new step's are appended to (so the prefix is
@@ -586,6 +605,13 @@ def cached_self_attention(attn, h, self_kv):
         k, v = torch.cat([self_kv["k"], k], dim=2), torch.cat([self_kv["v"], v], dim=2)
     self_kv["k"], self_kv["v"] = k, v
     return attn(h, k, v, None, causal=False)  # the new query sees the whole prefix
+
+
+def positions(model, start, length):
+    """PE(pos) for pos = start .. start + length - 1 (length, D), from model.pe, grown on demand (long decodes)."""
+    if start + length > model.pe.size(0):
+        model.pe = sinusoidal_positions(2 * (start + length), model.cfg.d_model).to(model.pe.device)
+    return model.pe[start:start + length]
 
 
 def count_parameters(model):

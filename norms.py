@@ -11,8 +11,8 @@ Contents
   5. The batch-statistics norms of PowerNorm [2]: BatchNorm (Algorithm 1), PN-V (Definition 1),
      GroupScaling, PowerNorm (Definition 3, Algorithm 2, the approximate backward)
   6. No norm ([3] Table 6, "Without LayerNorm")
-  7. The registry: --norm NAME -> the class
-  Appendix A: batch statistics over several processes (torch.distributed)
+  7. The registry: --norm NAME -> its class, equation and paper (a new norm: its class, one entry, its test)
+  Appendix A: batch statistics in practice: over several processes (torch.distributed), too few tokens
   Appendix B: diagnostics of the batch statistics ([2] Figures 2-4)
   Appendix C: the timing harness and python norms.py --benchmark
   Appendix D: PowerNorm as the authors' released code computes it (--pn-variant code)
@@ -30,7 +30,9 @@ authors' released code does: tnq177/transformers_without_tears (TwT), sIncerass/
 import argparse
 import math
 import time
+from dataclasses import dataclass, replace
 from functools import partial
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -69,6 +71,8 @@ def at_least_fp32(x):
 # ---------------------------------------------------------------------------------------
 # 2. LayerNorm [5]:  y = gamma * (x - mu) / sqrt(sigma^2 + eps) + beta
 #      mu = mean_i x_i,  sigma^2 = mean_i (x_i - mu)^2       (over the D features of one token)
+# Why: each token is centred and scaled by its own statistics, so its output never depends on the other
+# sentences of the batch (BatchNorm's does): the Transformer's norm, the baseline of all three papers.
 # ---------------------------------------------------------------------------------------
 class LayerNorm(nn.Module):
     def __init__(self, d, eps=1e-5):  # Code: eps 1e-5, as in TwT
@@ -88,8 +92,12 @@ class LayerNorm(nn.Module):
 
 # ---------------------------------------------------------------------------------------
 # 3. ScaleNorm [1, eq. 5]:  ScaleNorm(x; g) = g * x / ||x||   (each token onto the sphere of radius g)
-#    one scalar g, initialised to sqrt(D); learn_g=False keeps it there ([1] Table 7, "ScaleNorm (g = sqrt d)";
-#    not in the authors' code). Code: eps *clamps* the norm, g x / max(||x||, eps), it is not added; eps 1e-5.
+# Why: [1] section 2.3: a norm need not fix a mean and a variance (what helps is a smoother loss landscape, after
+# Santurkar et al. 2018). ScaleNorm keeps only each token's direction, on a sphere of learned radius g: the one
+# "global scale" a sublayer's activations should have (in a run g tends to grow with depth: decode.py --g-table).
+# One scalar in place of LayerNorm's 2D gains and biases, and fewer operations ([1]: 3d, not 7d; ~5% faster).
+# One scalar g, initialised to sqrt(D); learn_g=False keeps it there ([1] Table 7, "ScaleNorm (g = sqrt d)";
+# not in the authors' code). Code: eps *clamps* the norm, g x / max(||x||, eps), it is not added; eps 1e-5.
 # ---------------------------------------------------------------------------------------
 class ScaleNorm(nn.Module):
     def __init__(self, d, eps=1e-5, learn_g=True):
@@ -111,6 +119,9 @@ class ScaleNorm(nn.Module):
 
 
 # FixNorm [1, section 2.3; Nguyen & Chiang 2018]:  FixNorm(w) = g * w / ||w||, g fixed
+# Why: at the output layer large inner products sharpen the softmax, and frequent words (long embeddings) crowd
+# out rare ones. With unit rows and ||x|| = g a logit is g times a cosine: words compete by direction alone, which
+# [1] and Nguyen & Chiang 2018 find helps rare words (and faster learning early in training, [1] Figure 1).
 # Paper (eq. 6): with ScaleNorm + FixNorm the final linear layer computes
 #     g * (w . x) / (||w|| ||x||)     (cosine normalization with a learned scale g).
 # Code: FixNorm has no g of its own: each row of the embedding matrix (V, D) is l2-normalised on every
@@ -125,6 +136,8 @@ def fixnorm(weight, eps=1e-12):
 # ---------------------------------------------------------------------------------------
 # 4. RMSNorm [4]:  y_i = g_i * x_i / RMS(x),  RMS(x) = sqrt(mean_i x_i^2 + eps),  g_i init 1 (no centring, no bias)
 #    TwT section 4.2: tying the g_i of RMSNorm and dividing by sqrt(D) gives ScaleNorm.
+# Why: [4]: LayerNorm's re-centring is not what makes it work; its re-scaling is, so RMSNorm keeps only that
+# (the output does not change when x is scaled) and saves the mean and the bias.
 # ---------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
     def __init__(self, d, eps=1e-8):  # Note: eps 1e-8 as in [4]'s released code
@@ -141,28 +154,14 @@ class RMSNorm(nn.Module):
 
 
 # =======================================================================================
-# 5. The batch-statistics norms of PowerNorm [2]: per-channel statistics over the N <= B*T *real* tokens of a batch.
-# Paper [2, footnote 1]: "the batch size actually corresponds to all non-padded words". Under DDP batch_mean averages
-# over every rank's real tokens (Appendix A): the ranks normalise as one process with the whole batch would. Code: the
-# authors' BN/PN use each GPU's own shard. ``track = True``: [2] Figures 2-4's diagnostics in ``stats`` (Appendix B).
+# 5. The batch-statistics norms of PowerNorm [2]: per-channel statistics over the N <= B*T *real* tokens of a batch
+# (real_tokens: not padding). Paper [2, footnote 1]: "the batch size actually corresponds to all non-padded words".
+# In Appendix A: real_tokens, these statistics under torchrun, too few tokens; in B: [2] Figures 2-4's diagnostics.
 # =======================================================================================
-def real_tokens(x, pad_mask):
-    """The (B, T) bool mask of real (non-padding) tokens; a clear error for an all-padding batch."""
-    if pad_mask is None:
-        return torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
-    real = ~pad_mask.bool()  # (B, T)  Note: .bool() first: ~ on a uint8 mask gives 254/255 (a pitfall of the code)
-    # Note: checked on the CPU only: on a GPU, reading real.any() would make the host wait at every norm
-    # of every step (the batcher never makes an all-padding batch). Code: the authors' module returns NaN (0/0).
-    if real.device.type == "cpu" and not real.any():
-        raise ValueError("batch statistics need at least one non-padding token; the batch is all padding")
-    return real
-
-
 def batch_mean(v, real):
-    """The per-channel mean of v (B, T, D) over the real tokens (real (B, T) True) of every rank, and their number
-    N (0-dim). Masked sums, not v[real]: its data-dependent shape makes the host wait and breaks torch.compile."""
+    """The per-channel mean of v (B, T, D) over the real tokens (real (B, T) True), and their number N (0-dim)."""
     masked = torch.where(real.unsqueeze(-1), v, 0.0)  # (B, T, D)  padding contributes 0
-    total, n = all_reduce_sum(masked.flatten(0, -2).sum(0), real.sum().to(v.dtype))  # (D,), ()
+    total, n = sum_over_ranks(masked.flatten(0, -2).sum(0), real.sum().to(v.dtype))  # (D,), ()  (one process: as is)
     return total / n, n
 
 
@@ -170,6 +169,10 @@ def batch_mean(v, real):
 # BatchNorm for Transformers [2, Algorithm 1] ("Transformer_BN"), over the real tokens:
 #   mu_B = 1/N sum_i x_i,  sigma_B^2 = 1/N sum_i (x_i - mu_B)^2     (per channel, N real tokens)
 #   y = gamma * (x - mu_B) / sqrt(sigma_B^2 + eps) + beta
+# Why: [2] section 3 asks why BatchNorm, the norm of vision, costs a Transformer 1.1-1.4 BLEU. Its answer: the batch
+# statistics of text fluctuate far more than those of images. mu_B, sigma_B^2 stray from the running statistics that
+# inference uses, with outliers that persist through training, and so do their gradient terms g_mu, g_sigma^2 (eq. 3).
+# See it in a run: train.py logs dist_mu, dist_sigma2, g_mu, g_sigma2 (Appendix B; decode.py --plot draws them).
 # Equals torch.nn.BatchNorm1d on x[~pad_mask] (N, D): the same buffers and defaults (eps 1e-5, momentum 0.1, i.e.
 # the paper's alpha = 0.9). Padding is normalized with the real tokens' statistics and never enters them. Plain
 # autograd gives eq. 3 (both statistics get gradient). Note: a nonzero dL/dy at padding would reach the real
@@ -195,14 +198,12 @@ class BatchNorm(nn.Module):
         real = real_tokens(xf, pad_mask)
         # Exercise batchnorm: begin
         mu, n = batch_mean(xf, real)  # (D,)  Paper (Alg. 1): mu_B = 1/N sum_i x_i
-        if xf.device.type == "cpu" and n < 2:  # Note: the unbiased running variance needs 2 (torch raises too)
-            raise ValueError(f"BatchNorm in training needs more than 1 real token, got {int(n)}")
         # Note: two passes (mean, then centred squares) rather than E[x^2] - mu^2, which cancels badly.
         var, _ = batch_mean((xf - mu).pow(2), real)  # (D,)  Paper (Alg. 1): sigma_B^2 = 1/N sum_i (x_i - mu_B)^2
         y = self.weight * (xf - mu) / torch.sqrt(var + self.eps) + self.bias  # (B, T, D)  Paper (eqs. 1-2)
         # Exercise batchnorm: end
-        if self.track:
-            self.stats = batchnorm_diagnostics(self, y, xf, real, mu, var)
+        refuse_one_token(n)  # Appendix A: the running variance's N/(N-1) below needs N >= 2
+        self.stats = batchnorm_diagnostics(self, y, xf, real, mu, var) if self.track else self.stats  # Appendix B
         with torch.no_grad():
             m = self.momentum  # Paper (Alg. 1): mu = alpha mu + (1 - alpha) mu_B, alpha = 1 - momentum
             self.running_mean.copy_((1 - m) * self.running_mean + m * mu)
@@ -216,6 +217,9 @@ class BatchNorm(nn.Module):
 # PN-V [2, Definition 1, eqs. 4-5]: BN without the mean, divided by the per-channel quadratic mean
 #   psi_B^2 = 1/N sum_i x_i^2   (over the real tokens, no centring)
 #   y = gamma * x / sqrt(psi_B^2 + eps) + beta
+# Why: [2] section 4.1: the mean is the statistic that fluctuates most, so PN-V stops centring and divides by the
+# quadratic mean, which fluctuates orders of magnitude less than sigma_B^2 ([2] Figure 4); the backward keeps one
+# batch term, g_psi^2 (eq. 6), in place of g_mu and g_sigma^2. It beats BatchNorm, not yet LayerNorm ([2] Table 1).
 # Plain autograd gives eq. 6 (gradient through psi_B^2); padding as in BatchNorm. Eval divides by the running
 # quadratic mean phi (starts at 1; momentum 0.1, alpha = 0.9; no N/(N-1): a mean of squares is already unbiased
 # for E[x^2]). Note: the paper gives no inference rule for PN-V; the running phi is ours (PN's EMA, eq. 10).
@@ -238,8 +242,7 @@ class PNV(nn.Module):
         psi2, _ = batch_mean(xf.pow(2), real)  # (D,)  Paper (Def. 1): psi_B^2 = 1/N sum_i x_i^2
         y = self.weight * xf / torch.sqrt(psi2 + self.eps) + self.bias  # (B, T, D)  Paper (eqs. 4-5)
         # Exercise pnv: end
-        if self.track:
-            self.stats = pnv_diagnostics(self, y, xf, real, psi2)
+        self.stats = pnv_diagnostics(self, y, xf, real, psi2) if self.track else self.stats  # Appendix B
         with torch.no_grad():  # Note: phi = (1 - momentum) phi + momentum psi_B^2   (eq. 10's EMA)
             self.running_phi.copy_((1 - self.momentum) * self.running_phi + self.momentum * psi2)
         return y.to(x.dtype)
@@ -249,6 +252,9 @@ class PNV(nn.Module):
 # GroupScaling [2, appendix A "layer-scale layer"; code]: RMSNorm [4] without gain, per group, in
 # front of PowerNorm (no parameters, eps 1e-5, not in the registry). In each of G contiguous groups of D/G channels:
 #   x_i <- x_i / sqrt(mean_group x_j^2 + eps)
+# Why: PN's divisor is per channel and over many batches, so it does not bound the size of one token: a token far
+# larger than the rest would pass through large. GroupScaling first brings each group of each token to unit RMS
+# ([2]: "to control the scale of the activation"), so what reaches PN has a known scale.
 # Paper: one sentence ("a layer-scale layer (Zhang & Sennrich, 2019) ... before the normalization
 # layer"). Code: G = number of attention heads; the authors say it is what keeps PN from NaNs.
 # ---------------------------------------------------------------------------------------
@@ -274,18 +280,22 @@ class GroupScaling(nn.Module):
 #              nu_t = nu_{t-1} (1 - (1 - alpha_bkw) Gamma) + (1 - alpha_bkw) Lambda   (eq. 13)
 #              Gamma = mean_i x^_i x^_i,  Lambda = mean_i dL/dx^_i x^_i
 #   inference: Y = gamma X / psi + beta   (running statistic only: a sentence's output is independent of the batch)
+# Why: [2] section 4.2: psi_B still jumps from batch to batch, so PN divides by a running average psi^2 of the past
+# batches' quadratic means (eq. 10): a slowly moving statistic, the same kind in training and at inference. The
+# exact gradient through a running average reaches back to the first step; the approximate backward takes PN-V's
+# (eq. 6: dL/dX = (dL/dX^ - Lambda X^) / psi_B) and replaces its batch term Lambda by nu, a running estimate of it
+# (eq. 13's fixed point: nu = Lambda / Gamma, Gamma ~ 1), and the gradient stays bounded ([2] Theorem 4).
 # Here psi^2 is stored as running_phi (phi = psi^2) and psi = sqrt(phi + eps); statistics in fp32.
-# Code: the released module differs in three places: PowerNormCode (Appendix D, --pn-variant code) overrides
-# PowerNorm's last two methods. It also stores nu/(1-alpha_bkw) (we: nu); its psi_B^2, Gamma, Lambda are per GPU.
+# Code: the released module differs in three places (PowerNormCode, Appendix D, --pn-variant code). It also stores
+# nu/(1-alpha_bkw) (we: nu); its psi_B^2, Gamma, Lambda are per GPU.
 # ---------------------------------------------------------------------------------------
 class _PowerNormFunction(torch.autograd.Function):
-    """Eqs. 8-9 forward and 11-13 backward of PN for one training step (nu updated in place): x divided by
-    sqrt(psi2 + eps), the gradient by sqrt(bwd_psi2 + eps) (paper: the same psi_{t-1}; code variant: the batch's)."""
+    """Eqs. 8-9 forward and 11-13 backward of PN for one training step (nu updated in place)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, psi2, bwd_psi2, nu, real, alpha_bkw, eps):
+    def forward(ctx, x, weight, bias, psi2, nu, real, alpha_bkw, eps):
         z = x / torch.sqrt(psi2 + eps)  # (B, T, D)  Paper (eq. 8): X^ = X / psi_{t-1}
-        ctx.save_for_backward(z, weight, bwd_psi2, real)
+        ctx.save_for_backward(z, weight, psi2, real)
         # Note: nu is a plain attribute, not saved_for_backward: every backward changes it in place,
         # which autograd's version check would refuse when a module runs twice in one graph.
         ctx.nu, ctx.alpha, ctx.eps = nu, alpha_bkw, eps
@@ -293,7 +303,7 @@ class _PowerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        z, weight, psi2, real = ctx.saved_tensors  # psi2: bwd_psi2 (psi_{t-1}; the code variant's psi_B)
+        z, weight, psi2, real = ctx.saved_tensors  # psi2: psi_{t-1}^2 (or psi_B^2 in the warmup)
         nu, a = ctx.nu, ctx.alpha  # nu_{t-1}: (D,)
         # Note: padding is not in the paper's batch: no gradient to x, gamma, beta, Gamma or Lambda.
         dy = torch.where(real.unsqueeze(-1), dy, 0.0)  # (B, T, D)
@@ -301,17 +311,13 @@ class _PowerNormFunction(torch.autograd.Function):
         g = weight * dy  # (B, T, D)  Paper (Alg. 2): dL/dX^ = gamma dL/dY
         g_tilde = g - nu * z  # (B, T, D)  Paper (eq. 11): X^' = dL/dX^ - nu_{t-1} X^
         dx = g_tilde / torch.sqrt(psi2 + ctx.eps)  # (B, T, D)  Paper (eq. 12): dL/dX = X^' / psi_{t-1}
-        # Note: a collective inside backward (batch_mean over the ranks) is safe: every rank runs the
-        # same backward graph, so they meet in the same order (as nn.SyncBatchNorm does). Eqs. 11-13
-        # are not linear in dL/dY (nu X^ does not scale with it), so every rank's dL/dY must be the
-        # whole batch's, not world x it: see train_step in train.py.
         Gamma_t, _ = batch_mean(z * z, real)  # (D,)  Gamma = mean_i x^_i x^_i   (real tokens, footnote 1)
         Lambda_t, _ = batch_mean(g * z, real)  # (D,)  Lambda = mean_i dL/dx^_i x^_i
         # Paper (eq. 13): nu_t = nu_{t-1} (1 - (1 - alpha) Gamma) + (1 - alpha) Lambda
         nu.copy_(nu * (1 - (1 - a) * Gamma_t) + (1 - a) * Lambda_t)
         # Exercise powernorm_backward: end
         dx = torch.where(real.unsqueeze(-1), dx, 0.0)  # padding gets zero gradient
-        return dx, (dy * z).sum((0, 1)), dy.sum((0, 1)), None, None, None, None, None, None  # dgamma, dbeta
+        return dx, (dy * z).sum((0, 1)), dy.sum((0, 1)), None, None, None, None, None  # dgamma, dbeta
 
 
 class PowerNorm(nn.Module):
@@ -327,9 +333,7 @@ class PowerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_features))  # beta
         self.register_buffer("running_phi", torch.ones(num_features))  # phi = psi^2, starts at 1
         self.register_buffer("running_nu", torch.zeros(num_features))  # nu (not nu/(1-alpha_bkw))
-        # Note: counts training *forwards*, not optimizer updates (as the code does): with --accumulate k, warmup W
-        # lasts W/k updates. Average only the float buffers when averaging checkpoints. phi and the counter change in
-        # forward and nu in backward: do not wrap PN in activation checkpointing (its forward would run twice).
+        # Note: counts training *forwards*, not updates (as the code): with --accumulate k, warmup W is W/k updates.
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
 
     def extra_repr(self):
@@ -348,26 +352,13 @@ class PowerNorm(nn.Module):
             phi = self.running_phi.clone()  # (D,)  psi_{t-1}^2
         # Paper: appendix A names a warmup "for accumulating psi", W = the LR warmup; Algorithm 2 has
         # none. Code: the batch psi_B divides while t <= W (as in PN-V), then eq. 8's psi_{t-1}.
-        fwd_psi2 = torch.where(t <= self.warmup, psi2, phi)
-        bwd_psi2, bwd_real = self.backward_statistic(fwd_psi2, psi2, real)
-        if self.track:
-            self.stats = powernorm_diagnostics(self, xs, real, psi2, phi, fwd_psi2, bwd_psi2)
-        y = _PowerNormFunction.apply(xs, self.weight, self.bias, fwd_psi2, bwd_psi2, self.running_nu, bwd_real,
-                                     self.alpha_bkw, self.eps)
-        with torch.no_grad():
-            phi = self.warmup_statistic(phi, psi2, t)
-            # Paper (eq. 10, as Alg. 2 writes it): psi_t^2 = alpha psi_{t-1}^2 + (1 - alpha) psi_B^2
+        fwd_psi2 = torch.where(t <= self.warmup, psi2, phi)  # Note: eqs. 11-13 (with nu) run in the warmup too
+        self.stats = powernorm_diagnostics(self, xs, real, psi2, phi, fwd_psi2) if self.track else self.stats
+        y = _PowerNormFunction.apply(xs, self.weight, self.bias, fwd_psi2, self.running_nu, real, self.alpha_bkw,
+                                     self.eps)
+        with torch.no_grad():  # Paper (eq. 10, as Alg. 2 writes it): psi_t^2 = alpha psi_{t-1}^2 + (1 - alpha) psi_B^2
             self.running_phi.copy_(self.alpha_fwd * phi + (1 - self.alpha_fwd) * psi2)
         return y.to(x.dtype)
-
-    def backward_statistic(self, fwd_psi2, psi2, real):
-        """What eq. 12 divides by, and the tokens the backward runs over. Paper: psi_{t-1} and the real tokens
-        (Note: in warmup, psi_B, as the forward; the approximate backward with nu runs then too, as in the code)."""
-        return fwd_psi2, real
-
-    def warmup_statistic(self, phi, psi2, t):
-        """psi_{t-1}^2 as eq. 10's EMA step takes it. Paper: unchanged, warmup or not."""
-        return phi
 
 
 # ---------------------------------------------------------------------------------------
@@ -382,43 +373,61 @@ class NoNorm(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# 7. The registry: the value of --norm (and --encoder-norm / --decoder-norm) -> the class.
+# 7. The registry: --norm NAME (and --encoder-norm/--decoder-norm) -> its entry, which the rest reads: train.py's
+# --norm choices and help, build_norm, the tests that loop over norms and check README.md's table, --benchmark.
 # ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Norm:
+    cls: type  # the module's class (BATCH_NORMS below: isinstance checks)
+    equation: str  # one line, as --help prints it
+    paper: str  # where it comes from
+    batch_stats: bool = False  # statistics over the batch: train.py logs Appendix B's diagnostics, decode.py leaks
+    options: tuple = ()  # the keys of ModelConfig.norm_options it takes (train.py's --pn-*); "groups": the heads
+    make: Optional[Callable] = None  # make(d, **options) -> the module; None: cls(d, **options)
+
+
 NORMS = {
-    "layer": LayerNorm,
-    "scale": ScaleNorm,
-    "scale_fixed": partial(ScaleNorm, learn_g=False),  # [1] Table 7: g fixed at sqrt(D)
-    "rms": RMSNorm,
-    "batch": BatchNorm,  # [2] Algorithm 1, over the real tokens
-    "pnv": PNV,  # [2] Definition 1
-    "power": PowerNorm,  # [2] Definition 3 / Algorithm 2, GroupScaling in front
-    "none": NoNorm,  # [3] Table 6 "Without LayerNorm"
-}
-BATCH_NORMS = (BatchNorm, PNV, PowerNorm)  # the norms with batch statistics (PowerNormCode is a PowerNorm)
+    "layer": Norm(LayerNorm, "y = gamma (x - mu) / sqrt(sigma^2 + eps) + beta", "Ba et al. 2016"),
+    "scale": Norm(ScaleNorm, "y = g x / ||x||, one scalar g, init sqrt(D)", "TwT eq. 5"),
+    "scale_fixed": Norm(ScaleNorm, "y = sqrt(D) x / ||x||", "TwT Table 7", make=partial(ScaleNorm, learn_g=False)),
+    "rms": Norm(RMSNorm, "y = g x / sqrt(mean(x^2) + eps)", "Zhang & Sennrich 2019"),
+    "batch": Norm(BatchNorm, "y = gamma (x - mu_B) / sqrt(sigma_B^2 + eps) + beta", "PowerNorm Alg. 1", True),
+    "pnv": Norm(PNV, "y = gamma x / sqrt(psi_B^2 + eps) + beta, psi_B^2 = mean x^2", "PowerNorm Def. 1", True),
+    "power": Norm(PowerNorm, "y = gamma x / psi + beta, running psi^2, approximate backward with nu",
+                  "PowerNorm Def. 3, Alg. 2", True, options=("groups", "warmup", "alpha_fwd", "alpha_bkw")),
+    "none": Norm(NoNorm, "y = x", "QKNorm Table 6"),
+}  # (Appendix D adds "power"'s option "variant": --pn-variant code)
+BATCH_NORMS = tuple(dict.fromkeys(e.cls for e in NORMS.values() if e.batch_stats))  # (PowerNormCode is a PowerNorm)
 
 
 def build_norm(name, d, heads=1, norm_options=None):
-    """One norm of kind ``name`` for width d. PowerNorm also takes GroupScaling's groups = heads
-    (Code) and ``norm_options`` (warmup, variant, alpha_fwd, alpha_bkw)."""
+    """One norm of kind ``name`` for width d, with the options its entry names, from ``norm_options``
+    (ModelConfig.norm_options) and groups = heads (PowerNorm's GroupScaling: Code)."""
     if name not in NORMS:
         raise ValueError(f"unknown norm {name!r}; choose one of {sorted(NORMS)}")
-    if name == "power":
-        options = dict(norm_options or {})
-        variant = options.pop("variant", "paper")
-        if variant not in ("paper", "code"):
-            raise ValueError(f"PowerNorm's variant must be 'paper' or 'code', got {variant!r}")
-        return (PowerNormCode if variant == "code" else PowerNorm)(d, groups=heads, **options)
-    return NORMS[name](d)
+    entry, given = NORMS[name], {"groups": heads, **(norm_options or {})}
+    return (entry.make or entry.cls)(d, **{k: v for k, v in given.items() if k in entry.options})
 
 
 # =======================================================================================
-# Appendix A: batch statistics over several processes.
+# Appendix A: batch statistics in practice: over several processes, and batches too small for them.
 #
-# Under DistributedDataParallel (torchrun) every rank holds a shard of the batch. Summing the
-# per-rank sums and token counts gives exactly the whole batch's statistics, so B ranks with
-# shards of a batch normalise as one process with all of it (as nn.SyncBatchNorm does).
-# Code: the authors' BN/PN never synchronise statistics across GPUs.
+# Under DistributedDataParallel (torchrun) every rank holds a shard of the batch. batch_mean's sums and token
+# count go through sum_over_ranks: on one process the identity (the main text's plain masked mean); under
+# torchrun the sum over the ranks, which gives exactly the whole batch's statistics, so the ranks normalise as
+# one process with all of it would (as nn.SyncBatchNorm does). batch_mean takes masked sums, not v[real], whose
+# data-dependent shape would make the host wait and break torch.compile. Code: the authors' BN/PN never synchronise
+# statistics across GPUs. A collective inside PowerNorm's backward (batch_mean of Gamma, Lambda) is safe: every
+# rank runs the same backward graph, so they meet in the same order. Eqs. 11-13 are not linear in dL/dY (nu X^
+# does not scale with it), so every rank's dL/dY must be the whole batch's, not world x it: see train_step in
+# train.py. Also in practice: average only PowerNorm's float buffers when averaging checkpoints; phi and its
+# counter change in forward and nu in backward: do not wrap PN in activation checkpointing (forward would run twice).
 # =======================================================================================
+def sum_over_ranks(*tensors):
+    """What batch_mean sums with: all_reduce_sum (the name the multi-process tests replace)."""
+    return all_reduce_sum(*tensors)
+
+
 class _AllReduceSum(torch.autograd.Function):
     """y = sum over ranks of x, with its gradient: every rank's y is the same sum, so dL/dx on a
     rank is the sum over ranks of their dL/dy. (dist.all_reduce alone is in place and invisible
@@ -445,6 +454,25 @@ def all_reduce_sum(*tensors):
         return tensors
     flat = _AllReduceSum.apply(torch.cat([t.reshape(-1) for t in tensors]))  # one message, not one per tensor
     return tuple(f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tensors]), tensors))
+
+
+# Too few tokens: a clear error, not NaN (Code: the authors' module divides 0 by 0). Checked on the CPU only:
+# on a GPU, reading the mask or the count would make the host wait at every norm of every step (and the
+# batcher never makes a batch of padding only).
+def real_tokens(x, pad_mask):
+    """The (B, T) bool mask of real (non-padding) tokens of x (B, T, D); a clear error for an all-padding batch."""
+    if pad_mask is None:
+        return torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
+    real = ~pad_mask.bool()  # (B, T)  Note: .bool() first: ~ on a uint8 mask gives 254/255 (a pitfall of the code)
+    if real.device.type == "cpu" and not real.any():
+        raise ValueError("batch statistics need at least one non-padding token; the batch is all padding")
+    return real
+
+
+def refuse_one_token(n):
+    """BatchNorm in training: the unbiased running variance N/(N-1) needs N >= 2 real tokens (torch raises too)."""
+    if n.device.type == "cpu" and n < 2:
+        raise ValueError(f"BatchNorm in training needs more than 1 real token, got {int(n)}")
 
 
 # =======================================================================================
@@ -490,8 +518,10 @@ def pnv_diagnostics(norm, y, x, real, psi2):
     return stats
 
 
-def powernorm_diagnostics(norm, xs, real, psi2, phi, fwd_psi2, bwd_psi2):
-    # The nu X^ term of eqs. 11-12 does not depend on dL/dY: nu_{t-1} is known in the forward.
+def powernorm_diagnostics(norm, xs, real, psi2, phi, fwd_psi2, bwd_psi2=None):
+    # The nu X^ term of eqs. 11-12 does not depend on dL/dY: nu_{t-1} is known in the forward. bwd_psi2: what the
+    # backward divides by, if not fwd_psi2 (PowerNormCode's psi_B^2).
+    bwd_psi2 = fwd_psi2 if bwd_psi2 is None else bwd_psi2
     z = xs.detach() / torch.sqrt(fwd_psi2 + norm.eps)  # X^
     g_nu = norm.running_nu * z[real] / torch.sqrt(bwd_psi2 + norm.eps)  # (N_r, D)
     return {"dist_psi2": dist(psi2, phi), "g_nu": torch.linalg.vector_norm(g_nu, dim=-1).mean().item()}
@@ -522,8 +552,7 @@ def benchmark(batch=64, length=64, d=512, heads=8, repeats=30, rounds=5, device=
     pad = torch.zeros(batch, length, dtype=torch.bool, device=device)
     pad[: batch // 2, length - length // 8:] = True  # some padding, as in a real batch
     dy = torch.randn_like(x0)
-    norms = {name: build_norm(name, d, heads, {"warmup": 1} if name == "power" else None).to(device)
-             for name in NORMS if name != "none"}
+    norms = {name: build_norm(name, d, heads, {"warmup": 1}).to(device) for name in NORMS}  # PN past its warmup
 
     def run(norm, x):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
@@ -550,14 +579,52 @@ def benchmark(batch=64, length=64, d=512, heads=8, repeats=30, rounds=5, device=
 #   - during warmup (t < W) phi first becomes the cumulative mean of the psi_B^2 so far, then
 #     takes the EMA step (paper: the EMA of eq. 10 at every step).
 # =======================================================================================
-class PowerNormCode(PowerNorm):
-    def backward_statistic(self, fwd_psi2, psi2, real):
-        # Code: dL/dX = X^' / psi_B at every step; every position, padding included, is "real".
-        return psi2, torch.ones_like(real)
+class _PowerNormCodeFunction(_PowerNormFunction):
+    """_PowerNormFunction as the released code runs it: the backward (inherited, eqs. 11-13) divides by bwd_psi2."""
 
-    def warmup_statistic(self, phi, psi2, t):
-        # Code: phi <- (t-1)/t phi + 1/t psi_B^2 (a cumulative mean) for t < W, before the EMA step.
-        return torch.where(t < self.warmup, phi * (t - 1) / t + psi2 / t, phi)
+    @staticmethod
+    def forward(ctx, x, weight, bias, psi2, nu, real, alpha_bkw, eps, bwd_psi2):
+        z = x / torch.sqrt(psi2 + eps)  # (B, T, D)  X^ = X / psi_{t-1}
+        ctx.save_for_backward(z, weight, bwd_psi2, real)
+        ctx.nu, ctx.alpha, ctx.eps = nu, alpha_bkw, eps
+        return weight * z + bias
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _PowerNormFunction.backward(ctx, dy) + (None,)  # no gradient for bwd_psi2
+
+
+class PowerNormCode(PowerNorm):
+    def forward(self, x, pad_mask=None):
+        if not self.training:  # inference as the paper's
+            return super().forward(x, pad_mask)
+        xs = self.group_scaling(at_least_fp32(x))  # (B, T, D)
+        real = real_tokens(xs, pad_mask)  # (B, T)
+        self.num_batches_tracked += 1
+        t = self.num_batches_tracked
+        with torch.no_grad():
+            psi2, _ = batch_mean(xs.pow(2), real)  # (D,)  psi_B^2 over the real tokens
+            phi = self.running_phi.clone()  # (D,)  psi_{t-1}^2
+        fwd_psi2 = torch.where(t <= self.warmup, psi2, phi)  # the forward as the paper's
+        self.stats = powernorm_diagnostics(self, xs, real, psi2, phi, fwd_psi2, psi2) if self.track else self.stats
+        # Code: dL/dX = X^' / psi_B at every step; every position, padding included, is "real" in the backward.
+        y = _PowerNormCodeFunction.apply(xs, self.weight, self.bias, fwd_psi2, self.running_nu, torch.ones_like(real),
+                                         self.alpha_bkw, self.eps, psi2)
+        with torch.no_grad():
+            # Code: phi <- (t-1)/t phi + 1/t psi_B^2 (a cumulative mean) for t < W, before the EMA step.
+            phi = torch.where(t < self.warmup, phi * (t - 1) / t + psi2 / t, phi)
+            self.running_phi.copy_(self.alpha_fwd * phi + (1 - self.alpha_fwd) * psi2)  # eq. 10
+        return y.to(x.dtype)
+
+
+def power_norm(d, variant="paper", **options):
+    """--norm power, --pn-variant paper (PowerNorm, Algorithm 2) or code (PowerNormCode)."""
+    if variant not in ("paper", "code"):
+        raise ValueError(f"PowerNorm's variant must be 'paper' or 'code', got {variant!r}")
+    return (PowerNormCode if variant == "code" else PowerNorm)(d, **options)
+
+
+NORMS["power"] = replace(NORMS["power"], make=power_norm, options=NORMS["power"].options + ("variant",))
 
 
 if __name__ == "__main__":

@@ -516,9 +516,8 @@ def build_parser():
         "attention weights ([1] Table 1: 0.3; 0.4 for gl-en)")
     add(g, "--attn-dropout", type=float, help="attention-weight dropout (default: --dropout)")
     add(g, "--relu-dropout", type=float, help="ReLU dropout (default: --dropout)")
-    add(g, "--norm", default="scale", choices=sorted(NORMS), help="norm of every sublayer: layer (LayerNorm), "
-        "scale (ScaleNorm, [1] eq. 5), scale_fixed (g = sqrt d, [1] Table 7), rms (RMSNorm), the batch norms "
-        "of [2] (batch, pnv, power), none ([3] Table 6)")
+    add(g, "--norm", default="scale", choices=sorted(NORMS), help="norm of every sublayer (norms.NORMS): "
+        + "; ".join(f"{name}: {e.equation} ({e.paper})" for name, e in NORMS.items()))
     add(g, "--encoder-norm", choices=sorted(NORMS), help="override --norm in the encoder ([2]: PN in the "
         "encoder only)")
     add(g, "--decoder-norm", choices=sorted(NORMS), help="override --norm in the decoder")

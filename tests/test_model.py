@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from decode import decode_step, start_decoding
 from model import (BOS, EOS, PAD, FeedForward, ModelConfig, MultiHeadAttention, SmoothedCrossEntropy, Transformer,
                    attention_math, dropout, fast_dropout, label_smoothed_loss, residual)
-from norms import ScaleNorm, use_reference
+from norms import NORMS, ScaleNorm, use_reference
 
 V = 60
 
@@ -242,8 +242,7 @@ def smoothed_ce(logits, target, allowed, eps):
     return loss[real].mean()
 
 
-CONFIGS = list(itertools.product([True, False], ["layer", "scale", "rms", "scale_fixed"],
-                                 [True, False], [True, False]))
+CONFIGS = list(itertools.product([True, False], sorted(NORMS), [True, False], [True, False]))  # every registered norm
 
 
 @pytest.mark.parametrize("prenorm,norm,fixnorm,qknorm", CONFIGS,

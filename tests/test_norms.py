@@ -7,14 +7,18 @@ a formula written out here, independently of the code under test.
 
 Run: python -m pytest -q tests/test_norms.py   (CPU, a few seconds)
 """
+import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from norms import NORMS, LayerNorm, NoNorm, RMSNorm, ScaleNorm, build_norm, fixnorm, use_reference
+import norms
+from norms import BATCH_NORMS, NORMS, LayerNorm, NoNorm, RMSNorm, ScaleNorm, build_norm, fixnorm, use_reference
 
 B, T, D = 3, 5, 16
 
@@ -269,6 +273,98 @@ def test_registry_builds_the_named_class(name, cls):
     n = build_norm(name, D, 4)
     assert type(n) is cls
     assert (name == "scale_fixed") == (isinstance(n, ScaleNorm) and not isinstance(n.g, nn.Parameter))
+
+
+# ---------------------------------------------------------------------------------------
+# The registry: a norm is its class and one entry, which the flags, the tests, the README check read.
+# ---------------------------------------------------------------------------------------
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_norms():
+    """The --norm values of README.md's "## The normalizations" table (its first column, in backticks)."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert "## The normalizations" in lines, "README.md has no '## The normalizations' section"
+    names = set()
+    for line in lines[lines.index("## The normalizations") + 1:]:
+        if line.startswith("## "):
+            break
+        cell = re.match(r"\|\s*`([^`]+)`\s*\|", line)
+        if cell:
+            names.add(cell.group(1))
+    return names
+
+
+def missing_from_readme(names):
+    return sorted(set(names) - readme_norms())
+
+
+def test_readme_table_has_a_row_for_every_registered_norm():
+    missing = missing_from_readme(NORMS)
+    assert not missing, f"README.md's '## The normalizations' table has no row for --norm {', '.join(missing)}"
+
+
+@pytest.mark.parametrize("name", sorted(NORMS))
+def test_every_entry_builds_its_class_and_says_what_it_computes(name):
+    entry = NORMS[name]
+    norm = build_norm(name, D, 4, {"warmup": 1, "no such option": 0})  # each takes only the options it names
+    assert isinstance(norm, entry.cls) and isinstance(norm, nn.Module)
+    assert "=" in entry.equation and "\n" not in entry.equation and entry.paper
+    assert isinstance(norm, BATCH_NORMS) == entry.batch_stats
+
+
+@pytest.mark.parametrize("name", sorted(NORMS))
+def test_batch_stats_says_whether_a_sentence_depends_on_the_rest_of_its_batch(name):
+    """In training a norm without batch statistics gives a sentence the output it has alone; one with them
+    (BatchNorm, PN-V, PowerNorm in its warmup) does not."""
+    x = rand(B, T, D, seed=14)
+    together, alone = build_norm(name, D, 4).double().train(), build_norm(name, D, 4).double().train()
+    same = torch.allclose(together(x, None)[:1], alone(x[:1], None), rtol=1e-9, atol=1e-9)
+    assert same != NORMS[name].batch_stats
+
+
+class MeanAbsNorm(nn.Module):
+    """A norm made up for the test below: y = g x / mean_i |x_i|, one learned scalar g."""
+    calls = 0
+
+    def __init__(self, d):
+        super().__init__()
+        self.g = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x, pad_mask=None):
+        MeanAbsNorm.calls += 1
+        return self.g * x / x.abs().mean(-1, keepdim=True).clamp_min(1e-6)
+
+
+def test_a_norm_added_as_a_class_and_one_entry_is_offered_trained_tested_and_missed_by_the_readme(
+        monkeypatch, tmp_path):
+    import data
+    import train
+    monkeypatch.setitem(NORMS, "meanabs", norms.Norm(MeanAbsNorm, "y = g x / mean|x|", "a test"))
+    parser = train.build_parser()  # --norm, --encoder-norm, --decoder-norm offer it, --help explains it
+    args = parser.parse_args(["--norm", "meanabs", "--encoder-norm", "meanabs", "--decoder-norm", "meanabs"])
+    assert (args.norm, args.encoder_norm, args.decoder_norm) == ("meanabs",) * 3
+    assert "meanabs: y = g x / mean|x| (a test)" in " ".join(parser.format_help().split())
+    # train.py trains with it: two steps, finite losses, through its forward
+    monkeypatch.setattr(MeanAbsNorm, "calls", 0)
+    corpus = data.make_toy_corpus(tmp_path / "corpus", n_train=300, n_dev=10, n_test=10)
+    run = tmp_path / "run"
+    train.main(["--norm", "meanabs", "--d-model", "32", "--ff", "64", "--layers", "1", "--heads", "2",
+                "--batch-tokens", "512", "--max-steps", "2", "--epoch-size", "2", "--threads", "1",
+                "--bpe-size", "300", "--beam", "1", "--device", "cpu", "--data", str(corpus), "--src", "src",
+                "--tgt", "tgt", "--out", str(run)])
+    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    assert MeanAbsNorm.calls > 0
+    # the tests that loop over the registry take it
+    test_every_norm_accepts_pad_mask_and_keeps_shape("meanabs", True)
+    test_every_norm_is_finite_under_bf16_autocast("meanabs")
+    test_every_entry_builds_its_class_and_says_what_it_computes("meanabs")
+    test_batch_stats_says_whether_a_sentence_depends_on_the_rest_of_its_batch("meanabs")
+    # and the README check names it until the table has a row for it
+    assert missing_from_readme(NORMS) == ["meanabs"]
+    monkeypatch.undo()
+    train.build_parser()  # train.py's table of flags as it was
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,9 +8,11 @@ import math
 import pytest
 import torch
 
+import norms
 from norms import NORMS, PNV, BatchNorm, GroupScaling, PowerNorm, PowerNormCode, build_norm
 
 VARIANTS = {"paper": PowerNorm, "code": PowerNormCode}
+BATCH = sorted(name for name, entry in NORMS.items() if entry.batch_stats)  # batch, pnv, power (the registry's)
 
 F64 = torch.float64
 
@@ -285,7 +287,7 @@ def test_powernorm_padding_never_changes_real_tokens(variant):
         a.zero_grad(), b.zero_grad()
 
 
-@pytest.mark.parametrize("name", ["batch", "pnv", "power"])
+@pytest.mark.parametrize("name", BATCH)
 def test_all_padding_batch_raises_instead_of_nan(name):
     norm = build_norm(name, 8, 2)
     with pytest.raises(ValueError, match="padding"):
@@ -297,7 +299,7 @@ def test_all_padding_batch_raises_instead_of_nan(name):
 def test_uint8_pad_mask_is_read_as_boolean():
     x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(8))
     pad = torch.tensor([[0, 0, 1], [0, 1, 1]])
-    for name in ("batch", "pnv", "power"):
+    for name in BATCH:
         a, b = build_norm(name, 8, 2), build_norm(name, 8, 2)
         torch.testing.assert_close(a(x, pad.to(torch.uint8)), b(x, pad.bool()))
 
@@ -319,7 +321,7 @@ def test_powernorm_under_bf16_autocast_keeps_fp32_statistics():
                 assert buf.dtype == torch.float32 and torch.isfinite(buf).all(), name
     assert norm.num_batches_tracked.dtype == torch.int64
     # fp16 activations with |x| > 256: x^2 would overflow fp16; the statistics are fp32.
-    for name in ("batch", "pnv", "power"):
+    for name in BATCH:
         x = (torch.full((2, 3, 8), 300.0) + torch.arange(8.0)).half()
         y = build_norm(name, 8, 2)(x, None)
         assert torch.isfinite(y).all(), name
@@ -336,7 +338,7 @@ def test_powernorm_counter_counts_training_forwards_only():
 
 
 def test_build_norm_passes_heads_and_options():
-    assert {"batch", "pnv", "power"} <= set(NORMS)
+    assert {"batch", "pnv", "power"} <= set(BATCH)
     opts = {"warmup": 7, "variant": "code", "alpha_fwd": 0.95}
     pn = build_norm("power", 16, 4, opts)  # GroupScaling's groups = heads (Code)
     got = (pn.group_scaling.groups, pn.warmup, type(pn), pn.alpha_fwd, pn.alpha_bkw)
@@ -349,3 +351,25 @@ def test_build_norm_passes_heads_and_options():
     with pytest.raises(ValueError):
         build_norm("power", 8, 1, {"variant": "fairseq"})
     assert math.isclose(pn.eps, 1e-5)
+
+
+def test_batch_mean_is_the_plain_masked_mean_on_one_process():
+    """norms.batch_mean: the per-channel mean over the real tokens and their number (no sum over ranks here)."""
+    gen = torch.Generator().manual_seed(10)
+    v = torch.randn(3, 4, 5, generator=gen, dtype=F64)
+    real = ~random_pad_mask(gen, 3, 4)
+    mean, n = norms.batch_mean(v, real)
+    torch.testing.assert_close(mean, v[real].mean(0), rtol=1e-12, atol=1e-12)
+    assert n.item() == real.sum().item()
+
+
+def test_batchnorm_refuses_one_real_token_in_training_and_changes_nothing():
+    """The unbiased running variance N/(N-1) needs N >= 2: one real token is a clear error, not inf."""
+    norm = BatchNorm(4)
+    pad = torch.ones(2, 3, dtype=torch.bool)
+    pad[1, 2] = False
+    with pytest.raises(ValueError, match="more than 1 real token, got 1"):
+        norm(torch.randn(2, 3, 4), pad)
+    assert int(norm.num_batches_tracked) == 0 and torch.equal(norm.running_var, torch.ones(4))
+    pad[0, 0] = False
+    assert torch.isfinite(norm(torch.randn(2, 3, 4), pad)).all()  # two are enough
