@@ -117,8 +117,8 @@ def train_bpe(src_lines, tgt_lines, vocab_size, model_prefix):
             input_sentence_size=0, shuffle_input_sentence=False,  # deterministic: all sentences (0), in order
             max_sentence_length=1 << 16, num_threads=min(4, os.cpu_count() or 1), minloglevel=2)  # quiet
 
-    try:
-        train(vocab_size)
+    try:  # Note: below 5, sentencepiece fails on a special piece's id before saying what it needs; 5 never fits
+        train(max(vocab_size, 5))  # (every corpus has its word boundary and one character), so its message follows
     except RuntimeError as e:
         if m := re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", str(e)):
             raise DataError(f"--bpe-size {vocab_size}: too small for this corpus, whose {int(m.group(1)) - 4} "
@@ -840,13 +840,9 @@ def prepare(name, out_dir=None, url=None, expected=None):
         root = out / "orig"
         for f in sorted({f for s in SPLITS for pair in c["splits"][s] for f in pair}):
             download(f"{url.rstrip('/')}/{f}", root / f, hint)
-    open_text, counts = _opener(root), {}
-    out.mkdir(parents=True, exist_ok=True)
-    for split in SPLITS:
-        pairs = _split_pairs(c, split, open_text)
-        for side in (0, 1):
-            atomic_write(files[split][side], "".join(p[side] + "\n" for p in pairs))
-        counts[split] = len(pairs)
+    open_text = _opener(root)
+    splits = {split: _split_pairs(c, split, open_text) for split in SPLITS}  # all read and checked before any write:
+    counts = {split: len(pairs) for split, pairs in splits.items()}          # a failure leaves DIR's files as they were
     # Exact counts must match; approximate ones (the papers' rounded numbers, or a pipeline we only approximate) print
     # a warning when 2% or more off.
     want, exact = (expected, SPLITS) if expected else (c["counts"], c["exact"])
@@ -858,6 +854,8 @@ def prepare(name, out_dir=None, url=None, expected=None):
         if w is not None and split not in exact and abs(n - w) >= 0.02 * w:
             print(f"warning: {name} {split}: {n:,} pairs where the papers give about {w:,}; "
                   f"this count is not certain, so it is not an error", file=sys.stderr)
+    atomic_write_all({files[split][side]: "".join(p[side] + "\n" for p in pairs)
+                      for split, pairs in splits.items() for side in (0, 1)})
     atomic_write(stamp, json.dumps({"name": name, "source": url, "counts": counts}) + "\n")
     print(f"{out}: {name} " + ", ".join(f"{s} {n:,}" for s, n in counts.items())
           + f" pairs; train.py trains the {c['bpe']}-piece joint BPE\n{command}")
@@ -871,7 +869,7 @@ def _prepare_text(name, c, out, url):
         print(f"{out}: {name} already prepared (prepared.json); delete it to redo\n{command}")
         return out
     url = url or c["url"]
-    counts = {}
+    texts = {}
     for split in SPLITS:
         f = c["splits"][split]
         if "://" in url:
@@ -882,9 +880,9 @@ def _prepare_text(name, c, out, url):
         if hashlib.md5(raw).hexdigest() != c["md5"][split]:
             raise DataError(f"{path}: md5 {hashlib.md5(raw).hexdigest()}, expected {c['md5'][split]}: not the "
                             f"{name} file, or damaged (delete it and run again)")
-        lines = split_lines(raw, path)
-        atomic_write(out / f"{split}.txt", "".join(line + "\n" for line in lines))
-        counts[split] = len(lines)
+        texts[split] = split_lines(raw, path)
+    counts = {split: len(lines) for split, lines in texts.items()}
+    atomic_write_all({out / f"{split}.txt": "".join(line + "\n" for line in lines) for split, lines in texts.items()})
     atomic_write(out / "prepared.json", json.dumps({"name": name, "source": url, "counts": counts}) + "\n")
     print(f"{out}: {name} " + ", ".join(f"{s} {n:,}" for s, n in counts.items()) + f" sentences\n{command}")
     return out
@@ -1064,26 +1062,37 @@ def padding_share(encoded_pairs, batches, multiple=1):
 
 def atomic_write(path, content):
     """Write content to path atomically: str (UTF-8), bytes, or any object for torch.save."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    atomic_write_all({path: content})
+
+
+def atomic_write_all(contents):
+    """Write {path: content} so that no path is replaced until every content is written: each goes to a temporary
+    file beside its path (flushed to disk), then all are moved in by renames; on any failure none is replaced."""
+    staged = []
     try:
-        with os.fdopen(fd, "wb") as f:
-            if isinstance(content, str):
-                f.write(content.encode("utf-8"))
-            elif isinstance(content, (bytes, bytearray)):
-                f.write(content)
-            else:
-                try:
-                    torch.save(content, f)
-                except RuntimeError as e:  # torch's zip writer reports a failed write (a full disk) as this
-                    raise e.__context__ if isinstance(e.__context__, OSError) else e
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        for path, content in contents.items():
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            staged.append((tmp, path))
+            with os.fdopen(fd, "wb") as f:
+                if isinstance(content, str):
+                    f.write(content.encode("utf-8"))
+                elif isinstance(content, (bytes, bytearray)):
+                    f.write(content)
+                else:
+                    try:
+                        torch.save(content, f)
+                    except RuntimeError as e:  # torch's zip writer reports a failed write (a full disk) as this
+                        raise e.__context__ if isinstance(e.__context__, OSError) else e
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+        for tmp, path in staged:
+            os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        for tmp, _ in staged:
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 
