@@ -219,8 +219,9 @@ def test_unknown_name_lists_the_choices(capsys):
 
 def test_registry_is_complete():
     for name, c in data.CORPORA.items():
-        if c.get("lm"):  # a language model's text: one file a split, each with its md5
-            assert set(c["splits"]) == set(c["md5"]) == set(data.SPLITS)
+        if c.get("lm"):  # a language model's text: one file a split, each with its md5, or one archive with its md5
+            assert set(c["splits"]) == set(data.SPLITS)
+            assert set(c["md5"]) == ({"archive"} if c["archive"] else set(data.SPLITS))
             continue
         assert c["src"] + "-" + c["tgt"] == name.removeprefix("multi30k-") or (name, c["tgt"]) == ("multi30k", "de")
         assert set(c["splits"]) == set(data.SPLITS)
@@ -327,3 +328,44 @@ def test_a_language_models_damaged_test_file_writes_no_split(tmp_path, monkeypat
     with pytest.raises(DataError, match="ptb.test.txt: md5"):
         data.prepare("ptb", mine, str(src))
     assert [(mine / f"{s}.txt").read_text() for s in files] == [f"the user's {s}\n" for s in files]
+
+
+def _wikitext_zip(path, test=" = Test = \n \n the test <unk> . \n"):
+    """A wikitext-103-v1.zip laid out as the real one: wikitext-103/wiki.{train,valid,test}.tokens, blank lines in."""
+    import zipfile
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("wikitext-103/", "")
+        z.writestr("wikitext-103/wiki.train.tokens", " \n = Title = \n \n the cat sat . \n")
+        z.writestr("wikitext-103/wiki.valid.tokens", " \n the dev @-@ line . \n")
+        z.writestr("wikitext-103/wiki.test.tokens", test)
+    return path
+
+
+def test_prepare_wikitext_103_from_a_zip_checks_its_md5_offline(tmp_path, monkeypatch, capsys):
+    """Issue 31: WikiText-103 from one zip (its author's mirror), the zip's md5 checked as torchtext's; offline."""
+    import hashlib
+    src = _wikitext_zip(tmp_path / "wikitext-103-v1.zip")
+    monkeypatch.setitem(data.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()})
+    out = data.prepare("wikitext-103", tmp_path / "wt", str(src))
+    assert (out / "train.txt").read_text() == "\n= Title =\n\nthe cat sat .\n"  # blank lines kept: counts as released
+    assert (out / "dev.txt").read_text() == "\nthe dev @-@ line .\n"
+    assert (out / "test.txt").read_text() == "= Test =\n\nthe test <unk> .\n"
+    assert "--preset pn2-wt103-layernorm" in capsys.readouterr().out
+    # Over a file:// URL too (downloaded into DIR/orig), and a damaged zip is one line that changes nothing.
+    data.prepare("wikitext-103", tmp_path / "wt2", src.as_uri())
+    assert (tmp_path / "wt2" / "orig" / "wikitext-103-v1.zip").read_bytes() == src.read_bytes()
+    monkeypatch.setitem(data.CORPORA["wikitext-103"], "md5", {"archive": "0" * 32})
+    with pytest.raises(DataError, match=r"wikitext-103-v1.zip: md5 [0-9a-f]{32}, expected 0{32}: not the wikitext-103"):
+        data.prepare("wikitext-103", tmp_path / "wt3", str(src))
+    assert not (tmp_path / "wt3").exists()
+
+
+def test_a_wikitext_zip_missing_a_file_names_it(tmp_path, monkeypatch):
+    import hashlib
+    import zipfile
+    src = tmp_path / "wikitext-103-v1.zip"
+    with zipfile.ZipFile(src, "w") as z:
+        z.writestr("wikitext-103/wiki.train.tokens", "a\n")
+    monkeypatch.setitem(data.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()})
+    with pytest.raises(DataError, match="no file wiki.valid.tokens in it"):
+        data.prepare("wikitext-103", tmp_path / "wt", str(src))
