@@ -949,6 +949,26 @@ def prepare_main(argv=None):
 # share a temporary file); the encoding cache; ids back to text, a language model's word vocabulary, and a run's
 # tokenizer; the share of padding in a set of batches.
 # =======================================================================================
+def lm_windows(stream, length, context):
+    """Segments for perplexity with context (decode.py --ppl --context N; [2] A.2 evaluates as Transformer-XL does,
+    each token with the text before it): windows of `length` inputs, each one `length - context` tokens after the
+    last, scoring only its targets not scored before (the first window all of its own; the other targets are PAD).
+    Every target is scored once, with at least min(context, its index) tokens before it, at most length - 1.
+    context 0: lm_segments' segments exactly."""
+    n, stride = stream.numel() - 1, length - context
+    if not 0 <= context < length:
+        raise DataError(f"--context {context}: at most {length - 1} here (a window of {length} tokens)")
+    if n < 1:
+        raise DataError("no text to predict")
+    scored = [0] + list(range(length, n, stride))  # where each window's scored targets begin
+    x, y = torch.full((len(scored), length), PAD), torch.full((len(scored), length), PAD)
+    for row, b in enumerate(scored):
+        a = max(b - context, 0)  # the window's first input
+        m = min(a + length, n) - a  # its inputs (the last window may be short)
+        x[row, :m], y[row, b - a:m] = stream[a:a + m], stream[b + 1:a + m + 1]
+    return Segments(x, y)
+
+
 def corpus_paths(data_dir, src, tgt):
     """{split: (DIR/split.src, DIR/split.tgt)}, e.g. DIR/train.en, DIR/train.de."""
     d = Path(data_dir)
