@@ -1,6 +1,6 @@
 """The exercise kit: the papers' equations as exercises an instructor hands out and grades.
 
-    python tests/exercises.py list                   # one line per exercise: name, file:function, equation, what to write
+    python tests/exercises.py list                   # one line per exercise: name, file:function, equation, what
     python tests/exercises.py make OUT [NAME ...]    # a student copy of the project in OUT, those exercises blanked
     python tests/exercises.py grade [NAME ...]       # the self-check of this copy: PASS/FAIL per exercise
     python tests/exercises.py grade DIR [DIR ...] [NAME ...] [--csv FILE] [--json FILE] [--points SPEC]
@@ -268,10 +268,12 @@ def _word_dropout_claims(i, got):
         per_position = changed[:, :80].double().mean(0)  # each position's rate, over 400 sentences
         worst = int((per_position - p).abs().argmax())
         if abs(per_position[worst] - p) > 0.13:
-            return f"position {worst} is dropped in {100 * per_position[worst]:.0f}% of the sentences, not {100 * p:.0f}%"
+            return (f"position {worst} is dropped in {100 * per_position[worst]:.0f}% of the sentences, "
+                    f"not {100 * p:.0f}%")
         both = (changed[:, :79] & changed[:, 1:80]).double().mean().item()
         if abs(both - p * p) > 0.015:
-            return f"neighbours are dropped together {100 * both:.1f}% of the time, not {100 * p * p:.1f}% (independent)"
+            return (f"neighbours are dropped together {100 * both:.1f}% of the time, not {100 * p * p:.1f}% "
+                    f"(independent)")
     if not torch.equal(got["a"], got["a_again"]):
         return "two generators with the same seed gave different masks: draw from the generator given"
     if torch.equal(got["a"], got["b"]):
@@ -366,7 +368,8 @@ def exercises():
                  "draw from the generator given, one draw per position; return a new tensor",
                  lambda d: _word_dropout_inputs(d), _word_dropout, claims=_word_dropout_claims),
         Exercise("qk_g0", "model.py", "qk_g0", "QKNorm eq. 3: g0 = log2(L^2 - L)", "g0 from L",
-                 "log2, not the natural log", lambda d: {"L": [2, 30, 72, 97.5] + [d.uniform(2, 500) for _ in range(4)]},
+                 "log2, not the natural log",
+                 lambda d: {"L": [2, 30, 72, 97.5] + [d.uniform(2, 500) for _ in range(4)]},
                  lambda i: _scalars(model.qk_g0, [(L,) for L in i["L"]])),
         Exercise("lm_segments", "data.py", "lm_segments", "a stream cut into inputs w_t and targets w_{t+1}",
                  "the input and target segments, PAD-padded",
@@ -459,11 +462,13 @@ def compare(ex, got, want, seed):
             value, expected = value.to(ex.dtype), expected.to(ex.dtype)
             bad = ~torch.isclose(value, expected, rtol=rtol, atol=atol)
         if bad.any():
-            at = tuple(int(j) for j in torch.unravel_index(bad.flatten().nonzero()[0, 0], bad.shape)) if bad.dim() else ()
+            first_bad = bad.flatten().nonzero()[0, 0]
+            at = tuple(int(j) for j in torch.unravel_index(first_bad, bad.shape)) if bad.dim() else ()
             index = f"[{', '.join(map(str, at))}]" if at else ""
             allowed = f"; allowed {atol:g} + {rtol:g} x |expected|" if expected.is_floating_point() else ""
+            first = f"the first of {int(bad.sum())} elements that differ, " if bad.sum() > 1 else ""
             return (f"{key}{index} = {value[at].item():.10g} where {expected[at].item():.10g} is expected "
-                    f"(the first of {int(bad.sum())} elements that differ, in {str(ex.dtype)[6:]}{allowed})")
+                    f"({first}in {str(ex.dtype)[6:]}{allowed})")
     return None
 
 
@@ -480,7 +485,8 @@ def how_it_ended(exc):
     if isinstance(exc, NotImplementedError) and str(exc).startswith("exercise "):
         how = "not written yet (raises NotImplementedError)"
     else:
-        text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        text = exc.msg if isinstance(exc, SyntaxError) else str(exc).strip()  # (a SyntaxError's str has its line)
+        text = text.splitlines()[0][:200] if text else ""
         kind = {SystemExit: "called exit", KeyboardInterrupt: "raised KeyboardInterrupt"}.get(type(exc))
         how = f"{kind} ({text})" if kind and text else kind or f"{type(exc).__name__}{': ' + text if text else ''}"
     if isinstance(exc, SyntaxError) and exc.filename and Path(exc.filename).name in SOURCES:
@@ -669,7 +675,8 @@ def run_isolated(ex_name, texts, seed, timeout):
     if isinstance(got, dict) and set(got) == {"error"} and isinstance(got["error"], tuple) and len(got["error"]) == 3:
         return None, got["error"], spans
     if not (isinstance(got, dict) and set(got) == {"outputs"} and isinstance(got["outputs"], dict)
-            and all(isinstance(k, str) and (v is None or isinstance(v, torch.Tensor)) for k, v in got["outputs"].items())):
+            and all(isinstance(k, str) and (v is None or isinstance(v, torch.Tensor))
+                    for k, v in got["outputs"].items())):
         return None, "it handed back something other than named tensors", spans
     return got["outputs"], None, spans
 
@@ -776,7 +783,8 @@ def grade_submissions(folders, names, a):
             rows.append({"submission": str(folder), "exercise": ex.name, "result": "FAIL" if reason else "PASS",
                          "points": earned, "max_points": points[ex.name], "reason": reason or ""})
         passed = sum(r["result"] == "PASS" for r in rows if r["submission"] == str(folder))
-        print(f"{folder}: {passed} of {len(plan)} exercises pass, {got:g} of {sum(points.values()):g} points", flush=True)
+        print(f"{folder}: {passed} of {len(plan)} exercises pass, {got:g} of {sum(points.values()):g} points",
+              flush=True)
     grader.pool.shutdown()
     print(f"graded {len(folders)} submission{'s' if len(folders) != 1 else ''} x {len(chosen)} exercises in "
           f"{time.time() - started:.1f} s ({len(grader.cache)} distinct codes run, seed {a.seed})", file=sys.stderr)
@@ -877,7 +885,8 @@ def defined_names(ex):
                     for n in names:
                         if n in frame.f_locals and n not in kinds:
                             v = frame.f_locals[n]
-                            kinds[n] = "a tensor" if isinstance(v, torch.Tensor) else f"a{'n' * (type(v).__name__[0] in 'aeiou')} {type(v).__name__}"
+                            kind = "tensor" if isinstance(v, torch.Tensor) else type(v).__name__
+                            kinds[n] = f"a{'n' * (kind[0] in 'aeiou')} {kind}"
         return tracer
     sys.settrace(tracer)
     try:
@@ -902,7 +911,7 @@ def student_readme(chosen):
            "instructor puts it into their own copy of the files, so what you change elsewhere does not count (and the",
            "code after a region reads the names listed below: define them).", "",
            "    python tests/exercises.py list",
-           "    python tests/exercises.py grade            # your exercises: PASS name, or FAIL name: what differs, where",
+           "    python tests/exercises.py grade            # yours: PASS name, or FAIL name: what differs, where",
            "    python tests/exercises.py grade NAME ...   # those only", "", "## Your exercises", ""]
     for ex in chosen:
         out += [f"### {ex.name}: {ex.file}, `{ex.function}`", "", f"- equation: {ex.equation}",
@@ -1049,7 +1058,8 @@ MISTAKES = {
     "qk_g0": [("log2, not the natural log", ["return math.log(L ** 2 - L)"])],
     "validation_decay": [
         ("the window is off by one: the `patience` scores before the newest, history[-1 - patience:-1]", [
-            "if len(history) <= patience:\n    return False\nreturn history[-1] < min(history[-patience:-1] or [1e9])"]),
+            "if len(history) <= patience:\n    return False\n"
+            "return history[-1] < min(history[-patience:-1] or [1e9])"]),
         ("the window is off by one: the `patience` scores before the newest, history[-1 - patience:-1]", [
             "if len(history) <= patience + 1:\n    return False\nreturn history[-1] < min(history[-2 - patience:-1])"]),
         ("strictly below: a score equal to the worst of the window does not decay", [

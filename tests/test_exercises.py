@@ -105,10 +105,12 @@ CHEATS = {
                  "goes through dropout"),
     "attention": ("scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))\n"
                   "if causal:\n    scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1),"
-                  " float('-inf'))\nif key_mask is not None:\n    scores = scores.masked_fill(~key_mask, float('-inf'))\n"
+                  " float('-inf'))\nif key_mask is not None:\n"
+                  "    scores = scores.masked_fill(~key_mask, float('-inf'))\n"
                   "weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)\nreturn weights @ v, weights",
                   "o_cross["),
-    "word_dropout": ("drop = (torch.arange(x.numel()) % 10 < 3).view(x.shape)\nreturn x.masked_fill(drop & (x != PAD), UNK)",
+    "word_dropout": ("drop = (torch.arange(x.numel()) % 10 < 3).view(x.shape)\n"
+                     "return x.masked_fill(drop & (x != PAD), UNK)",
                      "position 0 is dropped in 100% of the sentences"),
     "batchnorm": ("mu, n = batch_mean(xf, real)\nvar = batch_mean((xf - mu).pow(2), real)[0] * n / (n - 1)\n"
                   "y = self.weight * (xf - mu) / torch.sqrt(var + self.eps) + self.bias", "biased variance"),
