@@ -3,9 +3,10 @@
     python tests/exercises.py list                   # one line per exercise: name, file:function, equation, what
     python tests/exercises.py make OUT [NAME ...]    # a student copy of the project in OUT, those exercises blanked
     python tests/exercises.py grade [NAME ...]       # the self-check of this copy: PASS/FAIL per exercise
-    python tests/exercises.py grade DIR [DIR ...] [NAME ...] [--csv FILE] [--json FILE] [--points SPEC]
+    python tests/exercises.py grade DIR [DIR ...] [NAME ...] [--kit KIT] [--csv FILE] [--json FILE] [--points SPEC]
                                                      # (instructor) grade students' copies from this tree
     python tests/exercises.py record                 # (instructor) store the self-check's expected values
+docs/course.md shows an instructor's workflow end to end.
 
 Each exercise is a region of the source between two visible comments,
     # Exercise NAME: begin
@@ -21,9 +22,10 @@ Two graders, one check. Each exercise draws its inputs from a seed, runs the pro
 them with every fast path off (norms.use_reference), and hands back tensors; those are compared in
 the dtype the equation is written for with the expected ones (or, for word dropout, with claims that
 need no solution), and a failure names the first element that differs.
-- The self-check (`grade` with no folder) runs in the student's copy, in one process, against the
-  values `record` stored from the solutions (tests/exercise_values.pt). It is the student's tool:
-  a missing, incomplete or not-plain values file is refused, never graded as PASS.
+- The self-check (`grade` with no folder) runs in the student's copy, against the values `record`
+  stored from the solutions (tests/exercise_values.pt), in a child process that reports each
+  verdict on a pipe (an exit or a hang in one exercise fails it, and a new process checks the rest).
+  It is the student's tool: a missing, incomplete or not-plain values file is refused, never PASS.
 - The instructor's grade (`grade DIR ...`, run in the instructor's tree) trusts nothing in a
   submission but the code between its markers: for each exercise, that code is put into a copy of
   the instructor's own five files and run in a fresh Python process with a time limit, which hands
@@ -40,6 +42,7 @@ import hashlib
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -518,12 +521,67 @@ def load_values(path=VALUES):
     return stored
 
 
-def self_check(names):
+def self_check(names, timeout):
+    """The checks run in a child process that reports one verdict line per exercise on a pipe of
+    its own; however the student's code ends that process (an exit, a signal, a hang), the exercise
+    it was checking FAILs with how, and a new process checks the rest."""
     stored = load_values()
     assigned = stored.get("assigned") or [ex.name for ex in exercises()]
-    chosen = [by_name()[n] for n in (names or assigned)]
-    failed = 0
-    for ex in chosen:
+    if not isinstance(assigned, list) or any(n not in by_name() for n in assigned):
+        sys.exit(f"exercises.py: {VALUES} records an assignment of unknown exercises; nothing was graded")
+    todo, failed, total = list(names or assigned), 0, len(names or assigned)
+    while todo:
+        read_fd, write_fd = os.pipe()
+        proc = subprocess.Popen([sys.executable, str(Path(__file__)), "_check", str(write_fd), *todo],
+                                pass_fds=(write_fd,), stdin=subprocess.DEVNULL, start_new_session=True)
+        os.close(write_fd)
+        done, how, buf = 0, None, b""
+        while done < len(todo):
+            if b"\n" not in buf:
+                if not select.select([read_fd], [], [], timeout)[0]:
+                    how = f"did not finish in {timeout:g} s, the time limit (an endless loop?)"
+                    break
+                chunk = os.read(read_fd, 65536)
+                if not chunk:
+                    break
+                buf += chunk
+                continue
+            line, buf = buf.split(b"\n", 1)
+            line = line.decode(errors="replace")
+            if line.startswith(("PASS ", "FAIL ")) and line.split()[1].rstrip(":") == todo[done]:
+                print(line, flush=True)
+                failed += line.startswith("FAIL")
+                done += 1
+        os.close(read_fd)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # a hang, and anything the student's code started
+        except ProcessLookupError:
+            pass
+        rc = proc.wait()
+        todo = todo[done:]
+        if todo:
+            how = how or (f"killed by {signal.Signals(-rc).name}" if rc < 0 else
+                          f"the process ended (exit status {rc}) during this check: the code exits")
+            print(f"FAIL {todo[0]}: {how}", flush=True)
+            failed += 1
+            todo = todo[1:]
+    print(f"{total - failed} of {total} exercises pass", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def cmd_check(fd, names):
+    """(the self-check's child) one verdict line per exercise, written to the pipe `fd`."""
+    out = os.fdopen(int(fd), "w")
+    stored = load_values()
+    try:
+        load_project()
+    except BaseException as e:  # noqa: BLE001 -- a file that does not import fails every check
+        how, where = how_it_ended(e)
+        for n in names:
+            out.write(f"FAIL {n}: {how}{f' at {where[0]}:{where[1]}' if where else ''}\n")
+        out.flush()
+        os._exit(0)
+    for ex in (by_name()[n] for n in names):
         try:
             got = run(ex, RECORD_SEED)
             reason = compare(ex, got, stored["values"][ex.name], RECORD_SEED)
@@ -533,10 +591,9 @@ def self_check(names):
         except BaseException as e:  # noqa: BLE001 -- a student's code ends this one check only, however it ends
             how, where = how_it_ended(e)
             reason = how + (f" at {where[0]}:{where[1]}" if where else "")
-        failed += bool(reason)
-        print(f"FAIL {ex.name}: {reason}" if reason else f"PASS {ex.name}", flush=True)
-    print(f"{len(chosen) - failed} of {len(chosen)} exercises pass", file=sys.stderr)
-    return 1 if failed else 0
+        out.write(f"FAIL {ex.name}: {reason}\n" if reason else f"PASS {ex.name}\n")
+        out.flush()
+    os._exit(0)
 
 
 # --- the instructor's grade: each exercise of a submission in a fresh process ---------------------
@@ -808,13 +865,27 @@ def assigned_of(kit):
         sys.exit(f"exercises.py grade: --kit {kit}: {path} records no assignment (give the exercises' names)")
 
 
+def positive(flag, kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive {'number' if kind is float else 'integer'}")
+        return value
+    return parse
+
+
 def cmd_grade(argv):
     p = argparse.ArgumentParser(prog="exercises.py grade", description="Without a folder: the self-check of this copy. "
                                 "With folders: the instructor's grade of those students' copies.")
     p.add_argument("items", nargs="*", metavar="DIR|NAME", help="students' copies, and the exercises to grade")
     p.add_argument("--seed", type=int, default=GRADE_SEED, help="the inputs drawn (instructor's grade)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds one exercise of a submission may run")
-    p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="exercises graded at once")
+    p.add_argument("--timeout", type=positive("--timeout", float), default=120.0,
+                   help="seconds one exercise may run (default 120)")
+    p.add_argument("--jobs", type=positive("--jobs", int), default=min(4, os.cpu_count() or 1),
+                   help="exercises graded at once (default: the CPU count, at most 4)")
     p.add_argument("--points", help="points per exercise: 2, or batchnorm=3,pnv=2 (default 1 each)")
     p.add_argument("--csv", help="write the gradebook: one row per submission and exercise")
     p.add_argument("--json", help="the gradebook as JSON")
@@ -826,13 +897,14 @@ def cmd_grade(argv):
         if not f.is_dir():
             sys.exit(f"exercises.py grade: {f} is neither an exercise (python tests/exercises.py list) nor a folder")
     if not folders:
-        given = [f for f in ("--seed", "--timeout", "--jobs", "--points", "--csv", "--json", "--kit")
+        given = [f for f in ("--seed", "--jobs", "--points", "--csv", "--json", "--kit")
                  if any(x == f or x.startswith(f + "=") for x in argv)]
         if given:
             sys.exit(f"exercises.py grade: {given[0]} is for grading students' copies: give their folders")
-        return self_check(names)
+        return self_check(names, a.timeout)
     if STUDENT_COPY:
         sys.exit("exercises.py grade: grading students' copies needs the solutions: run it in the instructor's tree")
+    load_project()
     return grade_submissions(folders, names, a)
 
 
@@ -920,7 +992,7 @@ def student_readme(chosen):
 
 
 def cmd_make(out, names):
-    chosen = {ex.name: ex for ex in select(names)}
+    chosen = {ex.name: ex for ex in chosen_exercises(names)}
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         sys.exit(f"exercises.py make: {out} exists and is not an empty folder; give a new one")
@@ -989,7 +1061,7 @@ def cmd_list():
     return 0
 
 
-def select(names):
+def chosen_exercises(names):
     every = exercises()
     unknown = [n for n in names if n not in {ex.name for ex in every}]
     if unknown:
@@ -1000,10 +1072,13 @@ def select(names):
 def main(argv):
     if argv[:1] == ["_run"] and len(argv) == 4:
         return cmd_run(*argv[1:])
+    if argv[:1] == ["_check"] and len(argv) > 2:
+        return cmd_check(argv[1], argv[2:])
     if not argv or argv[0] not in ("list", "make", "grade", "record"):
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
-    load_project()
+    if argv[0] != "grade":  # the self-check imports a student's files in its child process only
+        load_project()
     if argv[0] == "make":
         if len(argv) < 2:
             sys.exit("exercises.py make: give the folder to write the copy into")

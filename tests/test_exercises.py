@@ -295,6 +295,17 @@ def test_the_self_check_refuses_a_bad_values_file_in_one_line(kits, tmp_path, da
 
 
 @original_only
+def test_the_self_check_survives_an_exit_in_the_students_code(kits, tmp_path):
+    folder = tmp_path / "copy"
+    shutil.copytree(kits["made"]["qk_g0"][0], folder)
+    _set_region(folder, "qk_g0", "import os\nos._exit(0)")
+    out = _kit("grade", "qk_g0", "invsqrt", cwd=folder)
+    assert out.returncode == 1
+    assert out.stdout.splitlines() == [
+        "FAIL qk_g0: the process ended (exit status 0) during this check: the code exits", "PASS invsqrt"]
+
+
+@original_only
 def test_record_refuses_in_a_student_copy(kits):
     folder, _ = kits["made"]["qk_g0"]
     (folder / "tests" / "test_model.py").touch()  # the old test of "original" was this file's presence
