@@ -51,7 +51,7 @@ import tempfile
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -316,7 +316,6 @@ class Exercise:
     run: object  # inputs -> {name: tensor}, the project's outputs
     dtype: torch.dtype = torch.float64  # the dtype the equation is written for (its tolerance)
     claims: object = None  # (inputs, outputs) -> None or what fails (no stored values: any random draw is right)
-    extra: dict = field(default_factory=dict)
 
 
 def exercises():
@@ -691,6 +690,9 @@ def build_sandbox(folder, ex_name, texts):
     return spans
 
 
+LIVE = set()  # the grading processes running now (killed on Ctrl-C)
+
+
 def run_isolated(ex_name, texts, seed, timeout):
     """One exercise with `texts` as its regions, in a fresh process with a time limit. Returns
     (outputs, None, spans), or (None, how it ended, spans): a line, or (how, file, line) to be mapped
@@ -704,6 +706,7 @@ def run_isolated(ex_name, texts, seed, timeout):
             proc = subprocess.Popen([sys.executable, "tests/exercises.py", "_run", ex_name, str(seed), str(result)],
                                     cwd=box, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                     start_new_session=True)
+            LIVE.add(proc)
             timed_out = False
             try:
                 proc.wait(timeout=timeout)
@@ -712,6 +715,7 @@ def run_isolated(ex_name, texts, seed, timeout):
                 proc.kill()
                 proc.wait()
             finally:
+                LIVE.discard(proc)
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)  # anything it started
                 except ProcessLookupError:
@@ -801,8 +805,8 @@ def parse_points(spec, names):
             p = float(value)
         except ValueError:
             sys.exit(f"exercises.py grade: --points {spec}: {item!r} is not NAME=POINTS or POINTS")
-        if name and name not in by_name():
-            sys.exit(f"exercises.py grade: --points: unknown exercise {name!r}")
+        if name and name not in names:
+            sys.exit(f"exercises.py grade: --points {spec}: {name!r} is not among the exercises graded")
         for n in ([name] if name else names):
             points[n] = p
     return points
@@ -816,7 +820,7 @@ def grade_submissions(folders, names, a):
         if path and not Path(path).resolve().parent.is_dir():
             sys.exit(f"exercises.py grade: {flag} {path}: its folder does not exist")
     started = time.time()
-    grader, rows = Grader(a.seed, a.timeout, a.jobs), []
+    grader = Grader(a.seed, a.timeout, a.jobs)
     files = {n: solution_files(n) for n in chosen}
     plans = []
     for folder in folders:  # every job first, so that the pool is kept busy
@@ -825,23 +829,17 @@ def grade_submissions(folders, names, a):
             found, why = region_texts(folder, n, files[n])
             plan.append((every[n], why, grader.submit(n, found[0]) if found else None, found[1] if found else None))
         plans.append((folder, plan))
-    all_pass = True
-    for folder, plan in plans:
-        print(f"== {folder}", flush=True)
-        got = 0.0
-        for ex, why, future, where in plan:
-            reason = why or grader.verdict(ex, future, where)
-            if why:
-                reason = f"missing: {why}"
-            earned = 0.0 if reason else points[ex.name]
-            got += earned
-            all_pass &= not reason
-            print(f"FAIL {ex.name}: {reason}" if reason else f"PASS {ex.name}", flush=True)
-            rows.append({"submission": str(folder), "exercise": ex.name, "result": "FAIL" if reason else "PASS",
-                         "points": earned, "max_points": points[ex.name], "reason": reason or ""})
-        passed = sum(r["result"] == "PASS" for r in rows if r["submission"] == str(folder))
-        print(f"{folder}: {passed} of {len(plan)} exercises pass, {got:g} of {sum(points.values()):g} points",
-              flush=True)
+    try:
+        rows = report(plans, grader, points)
+    except KeyboardInterrupt:
+        grader.pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list(LIVE):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        print("exercises.py grade: interrupted; no gradebook written", file=sys.stderr)
+        return 130
     grader.pool.shutdown()
     print(f"graded {len(folders)} submission{'s' if len(folders) != 1 else ''} x {len(chosen)} exercises in "
           f"{time.time() - started:.1f} s ({len(grader.cache)} distinct codes run, seed {a.seed})", file=sys.stderr)
@@ -852,7 +850,28 @@ def grade_submissions(folders, names, a):
             w.writerows(rows)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
-    return 0 if all_pass else 1
+    return 0 if all(r["result"] == "PASS" for r in rows) else 1
+
+
+def report(plans, grader, points):
+    """Each submission's lines, in order, as its results come in; the gradebook's rows."""
+    rows = []
+    for folder, plan in plans:
+        print(f"== {folder}", flush=True)
+        got = 0.0
+        for ex, why, future, where in plan:
+            reason = why or grader.verdict(ex, future, where)
+            if why:
+                reason = f"missing: {why}"
+            earned = 0.0 if reason else points[ex.name]
+            got += earned
+            print(f"FAIL {ex.name}: {reason}" if reason else f"PASS {ex.name}", flush=True)
+            rows.append({"submission": str(folder), "exercise": ex.name, "result": "FAIL" if reason else "PASS",
+                         "points": earned, "max_points": points[ex.name], "reason": reason or ""})
+        passed = sum(r["result"] == "PASS" for r in rows if r["submission"] == str(folder))
+        print(f"{folder}: {passed} of {len(plan)} exercises pass, {got:g} of {sum(points.values()):g} points",
+              flush=True)
+    return rows
 
 
 def assigned_of(kit):
