@@ -1,9 +1,12 @@
 """The exercise kit: the papers' equations as exercises an instructor hands out and grades.
 
-    python tests/exercises.py list                  # one line per exercise: name, file:function, equation, what to write
-    python tests/exercises.py make OUT [NAME ...]   # a student copy of the project in OUT, those exercises blanked
-    python tests/exercises.py grade [NAME ...]      # PASS/FAIL per exercise (exit status 0 only if all pass)
-    python tests/exercises.py record                # (instructor) store the expected values from the solutions
+    python tests/exercises.py list                   # one line per exercise: name, file:function, equation, what
+    python tests/exercises.py make OUT [NAME ...]    # a student copy of the project in OUT, those exercises blanked
+    python tests/exercises.py grade [NAME ...]       # the self-check of this copy: PASS/FAIL per exercise
+    python tests/exercises.py grade DIR [DIR ...] [NAME ...] [--kit KIT] [--csv FILE] [--json FILE] [--points SPEC]
+                                                     # (instructor) grade students' copies from this tree
+    python tests/exercises.py record                 # (instructor) store the self-check's expected values
+docs/course.md shows an instructor's workflow end to end.
 
 Each exercise is a region of the source between two visible comments,
     # Exercise NAME: begin
@@ -11,16 +14,43 @@ Each exercise is a region of the source between two visible comments,
     # Exercise NAME: end
 `make` replaces the code of each chosen region with `raise NotImplementedError(...)` naming the
 exercise and its equation; the comments in the region (the equation, written out) stay, and so do
-the docstrings. The copy holds no solution: its tests are this file and tests/test_exercises.py,
-which compare the student's code with expected values stored in tests/exercise_values.pt (made from
-the solutions by `record`) or with a claim that needs no solution (word dropout's rate). Every
-check calls one exercise's code on fixed inputs and runs the project's own code around it, so a
-blank in one exercise fails that exercise alone; grading runs with every fast path off
-(norms.use_reference), so the code the student writes is the code that runs.
+the docstrings. It records which exercises it blanked (the self-check and the copy's README.md
+default to those). The copy holds no solution: no code line of a blanked region, and none of the
+mistakes below (they are instructor-only and left out of the copy).
+
+Two graders, one check. Each exercise draws its inputs from a seed, runs the project's code on
+them with every fast path off (norms.use_reference), and hands back tensors; those are compared in
+the dtype the equation is written for with the expected ones (or, for word dropout, with claims that
+need no solution), and a failure names the first element that differs.
+- The self-check (`grade` with no folder) runs in the student's copy, against the values `record`
+  stored from the solutions (tests/exercise_values.pt), in a child process that reports each
+  verdict on a pipe (an exit or a hang in one exercise fails it, and a new process checks the rest).
+  It is the student's tool: a missing, incomplete or not-plain values file is refused, never PASS.
+- The instructor's grade (`grade DIR ...`, run in the instructor's tree) trusts nothing in a
+  submission but the code between its markers: for each exercise, that code is put into a copy of
+  the instructor's own five files and run in a fresh Python process with a time limit, which hands
+  back only tensors (read with weights_only=True). The expected values come from the instructor's
+  own code on inputs drawn at grading time (--seed); the verdict is decided here. Any way the
+  student's code ends (an exception, a syntax error, an exit, a signal, a time-out, a missing
+  region) is that exercise's FAIL, in one line; the others are still graded. A student's code still
+  runs with the grader's user rights: grade in an account or container that holds nothing else.
 """
+import argparse
+import ast
+import csv
+import hashlib
+import json
+import os
 import re
+import select
 import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,42 +59,76 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import data  # noqa: E402
-import decode  # noqa: E402
-import model  # noqa: E402
-import norms  # noqa: E402
-import train  # noqa: E402
-
 VALUES = Path(__file__).resolve().parent / "exercise_values.pt"
 SOURCES = ["norms.py", "model.py", "data.py", "decode.py", "train.py"]
-COPIED = SOURCES + ["requirements.txt", "tests/conftest.py", "tests/exercises.py", "tests/test_exercises.py",
-                    "tests/exercise_values.pt"]
+COPIED = SOURCES + ["requirements.txt", "tests/conftest.py", "tests/exercises.py", "tests/test_exercises.py"]
+RECORD_SEED = 0  # the self-check's inputs (the values file holds their expected outputs)
+GRADE_SEED = 29  # the instructor's grade, by default: other inputs than the self-check's
+FORMAT = 2  # of the values file
+MARKER = re.compile(r"^(\s*)# Exercise (\S+): (begin|end)\s*$")
+INSTRUCTOR_ONLY = "# Instructor only: "  # + begin/end: the lines make leaves out of a student's copy
+norms = model = data = decode = train = None  # the project's five files: load_project()
 
 
-def _x(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+def load_project():
+    """Imports the five files (in a grading process, inside its try: a syntax error is that exercise's FAIL)."""
+    global norms, model, data, decode, train
+    import data  # noqa: F811
+    import decode  # noqa: F811
+    import model  # noqa: F811
+    import norms  # noqa: F811
+    import train  # noqa: F811
+
+
+# --- inputs, drawn from a seed -----------------------------------------------------------------
+class Draw:
+    def __init__(self, seed, name):
+        self.g = torch.Generator().manual_seed(seed * 1000003 + sum(map(ord, name)))
+
+    def randn(self, *shape, dtype=torch.float64):
+        return torch.randn(*shape, generator=self.g, dtype=torch.float64).to(dtype)
+
+    def uniform(self, lo, hi):
+        return lo + (hi - lo) * torch.rand((), generator=self.g, dtype=torch.float64).item()
+
+    def integer(self, lo, hi):  # lo <= n < hi
+        return int(torch.randint(lo, hi, (), generator=self.g))
+
+    def seed(self):
+        return self.integer(0, 2 ** 31)
+
+
+def _tokens(d):
+    """x (2, 5, 6): some tokens of tiny norm (where eps placement shows), channel 0 of tiny spread
+    (where eps shows in a variance), padding (pad_mask below) far from the real tokens."""
+    x = d.randn(2, 5, 6)
+    x[0, 1] *= 1e-3
+    x[1, 0] *= 1e-4
+    x[..., 0] = x[..., 0] * 1e-3 + 0.5
+    x[1, 3:] += 4.0
+    return x
 
 
 def _pad_mask():  # (2, 5) True at padding: the second sentence has 3 real tokens
     return torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
 
 
-def _forward_backward(module, x, pad_mask=None, seed=1):
+def _forward_backward(module, x, pad_mask=None, r_seed=1):
     """y = module(x), and dL/dx, dL/dparameters for L = sum(y * r), r fixed."""
     x = x.clone().requires_grad_(True)
     y = module(x, pad_mask) if pad_mask is not None else module(x)
-    r = _x(*y.shape, seed=seed)
+    r = torch.randn(y.shape, generator=torch.Generator().manual_seed(r_seed), dtype=torch.float64).to(y.dtype)
     (y * r).sum().backward()
     out = {"y": y.detach(), "dx": x.grad}
     out.update({f"d{n}": p.grad for n, p in module.named_parameters() if p.grad is not None})
     return out
 
 
-# --- each exercise: its inputs, and what the project's code gives on them -----------------------
+# --- each exercise: what the project's code gives on the inputs ---------------------------------
 def _scalenorm(i):
     m = norms.ScaleNorm(6).double()
     with torch.no_grad():
-        m.g.fill_(1.7)
+        m.g.fill_(i["g"])
     return _forward_backward(m, i["x"])
 
 
@@ -78,16 +142,19 @@ def _rmsnorm(i):
 def _fixnorm(i):
     w = i["w"].clone().requires_grad_(True)
     y = norms.fixnorm(w)
-    (y * _x(*y.shape, seed=1)).sum().backward()
+    (y * i["r"]).sum().backward()
     return {"y": y.detach(), "dw": w.grad}
 
 
 def _batch_norm(cls, i):
     m = cls(6).double().train()
-    out = _forward_backward(m, i["x"], _pad_mask())
-    real = ~_pad_mask()  # padding positions: whatever the student's code gives there is fine
-    out["y"], out["dx"] = out["y"][real], out["dx"][real]
-    out.update({k: v.clone() for k, v in m.named_buffers()})
+    out = {}
+    for step in range(2):  # twice: the running statistics after each
+        got = _forward_backward(m, i["x"] * (1 + step), _pad_mask(), r_seed=1 + step)
+        real = ~_pad_mask()  # padding positions: whatever the student's code gives there is fine
+        got["y"], got["dx"] = got["y"][real], got["dx"][real]
+        got.update({k: v.clone() for k, v in m.named_buffers()})
+        out.update({f"{k}{step}": v for k, v in got.items()})
     return out
 
 
@@ -95,79 +162,146 @@ def _powernorm_backward(i):
     m = norms.PowerNorm(6, groups=2, warmup=1, alpha_fwd=0.9, alpha_bkw=0.9).double().train()
     out = {}
     for step in range(3):  # the first inside the warmup, then the running statistic
-        got = _forward_backward(m, i["x"][step], _pad_mask(), seed=10 + step)
+        got = _forward_backward(m, i["x"][step], _pad_mask(), r_seed=10 + step)
         out.update({f"{k}{step}": v for k, v in got.items()})
         out[f"nu{step}"] = m.running_nu.clone()
     return out
 
 
 def _attention(i):
-    q, k, v = (i[n].clone().requires_grad_(True) for n in "qkv")
-    o, w = model.attention_math(q, k, v, i["key_mask"], causal=bool(i["causal"]))
-    (o * _x(*o.shape, seed=1)).sum().backward()
-    return {"o": o.detach(), "w": w, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    out = {}
+    cases = {"causal": dict(key_mask=i["key_mask"], causal=True),  # self-attention, scale None, no dropout
+             "cross": dict(key_mask=i["cross_mask"], scale=i["scale"], dropout_p=0.25)}  # Tq != Tk, dropout
+    for case, kw in cases.items():
+        q, k, v = (i[f"{n}_{case}"].clone().requires_grad_(True) for n in "qkv")
+        torch.manual_seed(i["seed"])  # dropout's mask
+        o, w = model.attention_math(q, k, v, **kw)
+        (o * i[f"r_{case}"]).sum().backward()
+        out.update({f"o_{case}": o.detach(), f"w_{case}": w.detach(), f"dq_{case}": q.grad, f"dk_{case}": k.grad,
+                    f"dv_{case}": v.grad})
+    return out
 
 
 def _residual(i):
     out = {}
+    f = lambda h: torch.tanh(h @ i["w"])  # a sublayer
+    norm = lambda h, pad_mask: h / (1 + h.pow(2).sum(-1, keepdim=True))  # a norm
     for prenorm in (True, False):
-        cfg = model.ModelConfig(vocab_size=8, dropout=0.0, prenorm=prenorm)
-        f = lambda h: torch.tanh(h @ i["w"])  # a sublayer
-        norm = lambda h, pad_mask: h / (1 + h.pow(2).sum(-1, keepdim=True))  # a norm
-        out["pre" if prenorm else "post"] = model.residual(i["x"], f, norm, None, cfg, training=False)
+        cfg = model.ModelConfig(vocab_size=8, dropout=0.3, prenorm=prenorm)
+        for training in (True, False):
+            torch.manual_seed(i["seed"])  # dropout's mask
+            y = model.residual(i["x"], f, norm, None, cfg, training=training)
+            out[f"{'pre' if prenorm else 'post'}_{'train' if training else 'eval'}"] = y
     return out
 
 
 def _smallinit(i):
     out = {}
     for init in ("small", "xavier"):
-        torch.manual_seed(0)
-        m = model.Transformer(model.ModelConfig(vocab_size=16, d_model=32, ff=96, heads=2, enc_layers=1, dec_layers=1,
-                                                init=init))
-        out[f"{init}_q"], out[f"{init}_w1"] = m.encoder[0].self_attn.q.weight.detach(), m.encoder[0].ff.w1.weight.detach()
+        torch.manual_seed(i["seed"])
+        m = model.Transformer(model.ModelConfig(vocab_size=16, d_model=16, ff=int(i["ff"]), heads=2, enc_layers=1,
+                                                dec_layers=1, init=init))
+        a, ff = m.encoder[0].self_attn, m.encoder[0].ff
+        out.update({f"{init}_q": a.q.weight.detach(), f"{init}_out": a.out.weight.detach(),
+                    f"{init}_w1": ff.w1.weight.detach(), f"{init}_w2": ff.w2.weight.detach()})
     return out
 
 
 def _label_smoothing(i):
+    """Both regions: label_smoothed_loss (with and without its masks), and the fast path's forward
+    (SmoothedCrossEntropy; its written-out backward reads the log p the region computes)."""
+    out = {}
     logits = i["logits"].clone().requires_grad_(True)
-    loss, nll = model.label_smoothed_loss(logits.masked_fill(~i["allowed"], float("-inf")), i["target"], 0.1,
+    loss, nll = model.label_smoothed_loss(logits.masked_fill(~i["allowed"], float("-inf")), i["target"], i["eps"],
                                           i["real"], i["allowed"])
     loss.backward()
-    return {"loss": loss.detach(), "nll": nll.detach(), "dlogits": logits.grad}
+    out.update(loss=loss.detach(), nll=nll.detach(), dlogits=logits.grad)
+    logits = i["logits"].clone().requires_grad_(True)
+    loss, nll = model.label_smoothed_loss(logits, i["target"], i["eps"])
+    (loss + 0.5 * nll).backward()
+    out.update(loss_all=loss.detach(), nll_all=nll.detach(), dlogits_all=logits.grad)
+    z = i["logits"].flatten(0, 1).clone().requires_grad_(True)
+    loss, nll = model.SmoothedCrossEntropy.apply(z, i["target"].flatten(), i["real"].flatten(), i["eps"])
+    (loss + 0.5 * nll).backward()
+    out.update(fast_loss=loss.detach(), fast_nll=nll.detach(), fast_dz=z.grad)
+    return out
 
 
 def _multilinear(i):
     cfg = model.ModelConfig(vocab_size=8, d_model=6, heads=2, seq_len=4, attention="multilinear", lm=True)
-    torch.manual_seed(0)
+    torch.manual_seed(i["seed"])
     att = model.MultiLinearAttention(cfg).double()
-    return _forward_backward(att, i["x"])
+    out = _forward_backward(att, i["x"])
+    out["y_short"] = att(i["x"][:, :3]).detach()  # a segment shorter than the L it is built for
+    return out
 
 
 def _word_dropout(i):
-    """A claim, not stored values (any random draw is right): a non-PAD token becomes UNK with
-    probability p, PAD never does, the rest are unchanged, the input is not written into."""
-    x = torch.randint(4, 50, (200, 100), generator=torch.Generator().manual_seed(0))
-    x[:, 80:] = data.PAD
+    """The outputs the claims below are checked on (any random draw is right)."""
+    x = i["x"]
     before = x.clone()
-    y = data.word_dropout(x, 0.3, torch.Generator().manual_seed(1))
-    real = before != data.PAD
-    assert torch.equal(x, before), "word_dropout wrote into its input (it must return a new tensor)"
-    assert torch.equal(y[~real], before[~real]), "a PAD token was changed"
-    changed = (y != before) & real
-    assert torch.equal(y[changed], torch.full_like(y[changed], data.UNK)), "a dropped token is not UNK"
-    rate = changed.sum().item() / real.sum().item()
-    assert abs(rate - 0.3) < 0.015, f"{100 * rate:.1f}% of the tokens were dropped, not 30%"
-    assert torch.equal(data.word_dropout(x, 0.0), x), "p = 0 must change nothing"
-    return {}
+    out = {"before": before}
+    for name, p, seed in (("a", 0.3, 1), ("a_again", 0.3, 1), ("b", 0.3, 2), ("c", 0.1, 3)):
+        out[name] = data.word_dropout(x, p, torch.Generator().manual_seed(i["seed"] + seed))
+    out["after"] = x
+    return out
+
+
+def _word_dropout_claims(i, got):
+    """None if word dropout's claims hold on the handed-back outputs, else what fails: a non-PAD token
+    becomes UNK with probability p, independently of the other positions, drawn from the generator
+    given; PAD never changes; the input is not written into."""
+    PAD, UNK = i["pad"], i["unk"]
+    before = i["x"]
+    real = before != PAD
+    if not torch.equal(got["after"], before):
+        return "word_dropout wrote into its input (it must return a new tensor)"
+    for name, p in (("a", 0.3), ("b", 0.3), ("c", 0.1)):
+        y = got[name]
+        if y.shape != before.shape:
+            return f"the output has shape {tuple(y.shape)}, expected {tuple(before.shape)}"
+        if not torch.equal(y[~real], before[~real]):
+            return "a PAD token was changed"
+        changed = (y != before) & real
+        if not (y[changed] == UNK).all():
+            return "a dropped token is not UNK"
+        rate = changed.sum().item() / real.sum().item()
+        if abs(rate - p) > 0.015:
+            return f"{100 * rate:.1f}% of the tokens were dropped, not {100 * p:.0f}%"
+        per_position = changed[:, :80].double().mean(0)  # each position's rate, over 400 sentences
+        worst = int((per_position - p).abs().argmax())
+        if abs(per_position[worst] - p) > 0.13:
+            return (f"position {worst} is dropped in {100 * per_position[worst]:.0f}% of the sentences, "
+                    f"not {100 * p:.0f}%")
+        both = (changed[:, :79] & changed[:, 1:80]).double().mean().item()
+        if abs(both - p * p) > 0.015:
+            return (f"neighbours are dropped together {100 * both:.1f}% of the time, not {100 * p * p:.1f}% "
+                    f"(independent)")
+    if not torch.equal(got["a"], got["a_again"]):
+        return "two generators with the same seed gave different masks: draw from the generator given"
+    if torch.equal(got["a"], got["b"]):
+        return "two generators with different seeds gave the same mask: it must be random"
+    return None
 
 
 def _lm_segments(i):
-    s = data.lm_segments(i["stream"], 4)
-    return {"x": s.x, "y": s.y}
+    out = {}
+    for n, (stream, seq_len) in enumerate(i["cases"]):
+        s = data.lm_segments(stream, seq_len)
+        out.update({f"x{n}": s.x, f"y{n}": s.y})
+    return out
 
 
 def _scalars(fn, cases):
     return {"values": torch.tensor([float(fn(*c)) for c in cases], dtype=torch.float64)}
+
+
+def _histories(d):
+    cases = [([1.0, 2.0, 3.0], 3), ([5.0, 4.0, 4.5, 3.0], 3), ([5.0, 4.0, 4.5, 4.2], 3), ([2.0, 1.0], 1),
+             ([2.0, 2.0], 1), ([3.0, 2.0, 1.0], 3), ([3.0, 3.0, 2.0, 3.0], 2)]
+    for _ in range(40):
+        cases.append(([round(d.uniform(0, 4), 1) for _ in range(d.integer(1, 9))], d.integer(1, 5)))
+    return cases
 
 
 @dataclass
@@ -177,158 +311,627 @@ class Exercise:
     function: str
     equation: str
     writes: str
-    inputs: dict
-    run: object  # inputs -> {name: tensor}, the project's outputs (or an assertion of a claim)
+    hint: str  # shown in the student's README
+    inputs: object  # Draw -> {name: value}
+    run: object  # inputs -> {name: tensor}, the project's outputs
+    dtype: torch.dtype = torch.float64  # the dtype the equation is written for (its tolerance)
+    claims: object = None  # (inputs, outputs) -> None or what fails (no stored values: any random draw is right)
 
 
 def exercises():
-    xb = _x(2, 5, 6)
     return [
         Exercise("scalenorm", "norms.py", "ScaleNorm.forward", "TwT eq. 5: g x / ||x||",
-                 "the norm of each token and the scaled output", {"x": xb}, _scalenorm),
+                 "the norm of each token and the scaled output",
+                 "eps clamps the norm from below (max(||x||, eps)); it is not added to it",
+                 lambda d: {"x": _tokens(d), "g": d.uniform(0.5, 3)}, _scalenorm),
         Exercise("fixnorm", "norms.py", "fixnorm", "TwT section 2.3 (eq. 6): w / ||w|| per embedding row",
-                 "each row divided by its l2 norm", {"w": _x(7, 5)}, _fixnorm),
+                 "each row divided by its l2 norm", "one norm per row (dim=-1), eps clamps it from below",
+                 lambda d: {"w": d.randn(7, 5), "r": d.randn(7, 5)}, _fixnorm),
         Exercise("rmsnorm", "norms.py", "RMSNorm.forward", "Zhang & Sennrich 2019: g_i x_i / RMS(x)",
-                 "1 / RMS(x) and the output", {"x": xb, "gain": _x(6, seed=3)}, _rmsnorm),
+                 "1 / RMS(x) and the output", "RMS(x) = sqrt(mean_i x_i^2 + eps): eps inside the root",
+                 lambda d: {"x": _tokens(d), "gain": d.randn(6)}, _rmsnorm),
         Exercise("batchnorm", "norms.py", "BatchNorm.forward", "PowerNorm Alg. 1: mu_B, sigma_B^2 over the real tokens",
-                 "the batch mean and variance over real tokens and the normalized output", {"x": xb},
-                 lambda i: _batch_norm(norms.BatchNorm, i)),
+                 "the batch mean and variance over real tokens and the normalized output",
+                 "batch_mean(v, real) averages over the real tokens only; sigma_B^2 is the biased variance (1/N)",
+                 lambda d: {"x": _tokens(d)}, lambda i: _batch_norm(norms.BatchNorm, i)),
         Exercise("pnv", "norms.py", "PNV.forward", "PowerNorm Def. 1: psi_B^2 = mean x^2, y = gamma x / psi_B + beta",
-                 "the quadratic mean over real tokens and the output", {"x": xb}, lambda i: _batch_norm(norms.PNV, i)),
+                 "the quadratic mean over real tokens and the output",
+                 "batch_mean(v, real) averages over the real tokens only; no centring; eps inside the root",
+                 lambda d: {"x": _tokens(d)}, lambda i: _batch_norm(norms.PNV, i)),
         Exercise("powernorm_backward", "norms.py", "_PowerNormFunction.backward",
                  "PowerNorm Alg. 2 / eqs. 11-13: X^' = dL/dX^ - nu X^, dL/dX = X^' / psi, the update of nu",
-                 "the approximate backward and the running nu", {"x": _x(3, 2, 5, 6, seed=4)}, _powernorm_backward),
+                 "the approximate backward and the running nu",
+                 "nu is updated in place (nu.copy_) from nu_{t-1}; Gamma and Lambda are means over the real tokens",
+                 lambda d: {"x": d.randn(3, 2, 5, 6)}, _powernorm_backward),
         Exercise("attention", "model.py", "attention_math", "Vaswani eq. 1: softmax(Q K^T / sqrt(Dh) + mask) V",
                  "the scores, the causal and key masks, the softmax, the output",
-                 {"q": _x(2, 2, 4, 3), "k": _x(2, 2, 4, 3, seed=1), "v": _x(2, 2, 4, 3, seed=2), "causal": True,
-                  "key_mask": torch.tensor([[True] * 4, [True, True, True, False]])[:, None, None, :]}, _attention),
+                 "scale is 1/sqrt(Dh) only when the caller gives None; dropout(weights, dropout_p) (weights in q's "
+                 "dtype) before @ V; the weights handed back are before dropout",
+                 lambda d: _attention_inputs(d), _attention, dtype=torch.float32),
         Exercise("residual", "model.py", "residual", "TwT eqs. 2-3: PostNorm norm(x + F(x)), PreNorm x + F(norm(x))",
-                 "both residual placements", {"x": _x(2, 3, 4), "w": _x(4, 4, seed=1)}, _residual),
+                 "both residual placements", "dropout(F(...), cfg.dropout, training) on the sublayer's output",
+                 lambda d: {"x": d.randn(2, 3, 4), "w": d.randn(4, 4), "seed": d.seed()}, _residual),
         Exercise("smallinit", "model.py", "Transformer.reset_parameters",
                  "TwT eq. 4 and section 2.2: Xavier std sqrt(2/(d_in + d_out)), SmallInit sqrt(2/5d)",
-                 "the attention and feed-forward standard deviations", {}, _smallinit),
+                 "the attention and feed-forward standard deviations",
+                 "the std, not the variance; the feed-forward's fans are d_model and ff",
+                 lambda d: {"seed": d.seed(), "ff": 16 * d.integer(2, 6)}, _smallinit),
         Exercise("label_smoothing", "model.py", "label_smoothed_loss",
                  "TwT appendix A: (1 - eps) NLL + eps mean over the allowed words of -log p",
-                 "log p, the NLL, the smoothed loss over real positions",
-                 {"logits": _x(2, 3, 6), "target": torch.tensor([[1, 2, 0], [4, 1, 2]]),
-                  "real": torch.tensor([[True, True, False], [True, True, True]]),
-                  "allowed": torch.tensor([True, True, True, False, True, True])}, _label_smoothing),
+                 "log p, the NLL, the smoothed loss over real positions (in both regions: the fast path too)",
+                 "two regions: label_smoothed_loss and SmoothedCrossEntropy.forward (its backward reads logp and w)",
+                 lambda d: _label_smoothing_inputs(d), _label_smoothing),
         Exercise("multilinear", "model.py", "MultiLinearAttention.forward",
                  "Ma et al. 2019 core-1: T[i,j,k] = sum_r c_r Q[i,r] K[j,r] V[k,r], zero unless j, k <= i",
-                 "the causal tensor T", {"x": _x(2, 4, 6)}, _multilinear),
+                 "the causal tensor T", "self.causal[:t, :t, :t] is the mask [j <= i and k <= i]",
+                 lambda d: {"x": d.randn(2, 4, 6), "seed": d.seed()}, _multilinear),
         Exercise("word_dropout", "data.py", "word_dropout", "TwT appendix A: a token becomes UNK with probability p",
-                 "the random replacement, PAD untouched", {}, _word_dropout),
-        Exercise("qk_g0", "model.py", "qk_g0", "QKNorm eq. 3: g0 = log2(L^2 - L)", "g0 from L", {},
-                 lambda i: _scalars(model.qk_g0, [(2,), (30,), (72,), (97.5,)])),
+                 "the random replacement, PAD untouched",
+                 "draw from the generator given, one draw per position; return a new tensor",
+                 lambda d: _word_dropout_inputs(d), _word_dropout, claims=_word_dropout_claims),
+        Exercise("qk_g0", "model.py", "qk_g0", "QKNorm eq. 3: g0 = log2(L^2 - L)", "g0 from L",
+                 "log2, not the natural log",
+                 lambda d: {"L": [2, 30, 72, 97.5] + [d.uniform(2, 500) for _ in range(4)]},
+                 lambda i: _scalars(model.qk_g0, [(L,) for L in i["L"]])),
         Exercise("lm_segments", "data.py", "lm_segments", "a stream cut into inputs w_t and targets w_{t+1}",
-                 "the input and target segments, PAD-padded", {"stream": torch.arange(11) + 3}, _lm_segments),
+                 "the input and target segments, PAD-padded",
+                 "rows = ceil(n / seq_len): the last, shorter segment is PAD-padded, not dropped",
+                 lambda d: {"cases": [(torch.arange(11) + 3, 4)] + [
+                     (torch.randint(4, 60, (d.integer(2, 30),), generator=d.g), d.integer(1, 7)) for _ in range(3)]},
+                 _lm_segments),
         Exercise("length_penalty", "decode.py", "length_penalty",
-                 "GNMT eq. 14: ((5 + |Y|) / 6)^alpha; fairseq: |Y|^alpha", "both penalties", {},
-                 lambda i: _scalars(decode.length_penalty, [(1, 0.6, "gnmt"), (7, 0.6, "gnmt"), (7, 1.0, "fairseq"),
-                                                            (12, 0.5, "fairseq"), (3, 0.0, "gnmt")])),
+                 "GNMT eq. 14: ((5 + |Y|) / 6)^alpha; fairseq: |Y|^alpha", "both penalties",
+                 "the whole (5 + |Y|) / 6 is raised to alpha",
+                 lambda d: {"cases": [(1, 0.6, "gnmt"), (7, 0.6, "gnmt"), (7, 1.0, "fairseq"), (12, 0.5, "fairseq"),
+                                      (3, 0.0, "gnmt")] + [(d.integer(1, 80), d.uniform(0, 2), kind)
+                                                           for kind in ("gnmt", "fairseq") for _ in range(3)]},
+                 lambda i: _scalars(decode.length_penalty, i["cases"])),
         Exercise("invsqrt", "train.py", "inverse_sqrt_lr",
-                 "TwT eq. 7: lambda / sqrt(d) min(n^-0.5, n warmup^-1.5)", "the learning rate of step n", {},
-                 lambda i: _scalars(train.inverse_sqrt_lr, [(1, 512, 4000, 1.0), (4000, 512, 4000, 1.0),
-                                                            (20000, 512, 4000, 2.0), (10, 128, 200, 1.0)])),
+                 "TwT eq. 7: lambda / sqrt(d) min(n^-0.5, n warmup^-1.5)", "the learning rate of step n",
+                 "n warmup^-1.5 during the warmup, n^-0.5 after it",
+                 lambda d: {"cases": [(1, 512, 4000, 1.0), (4000, 512, 4000, 1.0), (20000, 512, 4000, 2.0),
+                                      (10, 128, 200, 1.0)] + [(d.integer(1, 9000), 64 * d.integer(1, 9),
+                                                               d.integer(1, 4000), d.uniform(0.1, 3))
+                                                              for _ in range(6)]},
+                 lambda i: _scalars(train.inverse_sqrt_lr, i["cases"])),
         Exercise("validation_decay", "train.py", "validation_decay",
                  "TwT section 2.4: decay when dev BLEU is below each of the previous `patience`",
-                 "the decision from the history", {},
-                 lambda i: _scalars(train.validation_decay, [([1.0, 2.0, 3.0], 3), ([5.0, 4.0, 4.5, 3.0], 3),
-                                                             ([5.0, 4.0, 4.5, 4.2], 3), ([2.0, 1.0], 1),
-                                                             ([2.0, 2.0], 1)])),
+                 "the decision from the history",
+                 "the newest score against the `patience` scores before it (not counting itself); strictly below",
+                 lambda d: {"cases": _histories(d)}, lambda i: _scalars(train.validation_decay, i["cases"])),
     ]
 
 
-# --- checking one exercise --------------------------------------------------------------------
-def check(ex, stored):
-    """Runs one exercise with every fast path off; AssertionError (in plain words) if it is wrong."""
+def _attention_inputs(d):
+    f32 = dict(dtype=torch.float32)
+    i = {f"{n}_causal": d.randn(2, 2, 4, 3, **f32) for n in "qkv"}
+    i.update({"q_cross": d.randn(2, 2, 3, 5, **f32), "k_cross": d.randn(2, 2, 6, 5, **f32),
+              "v_cross": d.randn(2, 2, 6, 5, **f32), "r_causal": d.randn(2, 2, 4, 3, **f32),
+              "r_cross": d.randn(2, 2, 3, 5, **f32), "scale": d.uniform(0.2, 0.9), "seed": d.seed()})
+    i["key_mask"] = torch.tensor([[True] * 4, [True, True, True, False]])[:, None, None, :]
+    i["cross_mask"] = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])[:, None, None, :]
+    return i
+
+
+def _label_smoothing_inputs(d):
+    return {"logits": d.randn(2, 3, 6), "target": torch.tensor([[1, 2, 0], [4, 1, 2]]),
+            "real": torch.tensor([[True, True, False], [True, True, True]]), "eps": d.uniform(0.05, 0.3),
+            "allowed": torch.tensor([True, True, True, False, True, True])}
+
+
+def _word_dropout_inputs(d):
+    x = torch.randint(4, 50, (400, 100), generator=d.g)
+    x[:, 80:] = data.PAD
+    return {"x": x, "seed": d.seed(), "pad": data.PAD, "unk": data.UNK}
+
+
+def by_name():
+    return {ex.name: ex for ex in exercises()}
+
+
+# --- running and checking one exercise ----------------------------------------------------------
+def run(ex, seed):
+    """The exercise's outputs on the inputs of `seed`, every fast path off: {name: tensor} (detached)."""
+    inputs = ex.inputs(Draw(seed, ex.name))
     norms.use_reference(True)
     try:
-        got = ex.run(ex.inputs)
+        got = ex.run(inputs)
     finally:
         norms.use_reference(False)
-    want = stored.get(ex.name, {})
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in got.items()}
+
+
+def tolerance(dtype):
+    return (1e-6, 1e-8) if dtype == torch.float64 else (1e-5, 1e-6)
+
+
+def compare(ex, got, want, seed):
+    """None if the outputs `got` are right, else the first difference, in words (one line)."""
+    if ex.claims is not None:
+        return ex.claims(ex.inputs(Draw(seed, ex.name)), got)
+    rtol, atol = tolerance(ex.dtype)
     for key, expected in want.items():
-        assert key in got, f"{key} was not computed"
-        value = got[key]
-        assert value is not None, f"{key}: no gradient reached it"
-        assert value.shape == expected.shape, f"{key} has shape {tuple(value.shape)}, expected {tuple(expected.shape)}"
-        value, expected = value.double(), expected.double()
-        same_inf = torch.isinf(value) == torch.isinf(expected)
-        if not (same_inf.all() and torch.allclose(value[~torch.isinf(expected)], expected[~torch.isinf(expected)],
-                                                  rtol=1e-6, atol=1e-8)):
-            diff = torch.where(torch.isinf(expected), 0.0, (value - expected).abs()).nan_to_num(float("inf"))
-            at = tuple(int(j) for j in torch.unravel_index(diff.argmax(), diff.shape)) if diff.dim() else ()
-            raise AssertionError(f"{key} differs from the expected value: {value[at].item():.10g} where "
-                                 f"{expected[at].item():.10g} is expected (at index {at}; difference "
-                                 f"{diff[at].item():.3g}, allowed 1e-8 + 1e-6 x |expected|)")
+        value = got.get(key)
+        if value is None:
+            return f"{key} was not computed (or no gradient reached it)"
+        if not isinstance(value, torch.Tensor):
+            return f"{key} is a {type(value).__name__}, not a tensor"
+        if value.shape != expected.shape:
+            return f"{key} has shape {tuple(value.shape)}, expected {tuple(expected.shape)}"
+        if not expected.is_floating_point():
+            bad = value != expected
+        else:
+            value, expected = value.to(ex.dtype), expected.to(ex.dtype)
+            bad = ~torch.isclose(value, expected, rtol=rtol, atol=atol)
+        if bad.any():
+            first_bad = bad.flatten().nonzero()[0, 0]
+            at = tuple(int(j) for j in torch.unravel_index(first_bad, bad.shape)) if bad.dim() else ()
+            index = f"[{', '.join(map(str, at))}]" if at else ""
+            allowed = f"; allowed {atol:g} + {rtol:g} x |expected|" if expected.is_floating_point() else ""
+            first = f"the first of {int(bad.sum())} elements that differ, " if bad.sum() > 1 else ""
+            return (f"{key}{index} = {value[at].item():.10g} where {expected[at].item():.10g} is expected "
+                    f"({first}in {str(ex.dtype)[6:]}{allowed})")
+    return None
 
 
-def load_values():
-    return torch.load(VALUES, weights_only=True) if VALUES.exists() else {}
+def hint_for(ex, got, mistakes, seed):
+    """The hint of the recorded mistake whose outputs `got` equal, if any."""
+    for hint, outputs in mistakes:
+        if outputs is not None and set(outputs) <= set(got) and compare(ex, got, outputs, seed) is None:
+            return hint
+    return None
 
 
-# --- the command line ---------------------------------------------------------------------------
-def cmd_list():
-    for ex in exercises():
-        print(f"{ex.name:<19} {ex.file}:{ex.function} | {ex.equation} | write: {ex.writes}")
-    return 0
+def how_it_ended(exc):
+    """An exception raised by a student's code, in words (one line), and where: (file, line) or None."""
+    if isinstance(exc, NotImplementedError) and str(exc).startswith("exercise "):
+        how = "not written yet (raises NotImplementedError)"
+    else:
+        text = exc.msg if isinstance(exc, SyntaxError) else str(exc).strip()  # (a SyntaxError's str has its line)
+        text = text.splitlines()[0][:200] if text else ""
+        kind = {SystemExit: "called exit", KeyboardInterrupt: "raised KeyboardInterrupt"}.get(type(exc))
+        how = f"{kind} ({text})" if kind and text else kind or f"{type(exc).__name__}{': ' + text if text else ''}"
+    if isinstance(exc, SyntaxError) and exc.filename and Path(exc.filename).name in SOURCES:
+        return how, (Path(exc.filename).name, int(exc.lineno or 0))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).name in SOURCES]
+    return how, (Path(frames[-1].filename).name, int(frames[-1].lineno or 0)) if frames else None
 
 
-def cmd_record():
-    """The expected values, from the solutions (run it in the original, never in a copy)."""
-    if not (ROOT / "tests" / "test_model.py").exists():
-        sys.exit("exercises.py record: this is a student copy; record the expected values in the original")
-    values = {}
-    for ex in exercises():
-        norms.use_reference(True)
+# --- the self-check (in a student's copy) --------------------------------------------------------
+def load_values(path=VALUES):
+    """The values file, checked: plain tensors only, every exercise present. A clear one-line refusal otherwise."""
+    what = f"exercises.py: {path}"
+    if not Path(path).is_file():
+        sys.exit(f"{what} is missing: ask your instructor for the kit's tests/exercise_values.pt (nothing was graded)")
+    try:
+        stored = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- anything but plain tensors is refused
+        sys.exit(f"{what} does not load as plain tensors ({type(e).__name__}); nothing was graded")
+    names = [ex.name for ex in exercises()]
+    ok = (isinstance(stored, dict) and stored.get("format") == FORMAT and isinstance(stored.get("values"), dict)
+          and isinstance(stored.get("mistakes", {}), dict))
+    if not ok:
+        sys.exit(f"{what} is not a values file of this kit (format {FORMAT}); nothing was graded")
+    missing = [n for n in names if not isinstance(stored["values"].get(n), dict)
+               or not all(isinstance(v, torch.Tensor) for v in stored["values"][n].values())
+               or (not stored["values"][n] and by_name()[n].claims is None)]
+    if missing:
+        sys.exit(f"{what} is incomplete: no expected values for {', '.join(missing)}; nothing was graded")
+    return stored
+
+
+def self_check(names, timeout):
+    """The checks run in a child process that reports one verdict line per exercise on a pipe of
+    its own; however the student's code ends that process (an exit, a signal, a hang), the exercise
+    it was checking FAILs with how, and a new process checks the rest."""
+    stored = load_values()
+    assigned = stored.get("assigned") or [ex.name for ex in exercises()]
+    if not isinstance(assigned, list) or any(n not in by_name() for n in assigned):
+        sys.exit(f"exercises.py: {VALUES} records an assignment of unknown exercises; nothing was graded")
+    todo, failed, total = list(names or assigned), 0, len(names or assigned)
+    while todo:
+        read_fd, write_fd = os.pipe()
+        proc = subprocess.Popen([sys.executable, str(Path(__file__)), "_check", str(write_fd), *todo],
+                                pass_fds=(write_fd,), stdin=subprocess.DEVNULL, start_new_session=True)
+        os.close(write_fd)
+        done, how, buf = 0, None, b""
+        while done < len(todo):
+            if b"\n" not in buf:
+                if not select.select([read_fd], [], [], timeout)[0]:
+                    how = f"did not finish in {timeout:g} s, the time limit (an endless loop?)"
+                    break
+                chunk = os.read(read_fd, 65536)
+                if not chunk:
+                    break
+                buf += chunk
+                continue
+            line, buf = buf.split(b"\n", 1)
+            line = line.decode(errors="replace")
+            if line.startswith(("PASS ", "FAIL ")) and line.split()[1].rstrip(":") == todo[done]:
+                print(line, flush=True)
+                failed += line.startswith("FAIL")
+                done += 1
+        os.close(read_fd)
         try:
-            values[ex.name] = {k: v.detach().clone() for k, v in ex.run(ex.inputs).items()}
-        finally:
-            norms.use_reference(False)
-    torch.save(values, VALUES)
-    print(f"wrote {VALUES.relative_to(ROOT)}: {len(values)} exercises")
-    return 0
-
-
-def cmd_grade(names):
-    chosen = select(names)
-    stored, failed = load_values(), 0
-    for ex in chosen:
-        try:
-            check(ex, stored)
-            print(f"PASS {ex.name}")
-        except NotImplementedError:
+            os.killpg(proc.pid, signal.SIGKILL)  # a hang, and anything the student's code started
+        except ProcessLookupError:
+            pass
+        rc = proc.wait()
+        todo = todo[done:]
+        if todo:
+            how = how or (f"killed by {signal.Signals(-rc).name}" if rc < 0 else
+                          f"the process ended (exit status {rc}) during this check: the code exits")
+            print(f"FAIL {todo[0]}: {how}", flush=True)
             failed += 1
-            print(f"FAIL {ex.name}: not written yet ({ex.file}:{ex.function} raises NotImplementedError)")
-        except AssertionError as e:
-            failed += 1
-            print(f"FAIL {ex.name}: {e}")
-        except Exception as e:  # noqa: BLE001 -- a student's error: say what and where, in one line
-            failed += 1
-            print(f"FAIL {ex.name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    print(f"{len(chosen) - failed} of {len(chosen)} exercises pass", file=sys.stderr)
+            todo = todo[1:]
+    print(f"{total - failed} of {total} exercises pass", file=sys.stderr)
     return 1 if failed else 0
 
 
+def cmd_check(fd, names):
+    """(the self-check's child) one verdict line per exercise, written to the pipe `fd`."""
+    out = os.fdopen(int(fd), "w")
+    stored = load_values()
+    try:
+        load_project()
+    except BaseException as e:  # noqa: BLE001 -- a file that does not import fails every check
+        how, where = how_it_ended(e)
+        for n in names:
+            out.write(f"FAIL {n}: {how}{f' at {where[0]}:{where[1]}' if where else ''}\n")
+        out.flush()
+        os._exit(0)
+    for ex in (by_name()[n] for n in names):
+        try:
+            got = run(ex, RECORD_SEED)
+            reason = compare(ex, got, stored["values"][ex.name], RECORD_SEED)
+            if reason:
+                hint = hint_for(ex, got, stored.get("mistakes", {}).get(ex.name, []), RECORD_SEED)
+                reason += f". Hint: {hint}" if hint else ""
+        except BaseException as e:  # noqa: BLE001 -- a student's code ends this one check only, however it ends
+            how, where = how_it_ended(e)
+            reason = how + (f" at {where[0]}:{where[1]}" if where else "")
+        out.write(f"FAIL {ex.name}: {reason}\n" if reason else f"PASS {ex.name}\n")
+        out.flush()
+    os._exit(0)
+
+
+# --- the instructor's grade: each exercise of a submission in a fresh process ---------------------
 def regions(text):
-    """[(name, begin line index, end line index)] of the '# Exercise NAME: begin/end' comments (an
-    exercise may have several: a fast path that computes the same equation is blanked with it)."""
-    found, open_ = [], {}
+    """[(name, begin line index, end line index)] of the '# Exercise NAME: begin/end' comments, and
+    the problems found (an end without its begin, a begin without its end, one inside another)."""
+    found, problems, open_ = [], [], None
     for n, line in enumerate(text.split("\n")):
-        s = line.strip()
-        if s.startswith("# Exercise ") and s.endswith(": begin"):
-            open_[s[len("# Exercise "):-len(": begin")]] = n
-        elif s.startswith("# Exercise ") and s.endswith(": end"):
-            name = s[len("# Exercise "):-len(": end")]
-            found.append((name, open_.pop(name), n))
-    return found
+        m = MARKER.match(line)
+        if not m:
+            continue
+        name, kind = m.group(2), m.group(3)
+        if kind == "begin":
+            if open_ is not None:
+                problems.append(f"{open_[0]}'s region is not closed before {name}'s begins")
+            open_ = (name, n)
+        elif open_ is None or open_[0] != name:
+            problems.append(f"{name}'s end marker has no begin marker before it")
+            open_ = None
+        else:
+            found.append((name, open_[1], n))
+            open_ = None
+    if open_ is not None:
+        problems.append(f"{open_[0]}'s region has no end marker")
+    return found, problems
 
 
+def region_texts(folder, ex_name, files):
+    """The code between the markers of one exercise, per region, its indentation removed; or
+    (None, why) when a file or a region is missing."""
+    texts, where = [], []
+    for rel, count in files:
+        path = Path(folder) / rel
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            return None, f"{rel} cannot be read ({getattr(e, 'strerror', None) or type(e).__name__})"
+        found, problems = regions(text)
+        mine = [(b, e) for name, b, e in found if name == ex_name]
+        broken = [p for p in problems if p.startswith(ex_name + "'")]
+        if broken:
+            return None, f"{rel}: {broken[0]}"
+        if len(mine) != count:
+            return None, (f"{rel} has {len(mine)} region{'s' if len(mine) != 1 else ''} '# Exercise {ex_name}: "
+                          f"begin/end', the exercise has {count}")
+        lines = text.split("\n")
+        for b, e in mine:
+            indent = MARKER.match(lines[b]).group(1)
+            texts.append("\n".join(line[len(indent):] if line.startswith(indent) else line
+                                   for line in lines[b + 1:e]))
+            where.append((rel, b + 2))  # the region's first line, 1-based
+    return (texts, where), None
+
+
+def solution_files(ex_name):
+    """[(file, number of regions of the exercise in it)] in the instructor's tree."""
+    out = []
+    for rel in SOURCES:
+        n = sum(1 for name, _, _ in regions((ROOT / rel).read_text())[0] if name == ex_name)
+        if n:
+            out.append((rel, n))
+    return out
+
+
+def student_copy_text(text):
+    """A kit file without its instructor-only lines (the mistakes, the cheats of the tests: near-solutions)."""
+    lines, out, skipping = text.split("\n"), [], False
+    for line in lines:
+        if line == INSTRUCTOR_ONLY + "begin":
+            skipping = True
+            out.append("# (the instructor-only lines are left out of a student's copy)")
+        elif line == INSTRUCTOR_ONLY + "end":
+            skipping = False
+        elif not skipping:
+            out.append(line)
+    return "\n".join(out)
+
+
+def build_sandbox(folder, ex_name, texts):
+    """A copy of the instructor's five files (and this kit, without its instructor-only lines) in
+    `folder`, the exercise's regions replaced by `texts` (in file order, then line order). Returns,
+    for each replaced region, (file, its first line, its last line) there."""
+    (folder / "tests").mkdir(parents=True)
+    (folder / "tests" / "exercises.py").write_text(student_copy_text(Path(__file__).read_text()))
+    spans, texts = [], list(texts)
+    for rel in SOURCES:
+        lines = (ROOT / rel).read_text().split("\n")
+        mine = [(b, e) for name, b, e in regions("\n".join(lines))[0] if name == ex_name]
+        bodies, texts = texts[:len(mine)], texts[len(mine):]
+        for (b, e), body in reversed(list(zip(mine, bodies))):
+            indent = MARKER.match(lines[b]).group(1)
+            lines[b + 1:e] = [indent + line if line.strip() else "" for line in body.split("\n")]
+        (folder / rel).write_text("\n".join(lines))
+        spans += [(rel, b + 2, e) for name, b, e in regions("\n".join(lines))[0] if name == ex_name]
+    return spans
+
+
+LIVE = set()  # the grading processes running now (killed on Ctrl-C)
+
+
+def run_isolated(ex_name, texts, seed, timeout):
+    """One exercise with `texts` as its regions, in a fresh process with a time limit. Returns
+    (outputs, None, spans), or (None, how it ended, spans): a line, or (how, file, line) to be mapped
+    to the submission's lines through spans (build_sandbox)."""
+    with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
+        box, result = Path(tmp) / "box", Path(tmp) / "box" / "result.pt"
+        spans = build_sandbox(box, ex_name, texts)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+        env.pop("PYTHONPATH", None)
+        with open(Path(tmp) / "log", "w+") as log:
+            proc = subprocess.Popen([sys.executable, "tests/exercises.py", "_run", ex_name, str(seed), str(result)],
+                                    cwd=box, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                    start_new_session=True)
+            LIVE.add(proc)
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                proc.kill()
+                proc.wait()
+            finally:
+                LIVE.discard(proc)
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # anything it started
+                except ProcessLookupError:
+                    pass
+            log.seek(0)
+            last = ([line for line in log.read().splitlines() if line.strip()][-1:] or [""])[0][:160]
+        try:
+            got = torch.load(result, weights_only=True) if result.is_file() and not timed_out else None
+        except Exception as e:  # noqa: BLE001
+            return None, f"it handed back something other than plain tensors ({type(e).__name__})", spans
+    if timed_out:
+        return None, f"did not finish in {timeout:g} s, the time limit (an endless loop?)", spans
+    if got is None:
+        if proc.returncode < 0:
+            return None, f"the process was killed by {signal.Signals(-proc.returncode).name}", spans
+        return None, (f"the process ended (exit status {proc.returncode}) before handing back its outputs: the code "
+                      f"exits or kills it{' (its last words: ' + last + ')' if last else ''}"), spans
+    if isinstance(got, dict) and set(got) == {"error"} and isinstance(got["error"], tuple) and len(got["error"]) == 3:
+        return None, got["error"], spans
+    if not (isinstance(got, dict) and set(got) == {"outputs"} and isinstance(got["outputs"], dict)
+            and all(isinstance(k, str) and (v is None or isinstance(v, torch.Tensor))
+                    for k, v in got["outputs"].items())):
+        return None, "it handed back something other than named tensors", spans
+    return got["outputs"], None, spans
+
+
+def cmd_run(name, seed, out):
+    """(in a grading process) one exercise's outputs, or how its code failed, written to `out`."""
+    try:
+        load_project()
+        result = {"outputs": run(by_name()[name], int(seed))}
+    except BaseException as e:  # noqa: BLE001 -- however the code ends, the grader hears how
+        how, where = how_it_ended(e)
+        result = {"error": (how,) + (where or ("", 0))}
+    torch.save(result, out)
+    os._exit(0)  # nothing the student's code left behind (threads, atexit) runs after this
+
+
+class Grader:
+    """The instructor's grade: results cached by (exercise, the code of its regions), the reference run once."""
+
+    def __init__(self, seed, timeout, jobs):
+        self.seed, self.timeout = seed, timeout
+        self.pool = ThreadPoolExecutor(max(1, jobs))
+        self.cache, self.expected, self.mistake_runs = {}, {}, {}
+
+    def submit(self, ex_name, texts):
+        key = (ex_name, hashlib.sha256("\0".join(texts).encode()).hexdigest())
+        if key not in self.cache:
+            self.cache[key] = self.pool.submit(run_isolated, ex_name, texts, self.seed, self.timeout)
+        return self.cache[key]
+
+    def reference(self, ex):
+        if ex.name not in self.expected:
+            self.expected[ex.name] = run(ex, self.seed)
+        return self.expected[ex.name]
+
+    def mistakes(self, ex):
+        """The instructor's mistakes of this exercise, run like a submission on this grade's inputs."""
+        if ex.name not in self.mistake_runs:
+            runs = [(hint, self.submit(ex.name, bodies)) for hint, bodies in MISTAKES.get(ex.name, [])]
+            self.mistake_runs[ex.name] = [(hint, f.result()[0]) for hint, f in runs]
+        return self.mistake_runs[ex.name]
+
+    def verdict(self, ex, future, where):
+        outputs, error, spans = future.result()
+        if error is not None:
+            if isinstance(error, str):
+                return error
+            text, rel, line = error
+            for (srel, first, last), (wrel, wline) in zip(spans, where):
+                if rel == srel and first <= line <= last:
+                    return f"{text} at {wrel}:{wline + line - first}"
+            return text + (f" (in the instructor's {rel}:{line}, called with your code's results)" if rel else "")
+        reason = compare(ex, outputs, self.reference(ex), self.seed)
+        if reason:
+            hint = hint_for(ex, outputs, self.mistakes(ex), self.seed)
+            reason += f". Hint: {hint}" if hint else ""
+        return reason
+
+
+def parse_points(spec, names):
+    points = {n: 1.0 for n in names}
+    for item in filter(None, (spec or "").split(",")):
+        name, _, value = item.rpartition("=")
+        try:
+            p = float(value)
+        except ValueError:
+            sys.exit(f"exercises.py grade: --points {spec}: {item!r} is not NAME=POINTS or POINTS")
+        if name and name not in names:
+            sys.exit(f"exercises.py grade: --points {spec}: {name!r} is not among the exercises graded")
+        for n in ([name] if name else names):
+            points[n] = p
+    return points
+
+
+def grade_submissions(folders, names, a):
+    every = by_name()
+    chosen = names or (assigned_of(a.kit) if a.kit else list(every))
+    points = parse_points(a.points, chosen)
+    for flag, path in (("--csv", a.csv), ("--json", a.json)):
+        if path and not Path(path).resolve().parent.is_dir():
+            sys.exit(f"exercises.py grade: {flag} {path}: its folder does not exist")
+    started = time.time()
+    grader = Grader(a.seed, a.timeout, a.jobs)
+    files = {n: solution_files(n) for n in chosen}
+    plans = []
+    for folder in folders:  # every job first, so that the pool is kept busy
+        plan = []
+        for n in chosen:
+            found, why = region_texts(folder, n, files[n])
+            plan.append((every[n], why, grader.submit(n, found[0]) if found else None, found[1] if found else None))
+        plans.append((folder, plan))
+    try:
+        rows = report(plans, grader, points)
+    except KeyboardInterrupt:
+        grader.pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list(LIVE):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        print("exercises.py grade: interrupted; no gradebook written", file=sys.stderr)
+        return 130
+    grader.pool.shutdown()
+    print(f"graded {len(folders)} submission{'s' if len(folders) != 1 else ''} x {len(chosen)} exercises in "
+          f"{time.time() - started:.1f} s ({len(grader.cache)} distinct codes run, seed {a.seed})", file=sys.stderr)
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0 if all(r["result"] == "PASS" for r in rows) else 1
+
+
+def report(plans, grader, points):
+    """Each submission's lines, in order, as its results come in; the gradebook's rows."""
+    rows = []
+    for folder, plan in plans:
+        print(f"== {folder}", flush=True)
+        got = 0.0
+        for ex, why, future, where in plan:
+            reason = why or grader.verdict(ex, future, where)
+            if why:
+                reason = f"missing: {why}"
+            earned = 0.0 if reason else points[ex.name]
+            got += earned
+            print(f"FAIL {ex.name}: {reason}" if reason else f"PASS {ex.name}", flush=True)
+            rows.append({"submission": str(folder), "exercise": ex.name, "result": "FAIL" if reason else "PASS",
+                         "points": earned, "max_points": points[ex.name], "reason": reason or ""})
+        passed = sum(r["result"] == "PASS" for r in rows if r["submission"] == str(folder))
+        print(f"{folder}: {passed} of {len(plan)} exercises pass, {got:g} of {sum(points.values()):g} points",
+              flush=True)
+    return rows
+
+
+def assigned_of(kit):
+    """The exercises a kit made by `make` (kept by the instructor) blanked."""
+    path = Path(kit) / "tests" / "exercise_values.pt"
+    try:
+        stored = torch.load(path, weights_only=True)
+        return list(stored["assigned"])
+    except Exception:  # noqa: BLE001
+        sys.exit(f"exercises.py grade: --kit {kit}: {path} records no assignment (give the exercises' names)")
+
+
+def positive(flag, kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive {'number' if kind is float else 'integer'}")
+        return value
+    return parse
+
+
+def cmd_grade(argv):
+    p = argparse.ArgumentParser(prog="exercises.py grade", description="Without a folder: the self-check of this copy. "
+                                "With folders: the instructor's grade of those students' copies.")
+    p.add_argument("items", nargs="*", metavar="DIR|NAME", help="students' copies, and the exercises to grade")
+    p.add_argument("--seed", type=int, default=GRADE_SEED, help="the inputs drawn (instructor's grade)")
+    p.add_argument("--timeout", type=positive("--timeout", float), default=120.0,
+                   help="seconds one exercise may run (default 120)")
+    p.add_argument("--jobs", type=positive("--jobs", int), default=min(4, os.cpu_count() or 1),
+                   help="exercises graded at once (default: the CPU count, at most 4)")
+    p.add_argument("--points", help="points per exercise: 2, or batchnorm=3,pnv=2 (default 1 each)")
+    p.add_argument("--csv", help="write the gradebook: one row per submission and exercise")
+    p.add_argument("--json", help="the gradebook as JSON")
+    p.add_argument("--kit", help="the copy `make` wrote: grade the exercises it blanked")
+    a = p.parse_args(argv)
+    names = [x for x in a.items if x in by_name()]
+    folders = [Path(x) for x in a.items if x not in by_name()]
+    for f in folders:
+        if not f.is_dir():
+            sys.exit(f"exercises.py grade: {f} is neither an exercise (python tests/exercises.py list) nor a folder")
+    if not folders:
+        given = [f for f in ("--seed", "--jobs", "--points", "--csv", "--json", "--kit")
+                 if any(x == f or x.startswith(f + "=") for x in argv)]
+        if given:
+            sys.exit(f"exercises.py grade: {given[0]} is for grading students' copies: give their folders")
+        return self_check(names, a.timeout)
+    if STUDENT_COPY:
+        sys.exit("exercises.py grade: grading students' copies needs the solutions: run it in the instructor's tree")
+    load_project()
+    return grade_submissions(folders, names, a)
+
+
+# --- make, record, list ---------------------------------------------------------------------------
 def blank(text, names, equations):
     """text with the code of each named region replaced by a raise; the region's comments kept."""
     lines = text.split("\n")
-    for name, b, e in sorted(regions(text), key=lambda r: -r[1]):
+    for name, b, e in sorted(regions(text)[0], key=lambda r: -r[1]):
         if name not in names:
             continue
         indent = lines[b][: len(lines[b]) - len(lines[b].lstrip())]
@@ -344,30 +947,97 @@ def code_of(line):
     return line.split("#", 1)[0].strip()
 
 
+def defined_names(ex):
+    """The names each region of the exercise assigns that the code after it (in its function) reads,
+    with their kind from a run of the solution: 'mu (a tensor)'; or 'returns' if the region returns."""
+    kinds, spans = {}, []
+    for rel, _ in solution_files(ex.name):
+        text = (ROOT / rel).read_text()
+        tree = ast.parse(text)
+        for name, b, e in regions(text)[0]:
+            if name != ex.name:
+                continue
+            fn = min((f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                      and f.lineno <= b + 1 and f.end_lineno >= e), key=lambda f: f.end_lineno - f.lineno)
+            inside = lambda node: b + 1 < node.lineno < e + 1
+            stored = [n.id for n in sorted((n for n in ast.walk(fn) if isinstance(n, ast.Name)
+                                            and isinstance(n.ctx, ast.Store) and inside(n)),
+                                           key=lambda n: (n.lineno, n.col_offset))]
+            read = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+                    and n.lineno > e + 1}
+            returns = any(isinstance(n, ast.Return) and inside(n) for n in ast.walk(fn))
+            names = list(dict.fromkeys(n for n in stored if n in read))
+            spans.append((str(ROOT / rel), fn.lineno, e + 2, names, returns))
+    # Each name's kind, from the solution's locals just after its region.
+    def tracer(frame, event, arg):
+        for path, first, after, names, _ in spans:
+            if frame.f_code.co_filename == path and frame.f_code.co_firstlineno <= first <= frame.f_lineno:
+                if event == "line" and frame.f_lineno >= after:
+                    for n in names:
+                        if n in frame.f_locals and n not in kinds:
+                            v = frame.f_locals[n]
+                            kind = "tensor" if isinstance(v, torch.Tensor) else type(v).__name__
+                            kinds[n] = f"a{'n' * (kind[0] in 'aeiou')} {kind}"
+        return tracer
+    sys.settrace(tracer)
+    try:
+        run(ex, RECORD_SEED)
+    except Exception:  # noqa: BLE001 -- the kinds are a courtesy
+        pass
+    finally:
+        sys.settrace(None)
+    parts = []
+    for _, _, _, names, returns in spans:
+        if names:
+            parts.append("defines: " + ", ".join(f"{n} ({kinds[n]})" if n in kinds else n for n in names))
+        if returns:
+            parts.append("returns the function's result")
+    return "; ".join(parts) or "changes nothing the code after it reads"
+
+
+def student_readme(chosen):
+    out = ["# Exercises", "",
+           "Write each exercise's code between its two comments, `# Exercise NAME: begin` and `# Exercise NAME: end`,",
+           "in place of the `raise NotImplementedError(...)`. Only the code between the markers is graded: your",
+           "instructor puts it into their own copy of the files, so what you change elsewhere does not count (and the",
+           "code after a region reads the names listed below: define them).", "",
+           "    python tests/exercises.py list",
+           "    python tests/exercises.py grade            # yours: PASS name, or FAIL name: what differs, where",
+           "    python tests/exercises.py grade NAME ...   # those only", "", "## Your exercises", ""]
+    for ex in chosen:
+        out += [f"### {ex.name}: {ex.file}, `{ex.function}`", "", f"- equation: {ex.equation}",
+                f"- write: {ex.writes}", f"- the code after the region: {defined_names(ex)}", f"- hint: {ex.hint}", ""]
+    return "\n".join(out)
+
+
 def cmd_make(out, names):
-    chosen = {ex.name: ex for ex in select(names)}
+    chosen = {ex.name: ex for ex in chosen_exercises(names)}
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         sys.exit(f"exercises.py make: {out} exists and is not an empty folder; give a new one")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        sys.exit(f"exercises.py make: cannot make the folder {out}: {e.strerror or e}")
+    stored = load_values() if VALUES.is_file() else sys.exit("exercises.py make: run `record` first (no values file)")
     solutions, outside = [], []  # the blanked regions' code lines, and every other code line
     for rel in COPIED:
         dest = out / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
+        text = (ROOT / rel).read_text()
         if rel in SOURCES:
-            text = (ROOT / rel).read_text()
             lines, inside = text.split("\n"), set()
-            for name, b, e in regions(text):
+            for name, b, e in regions(text)[0]:
                 if name in chosen:
                     solutions += [code_of(line) for line in lines[b + 1:e] if len(code_of(line)) >= 12]
                     inside.update(range(b + 1, e))
             outside += [code_of(line) for n, line in enumerate(lines) if n not in inside]
-            dest.write_text(blank(text, chosen, {n: ex.equation.replace('"', "'") for n, ex in chosen.items()}))
-        else:
-            shutil.copyfile(ROOT / rel, dest)
-    (out / "README.md").write_text(
-        "# Exercises\n\nFill in each `raise NotImplementedError` between `# Exercise NAME: begin` and `# Exercise NAME: "
-        "end`: the comments there give the equation.\n\n    python tests/exercises.py list\n"
-        "    python tests/exercises.py grade            # all, or: grade NAME ...\n")
+            text = blank(text, chosen, {n: ex.equation.replace('"', "'") for n, ex in chosen.items()})
+        elif rel in ("tests/exercises.py", "tests/test_exercises.py"):
+            text = student_copy_text(text)
+        dest.write_text(text)
+    torch.save(dict(stored, assigned=list(chosen)), out / "tests" / "exercise_values.pt")
+    (out / "README.md").write_text(student_readme(list(chosen.values())))
     # The copy holds no solution line: no code line of a blanked region (one not also found outside
     # the regions, like `return y`) appears anywhere in it.
     copy_text = "\n".join(code_of(line) for p in out.rglob("*.py") for line in p.read_text().split("\n"))
@@ -381,7 +1051,36 @@ def cmd_make(out, names):
     return 0
 
 
-def select(names):
+def cmd_record():
+    """The self-check's expected values, from the solutions, and each mistake's outputs (each must fail
+    its check on the self-check's inputs and on the grade's default ones, or its hint would mislead)."""
+    if STUDENT_COPY:
+        sys.exit("exercises.py record: this is a student copy; record the expected values in the instructor's tree")
+    values, mistakes = {}, {}
+    for ex in exercises():
+        values[ex.name] = {} if ex.claims else run(ex, RECORD_SEED)
+        mistakes[ex.name] = []
+        for hint, bodies in MISTAKES.get(ex.name, []):
+            for seed in (GRADE_SEED, RECORD_SEED):
+                outputs, error, _ = run_isolated(ex.name, bodies, seed, 300)
+                want = values[ex.name] if seed == RECORD_SEED else run(ex, seed)
+                if error is not None or compare(ex, outputs, want, seed) is None:
+                    sys.exit(f"exercises.py record: the mistake of {ex.name} hinted {hint!r} "
+                             f"{'fails to run: ' + str(error) if error else 'passes its check'} (seed {seed})")
+            mistakes[ex.name].append((hint, outputs))
+    torch.save({"format": FORMAT, "values": values, "mistakes": mistakes}, VALUES)
+    print(f"wrote {VALUES.relative_to(ROOT)}: {len(values)} exercises, "
+          f"{sum(map(len, mistakes.values()))} mistakes with hints (each fails its check)")
+    return 0
+
+
+def cmd_list():
+    for ex in exercises():
+        print(f"{ex.name:<19} {ex.file}:{ex.function} | {ex.equation} | write: {ex.writes}")
+    return 0
+
+
+def chosen_exercises(names):
     every = exercises()
     unknown = [n for n in names if n not in {ex.name for ex in every}]
     if unknown:
@@ -390,16 +1089,85 @@ def select(names):
 
 
 def main(argv):
+    if argv[:1] == ["_run"] and len(argv) == 4:
+        return cmd_run(*argv[1:])
+    if argv[:1] == ["_check"] and len(argv) > 2:
+        return cmd_check(argv[1], argv[2:])
     if not argv or argv[0] not in ("list", "make", "grade", "record"):
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
+    if argv[0] != "grade":  # the self-check imports a student's files in its child process only
+        load_project()
     if argv[0] == "make":
         if len(argv) < 2:
             sys.exit("exercises.py make: give the folder to write the copy into")
         return cmd_make(argv[1], argv[2:])
-    return {"list": cmd_list, "record": cmd_record}[argv[0]]() if argv[0] in ("list", "record") else cmd_grade(argv[1:])
+    if argv[0] == "grade":
+        return cmd_grade(argv[1:])
+    return {"list": cmd_list, "record": cmd_record}[argv[0]]()
 
+
+# --- the instructor's mistakes: each a region's code with one mistake students make, and its hint.
+# `record` checks that each fails its exercise's check; a FAIL shows the hint of the mistake whose
+# outputs the student's code gives. A student's copy gets their outputs (in the values file), not this code.
+MISTAKES, STUDENT_COPY = {}, True
+# Instructor only: begin
+STUDENT_COPY = False
+MISTAKES = {
+    "scalenorm": [("eps is added to the norm, g x / (||x|| + eps); here it clamps it: g x / max(||x||, eps)", [
+        "n = xf.norm(dim=-1, keepdim=True)\nreturn (self.g * xf / (n + self.eps)).to(x.dtype)"])],
+    "rmsnorm": [("eps goes inside the root: sqrt(mean x^2 + eps), not sqrt(mean x^2) + eps", [
+        "r = xf.pow(2).mean(-1, keepdim=True).sqrt() + self.eps\nreturn (self.weight * xf / r).to(x.dtype)"]),
+                ("the mean of x^2 over the D channels, not the sum", [
+        "r = torch.sqrt(xf.pow(2).sum(-1, keepdim=True) + self.eps)\nreturn (self.weight * xf / r).to(x.dtype)"])],
+    "batchnorm": [
+        ("sigma_B^2 is the biased variance, 1/N sum (x - mu)^2, not 1/(N - 1)", [
+            "mu, n = batch_mean(xf, real)\n"
+            "var = torch.where(real.unsqueeze(-1), (xf - mu) ** 2, 0.0).sum((0, 1)) / (n - 1)\n"
+            "y = self.weight * (xf - mu) / (var + self.eps).sqrt() + self.bias"]),
+        ("eps goes inside the root: sqrt(sigma_B^2 + eps)", [
+            "mu, n = batch_mean(xf, real)\nvar = batch_mean((xf - mu) ** 2, real)[0]\n"
+            "y = self.weight * (xf - mu) / (var.sqrt() + self.eps) + self.bias"]),
+        ("padding is in the statistics: average over the real tokens only (batch_mean(v, real))", [
+            "mu = xf.mean((0, 1))\nn = real.sum().to(xf.dtype)\nvar = ((xf - mu) ** 2).mean((0, 1))\n"
+            "y = self.weight * (xf - mu) / (var + self.eps).sqrt() + self.bias"])],
+    "pnv": [
+        ("padding is in the statistics: average over the real tokens only (batch_mean(v, real))", [
+            "psi2 = (xf * xf).mean((0, 1))\ny = self.weight * xf / (psi2 + self.eps).sqrt() + self.bias"]),
+        ("eps goes inside the root: sqrt(psi_B^2 + eps)", [
+            "psi2 = batch_mean(xf * xf, real)[0]\ny = self.weight * xf / (psi2.sqrt() + self.eps) + self.bias"])],
+    "attention": [
+        ("the scale the caller gives is not used (QKNorm passes 1.0)", [
+            "s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))\n"
+            "if causal:\n    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float('-inf'))\n"
+            "if key_mask is not None:\n    s = s.masked_fill(~key_mask, float('-inf'))\n"
+            "a = s.float().softmax(-1).to(q.dtype)\nreturn dropout(a, dropout_p) @ v, a"]),
+        ("dropout_p is not used: dropout(weights, dropout_p) before multiplying by V", [
+            "s = q @ k.transpose(-2, -1) * (q.size(-1) ** -0.5 if scale is None else scale)\n"
+            "if causal:\n    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float('-inf'))\n"
+            "if key_mask is not None:\n    s = s.masked_fill(~key_mask, float('-inf'))\n"
+            "a = s.float().softmax(-1).to(q.dtype)\nreturn a @ v, a"])],
+    "residual": [("the sublayer's output goes through dropout(..., cfg.dropout, training) before it is added", [
+        "if cfg.prenorm:\n    return x + f(norm(x, pad_mask))\nreturn norm(x + f(x), pad_mask)"])],
+    "qk_g0": [("log2, not the natural log", ["return math.log(L ** 2 - L)"])],
+    "validation_decay": [
+        ("the window is off by one: the `patience` scores before the newest, history[-1 - patience:-1]", [
+            "if len(history) <= patience:\n    return False\n"
+            "return history[-1] < min(history[-patience:-1] or [1e9])"]),
+        ("the window is off by one: the `patience` scores before the newest, history[-1 - patience:-1]", [
+            "if len(history) <= patience + 1:\n    return False\nreturn history[-1] < min(history[-2 - patience:-1])"]),
+        ("strictly below: a score equal to the worst of the window does not decay", [
+            "if len(history) <= patience:\n    return False\nreturn history[-1] <= min(history[-1 - patience:-1])"])],
+    "lm_segments": [("rows = ceil(n / seq_len): the last, shorter segment is PAD-padded, not dropped", [
+        "rows = max(n // seq_len, 1)\nx, y = torch.full((rows * seq_len,), PAD), torch.full((rows * seq_len,), PAD)\n"
+        "m = min(n, rows * seq_len)\nx[:m], y[:m] = stream[:m], stream[1:m + 1]"])],
+    "length_penalty": [("the whole (5 + |Y|) / 6 is raised to alpha", [
+        "return 5.0 + length / 6.0 ** alpha if kind == 'gnmt' else float(length) ** alpha"])],
+}
+# Instructor only: end
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     sys.exit(main(sys.argv[1:]))
+else:
+    load_project()
