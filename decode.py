@@ -535,32 +535,53 @@ def build_model(ckpt, path, device="cpu"):
     return model.to(device).eval()
 
 
-def epoch_checkpoints(run_dir):
-    """A run directory's checkpoint_epoch{N}.pt files, sorted by N."""
-    found = [(int(m.group(1)), f) for f in Path(run_dir).glob("checkpoint_epoch*.pt")
-             if (m := re.fullmatch(r"checkpoint_epoch(\d+)\.pt", f.name))]
-    return [f for _, f in sorted(found)]
+# A run directory's files are named here alone: train.py writes them, both files read them through these.
+CHECKPOINT = re.compile(r"checkpoint_(best|last|epoch(\d+))\.pt")  # the best dev score | the resume point | epoch N
+RESULT_FILES = ("config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json")  # --overwrite removes
+CACHE_FILES = ("bpe.model", "bpe.key", "train.enc.pt", "dev.enc.pt")  # kept by their content's key (train.py F)
+
+
+def checkpoint_file(run_dir, name):
+    """RUN's checkpoint NAME: best (the best dev score), last (the resume point) or epochN (--keep-checkpoints)."""
+    return Path(run_dir) / f"checkpoint_{name}.pt"
+
+
+def checkpoints(run_dir, use="any"):
+    """The checkpoints in run_dir that `use` reads, in the order it tries them: "decode" (a run directory given to
+    decode.py) the best, else the last; "test" (train.py's final test) the best; "resume" the last, the epochs newest
+    first, the best; "average" the epochs, oldest first; "any" every one."""
+    run_dir = Path(run_dir)
+    found = sorted((int(m[2] or -1), m[1], p) for p in (run_dir.iterdir() if run_dir.is_dir() else [])
+                   if (m := CHECKPOINT.fullmatch(p.name)))
+    named, epochs = {k: p for _, k, p in found}, [p for n, _, p in found if n >= 0]
+    order = {"decode": [named.get("best"), named.get("last")], "test": [named.get("best")], "average": epochs,
+             "resume": [named.get("last"), *epochs[::-1], named.get("best")], "any": [p for *_, p in found]}[use]
+    return [p for p in order if p is not None and p.is_file()]
+
+
+def is_run_file(name):
+    """Whether train.py writes a file of this name into a run directory."""
+    return name in RESULT_FILES + CACHE_FILES or bool(CHECKPOINT.fullmatch(name))
 
 
 def load_checkpoint(path, device="cpu", average=0):
     """A .pt file or a run directory -> (model in eval mode on device, tokenizer, ckpt dict). A run directory
-    gives its checkpoint_best.pt, else checkpoint_last.pt; with average=N > 0 (a run directory only) the average of
-    its N highest-numbered checkpoint_epoch{N}.pt. The tokenizer is rebuilt from the sentencepiece model inside the
+    gives its best checkpoint, else its last (checkpoints(dir, "decode")); with average=N > 0 (a run directory only)
+    the average of its last N epoch checkpoints. The tokenizer is rebuilt from the sentencepiece model inside the
     checkpoint ("bpe_model_proto"), so a checkpoint file alone can translate. Otherwise DataError naming the path."""
     p = Path(path)
     if average > 0:
         if not p.is_dir():
-            raise DataError(f"{p}: --average {average} needs a run directory (with checkpoint_epoch*.pt files)")
-        epochs = epoch_checkpoints(p)
+            raise DataError(f"{p}: --average {average} needs a run directory (with epoch checkpoints)")
+        epochs = checkpoints(p, "average")
         if len(epochs) < average:
-            raise DataError(f"{p}: --average {average} needs {average} checkpoint_epoch*.pt files, "
+            raise DataError(f"{p}: --average {average} needs {average} epoch checkpoints, "
                             f"the run directory has {len(epochs)}")
         ckpt, p = average_checkpoints(epochs[-average:]), epochs[-1]
     else:
         if p.is_dir():
-            found = [p / n for n in ("checkpoint_best.pt", "checkpoint_last.pt") if (p / n).is_file()]
-            if not found:
-                raise DataError(f"{p}: run directory has no checkpoint_best.pt or checkpoint_last.pt")
+            if not (found := checkpoints(p, "decode")):
+                raise DataError(f"{p}: run directory has no best or last checkpoint")
             p = found[0]
         ckpt = read_checkpoint(p, device)
     model = build_model(ckpt, p, device)
@@ -958,7 +979,7 @@ def build_parser():
     ap = argparse.ArgumentParser(description="Translate with a trained checkpoint (beam search or greedy), score it "
                                  "(tokenized BLEU, SacreBLEU, chrF), test significance, and look inside the model.")
     ap.add_argument("checkpoint", nargs="?", help="a checkpoint .pt file, or a run directory "
-                    "(its checkpoint_best.pt, else checkpoint_last.pt); not needed with --compare")
+                    "(its best checkpoint, else its last); not needed with --compare")
     ap.add_argument("--input", help="source text, one sentence a line (default: stdin)")
     ap.add_argument("--output", help="where to write translations, one a line (default: stdout)")
     ap.add_argument("--ref", help="reference translations: print tokenized BLEU, SacreBLEU with its signature, "
@@ -991,7 +1012,7 @@ def build_parser():
                     "(after a warm-up); print sentences/s, target tokens/s and, with --ref, the BLEU of each")
     ev = ap.add_argument_group("evaluation and analysis")
     ev.add_argument("--average", type=int, default=0, metavar="N", help="translate with the average of the run "
-                    "directory's last N checkpoint_epoch*.pt (PowerNorm's released script: 5; its paper: 10); floats "
+                    "directory's last N epoch checkpoints (PowerNorm's released script: 5; its paper: 10); floats "
                     "are averaged, integer/bool buffers copied")
     ev.add_argument("--ppl", action="store_true",
                     help="with --ref: also print the label-smoothed and plain perplexity (teacher forced, "
@@ -1125,7 +1146,7 @@ def check_not_an_input(args):
             raise DataError(f"--output {args.output}: is {flag} {path}; write the translations elsewhere")
     ckpt = Path(args.checkpoint).resolve()
     run_dir = ckpt if ckpt.is_dir() else ckpt.parent
-    if out.parent == run_dir and out.exists() and (out.suffix not in (".hyp", ".txt") or out.name == "test.hyp"):
+    if out.parent == run_dir and out.exists() and (out.suffix not in (".hyp", ".txt") or is_run_file(out.name)):
         raise DataError(f"--output {args.output}: a file of the run directory {run_dir} (train.py's, or not a .hyp "
                         f"or .txt file); write the translations elsewhere")
 

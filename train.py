@@ -35,7 +35,6 @@ import json
 import math
 import os
 import random
-import re
 import resource
 import shutil
 import sys
@@ -403,13 +402,13 @@ def end_of_epoch(run):
 
 def finish(run):
     """Test BLEU of the best checkpoint (by dev BLEU), with beam search; the learned g's."""
-    best, args = run.dir / "checkpoint_best.pt", run.args
+    args = run.args
     if not run.master:
         return None
-    if not best.exists():
+    if not (best := decode.checkpoints(run.dir, "test")):
         run.log("no checkpoint was written (the run ended before its first epoch)")
         return None
-    ckpt = decode.read_checkpoint(best, run.device)
+    ckpt = decode.read_checkpoint(best[0], run.device)
     run.model.load_state_dict(ckpt["model"])
     run.model.eval()
     result = {"run_id": args.run_id, "steps": run.state.step, "best_step": ckpt["step"],
@@ -1090,7 +1089,7 @@ class Diverged(Exception):
 
 def diverged(run, what):
     """Stop the run as diverged: one line saying what and where the last good checkpoint is."""
-    last = run.dir / "checkpoint_last.pt"
+    last = decode.checkpoint_file(run.dir, "last")
     run.state.stopped = (f"diverged: {what} (try a smaller --lr, --prenorm, --init small or more --warmup); "
                          + (f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"))
     run.log("error: " + run.state.stopped)
@@ -1312,17 +1311,9 @@ def wrap_model(model, args, world, device):
 RESUME_MAY_CHANGE = {"max_steps", "max_epochs", "early_stop", "stop_lr", "patience", "log_interval", "device",
                      "dtype", "threads", "compile", "dev_beam", "beam", "alpha", "length_penalty", "keep_checkpoints",
                      "data"}  # a moved corpus: its hashes are checked
-# The files train.py writes into a run directory. --overwrite removes the old run's results (the
-# checkpoints only if they hold its run id); the BPE model and the encoded caches are keyed by
-# their content (bpe.key, the caches' keys) and are reused or replaced, never trusted blindly.
-RESULT_FILES = ["config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json"]
-CHECKPOINT_NAME = re.compile(r"checkpoint_(best|last|epoch\d+)\.pt")
-
-
-def own_file(name):
-    """Whether train.py writes a file of this name into a run directory."""
-    cached = ["bpe.model", "bpe.key", "train.enc.pt", "dev.enc.pt"]
-    return name in RESULT_FILES + cached or bool(CHECKPOINT_NAME.fullmatch(name))
+# The files train.py writes into a run directory are named by decode.py's Appendix B (decode.RESULT_FILES,
+# CACHE_FILES, checkpoints). --overwrite removes the old run's results (the checkpoints only if they hold its run
+# id); the BPE model and the encoded caches are keyed by their content and are reused or replaced, never trusted.
 
 
 def log_line(console, msg):
@@ -1355,15 +1346,16 @@ def rng_state(run):
 
 
 def save_checkpoints(run, improved):
-    """checkpoint_best.pt when dev improved, checkpoint_epochN.pt under --keep-checkpoints (for
-    averaging; Code [2]: the last 5), and checkpoint_last.pt, written last: the resume point."""
-    ckpt, s, keep = make_checkpoint(run), run.state, run.args.keep_checkpoints
+    """The best checkpoint when dev improved, epoch N's under --keep-checkpoints (for averaging; Code [2]: the
+    last 5), and the last, written last: the resume point."""
+    ckpt, s, keep, name = make_checkpoint(run), run.state, run.args.keep_checkpoints, partial(decode.checkpoint_file,
+                                                                                              run.dir)
     if improved:
-        write_file(run.dir / "checkpoint_best.pt", ckpt)
+        write_file(name("best"), ckpt)
     if keep > 0:
-        write_file(run.dir / f"checkpoint_epoch{s.epoch}.pt", ckpt)
-        (run.dir / f"checkpoint_epoch{s.epoch - keep}.pt").unlink(missing_ok=True)
-    write_file(run.dir / "checkpoint_last.pt", ckpt)
+        write_file(name(f"epoch{s.epoch}"), ckpt)
+        name(f"epoch{s.epoch - keep}").unlink(missing_ok=True)
+    write_file(name("last"), ckpt)
 
 
 def write_results(run, result):
@@ -1457,7 +1449,7 @@ def corpus_hashes(pairs):
 def holds_a_run(run_dir):
     """What in run_dir makes it a run directory ("" if nothing)."""
     found = [n for n in ("config.json", "metrics.jsonl") if (run_dir / n).exists()]
-    return ", ".join(found + sorted(p.name for p in run_dir.iterdir() if CHECKPOINT_NAME.fullmatch(p.name))[:2])
+    return ", ".join(found + sorted(p.name for p in decode.checkpoints(run_dir))[:2])
 
 
 def run_id_of(path):
@@ -1573,15 +1565,15 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
     """The run directory's first change, once every input has been checked: the leftovers of killed
     runs go, the staged files move in, an overwritten run's files go, config.json is written."""
     for p in run_dir.iterdir():  # atomic_write's temporaries (.NAME.xxxx.tmp) and staging folders of killed runs
-        temporary = p.name.startswith(".") and p.name.endswith(".tmp") and own_file(p.name[1:].rsplit(".", 2)[0])
+        temporary = p.name.startswith(".") and p.name.endswith(".tmp") and decode.is_run_file(p.name[1:].rsplit(".", 2)[0])
         if temporary or (p.name.startswith(".staging-") and p != stage):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     replaces = run_id_of(run_dir / "config.json") if args.overwrite else None  # the run --overwrite replaces
     for f in stage.iterdir():
         os.replace(f, run_dir / f.name)
     if replaces:  # the old run's results, and its checkpoints (by their run id)
-        gone = [run_dir / n for n in RESULT_FILES if (run_dir / n).exists()]
-        gone += [p for p in run_dir.iterdir() if CHECKPOINT_NAME.fullmatch(p.name) and run_id_of(p) == replaces]
+        gone = [run_dir / n for n in decode.RESULT_FILES if (run_dir / n).exists()]
+        gone += [p for p in decode.checkpoints(run_dir) if run_id_of(p) == replaces]
         for f in gone:
             f.unlink()
         log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
@@ -1621,9 +1613,7 @@ def lock(run_dir):
 def newest_checkpoint(run_dir, run_id, log):
     """The newest checkpoint of run_dir's run (run_id) that reads back safely and can be resumed from:
     the last, or else an epoch checkpoint (newest first), or else the best; DataError if none can."""
-    candidates = [run_dir / "checkpoint_last.pt", *decode.epoch_checkpoints(run_dir)[::-1],
-                  run_dir / "checkpoint_best.pt"]
-    for path in [c for c in candidates if c.exists()]:
+    for i, path in enumerate(decode.checkpoints(run_dir, "resume")):
         try:
             ckpt = decode.read_checkpoint(path)
             needs = {"optimizer", "train_state", "rng", "bpe_model_proto", "args"}
@@ -1635,7 +1625,7 @@ def newest_checkpoint(run_dir, run_id, log):
         except data.DataError as e:
             log(f"resume: skipped: {e}")
             continue
-        fallback = "" if path.name == "checkpoint_last.pt" else " (the newest that reads back)"
+        fallback = "" if i == 0 and path == decode.checkpoint_file(run_dir, "last") else " (the newest that reads back)"
         log(f"resume: {path} at step {ckpt['step']}{fallback}")
         return ckpt
     raise data.DataError(f"--resume {run_dir}: nothing to resume from, no readable checkpoint (the run may have "
@@ -1685,7 +1675,7 @@ def what_next(args):
         return "run the benchmark again (it writes no run directory)"
     if getattr(args, "run_id", None) is None or run_id_of(run_dir / "config.json") != args.run_id:
         return f"the run had not started in {run_dir}: start it again with the same command"
-    if any(CHECKPOINT_NAME.fullmatch(p.name) and run_id_of(p) == args.run_id for p in run_dir.iterdir()):
+    if any(run_id_of(p) == args.run_id for p in decode.checkpoints(run_dir)):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         how = "python train.py" if world == 1 else f"torchrun (as many processes as before, {world}) train.py"
         return f"continue with {how} --resume {run_dir}"

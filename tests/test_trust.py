@@ -120,7 +120,7 @@ def test_overwrite_replaces_the_run_and_average_stays_within_one_run(finished, t
     train.main(TINY + corpus + ["--max-steps", "10", "--seed", "2", "--overwrite", "--out", str(run)])
     config = json.loads((run / "config.json").read_text())
     assert config["run_id"] != old_id and config["seed"] == 2
-    assert [p.name for p in decode.epoch_checkpoints(run)] == ["checkpoint_epoch1.pt", "checkpoint_epoch2.pt"]
+    assert [p.name for p in decode.checkpoints(run, "average")] == ["checkpoint_epoch1.pt", "checkpoint_epoch2.pt"]
     assert all(json.loads(l)["step"] <= 10 for l in (run / "metrics.jsonl").read_text().splitlines()
                if "step" in json.loads(l))
     decode.load_checkpoint(run, average=2)  # the new run's two epochs average
