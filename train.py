@@ -90,7 +90,7 @@ class Schedule:
     @classmethod
     def from_args(cls, args):
         peak = args.lr if args.lr_scale is None else args.lr_scale / math.sqrt(args.d_model * args.warmup)
-        total = min(args.max_epochs * args.epoch_size, args.max_steps or math.inf)
+        total = budget(args)[0]
         return cls(args.schedule, args.d_model, 0 if args.schedule == "nowarmup" else args.warmup, peak, total)
 
     @property
@@ -184,13 +184,10 @@ class TrainState:
     epoch: int = 0  # evaluations so far (an epoch is --epoch-size steps, as in [1]'s code)
     data_pass: int = 0  # passes over the training data so far (an epoch here is not one)
     batch_pos: int = 0  # position in this pass's shuffled batch order
-    best_bleu: float = -1.0
-    best_step: int = 0
-    dev_bleu: Optional[float] = None
-    history: list = field(default_factory=list)  # dev BLEU of every evaluation
+    best_step: int = 0  # the step of the best dev score (the best checkpoint's)
+    history: list = field(default_factory=list)  # the dev score of every evaluation (TASKS: BLEU or perplexity)
     lr_decay: float = 1.0  # the product of the validation decays so far
-    since_best: int = 0  # evaluations since the best dev BLEU
-    stopped: Optional[str] = None  # why training stopped
+    stopped: Optional[tuple] = None  # why training stopped: (code, message) of STOPS
     train_seconds: float = 0.0  # training time so far, over every start of the run (evaluation not counted)
 
 
@@ -300,14 +297,14 @@ def train(args):  # main() (Appendix A) calls it with the checked flags
         if args.benchmark:
             return benchmark(run)
         result = train_loop(run)
-    if (run.state.stopped or "").startswith("diverged"):  # a failed run exits non-zero (its last good checkpoint stays)
-        raise Diverged(run.state.stopped)
+    if run.state.stopped[0] == "diverged":  # a failed run exits non-zero (its last good checkpoint stays)
+        raise Diverged(run.state.stopped[1])
     return result
 
 
 def train_loop(run):
     args, s = run.args, run.state
-    total = min(args.max_epochs * args.epoch_size, args.max_steps or math.inf)
+    total, limit = budget(args)
     with StepLog(run, total) as step_log:  # Appendix C: the progress bar, log lines, metrics.jsonl, MFU
         while s.step < total and not s.stopped:
             batches = run.next_batches()
@@ -320,9 +317,10 @@ def train_loop(run):
             if not s.stopped and (s.step % args.epoch_size == 0 or s.step == total):
                 end_of_epoch(run)
                 step_log.evaluated()
-    if not s.stopped and s.step >= total:  # the budget, recorded in results.json
-        s.stopped = (f"--max-steps {args.max_steps} reached" if args.max_steps and s.step >= args.max_steps
-                     else f"--max-epochs {args.max_epochs} reached")
+    if not s.stopped:  # the budget, recorded in results.json
+        stop(run, limit)
+    if s.stopped[0] != "diverged":
+        run.log(f"stopping: {s.stopped[1]}")
     result = finish(run)
     if run.world > 1:
         dist.destroy_process_group()
@@ -334,10 +332,9 @@ def train_loop(run):
 # run (diverged, Appendix C) stops with its last good checkpoint.
 # ---------------------------------------------------------------------------------------
 def dev_score(run):
-    """Rank 0: (score, dev loss, dev NLL, dev tokens). The score is dev BLEU, or minus a language
-    model's dev perplexity (higher is better for both); None when the model diverged: a checkpoint is
-    written only if it is good, finite weights and a finite dev loss (weights of 1e30 are finite,
-    but their dev loss is not)."""
+    """Rank 0: (score, dev loss per token, dev perplexity). The score is a translator's dev BLEU, a language model's
+    dev perplexity (TASKS); None when the model diverged: a checkpoint is written only if it is good, finite
+    weights and a finite dev loss (weights of 1e30 are finite, but their dev loss is not)."""
     args = run.args
     dev_loss, dev_nll, n = decode.evaluate_loss(run.model, run.dev, args.batch_tokens, args.label_smoothing,
                                                 run.step_options.bf16)
@@ -345,59 +342,50 @@ def dev_score(run):
     if bad or not math.isfinite(dev_loss):
         diverged(run, (f"the weights became non-finite ({bad})" if bad else f"the dev loss became {dev_loss}")
                  + f" at step {run.state.step}, so no checkpoint of it is written")
-        return None, dev_loss, dev_nll, n
+        return None, None, None
+    dev_ppl, dev_loss = math.exp(min(dev_nll / max(n, 1), 50)), dev_loss / max(n, 1)
     if args.task == "lm":
-        return -math.exp(min(dev_nll / max(n, 1), 50)), dev_loss, dev_nll, n
+        return dev_ppl, dev_loss, dev_ppl
     search = decode.Search(args.dev_beam, args.alpha, max_src_len=args.max_len, bf16=run.step_options.bf16,
                            penalty=args.length_penalty)
     hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["dev"]], search, args.batch_tokens)
-    return decode.bleu(hyps, [y for _, y in run.pairs["dev"]]).score, dev_loss, dev_nll, n
+    return decode.bleu(hyps, [y for _, y in run.pairs["dev"]]).score, dev_loss, dev_ppl
 
 
 def end_of_epoch(run):
-    """Dev BLEU of a translator, dev perplexity of a language model; the same decisions on either."""
-    args, s = run.args, run.state
-    lm, what = args.task == "lm", "dev perplexity" if args.task == "lm" else "dev BLEU"
+    """Dev BLEU of a translator, dev perplexity of a language model (TASKS); the same decisions on either."""
+    args, s, task = run.args, run.state, TASKS[run.args.task]
     s.epoch += 1
-    t0, bleu = time.time(), None
+    t0, score = time.time(), None
     if run.master:
-        bleu, dev_loss, dev_nll, n = dev_score(run)
+        score, dev_loss, dev_ppl = dev_score(run)
     if run.world > 1:  # every rank takes the same decisions: share rank 0's score (Appendix D)
-        bleu, s.stopped = share_epoch(run, bleu)
-    if bleu is None:  # diverged
+        score, s.stopped = share_epoch(run, score)
+    if score is None:  # diverged
         return
-    s.dev_bleu = bleu
-    s.history.append(bleu)
-    improved = s.best_step == 0 or bleu > s.best_bleu  # the first evaluation is the best so far
+    s.history.append(score)
+    improved = task.since_best(s.history) == 0  # the first evaluation is the best so far
     if improved:
-        s.best_bleu, s.best_step, s.since_best = bleu, s.step, 0
-    else:
-        s.since_best += 1
+        s.best_step = s.step
     # Validation decay ([1] 2.4), for the schedules that have it: "we still perform a linear warmup
     # but then multiply by a scale alpha_decay < 1"; Code: no decay while still in the warmup.
-    if run.schedule.decays and s.step >= run.schedule.warmup and validation_decay(s.history, args.patience):
+    if run.schedule.decays and s.step >= run.schedule.warmup and validation_decay(task.up(s.history), args.patience):
         s.lr_decay *= args.decay_factor
-        run.log(f"{what} {'above' if lm else 'below'} each of the previous {args.patience}: LR x {args.decay_factor}")
+        run.log(f"{task.name} {task.worse} each of the previous {args.patience}: LR x {args.decay_factor}")
     next_lr = run.schedule(s.step + 1, s.lr_decay)
     # Stopping ([1] appendix A): the LR too small, or no dev improvement for a while.
     if next_lr < args.stop_lr and s.step >= run.schedule.warmup:
-        s.stopped = f"the LR {next_lr:.2e} fell below --stop-lr {args.stop_lr:g}"
-    elif args.early_stop and s.since_best >= args.early_stop:
-        s.stopped = f"{what} has not improved for {args.early_stop} evaluations"
-    elif s.epoch >= args.max_epochs:
-        s.stopped = f"--max-epochs {args.max_epochs} reached"
+        stop(run, "stop_lr", lr=next_lr)
+    elif args.early_stop and task.since_best(s.history) >= args.early_stop:
+        stop(run, "early_stop")
     if not run.master:
         return
-    dev_ppl = math.exp(min(dev_nll / max(n, 1), 50))
-    scores = f"dev ppl {dev_ppl:7.2f} | best {-s.best_bleu:7.2f}" if lm else \
-        f"dev BLEU {bleu:6.2f} | dev ppl {dev_ppl:7.2f} | best {s.best_bleu:6.2f}"
-    run.log(f"epoch {s.epoch:3d} | step {s.step:6d} | {scores} (step {s.best_step}) | eval {time.time() - t0:.1f}s")
+    run.log(f"epoch {s.epoch:3d} | step {s.step:6d} | {task.scores(score, dev_ppl, s.history)} (step {s.best_step}) "
+            f"| eval {time.time() - t0:.1f}s")
     # [1] Figure 1 (dev BLEU per epoch) and Figures 3-4 (learned g's) come from these records.
-    run.metrics({"step": s.step, "epoch": s.epoch, **({} if lm else {"dev_bleu": bleu}),
-                 "dev_loss": dev_loss / max(n, 1), "dev_ppl": dev_ppl, "lr": next_lr, "g": run.model.learned_scales()})
+    run.metrics({"step": s.step, "epoch": s.epoch, f"dev_{task.key}": score, "dev_loss": dev_loss, "dev_ppl": dev_ppl,
+                 "lr": next_lr, "g": run.model.learned_scales()})
     save_checkpoints(run, improved)  # Appendix E: best, last (the resume point), per epoch (--keep-checkpoints)
-    if s.stopped:
-        run.log(f"stopping: {s.stopped}")
 
 
 def finish(run):
@@ -411,9 +399,10 @@ def finish(run):
     ckpt = decode.read_checkpoint(best[0], run.device)
     run.model.load_state_dict(ckpt["model"])
     run.model.eval()
-    result = {"run_id": args.run_id, "steps": run.state.step, "best_step": ckpt["step"],
-              **({"best_dev_ppl": ckpt["dev_ppl"]} if args.task == "lm" else {"best_dev_bleu": ckpt["dev_bleu"]}),
-              "train_seconds": run.state.train_seconds, "stopped": run.state.stopped,
+    best = ckpt["train_state"]
+    result = {"run_id": args.run_id, "steps": run.state.step, "best_step": best["step"],
+              f"best_dev_{TASKS[args.task].key}": best["history"][-1],
+              "train_seconds": run.state.train_seconds, "stopped": run.state.stopped[1],
               # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd)
               "embedding_singular_values": decode.singular_values(run.model)}
     decode.print_g_table(run.model)  # [1] Figures 3-4: learned g versus depth
@@ -425,7 +414,7 @@ def finish(run):
         if args.bpe_size:  # BPE: per word too (the same NLL over the text's words and EOS)
             result.update(test_word_ppl=ppl["word_ppl"], test_words=ppl["n_words"])
         per_word = f" ({ppl['word_ppl']:.2f} per word, {ppl['n_words']} words and EOS)" if args.bpe_size else ""
-        run.log(f"test perplexity (best checkpoint, step {ckpt['step']}): {ppl['ppl']:.2f} over {ppl['n_tokens']} "
+        run.log(f"test perplexity (best checkpoint, step {best['step']}): {ppl['ppl']:.2f} over {ppl['n_tokens']} "
                 f"tokens{per_word}")
     elif run.pairs["test"]:
         hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["test"]],
@@ -435,7 +424,7 @@ def finish(run):
         score = decode.bleu(hyps, [y for _, y in run.pairs["test"]])
         write_file(run.dir / "test.hyp", "".join(h + "\n" for h in hyps))
         result.update(test_bleu=score.score, test_signature=score.signature)
-        run.log(f"test BLEU (best checkpoint, step {ckpt['step']}, beam {args.beam}, {args.length_penalty} length "
+        run.log(f"test BLEU (best checkpoint, step {best['step']}, beam {args.beam}, {args.length_penalty} length "
                 f"penalty alpha {args.alpha}): {score.score:.2f}  {score.signature}")
     write_results(run, result)  # Appendix E: results.json, metrics.jsonl's last record
     return result
@@ -720,6 +709,13 @@ def validate_args(args):
         bad("resume", "continues a run: it takes neither --benchmark nor --overwrite")
     if args.profile and not args.benchmark:
         bad("profile", "profiles the steps of --benchmark N: give --benchmark too")
+
+
+def budget(args):
+    """The run's last step, and the flag that sets it (its code in STOPS): --max-steps, or --max-epochs x
+    --epoch-size, whichever is first."""
+    epochs = args.max_epochs * args.epoch_size
+    return (args.max_steps, "max_steps") if args.max_steps and args.max_steps <= epochs else (epochs, "max_epochs")
 
 
 def model_config_from_args(args, vocab_size, qk_g0=1.0):
@@ -1083,6 +1079,43 @@ def keep_freed_memory():
         pass
 
 
+@dataclass(frozen=True)
+class Task:
+    """What a task's dev score is, which way is better, and how the log prints it."""
+    name: str  # as the log says it
+    key: str  # its key in metrics.jsonl (dev_KEY) and results.json (best_dev_KEY)
+    higher_is_better: bool
+    width: str  # its format in the epoch line
+
+    def up(self, scores):  # the scores turned so that higher is better, as validation_decay reads them
+        return scores if self.higher_is_better else [-x for x in scores]
+
+    def since_best(self, history):  # evaluations since the best (the first of equals)
+        up = self.up(history)
+        return len(up) - 1 - up.index(max(up))
+
+    @property
+    def worse(self):
+        return "below" if self.higher_is_better else "above"
+
+    def scores(self, score, dev_ppl, history):  # the epoch line's scores
+        best = history[len(history) - 1 - self.since_best(history)]
+        bleu = f"dev BLEU {score:6.2f} | " if self.key == "bleu" else ""
+        return f"{bleu}dev ppl {dev_ppl:7.2f} | best {best:{self.width}}"
+
+
+TASKS = {"mt": Task("dev BLEU", "bleu", True, "6.2f"), "lm": Task("dev perplexity", "ppl", False, "7.2f")}
+STOPS = {  # why a run stops: the code TrainState.stopped keeps, and its message (the log, results.json)
+    "max_steps": "--max-steps {args.max_steps} reached", "max_epochs": "--max-epochs {args.max_epochs} reached",
+    "stop_lr": "the LR {lr:.2e} fell below --stop-lr {args.stop_lr:g}",
+    "early_stop": "{task.name} has not improved for {args.early_stop} evaluations",
+    "diverged": "diverged: {what} (try a smaller --lr, --prenorm, --init small or more --warmup); {last}"}
+
+
+def stop(run, code, **values):
+    run.state.stopped = (code, STOPS[code].format(args=run.args, task=TASKS[run.args.task], **values))
+
+
 class Diverged(Exception):
     """The training loss became NaN or infinite."""
 
@@ -1090,9 +1123,9 @@ class Diverged(Exception):
 def diverged(run, what):
     """Stop the run as diverged: one line saying what and where the last good checkpoint is."""
     last = decode.checkpoint_file(run.dir, "last")
-    run.state.stopped = (f"diverged: {what} (try a smaller --lr, --prenorm, --init small or more --warmup); "
-                         + (f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"))
-    run.log("error: " + run.state.stopped)
+    stop(run, "diverged", what=what, last=f"the last good checkpoint is {last}" if last.exists() else
+         "no checkpoint was written")
+    run.log("error: " + run.state.stopped[1])
 
 
 def append_metrics(run, record):
@@ -1334,7 +1367,7 @@ def make_checkpoint(run):
     return {"model_config": run.model.cfg.to_dict(), "model": run.model.state_dict(), "run_id": run.args.run_id,
             "optimizer": run.optimizer.state_dict(), "bpe_model_proto": (run.dir / "bpe.model").read_bytes(),
             "src_lang": run.langs[0], "tgt_lang": run.langs[1], "step": run.state.step,
-            **score_of(run), "train_state": asdict(run.state), "args": vars(run.args), "world": run.world,
+            "train_state": asdict(run.state), "args": vars(run.args), "world": run.world,
             "rng": dict(rng_state(run), **({"ranks": run.rank_rngs} if run.world > 1 else {}))}
 
 
@@ -1364,13 +1397,6 @@ def write_results(run, result):
     write_file(run.dir / "results.json", json.dumps(result, indent=2) + "\n")
 
 
-def score_of(run):
-    """The checkpoint's dev score: dev BLEU, or a language model's dev perplexity."""
-    if run.args.task == "lm":
-        return {"dev_ppl": None if run.state.dev_bleu is None else -run.state.dev_bleu}
-    return {"dev_bleu": run.state.dev_bleu}
-
-
 def restore(run, ckpt):
     """The model, optimizer, training state and random generators of a checkpoint (Appendix E found it)."""
     try:
@@ -1385,8 +1411,7 @@ def restore(run, ckpt):
     run.state = TrainState(**ckpt["train_state"])
     # A budget (--max-*), --stop-lr or --early-stop: the resumed run's own flags decide (open_run_dir has refused a
     # finished run they would stop at once; one killed in its final test goes straight to the test).
-    stop = run.state.stopped
-    if stop and not stop.startswith("diverged") and not still_stopped(run.args, ckpt["train_state"]):
+    if run.state.stopped and run.state.stopped[0] != "diverged" and not still_stopped(run.args, ckpt["train_state"]):
         run.state.stopped = None
     rng = ckpt["rng"]["ranks"][run.rank] if len(ckpt["rng"].get("ranks", [])) == run.world else ckpt["rng"]
     torch.set_rng_state(rng["torch"])
@@ -1506,17 +1531,17 @@ def open_run_dir(args, pairs, log, stack, master):
             raise data.DataError(f"--resume {run_dir}: the corpus changed since the run started "
                                  f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''})")
         ckpt = newest_checkpoint(run_dir, args.run_id, log)
-        budget = min(args.max_epochs * args.epoch_size, args.max_steps or math.inf)  # train_loop's last step
-        flag = f"--max-steps {args.max_steps}" if budget == args.max_steps else f"--max-epochs {args.max_epochs}"
+        last, code = budget(args)  # train_loop's last step
+        flag = f"--{code.replace('_', '-')} {getattr(args, code)}"
         done, finished = ckpt["step"], finished_at(run_dir, args.run_id) == ckpt["step"]  # else: finish the test
-        if done > budget or done == budget and finished:
+        if done > last or done == last and finished:
             raise data.DataError(f"--resume {run_dir}: the run has trained {done} steps, "
-                                 f"{'past' if done > budget else 'all'} that {flag} allows: nothing to train; give a "
+                                 f"{'past' if done > last else 'all'} that {flag} allows: nothing to train; give a "
                                  f"larger {flag.split()[0]} to continue")
         if (why := still_stopped(args, ckpt["train_state"])) and finished:
-            fix = "a smaller --stop-lr" if "--stop-lr" in why else "a larger --early-stop (0: off)"
-            raise data.DataError(f"--resume {run_dir}: the run stopped ({why}) and would stop again at once: nothing "
-                                 f"to train; give {fix} to continue")
+            fix = "a smaller --stop-lr" if why[0] == "stop_lr" else "a larger --early-stop (0: off)"
+            raise data.DataError(f"--resume {run_dir}: the run stopped ({why[1]}) and would stop again at once: "
+                                 f"nothing to train; give {fix} to continue")
         fixed = {k: v for k, v in ckpt["args"].items() if k not in RESUME_MAY_CHANGE and k not in NOT_FLAGS}
         edited = [f"{k} ({v!r} in the checkpoint, {getattr(args, k)!r} in config.json)" for k, v in fixed.items()
                   if hasattr(args, k) and getattr(args, k) != v]
@@ -1565,7 +1590,8 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
     """The run directory's first change, once every input has been checked: the leftovers of killed
     runs go, the staged files move in, an overwritten run's files go, config.json is written."""
     for p in run_dir.iterdir():  # atomic_write's temporaries (.NAME.xxxx.tmp) and staging folders of killed runs
-        temporary = p.name.startswith(".") and p.name.endswith(".tmp") and decode.is_run_file(p.name[1:].rsplit(".", 2)[0])
+        written = p.name[1:].rsplit(".", 2)[0]  # .NAME.xxxx.tmp: a temporary of NAME
+        temporary = p.name.startswith(".") and p.name.endswith(".tmp") and decode.is_run_file(written)
         if temporary or (p.name.startswith(".staging-") and p != stage):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     replaces = run_id_of(run_dir / "config.json") if args.overwrite else None  # the run --overwrite replaces
@@ -1642,14 +1668,14 @@ def finished_at(run_dir, run_id):
 
 
 def still_stopped(args, state):
-    """Why a run that stopped by --stop-lr or --early-stop would stop again at its next step under the
-    flags it resumes with (args), or None: changing either flag lets it go on."""
-    why = state.get("stopped") or ""
-    if "--stop-lr" in why:
-        next_lr = Schedule.from_args(args)(state.get("step", 0) + 1, state.get("lr_decay", 1.0))
-        return why if next_lr < args.stop_lr else None
-    if "has not improved" in why:
-        return why if args.early_stop and state.get("since_best", 0) >= args.early_stop else None
+    """state["stopped"] if the run stopped by --stop-lr or --early-stop and would stop again at its next step under
+    the flags it resumes with (args), else None: changing either flag lets it go on."""
+    code = (state.get("stopped") or (None,))[0]
+    if code == "stop_lr":
+        next_lr = Schedule.from_args(args)(state["step"] + 1, state["lr_decay"])
+        return state["stopped"] if next_lr < args.stop_lr else None
+    if code == "early_stop" and args.early_stop and TASKS[args.task].since_best(state["history"]) >= args.early_stop:
+        return state["stopped"]
     return None
 
 

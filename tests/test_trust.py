@@ -689,8 +689,8 @@ def test_a_run_stopped_by_stop_lr_or_early_stop_resumes_when_the_flag_changes(tm
     assert torch.load(run / "checkpoint_last.pt", weights_only=True)["step"] == 10
     assert json.loads((run / "results.json").read_text())["stopped"] == "--max-steps 10 reached"
     args = train.resolve_flags(["--early-stop", "3"])[0]
-    state = {"stopped": "dev BLEU has not improved for 3 evaluations", "since_best": 3}
-    assert train.still_stopped(args, state) == state["stopped"]
+    state = {"stopped": ("early_stop", "dev BLEU has not improved for 3 evaluations"), "history": [5.0, 4.0, 5.0, 3.0]}
+    assert train.still_stopped(args, state) == state["stopped"]  # 3 evaluations since the best (the first 5.0)
     for flags in (["--early-stop", "4"], ["--early-stop", "0"]):
         assert train.still_stopped(train.resolve_flags(flags)[0], state) is None
 
