@@ -481,7 +481,7 @@ def read_checkpoint(path, device="cpu"):
             head = f.read(2)
     except OSError as e:
         raise DataError(f"{p}: cannot read it ({e.strerror})") from None
-    if not head.startswith(b"PK") and head[:1] != b"\x80":  # torch.save writes a zip (or, before 1.6, a pickle)
+    if not head.startswith(b"PK"):  # torch.save writes a zip
         raise DataError(f"{p}: refused, not a checkpoint (not a file torch.save writes)")
     try:
         ckpt = torch.load(p, map_location=device, weights_only=True)
@@ -492,15 +492,13 @@ def read_checkpoint(path, device="cpu"):
         raise DataError(f"{p}: refused, not a readable checkpoint ({why})") from None
     if not isinstance(ckpt, dict) or not all(isinstance(ckpt.get(k), dict) for k in ("model_config", "model")):
         raise DataError(f"{p}: not a checkpoint of this project (no 'model_config' and 'model' entries)")
-    # Note: a module saved after torch.compile has "_orig_mod." prefixes; accept both.
-    ckpt["model"] = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
     return ckpt
 
 
 def average_checkpoints(paths):
     """Checkpoint files (oldest first) -> one checkpoint dict whose "model" is their average; the rest is the last
     file's, less "optimizer" and "rng" (they belong to its weights: do not resume from it); "averaged_from" lists the
-    files. Sums in float64, one file in memory at a time. DataError if the models or runs ("run_id") differ."""
+    files. Sums in float64, one file in memory at a time. DataError if the models or runs (their run_id) differ."""
     paths = [Path(x) for x in paths]
     if not paths:
         raise DataError("average_checkpoints: no checkpoint files given")
@@ -513,7 +511,7 @@ def average_checkpoints(paths):
         elif state.keys() != first["model"].keys() or ckpt["model_config"] != first["model_config"] or \
                 any(v.shape != first["model"][k].shape for k, v in state.items()):
             raise DataError(f"{p}: not the same model as {paths[0]} (names, shapes or model_config differ)")
-        elif ckpt.get("run_id") != first.get("run_id"):
+        elif run_id(ckpt) != run_id(first):
             raise DataError(f"{p}: from another run than {paths[0]} (run_id differs); average one run's checkpoints")
         else:
             for k in total:
@@ -522,6 +520,11 @@ def average_checkpoints(paths):
     out = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "rng")}
     out.update(model=averaged, averaged_from=[str(p) for p in paths])
     return out
+
+
+def run_id(ckpt):
+    """The id of the run that wrote a checkpoint (train.py keeps it among the run's flags)."""
+    return (ckpt.get("args") or {}).get("run_id")
 
 
 def build_model(ckpt, path, device="cpu"):
@@ -536,6 +539,7 @@ def build_model(ckpt, path, device="cpu"):
 
 
 # A run directory's files are named here alone: train.py writes them, both files read them through these.
+CHECKPOINT_FORMAT = 2  # train.py's checkpoints since the checkpoint became the resume record (older: refused)
 CHECKPOINT = re.compile(r"checkpoint_(best|last|epoch(\d+))\.pt")  # the best dev score | the resume point | epoch N
 RESULT_FILES = ("config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json")  # --overwrite removes
 CACHE_FILES = ("bpe.model", "bpe.key", "train.enc.pt", "dev.enc.pt")  # kept by their content's key (train.py F)
@@ -920,7 +924,7 @@ def plot_series(run_dirs):
             sv = json.loads((Path(run) / "results.json").read_text())["embedding_singular_values"]
             panels["embedding singular values / the largest ([2] Fig. 6)"].append(
                 (name, list(range(1, len(sv) + 1)), sv))
-        except (OSError, ValueError, KeyError, TypeError):  # not finished, or an older run
+        except (OSError, ValueError, KeyError, TypeError):  # not finished (no results.json yet)
             pass
     return panels
 
@@ -975,6 +979,24 @@ def score_report(hyps, refs, already_tokenized=False, lowercase=False):
             f"SacreBLEU {sb} | {sb.signature} | chrF2 = {cs.score:.2f}")
 
 
+def ranged(kind, ok, why):
+    """An argparse type= that checks the range too, for both files' flags: a value out of range is argparse's own
+    one-line error naming the flag ("argument --beam: must be at least 1 (got 0)"); a non-finite number never passes."""
+    def convert(text):
+        v = kind(text)
+        if not (math.isfinite(v) and ok(v)):
+            raise argparse.ArgumentTypeError(f"must be {why}{'' if math.isfinite(v) else ', and finite'} (got {text})")
+        return v
+    convert.__name__ = kind.__name__  # argparse's "invalid int value: 'x'" for text that is no number
+    return convert
+
+
+positive_int, count = ranged(int, lambda v: v >= 1, "at least 1"), ranged(int, lambda v: v >= 0, "0 or more")
+positive, non_negative = ranged(float, lambda v: v > 0, "positive"), ranged(float, lambda v: v >= 0, "0 or more")
+fraction = ranged(float, lambda v: 0 <= v < 1, "in [0, 1)")
+alpha_range = ranged(float, lambda v: 0 <= v <= 10, "in [0, 10] (the papers: 0.6, 1.0; a larger one overflows)")
+
+
 def build_parser():
     ap = argparse.ArgumentParser(description="Translate with a trained checkpoint (beam search or greedy), score it "
                                  "(tokenized BLEU, SacreBLEU, chrF), test significance, and look inside the model.")
@@ -990,39 +1012,39 @@ def build_parser():
                     "text is 13a-tokenized first (prepare de-en writes raw text: leave it off there)")
     ap.add_argument("--lowercase", action="store_true",
                     help="case-insensitive BLEU and chrF (PowerNorm [2] reports case-insensitive BLEU on IWSLT14)")
-    ap.add_argument("--beam", type=int, help="beam size; 1 = greedy search (default: the run's test beam, as "
+    ap.add_argument("--beam", type=positive_int, help="beam size; 1 = greedy search (default: the run's test beam, as "
                     "train.py used it; TwT: 4)")
-    ap.add_argument("--alpha", type=float, help="length penalty alpha (default: the run's; TwT: 0.6 with gnmt; "
+    ap.add_argument("--alpha", type=alpha_range, help="length penalty alpha (default: the run's; TwT: 0.6 with gnmt; "
                     "PowerNorm: 1.0 with fairseq)")
     ap.add_argument("--length-penalty", choices=PENALTIES, help="gnmt: score / ((5 + |Y|) / 6)^alpha (Wu et al. 2016; "
                     "TwT, QKNorm); fairseq: score / |Y|^alpha (Ott et al. 2019; PowerNorm); default: the run's")
-    ap.add_argument("--max-len-b", type=int, default=50,
+    ap.add_argument("--max-len-b", type=count, default=50,
                     help="maximum output length = source length + this (TwT code: 50)")
-    ap.add_argument("--max-len", type=int, default=1024, help="source lines longer than this (BPE tokens) are cut "
-                    "to it, with a count on stderr (one huge line must not exhaust memory)")
+    ap.add_argument("--max-len", type=positive_int, default=1024, help="source lines longer than this (BPE tokens) are "
+                    "cut to it, with a count on stderr (one huge line must not exhaust memory)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="on CUDA: bf16 autocast (default) "
                     "or fp32 throughout; the CPU always computes in fp32")
-    ap.add_argument("--batch-tokens", type=int, help="source tokens per batch (sentences x longest length; default "
-                    "4096); a language model's tokens per batch (default: its run's)")
+    ap.add_argument("--batch-tokens", type=positive_int, help="source tokens per batch (sentences x longest length; "
+                    "default 4096); a language model's tokens per batch (default: its run's)")
     ap.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     ap.add_argument("--reference", action="store_true",
                     help="run every equation as written, with no fast path anywhere (norms.py section 1)")
     ap.add_argument("--benchmark", action="store_true", help="time greedy (beam 1) and beam search on --input "
                     "(after a warm-up); print sentences/s, target tokens/s and, with --ref, the BLEU of each")
     ev = ap.add_argument_group("evaluation and analysis")
-    ev.add_argument("--average", type=int, default=0, metavar="N", help="translate with the average of the run "
+    ev.add_argument("--average", type=count, default=0, metavar="N", help="translate with the average of the run "
                     "directory's last N epoch checkpoints (PowerNorm's released script: 5; its paper: 10); floats "
                     "are averaged, integer/bool buffers copied")
     ev.add_argument("--ppl", action="store_true",
                     help="with --ref: also print the label-smoothed and plain perplexity (teacher forced, "
                          "[1] Table 8); a language model: the perplexity of the text of --input (or stdin)")
-    ev.add_argument("--label-smoothing", type=float, default=None,
+    ev.add_argument("--label-smoothing", type=fraction, default=None,
                     help="epsilon for --ppl (default: the checkpoint's training value, else 0.1)")
     ev.add_argument("--compare", nargs=2, metavar=("BASELINE", "SYSTEM"),
                     help="paired bootstrap resampling (Koehn 2004, SacreBLEU's implementation) of two output files "
                          "against --ref: BLEU, 95%% CI, p-value; no checkpoint needed")
-    ev.add_argument("--samples", type=int, default=1000, help="bootstrap resamples for --compare")
+    ev.add_argument("--samples", type=positive_int, default=1000, help="bootstrap resamples for --compare")
     ev.add_argument("--seed", type=int, default=12345,
                     help="resampling seed for --compare (SacreBLEU's default); --sample's seed")
     ev.add_argument("--attention", metavar="SOURCE", help="print the attention map of this source sentence (QKNorm "
@@ -1049,9 +1071,9 @@ def build_parser():
     lm.add_argument("--generate", metavar="PREFIX", help="continue this text until EOS or --max-tokens")
     lm.add_argument("--sample", action="store_true", help="--generate: sample from the softmax instead of the "
                     "most probable token")
-    lm.add_argument("--temperature", type=float, default=1.0, help="--sample: softmax(logits / T)")
+    lm.add_argument("--temperature", type=positive, default=1.0, help="--sample: softmax(logits / T)")
     lm.add_argument("--max-tokens", type=int, default=50, help="--generate: at most this many new tokens")
-    lm.add_argument("--seq-len", type=int, help="--ppl and --generate: the segment (context) length (default: "
+    lm.add_argument("--seq-len", type=positive_int, help="--ppl and --generate: the segment (context) length (default: "
                     "the run's; a multi-linear attention is built for its own and takes no longer one)")
     return ap
 
@@ -1060,25 +1082,12 @@ def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
     given = {f for f, v in vars(args).items() if v != ap.get_default(f)}  # the flags given a value of their own
-    for flag, ok, why in [("beam", args.beam is None or args.beam >= 1, "at least 1"),
-                          ("max_len_b", args.max_len_b >= 0, "0 or more"),
-                          ("max_len", args.max_len >= 1, "at least 1"),
-                          ("batch_tokens", args.batch_tokens is None or args.batch_tokens >= 1, "at least 1"),
-                          ("alpha", args.alpha is None or 0 <= args.alpha <= 10, "in [0, 10] (the papers: 0.6, 1.0)"),
-                          ("samples", args.samples >= 1, "at least 1"),
-                          ("average", args.average >= 0, "0 (off) or a number of checkpoints"),
-                          ("label_smoothing", args.label_smoothing is None or 0 <= args.label_smoothing < 1,
-                           "in [0, 1)")]:
-        if not ok:
-            ap.error(f"--{flag.replace('_', '-')} must be {why} (got {getattr(args, flag)!r})")
     if args.compare and not args.ref:
         ap.error("--compare needs --ref")
     if args.plot and not args.out:
         ap.error("--plot needs --out FILE.png")
     if not args.compare and not args.plot and not args.checkpoint:
         ap.error("a checkpoint (file or run directory) is needed, except with --compare or --plot")
-    if not 0 < args.temperature < math.inf:
-        ap.error(f"--temperature must be positive and finite (got {args.temperature!r})")
     if "seed" in given and not (args.compare or args.sample):
         ap.error("--seed is for --compare's resampling and --sample's draws")
     if args.compare and args.seed < 1:  # SacreBLEU takes 0 as "no seed": another resampling at every run
@@ -1089,8 +1098,6 @@ def parse_args(argv=None):
                         ("samples", "compare"), ("tokenized", "ref"), ("lowercase", "ref"), ("label_smoothing", "ppl")):
         if flag in given and getattr(args, needs) in (None, False):
             ap.error(f"--{flag.replace('_', '-')} is for --{needs}: give --{needs} too")
-    if args.seq_len is not None and args.seq_len < 1:
-        ap.error(f"--seq-len must be at least 1 (got {args.seq_len!r})")
     if args.attention_target is not None and args.attention is None:
         ap.error("--attention-target needs --attention")
     for flag, default in (("png", None), ("layer", 0), ("head", 0), ("kind", "cross")):
@@ -1193,16 +1200,15 @@ def search_flags(args, ckpt):
     """--beam, --alpha and --length-penalty, where not given: the search train.py scored the run's test set with (its
     checkpoint's flags, checked, not trusted), else TwT's beam 4, alpha 0.6, gnmt."""
     saved = ckpt.get("args") if isinstance(ckpt.get("args"), dict) else {}
-    checks = (("beam", 4, lambda v: type(v) is int and v >= 1),
-              ("alpha", 0.6, lambda v: type(v) in (int, float) and 0 <= v <= 10),
-              ("length_penalty", "gnmt", lambda v: v in PENALTIES))
-    for flag, default, ok in checks:
+    for flag, default, convert in (("beam", 4, positive_int), ("alpha", 0.6, alpha_range),
+                                   ("length_penalty", "gnmt", lambda v: PENALTIES[PENALTIES.index(v)])):
         if getattr(args, flag) is None:
             v = saved.get(flag, default)
-            if not ok(v):
+            try:  # the flag's own type, on the value as the command line would give it
+                setattr(args, flag, convert(str(v)))
+            except (ValueError, argparse.ArgumentTypeError):
                 raise DataError(f"{args.checkpoint}: its saved --{flag.replace('_', '-')} {v!r} is not one "
-                                f"decode.py takes; give --{flag.replace('_', '-')}")
-            setattr(args, flag, v)
+                                f"decode.py takes; give --{flag.replace('_', '-')}") from None
 
 
 def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
@@ -1215,7 +1221,8 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
         print(f"note: {n_long} source lines longer than --max-len {args.max_len} BPE tokens are cut to it",
               file=sys.stderr)
     avg = f", average of {len(ckpt['averaged_from'])} epochs" if "averaged_from" in ckpt else ""
-    print(f"loaded {args.checkpoint} (step {ckpt.get('step')}, dev BLEU {ckpt.get('dev_bleu')}, "
+    state = ckpt.get("train_state") or {}
+    print(f"loaded {args.checkpoint} (step {state.get('step')}, dev BLEU {(state.get('history') or [None])[-1]}, "
           f"{ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')}{avg}); beam {args.beam}, "
           f"{args.length_penalty} length penalty alpha {args.alpha}", file=sys.stderr)
     if args.ppl and not any(line.strip() for line in lines):

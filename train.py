@@ -59,6 +59,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import data
 import decode
+from decode import alpha_range, count, fraction, non_negative, positive, positive_int, ranged
 from model import ModelConfig, Transformer, autocast, count_parameters, has_bf16, pick_device, qk_g0
 from norms import BATCH_NORMS, NORMS, fast_paths, use_reference
 
@@ -242,16 +243,17 @@ class Run:
         return 8 if self.args.compile else 1
 
 
-def setup(args, stack):
+def setup(args, stack, resumed=None):
     """Everything before the first step, in order: this process, the corpus, the run directory,
     the data, the model and its optimizer, the checkpoint a resumed run starts from. Every input
     (flags, corpus, the run directory and what it holds) is read and checked before anything is
-    written; the run directory's lock is held in ``stack`` until training ends (Appendix E)."""
+    written; the run directory's lock is held in ``stack`` until training ends (Appendix E). resumed: --resume's
+    (checkpoint, flags given), from resume_flags."""
     rank, world, device, bf16, console = start_process(args)  # Appendix D: threads, seeds, torchrun's ranks
     log = partial(log_line, console)
     pairs, langs = read_corpus(args, log)  # Appendix F
     with rank0_first(rank, world):  # Appendix D: the other ranks read what rank 0 checks, prepares and commits
-        run_dir, ckpt, stage = open_run_dir(args, pairs, log, stack, rank == 0)  # Appendix E: checked, not changed
+        run_dir, ckpt, stage = open_run_dir(args, pairs, log, stack, rank == 0, resumed)  # Appendix E: checked
         tokenizer, train, dev, unfiltered = prepare_data(args, pairs, run_dir, stage, log, ckpt)  # Appendix F
         model, optimizer = build_model(args, tokenizer, train, unfiltered, device, bf16, log)
         # Word dropout draws from its own generator, on the device the batches live on.
@@ -291,9 +293,9 @@ def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
 # ---------------------------------------------------------------------------------------
 # 4. The loop: one log line per --log-interval steps, dev BLEU every --epoch-size steps.
 # ---------------------------------------------------------------------------------------
-def train(args):  # main() (Appendix A) calls it with the checked flags
+def train(args, resumed=None):  # main() (Appendix A) calls it with the checked flags
     with contextlib.ExitStack() as stack:  # holds the run directory's lock until the end
-        run = setup(args, stack)
+        run = setup(args, stack, resumed)
         if args.benchmark:
             return benchmark(run)
         result = train_loop(run)
@@ -439,10 +441,11 @@ def finish(run):
 def main(argv=None):
     args, given = resolve_flags(argv)
     try:
-        if args.resume:
-            args = resume_flags(args, given)  # Appendix E: the run's own flags, and what may change
+        resumed = None
+        if args.resume:  # Appendix E: the run's own flags, from its newest checkpoint, and what may change
+            args, resumed = resume_flags(args, given)
         validate_args(args)
-        return train(args)
+        return train(args, resumed)
     except WriteFailed as e:  # a full disk: what was written before is intact
         sys.exit(f"error: {e}: make room, then {what_next(args)}")
     except (data.DataError, Diverged) as e:
@@ -451,7 +454,12 @@ def main(argv=None):
         sys.exit(f"interrupted: {what_next(args)}" if os.environ.get("RANK", "0") == "0" else "interrupted")
 
 
-DEFAULTS, ACTIONS = {}, {}  # every flag's default, and its argparse action (its type and choices)
+DEFAULTS = {}  # every flag's default
+# The range of each number is its type= (decode.py Appendix F): a value out of range is argparse's own error line.
+in_0_1, percent = ranged(float, lambda v: 0 < v <= 1, "in (0, 1]"), ranged(float, lambda v: 0 < v <= 100,
+                                                                                         "in (0, 100]")
+length = ranged(float, lambda v: v >= 2, "at least 2 (g0 = log2(L^2 - L) >= 1)")
+seed = ranged(int, lambda v: 0 <= v < 2 ** 63 - 64, "in [0, 2^63 - 64) (torch's generators take 64 bits)")
 
 
 def build_parser():
@@ -467,7 +475,7 @@ def build_parser():
         if default is not None and not isinstance(default, bool):
             help += f" (default: {default})"
         action = group.add_argument(*names, help=help, **kw)
-        DEFAULTS[action.dest], ACTIONS[action.dest] = default, action
+        DEFAULTS[action.dest] = default
 
     g = p.add_argument_group("presets")
     add(g, "--preset", metavar="NAME", help="apply one row of a paper's table (train.py Appendix B); flags given "
@@ -477,33 +485,33 @@ def build_parser():
     g = p.add_argument_group("data")
     add(g, "--task", choices=["mt", "lm"], default="mt", help="mt: a translator; lm: a language model, the decoder "
         "alone ([2] Table 2), on DIR/{train,dev,test}.txt")
-    add(g, "--seq-len", type=int, default=32, help="--task lm: the text is cut into segments of this many tokens "
-        "(the tensorized Transformer's PTB script: 32)")
+    add(g, "--seq-len", type=positive_int, default=32, help="--task lm: the text is cut into segments of this many "
+        "tokens (the tensorized Transformer's PTB script: 32)")
     add(g, "--data", help="corpus directory holding {train,dev,test}.{SRC,TGT}; default: the built-in synthetic "
         "corpus (data.py), generated on first use")
     add(g, "--src", help="source language suffix, e.g. en (DIR/train.en)")
     add(g, "--tgt", help="target language suffix, e.g. de (DIR/train.de)")
-    add(g, "--bpe-size", type=int, help="joint sentencepiece BPE vocabulary size ([1] Table 1: 8k; 3k for "
+    add(g, "--bpe-size", type=count, help="joint sentencepiece BPE vocabulary size ([1] Table 1: 8k; 3k for "
         "gl-en); default 8000, or 2000 on the built-in corpus; --task lm: 0 (the default there) is whitespace words")
-    add(g, "--max-len", type=int, default=250, help="training pairs longer than this (BPE tokens, either side) "
-        "are dropped, with a count")
-    add(g, "--batch-tokens", type=int, default=4096, help="tokens per batch, counted as sentences x the longer "
-        "side's padded length ([1] appendix A: 4096)")
-    add(g, "--accumulate", type=int, default=1, metavar="N", help="micro-batches of --batch-tokens per update "
+    add(g, "--max-len", type=positive_int, default=250, help="training pairs longer than this (BPE tokens, either "
+        "side) are dropped, with a count")
+    add(g, "--batch-tokens", type=positive_int, default=4096, help="tokens per batch, counted as sentences x the "
+        "longer side's padded length ([1] appendix A: 4096)")
+    add(g, "--accumulate", type=positive_int, default=1, metavar="N", help="micro-batches of --batch-tokens per update "
         "(gradient accumulation); batch statistics are per micro-batch ([2] Figure 5)")
-    add(g, "--word-dropout", type=float, default=0.1, help="probability that an input token becomes UNK "
+    add(g, "--word-dropout", type=fraction, default=0.1, help="probability that an input token becomes UNK "
         "([1] appendix A, training only)")
     g = p.add_argument_group("model")
-    add(g, "--layers", type=int, default=2, help="encoder and decoder layers ([1]: 6; 4 for gl-en)")
-    add(g, "--enc-layers", type=int, help="override --layers for the encoder")
-    add(g, "--dec-layers", type=int, help="override --layers for the decoder")
-    add(g, "--d-model", type=int, default=128, help="model width d ([1]: 512)")
-    add(g, "--heads", type=int, default=4, help="attention heads ([1]: 8; [3] Table 4 varies it)")
-    add(g, "--ff", type=int, default=512, help="feed-forward width ([1]: 2048)")
-    add(g, "--dropout", type=float, default=0.1, help="dropout on embeddings, sublayer outputs, ReLU and "
+    add(g, "--layers", type=positive_int, default=2, help="encoder and decoder layers ([1]: 6; 4 for gl-en)")
+    add(g, "--enc-layers", type=positive_int, help="override --layers for the encoder")
+    add(g, "--dec-layers", type=positive_int, help="override --layers for the decoder")
+    add(g, "--d-model", type=positive_int, default=128, help="model width d ([1]: 512)")
+    add(g, "--heads", type=positive_int, default=4, help="attention heads ([1]: 8; [3] Table 4 varies it)")
+    add(g, "--ff", type=positive_int, default=512, help="feed-forward width ([1]: 2048)")
+    add(g, "--dropout", type=fraction, default=0.1, help="dropout on embeddings, sublayer outputs, ReLU and "
         "attention weights ([1] Table 1: 0.3; 0.4 for gl-en)")
-    add(g, "--attn-dropout", type=float, help="attention-weight dropout (default: --dropout)")
-    add(g, "--relu-dropout", type=float, help="ReLU dropout (default: --dropout)")
+    add(g, "--attn-dropout", type=fraction, help="attention-weight dropout (default: --dropout)")
+    add(g, "--relu-dropout", type=fraction, help="ReLU dropout (default: --dropout)")
     add(g, "--norm", default="scale", choices=sorted(NORMS), help="norm of every sublayer: layer (LayerNorm), "
         "scale (ScaleNorm, [1] eq. 5), scale_fixed (g = sqrt d, [1] Table 7), rms (RMSNorm), the batch norms "
         "of [2] (batch, pnv, power), none ([3] Table 6)")
@@ -521,20 +529,20 @@ def build_parser():
         "[1] section 2.2) or Xavier normal ([1] eq. 4)")
     add(g, "--qknorm", action="store_true", default=False, help="QKNorm attention: softmax(g * q^.k^) with "
         "l2-normalised q, k ([3] eqs. 2-5)")
-    add(g, "--qk-length", type=float, help="L of g0 = log2(L^2 - L) ([3] eq. 3); default: computed from the "
+    add(g, "--qk-length", type=length, help="L of g0 = log2(L^2 - L) ([3] eq. 3); default: computed from the "
         "training data")
-    add(g, "--qk-percentile", type=float, default=97.5, help="percentile of training lengths used as L "
+    add(g, "--qk-percentile", type=percent, default=97.5, help="percentile of training lengths used as L "
         "([3] section 3; Table 5 varies it)")
     add(g, "--qk-no-g", action="store_true", default=False, help="QKNorm ablation: g fixed at 1 ([3] Table 6)")
     add(g, "--qk-norm-v", action="store_true", default=False, help="QKNorm ablation: l2-normalise V too "
         "([3] Table 6)")
-    add(g, "--pn-warmup", type=int, help="PowerNorm: training forwards that use batch statistics while the "
+    add(g, "--pn-warmup", type=count, help="PowerNorm: training forwards that use batch statistics while the "
         "running one accumulates ([2] appendix A: the LR warmup); default: the LR warmup")
     add(g, "--pn-variant", choices=["paper", "code"], default="paper", help="PowerNorm: 'paper' follows [2] "
         "Algorithm 2 / eq. 12; 'code' the released code (backward divides by the batch psi_B after warmup; "
         "padding enters the backward means)")
-    add(g, "--pn-alpha-fwd", type=float, default=0.9, help="PowerNorm forward running-average alpha ([2] eq. 10)")
-    add(g, "--pn-alpha-bkw", type=float, default=0.9, help="PowerNorm backward running-average alpha ([2] eq. 13)")
+    add(g, "--pn-alpha-fwd", type=fraction, default=0.9, help="PowerNorm forward running-average alpha ([2] eq. 10)")
+    add(g, "--pn-alpha-bkw", type=fraction, default=0.9, help="PowerNorm backward running-average alpha ([2] eq. 13)")
     add(g, "--attention", choices=["softmax", "multilinear"], default="softmax", help="--task lm: softmax "
         "attention, or the tensorized Transformer's multi-linear attention, core-1, causal ([2] appendix A.2)")
     add(g, "--sdpa", action=argparse.BooleanOptionalAction, default=True, help="torch's "
@@ -546,51 +554,51 @@ def build_parser():
              "[1] 3.3) with the same validation decay; warmupflat: valdecay under the name of QKNorm's released "
              "configs (Code [3]); cosine: the warmup, then a cosine to 0 at the run's last step (the tensorized "
              "Transformer's PTB script, [2]'s language models)")
-    add(g, "--lr-scale", type=float, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
+    add(g, "--lr-scale", type=positive, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
         "warmup^-1.5) ([1] 3.3: 1, and 2 for 2xLR); when given it overrides --lr, whose value is "
         "lambda / sqrt(d * warmup)")
-    add(g, "--lr", type=float, default=2e-3, help="peak LR (reached at n_warmup), i.e. lambda = lr * "
+    add(g, "--lr", type=positive, default=2e-3, help="peak LR (reached at n_warmup), i.e. lambda = lr * "
         "sqrt(d * warmup) in eq. 7; the constant LR of --schedule nowarmup ([1] 3.3: 3e-4)")
-    add(g, "--warmup", type=int, default=200, help="n_warmup of eq. 7 ([1]: 8000)")
-    add(g, "--decay-factor", type=float, default=0.8, help="alpha_decay of validation decay ([1] 2.4; 0.8 in 3.3)")
-    add(g, "--patience", type=int, default=3, help="validation decay when dev BLEU is below each of the "
+    add(g, "--warmup", type=positive_int, default=200, help="n_warmup of eq. 7 ([1]: 8000)")
+    add(g, "--decay-factor", type=in_0_1, default=0.8, help="alpha_decay of validation decay ([1] 2.4; 0.8 in 3.3)")
+    add(g, "--patience", type=positive_int, default=3, help="validation decay when dev BLEU is below each of the "
         "previous PATIENCE evaluations ([1] 2.4; 3 in 3.3)")
-    add(g, "--stop-lr", type=float, default=1e-6, help="stop when the LR falls below this ([1] appendix A: "
+    add(g, "--stop-lr", type=non_negative, default=1e-6, help="stop when the LR falls below this ([1] appendix A: "
         "1e-6; TwT code 5e-5; [3]: 1e-5)")
-    add(g, "--early-stop", type=int, default=20, help="stop when dev BLEU has not improved for this many "
+    add(g, "--early-stop", type=count, default=20, help="stop when dev BLEU has not improved for this many "
         "evaluations ([1]: 20, 50 for gl-en; 0: off)")
-    add(g, "--beta1", type=float, default=0.9, help="Adam beta1 ([1] appendix A)")
-    add(g, "--beta2", type=float, default=0.999, help="Adam beta2 ([1] appendix A)")
-    add(g, "--adam-eps", type=float, default=1e-8, help="Adam epsilon ([1] appendix A)")
-    add(g, "--weight-decay", type=float, default=0.0, help="decoupled weight decay (AdamW; [2] used 1e-4)")
-    add(g, "--clip", type=float, default=1.0, help="clip the global gradient norm at this value (0: off)")
-    add(g, "--label-smoothing", type=float, default=0.1, help="epsilon of label smoothing, spread over the "
+    add(g, "--beta1", type=fraction, default=0.9, help="Adam beta1 ([1] appendix A)")
+    add(g, "--beta2", type=fraction, default=0.999, help="Adam beta2 ([1] appendix A)")
+    add(g, "--adam-eps", type=positive, default=1e-8, help="Adam epsilon ([1] appendix A)")
+    add(g, "--weight-decay", type=non_negative, default=0.0, help="decoupled weight decay (AdamW; [2] used 1e-4)")
+    add(g, "--clip", type=non_negative, default=1.0, help="clip the global gradient norm at this value (0: off)")
+    add(g, "--label-smoothing", type=fraction, default=0.1, help="epsilon of label smoothing, spread over the "
         "target vocabulary ([1] appendix A)")
     g = p.add_argument_group("run")
     add(g, "--out", default="runs/quickstart", help="run directory")
-    add(g, "--seed", type=int, default=1, help="fixes every random choice")
-    add(g, "--epoch-size", type=int, default=100, help="steps per epoch; dev BLEU after each ([1]: 1000-2000 "
+    add(g, "--seed", type=seed, default=1, help="fixes every random choice")
+    add(g, "--epoch-size", type=positive_int, default=100, help="steps per epoch; dev BLEU after each ([1]: 1000-2000 "
         "by pair)")
-    add(g, "--max-epochs", type=int, default=4, help="stop after this many epochs ([1] Table 1: 200)")
-    add(g, "--keep-checkpoints", type=int, default=5, help="keep the last N per-epoch checkpoints, for "
+    add(g, "--max-epochs", type=positive_int, default=4, help="stop after this many epochs ([1] Table 1: 200)")
+    add(g, "--keep-checkpoints", type=count, default=5, help="keep the last N per-epoch checkpoints, for "
         "checkpoint averaging (Code [2]: the last 5; its paper: 10)")
-    add(g, "--max-steps", type=int, help="stop after this many steps (quick checks)")
+    add(g, "--max-steps", type=positive_int, help="stop after this many steps (quick checks)")
     add(g, "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     add(g, "--dtype", default="bf16", choices=["bf16", "fp32"], help="on CUDA: bf16 autocast (default; fp32 where "
         "the GPU has no bf16) or fp32 throughout; the CPU always trains in fp32")
-    add(g, "--threads", type=int, help="CPU threads (torch.set_num_threads)")
+    add(g, "--threads", type=positive_int, help="CPU threads (torch.set_num_threads)")
     add(g, "--compile", action="store_true", default=False, help="torch.compile the model, once, for "
         "symbolic shapes, lengths padded to multiples of 8 (a minute or more to compile; for a GPU)")
     add(g, "--reference", action="store_true", default=False, help="run every equation as written, with no "
         "fast path anywhere (norms.py section 1): slower, for checking an edited equation")
-    add(g, "--log-interval", type=int, default=50, help="steps between log lines")
-    add(g, "--beam", type=int, default=4, help="beam size for test BLEU (Code: 4)")
-    add(g, "--alpha", type=float, default=0.6, help="length penalty alpha (TwT Code: 0.6 with gnmt; PowerNorm: 1.0 "
-        "with fairseq)")
+    add(g, "--log-interval", type=positive_int, default=50, help="steps between log lines")
+    add(g, "--beam", type=positive_int, default=4, help="beam size for test BLEU (Code: 4)")
+    add(g, "--alpha", type=alpha_range, default=0.6, help="length penalty alpha (TwT Code: 0.6 with gnmt; PowerNorm: "
+        "1.0 with fairseq)")
     add(g, "--length-penalty", choices=list(decode.PENALTIES), default="gnmt", help="gnmt: score / ((5 + |Y|) / 6)"
         "^alpha (Wu et al. 2016; TwT, QKNorm); fairseq: score / |Y|^alpha (Ott et al. 2019, as PowerNorm decodes)")
-    add(g, "--dev-beam", type=int, default=1, help="beam size for the per-epoch dev BLEU (1 = greedy)")
-    add(g, "--benchmark", type=int, default=0, metavar="N", help="time N training steps after a warm-up and "
+    add(g, "--dev-beam", type=positive_int, default=1, help="beam size for the per-epoch dev BLEU (1 = greedy)")
+    add(g, "--benchmark", type=count, default=0, metavar="N", help="time N training steps after a warm-up and "
         "print tokens/s, FLOPs/token, MFU, padding and peak memory, then exit (writes no run directory)")
     add(g, "--profile", action="store_true", default=False, help="with --benchmark: also print where the time "
         "of a step goes (torch.profiler, by operator)")
@@ -604,7 +612,9 @@ def build_parser():
 
 def resolve_flags(argv=None):
     """The command line -> (args, given): every flag's value, and the flags given explicitly."""
-    given = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    parser.error = lambda message: sys.exit(f"error: {message}")  # one line (argparse adds its usage)
+    given = vars(parser.parse_args(argv))
     if given.get("preset") == "list":
         print_presets()
         sys.exit(0)
@@ -667,34 +677,12 @@ def refuse_idle_flags(args, given):
 
 
 def validate_args(args):
-    """Every flag checked before any work, each failure one line naming the flag and its range."""
+    """What no flag's type= can check alone, before any work: each failure one line naming the flag."""
     def bad(flag, why):
         sys.exit(f"error: --{flag.replace('_', '-')}: {why} (got {getattr(args, flag, None)!r})")
 
-    def check(flags, ok, why, optional=False):
-        for f in flags:
-            v = getattr(args, f)
-            if not (optional and v is None) and not ok(v):
-                bad(f, why)
-    check(("batch_tokens", "epoch_size", "d_model", "heads", "ff", "layers", "warmup", "seq_len", "max_len",
-           "accumulate", "log_interval", "beam", "dev_beam", "max_epochs", "patience"), lambda v: v >= 1,
-          "must be at least 1")
-    check(("enc_layers", "dec_layers", "max_steps", "threads"), lambda v: v >= 1, "must be at least 1", optional=True)
-    check(("keep_checkpoints", "early_stop", "benchmark", "pn_warmup"), lambda v: v >= 0, "must be 0 or more")
-    check([f for f, a in ACTIONS.items() if a.type is float], math.isfinite, "must be a finite number", optional=True)
-    check(("seed",), lambda v: 0 <= v < 2 ** 63 - 64, "must be in [0, 2^63 - 64) (torch's generators take 64 bits)")
-    check(("dropout", "word_dropout", "label_smoothing", "beta1", "beta2", "pn_alpha_fwd", "pn_alpha_bkw"),
-          lambda v: 0 <= v < 1, "must be in [0, 1)")
-    check(("attn_dropout", "relu_dropout"), lambda v: 0 <= v < 1, "must be in [0, 1)", optional=True)
-    check(("lr", "adam_eps"), lambda v: v > 0, "must be positive")
-    check(("lr_scale",), lambda v: v > 0, "must be positive", optional=True)
-    check(("weight_decay", "clip", "stop_lr"), lambda v: v >= 0, "must be 0 or more")
-    check(("alpha",), lambda v: 0 <= v <= 10, "must be in [0, 10] (the papers: 0.6, 1.0; a larger one overflows)")
-    check(("decay_factor",), lambda v: 0 < v <= 1, "must be in (0, 1]")
-    check(("qk_percentile",), lambda v: 0 < v <= 100, "must be in (0, 100]")
-    check(("qk_length",), lambda v: v >= 2, "must be at least 2 (g0 = log2(L^2 - L) >= 1)", optional=True)
-    check(("bpe_size",), lambda v: v >= (0 if args.task == "lm" else 1),
-          "must be at least 1" + ("" if args.task == "lm" else " (0, whitespace words, is for --task lm)"))
+    if args.bpe_size < 1 and args.task == "mt":
+        bad("bpe_size", "must be at least 1 (0, whitespace words, is for --task lm)")
     if args.attention == "multilinear" and args.qknorm:
         bad("qknorm", "normalises the queries and keys of a softmax; the multi-linear attention has none")
     if args.d_model % args.heads:
@@ -1339,7 +1327,8 @@ def wrap_model(model, args, world, device):
 # already holds a run is refused unless --resume (continue it) or --overwrite (replace it). Nothing is deleted or
 # written before every input is checked, and a lock keeps a second process out. A resumed run keeps its flags (those
 # in RESUME_MAY_CHANGE may be given again), its corpus and its BPE model, and starts from the newest checkpoint that
-# reads back (torch.load weights_only). Checkpoints hold only tensors and plain Python values.
+# reads back (torch.load weights_only). Checkpoints hold only tensors and plain Python values. The checkpoint is the
+# resume record (the run's flags, state and generators); config.json is for people, and a resume does not read it.
 # =======================================================================================
 RESUME_MAY_CHANGE = {"max_steps", "max_epochs", "early_stop", "stop_lr", "patience", "log_interval", "device",
                      "dtype", "threads", "compile", "dev_beam", "beam", "alpha", "length_penalty", "keep_checkpoints",
@@ -1363,10 +1352,11 @@ def json_safe(x):
 
 
 def make_checkpoint(run):
-    """Only tensors and plain Python values: read back with torch.load(weights_only=True)."""
-    return {"model_config": run.model.cfg.to_dict(), "model": run.model.state_dict(), "run_id": run.args.run_id,
-            "optimizer": run.optimizer.state_dict(), "bpe_model_proto": (run.dir / "bpe.model").read_bytes(),
-            "src_lang": run.langs[0], "tgt_lang": run.langs[1], "step": run.state.step,
+    """Only tensors and plain Python values: read back with torch.load(weights_only=True). The run's flags (args:
+    its run id and corpus hashes too) and its state (the step, the dev scores) are what a resume reads."""
+    return {"format": decode.CHECKPOINT_FORMAT, "model_config": run.model.cfg.to_dict(),
+            "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+            "bpe_model_proto": (run.dir / "bpe.model").read_bytes(), "src_lang": run.langs[0], "tgt_lang": run.langs[1],
             "train_state": asdict(run.state), "args": vars(run.args), "world": run.world,
             "rng": dict(rng_state(run), **({"ranks": run.rank_rngs} if run.world > 1 else {}))}
 
@@ -1403,13 +1393,13 @@ def restore(run, ckpt):
         run.model.load_state_dict(ckpt["model"])
         run.optimizer.load_state_dict(ckpt["optimizer"])
     except (RuntimeError, ValueError, KeyError) as e:
-        raise data.DataError(f"{run.dir}: its checkpoint does not fit the model of its config.json "
+        raise data.DataError(f"{run.dir}: its checkpoint does not fit the model of its flags "
                              f"({str(e).splitlines()[0]})") from None
-    if ckpt.get("world", run.world) != run.world:  # checkpoints before 2026-11-24 do not say
+    if ckpt["world"] != run.world:
         raise data.DataError(f"{run.dir}: the run trained on {ckpt['world']} processes and this is {run.world}; "
                              f"resume it with as many (a step's batches and batch statistics depend on them)")
     run.state = TrainState(**ckpt["train_state"])
-    # A budget (--max-*), --stop-lr or --early-stop: the resumed run's own flags decide (open_run_dir has refused a
+    # A budget (--max-*), --stop-lr or --early-stop: the resumed run's own flags decide (may_resume has refused a
     # finished run they would stop at once; one killed in its final test goes straight to the test).
     if run.state.stopped and run.state.stopped[0] != "diverged" and not still_stopped(run.args, ckpt["train_state"]):
         run.state.stopped = None
@@ -1422,48 +1412,46 @@ def restore(run, ckpt):
 
 
 def resume_flags(args, given):
-    """--resume RUN: the flags of RUN/config.json, with the given flags that may change; DataError
-    naming every other flag given with a value that differs from the run's."""
+    """--resume RUN: (the flags of RUN's newest good checkpoint with the given ones that may change, (that checkpoint,
+    the flags given)). Any other flag given with another value is refused by may_resume, before any change."""
     run_dir = Path(args.resume)
-    try:
-        saved = json.loads((run_dir / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise data.DataError(f"--resume {run_dir}: no readable config.json there (is it a run directory? "
-                             f"{type(e).__name__})") from None
-    if not isinstance(saved, dict) or not isinstance(saved.get("run_id"), str):
-        raise data.DataError(f"--resume {run_dir}: its config.json is not one train.py wrote (not a JSON object "
-                             f"with a run_id)")
-    for k, v in saved.items():  # an edited config.json: every value of the type and choices of its flag
-        if k in ("corpus_sha256", "changed_on_resume") and not isinstance(v, dict):
-            raise data.DataError(f"--resume {run_dir}: config.json: {k} is {v!r}, not what train.py wrote")
-        if k not in ACTIONS and k not in ("run_id", "corpus_sha256", "changed_on_resume"):
-            raise data.DataError(f"--resume {run_dir}: config.json: {k} is not a flag of train.py (was it edited?)")
-        if k in ACTIONS and not flag_value_ok(k, v):
-            raise data.DataError(f"--resume {run_dir}: config.json: {k} is {v!r}, not a value of "
-                                 f"--{k.replace('_', '-')}")
+    console = Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0")  # rank 0's, as start_process's
+    ckpt = newest_checkpoint(run_dir, partial(log_line, console))
+    saved = ckpt["args"]
     given = {k: v for k, v in given.items() if k != "resume" and not (k == "out" and Path(v) == run_dir)}
+    changed = {k: v for k, v in given.items() if k in RESUME_MAY_CHANGE and v != saved.get(k)}
+    refuse_idle_flags(argparse.Namespace(**{**DEFAULTS, **saved, **given}), given)
+    return argparse.Namespace(**{**DEFAULTS, **saved, **changed, "resume": str(run_dir), "out": str(run_dir),
+                                 "overwrite": False,  # an action of the run's first start, not one of its flags
+                                 "changed_on_resume": {**saved.get("changed_on_resume", {}), **changed}}), (ckpt, given)
+
+
+def may_resume(run_dir, args, ckpt, given, pairs):
+    """Whether the run in run_dir may go on from ckpt: DataError naming what stops it, a flag given that a continued
+    run keeps, its corpus changed, its budget spent (--max-steps, --max-epochs), or a stop that would come again at
+    once (--stop-lr, --early-stop); each says which flag would let it go on."""
+    saved = ckpt["args"]
     refused = [f"--{k.replace('_', '-')} ({saved.get(k, DEFAULTS.get(k))!r} -> {v!r})" for k, v in given.items()
                if k not in RESUME_MAY_CHANGE and v != saved.get(k, DEFAULTS.get(k))]
     if refused:
         raise data.DataError(f"--resume {run_dir}: a continued run keeps its flags, and these differ from its "
-                             f"config.json: {', '.join(refused)} (start a new run with another --out)")
-    changed = {k: v for k, v in given.items() if v != saved.get(k)}
-    refuse_idle_flags(argparse.Namespace(**{**DEFAULTS, **saved, **given}), given)
-    return argparse.Namespace(**{**DEFAULTS, **saved, **changed, "resume": str(run_dir), "out": str(run_dir),
-                                 "overwrite": False,  # an action of the run's first start, not one of its flags
-                                 "changed_on_resume": {**saved.get("changed_on_resume", {}), **changed}})
-
-
-def flag_value_ok(flag, v):
-    """Whether v (read from a config.json) could have come from the flag: its type, or its choices."""
-    action, default = ACTIONS[flag], DEFAULTS[flag]
-    if v is None:
-        return default is None
-    if isinstance(default, bool):
-        return isinstance(v, bool)
-    kind = action.type or str
-    ok = isinstance(v, str) if kind is str else isinstance(v, (int, float) if kind is float else int)
-    return ok and not isinstance(v, bool) and (action.choices is None or v in action.choices)
+                             f"checkpoint's: {', '.join(refused)} (start a new run with another --out)")
+    changed = [s for s, h in corpus_hashes(pairs).items() if h != args.corpus_sha256.get(s)]
+    if changed:
+        raise data.DataError(f"--resume {run_dir}: the corpus changed since the run started "
+                             f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''})")
+    last, code = budget(args)  # train_loop's last step
+    flag = f"--{code.replace('_', '-')} {getattr(args, code)}"
+    done = ckpt["train_state"]["step"]
+    finished = finished_at(run_dir, args.run_id) == done  # else: killed before its test, which is left to do
+    if done > last or done == last and finished:
+        raise data.DataError(f"--resume {run_dir}: the run has trained {done} steps, "
+                             f"{'past' if done > last else 'all'} that {flag} allows: nothing to train; give a "
+                             f"larger {flag.split()[0]} to continue")
+    if (why := still_stopped(args, ckpt["train_state"])) and finished:
+        fix = "a smaller --stop-lr" if why[0] == "stop_lr" else "a larger --early-stop (0: off)"
+        raise data.DataError(f"--resume {run_dir}: the run stopped ({why[1]}) and would stop again at once: "
+                             f"nothing to train; give {fix} to continue")
 
 
 def corpus_hashes(pairs):
@@ -1486,6 +1474,7 @@ def run_id_of(path):
             blob = json.loads(path.read_text())
     except Exception:  # unreadable, not JSON, not a checkpoint: not known to be this run's
         return None
+    blob = blob.get("args") if path.suffix == ".pt" and isinstance(blob, dict) else blob  # a checkpoint's flags
     return blob.get("run_id") if isinstance(blob, dict) and isinstance(blob.get("run_id"), str) else None
 
 
@@ -1497,7 +1486,7 @@ def check_out(run_dir):
         raise data.DataError(f"--out {run_dir}: a file, not a folder")
 
 
-def open_run_dir(args, pairs, log, stack, master):
+def open_run_dir(args, pairs, log, stack, master, resumed=None):
     """(the run directory, the checkpoint to resume from or None, the staging folder) after every check of the run
     directory, unchanged here: commit_run_dir changes it once every other input is checked too. Rank 0 holds its lock
     (in stack); the other ranks write nothing (staging None). --benchmark trains in a temporary directory, removed."""
@@ -1518,44 +1507,13 @@ def open_run_dir(args, pairs, log, stack, master):
             raise data.DataError(f"--overwrite {run_dir}: not a run directory of train.py (no config.json with a "
                                  f"run_id; it holds {held}), so none of its files are removed; choose another --out")
     if args.resume:
-        if not getattr(args, "corpus_sha256", None):
-            raise data.DataError(f"--resume {run_dir}: its config.json has no record of the corpus (an older "
-                                 f"train.py wrote it); start it again with --overwrite")
-        changed = [s for s, h in corpus_hashes(pairs).items() if h != args.corpus_sha256.get(s)]
-        if changed and all(data.pairs_sha256([p for p in pairs[s] if all(p)]) == args.corpus_sha256.get(s)
-                           for s in changed):  # train.py before 2026-11-24 dropped the lines with an empty side
-            raise data.DataError(f"--resume {run_dir}: {changed[0]} differs only in its lines with an empty side: an "
-                                 f"older train.py dropped those, this one keeps and scores them; start it again with "
-                                 f"--overwrite")
-        if changed:
-            raise data.DataError(f"--resume {run_dir}: the corpus changed since the run started "
-                                 f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''})")
-        ckpt = newest_checkpoint(run_dir, args.run_id, log)
-        last, code = budget(args)  # train_loop's last step
-        flag = f"--{code.replace('_', '-')} {getattr(args, code)}"
-        done, finished = ckpt["step"], finished_at(run_dir, args.run_id) == ckpt["step"]  # else: finish the test
-        if done > last or done == last and finished:
-            raise data.DataError(f"--resume {run_dir}: the run has trained {done} steps, "
-                                 f"{'past' if done > last else 'all'} that {flag} allows: nothing to train; give a "
-                                 f"larger {flag.split()[0]} to continue")
-        if (why := still_stopped(args, ckpt["train_state"])) and finished:
-            fix = "a smaller --stop-lr" if why[0] == "stop_lr" else "a larger --early-stop (0: off)"
-            raise data.DataError(f"--resume {run_dir}: the run stopped ({why[1]}) and would stop again at once: "
-                                 f"nothing to train; give {fix} to continue")
-        fixed = {k: v for k, v in ckpt["args"].items() if k not in RESUME_MAY_CHANGE and k not in NOT_FLAGS}
-        edited = [f"{k} ({v!r} in the checkpoint, {getattr(args, k)!r} in config.json)" for k, v in fixed.items()
-                  if hasattr(args, k) and getattr(args, k) != v]
-        if edited:
-            raise data.DataError(f"--resume {run_dir}: config.json differs from the flags its checkpoint was trained "
-                                 f"with: {', '.join(edited)}; restore it, or start a new run with another --out")
+        ckpt, given = resumed
+        may_resume(run_dir, args, ckpt, given, pairs)
         for k, v in args.changed_on_resume.items():
             log(f"resume: --{k.replace('_', '-')} {v} (changed on resume)")
     else:
         args.run_id, args.corpus_sha256 = uuid.uuid4().hex, corpus_hashes(pairs)  # recorded in config.json
     return run_dir, ckpt, stack.enter_context(staging(run_dir)) if master else None
-
-
-NOT_FLAGS = {"resume", "out", "overwrite", "changed_on_resume"}  # what a start did, not the run's flags
 
 
 @contextlib.contextmanager
@@ -1605,7 +1563,7 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
         log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
     write_file(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
     if ckpt is not None:
-        keep_metrics_until(run_dir / "metrics.jsonl", ckpt["step"])
+        keep_metrics_until(run_dir / "metrics.jsonl", ckpt["train_state"]["step"])
 
 
 class WriteFailed(data.DataError):
@@ -1636,23 +1594,20 @@ def lock(run_dir):
         yield  # closing the file releases the lock
 
 
-def newest_checkpoint(run_dir, run_id, log):
-    """The newest checkpoint of run_dir's run (run_id) that reads back safely and can be resumed from:
-    the last, or else an epoch checkpoint (newest first), or else the best; DataError if none can."""
+def newest_checkpoint(run_dir, log):
+    """The newest checkpoint in run_dir that reads back safely (decode.checkpoints' "resume" order); DataError if none
+    does, or if train.py before the checkpoint format of today wrote it."""
     for i, path in enumerate(decode.checkpoints(run_dir, "resume")):
         try:
             ckpt = decode.read_checkpoint(path)
-            needs = {"optimizer", "train_state", "rng", "bpe_model_proto", "args"}
-            if not needs <= ckpt.keys() or "word_dropout" not in ckpt["rng"]:
-                raise data.DataError(f"{path}: not a checkpoint this train.py can resume from (another version "
-                                     f"wrote it)")
-            if ckpt.get("run_id") != run_id:
-                raise data.DataError(f"{path}: a checkpoint of another run (run id {ckpt.get('run_id')})")
         except data.DataError as e:
             log(f"resume: skipped: {e}")
             continue
+        if ckpt.get("format") != decode.CHECKPOINT_FORMAT:
+            raise data.DataError(f"--resume {run_dir}: written by an older train.py (checkpoint format "
+                                 f"{ckpt.get('format')}, not {decode.CHECKPOINT_FORMAT}); start a new run")
         fallback = "" if i == 0 and path == decode.checkpoint_file(run_dir, "last") else " (the newest that reads back)"
-        log(f"resume: {path} at step {ckpt['step']}{fallback}")
+        log(f"resume: {path} at step {ckpt['train_state']['step']}{fallback}")
         return ckpt
     raise data.DataError(f"--resume {run_dir}: nothing to resume from, no readable checkpoint (the run may have "
                          f"stopped before its first evaluation); start it again with --overwrite")

@@ -304,7 +304,7 @@ def test_train_py_under_torchrun_with_two_processes(tmp_path):
         assert (run / f).exists(), f
     assert not list(run.glob("*.tmp"))
     ckpt = torch.load(run / "checkpoint_last.pt", map_location="cpu", weights_only=True)
-    assert ckpt["step"] == 6
+    assert ckpt["train_state"]["step"] == 6
     # The same command again: rank 0 refuses (the directory holds a run), and rank 1 stops with it, not
     # waiting for rank 0 for ever; nothing changes.
     before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
