@@ -1078,45 +1078,54 @@ def build_parser():
     return ap
 
 
+# Which flags each mode reads: decode.py's one table. A mode is chosen by its flag (the first of MODES given), else by
+# the checkpoint (a translator, a language model); a flag given that its mode does not read is refused (idle_flag).
+MODEL = {"checkpoint", "average", "device", "dtype", "reference"}
+SEARCH = {"beam", "alpha", "length_penalty", "max_len_b", "max_len", "batch_tokens"}
+LOOK = MODEL | SEARCH | {"g_table", "attention", "attention_target", "layer", "head", "kind", "png"}  # translates once
+TRANSLATE = MODEL | SEARCH | {"input", "output", "ref", "tokenized", "lowercase", "progress", "ppl", "label_smoothing",
+                              "benchmark"}
+LM = {"batch_tokens", "input", "ppl", "leak", "generate", "sample", "temperature", "max_tokens", "seed", "seq_len"}
+MODES = {"compare": {"compare", "ref", "samples", "seed", "tokenized", "lowercase"}, "plot": {"plot", "out"},
+         "svd": MODEL | {"svd", "png"}, "g_table": LOOK, "attention": LOOK,
+         "benchmark": MODEL | SEARCH | {"benchmark", "input", "ref"},
+         "a translator": TRANSLATE, "a language model": MODEL - {"average"} | LM}
+# A flag that only works with another ("--sample is for --generate"), checked whatever the mode.
+NEEDS = {"sample": "generate", "max_tokens": "generate", "temperature": "sample", "samples": "compare",
+         "seed": ("compare", "sample"), "tokenized": "ref", "lowercase": "ref", "label_smoothing": "ppl",
+         "attention_target": "attention", "png": ("attention", "svd"), "layer": "attention", "head": "attention",
+         "kind": "attention"}
+
+
+def idle_flag(mode, given):
+    """Why the first flag given that `mode` does not read (MODES) is refused, or None."""
+    if extra := sorted(given - MODES[mode]):
+        what = "a checkpoint" if extra[0] == "checkpoint" else f"--{extra[0].replace('_', '-')}"
+        return f"{what} does nothing with {mode if ' ' in mode else '--' + mode.replace('_', '-')}"
+
+
 def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    given = {f for f, v in vars(args).items() if v != ap.get_default(f)}  # the flags given a value of their own
+    args.given = {f for f, v in vars(args).items() if v != ap.get_default(f)}  # the flags given a value of their own
     if args.compare and not args.ref:
         ap.error("--compare needs --ref")
     if args.plot and not args.out:
         ap.error("--plot needs --out FILE.png")
     if not args.compare and not args.plot and not args.checkpoint:
         ap.error("a checkpoint (file or run directory) is needed, except with --compare or --plot")
-    if "seed" in given and not (args.compare or args.sample):
-        ap.error("--seed is for --compare's resampling and --sample's draws")
     if args.compare and args.seed < 1:  # SacreBLEU takes 0 as "no seed": another resampling at every run
         ap.error(f"--seed must be at least 1 for --compare (got {args.seed!r})")
     if args.out and not args.plot:
         ap.error("--out is the picture of --plot; translations go to --output")
-    for flag, needs in (("sample", "generate"), ("max_tokens", "generate"), ("temperature", "sample"),
-                        ("samples", "compare"), ("tokenized", "ref"), ("lowercase", "ref"), ("label_smoothing", "ppl")):
-        if flag in given and getattr(args, needs) in (None, False):
-            ap.error(f"--{flag.replace('_', '-')} is for --{needs}: give --{needs} too")
-    if args.attention_target is not None and args.attention is None:
-        ap.error("--attention-target needs --attention")
-    for flag, default in (("png", None), ("layer", 0), ("head", 0), ("kind", "cross")):
-        if getattr(args, flag) != default and args.attention is None and not (flag == "png" and args.svd):
-            ap.error(f"--{flag} is for the map of --attention (or --svd): give --attention too")
-    # What a mode does not read is refused, as train.py refuses a flag that would do nothing.
-    model_flags = {"checkpoint", "average", "device", "dtype", "reference"}
-    inside = model_flags | {"g_table", "attention", "attention_target", "layer", "head", "kind", "png", "beam", "alpha",
-                            "length_penalty", "max_len_b", "max_len", "batch_tokens"}  # --attention translates once
-    for mode, reads in (("compare", {"compare", "ref", "samples", "seed", "tokenized", "lowercase"}),
-                        ("plot", {"plot", "out"}), ("svd", model_flags | {"svd", "png"}),
-                        ("g_table", inside), ("attention", inside),
-                        ("benchmark", given - {"output", "ppl", "label_smoothing", "progress", "tokenized",
-                                               "lowercase"})):
-        if mode in given:
-            if extra := sorted(given - reads):
-                what = "a checkpoint" if extra[0] == "checkpoint" else f"--{extra[0].replace('_', '-')}"
-                ap.error(f"{what} does nothing with --{mode.replace('_', '-')}")
-            break
+    for flag, needs in NEEDS.items():
+        needs = (needs,) if isinstance(needs, str) else needs
+        if flag in args.given and not args.given & set(needs):
+            ap.error(f"--{flag.replace('_', '-')} is for " + " or ".join(f"--{n.replace('_', '-')}" for n in needs)
+                     + ": give it too")
+    mode = next((m for m in MODES if m in args.given), None)  # else the checkpoint's kind chooses (run)
+    if mode and (why := idle_flag(mode, args.given)):
+        ap.error(why)
     return args
 
 
@@ -1188,7 +1197,9 @@ def run(args):
         raise DataError(f"{args.checkpoint}: a language model: --attention draws a translator's maps")
     if args.g_table or args.attention is not None:
         return analyse(args, model, tokenizer)
-    if model.cfg.lm or args.generate is not None or args.seq_len is not None or args.leak:
+    if why := idle_flag("a language model" if model.cfg.lm else "a translator", args.given):
+        raise DataError(f"{args.checkpoint}: {why}")
+    if model.cfg.lm:
         return language_model(args, model, tokenizer, ckpt, lines)
     if args.ppl and not args.ref:
         raise DataError("--ppl of a translator needs --ref (and the sources in --input or on stdin)")
@@ -1283,18 +1294,10 @@ def read_stdin():
 
 
 def language_model(args, model, tokenizer, ckpt, lines):
-    """--ppl and --generate of a language model (section 8; data.py section 8)."""
-    if not model.cfg.lm:
-        raise DataError(f"{args.checkpoint}: a translator; --generate, --leak and --seq-len are for a language model")
-    if args.ref or args.benchmark or args.generate is None and not args.ppl and not args.leak:
+    """--ppl, --leak and --generate of a language model (section 8; data.py section 8)."""
+    if args.generate is None and not args.ppl and not args.leak:
         raise DataError(f"{args.checkpoint}: a language model: give --ppl or --leak (with --input), "
                         f"or --generate PREFIX")
-    defaults = vars(build_parser().parse_args([]))
-    idle = [f for f in ("output", "beam", "alpha", "length_penalty", "max_len_b", "max_len", "tokenized", "lowercase",
-                        "label_smoothing", "progress", "average") if getattr(args, f) != defaults[f]]
-    if idle:
-        raise DataError(f"--{idle[0].replace('_', '-')}: a translator's flag; a language model's --ppl, --leak and "
-                        f"--generate do not use it")
     if args.input and not (args.ppl or args.leak):
         raise DataError("--input does nothing with --generate (its text is for --ppl and --leak)")
     saved = ckpt.get("args") or {}
