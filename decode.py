@@ -51,6 +51,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 from rich import box
@@ -385,20 +386,6 @@ def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, 
 # Note: we call SacreBLEU's own implementation (sacrebleu.significance.PairedTest, test_type="bs", a port of Moses'
 # bootstrap-hypothesis-difference-significance.pl); the CI is mean +- half the 2.5%..97.5% percentile range.
 # =======================================================================================
-@contextlib.contextmanager
-def _sacrebleu_seed(seed):
-    """SacreBLEU reads its resampling seed from $SACREBLEU_SEED; set it for one call."""
-    old = os.environ.get("SACREBLEU_SEED")
-    os.environ["SACREBLEU_SEED"] = "None" if seed is None else str(int(seed))
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("SACREBLEU_SEED", None)
-        else:
-            os.environ["SACREBLEU_SEED"] = old
-
-
 def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=12345, already_tokenized=False,
                      lowercase=False):
     """Paired bootstrap test of system vs baseline on corpus BLEU -> dict: "baseline", "system" ({"bleu", "mean",
@@ -413,7 +400,7 @@ def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=1234
     # The BLEU of score_report: tokenized BLEU as multi-bleu.perl (no smoothing) under --tokenized, else SacreBLEU.
     metric = BLEU(tokenize="none", smooth_method="none", lowercase=lowercase, force=True) if already_tokenized \
         else BLEU(lowercase=lowercase, force=True)
-    with _sacrebleu_seed(seed):
+    with mock.patch.dict(os.environ, SACREBLEU_SEED="None" if seed is None else str(int(seed))):  # SacreBLEU reads it
         test = PairedTest([("baseline", base), ("system", sys_)], {"BLEU": metric}, [refs],
                           test_type="bs", n_samples=n_samples)
         signatures, scores = test()
@@ -432,27 +419,22 @@ def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=1234
     return out
 
 
-def bootstrap_table(result, names=("baseline", "system")):
-    """A small rich Table of paired_bootstrap's result (print result["signature"] with it)."""
-    table = Table(title=f"paired bootstrap resampling, {result['n_samples']} samples")
-    for col in ("system", "BLEU", "mean +- 95% CI", "p-value"):
-        table.add_column(col, justify="left" if col == "system" else "right")
-    for key, name in zip(("baseline", "system"), names):
-        r = result[key]
-        p = "-" if key == "baseline" else f"{result['p_value']:.4f}"
-        table.add_row(str(name), f"{r['bleu']:.2f}", f"{r['mean']:.2f} +- {r['ci']:.2f}", p)
-    return table
-
-
 def compare(args):
-    """--compare BASELINE SYSTEM --ref REF: the paired bootstrap table on stdout."""
+    """--compare BASELINE SYSTEM --ref REF: the paired bootstrap table (a rich Table) and its signature on stdout."""
     base_path, sys_path = args.compare
     base, system, refs = data.read_lines(base_path), data.read_lines(sys_path), data.read_lines(args.ref)
     for path, lines in ((base_path, base), (sys_path, system)):
         if len(lines) != len(refs):
             raise DataError(f"{path}: {len(lines)} lines, but {args.ref} has {len(refs)}")
     result = paired_bootstrap(base, system, refs, args.samples, args.seed, args.tokenized, args.lowercase)
-    Console().print(bootstrap_table(result, names=(base_path, sys_path)))
+    table = Table(title=f"paired bootstrap resampling, {result['n_samples']} samples")
+    for col in ("system", "BLEU", "mean +- 95% CI", "p-value"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for key, name in zip(("baseline", "system"), (base_path, sys_path)):
+        r = result[key]
+        p = "-" if key == "baseline" else f"{result['p_value']:.4f}"
+        table.add_row(str(name), f"{r['bleu']:.2f}", f"{r['mean']:.2f} +- {r['ci']:.2f}", p)
+    Console().print(table)
     print(result["signature"])
     verdict = (f"not significant: {result['undecidable']}, so there is no difference to test" if result["undecidable"]
                else f"{'' if result['p_value'] < 0.05 else 'not '}significant at 0.05")
@@ -511,7 +493,7 @@ def average_checkpoints(paths):
         elif state.keys() != first["model"].keys() or ckpt["model_config"] != first["model_config"] or \
                 any(v.shape != first["model"][k].shape for k, v in state.items()):
             raise DataError(f"{p}: not the same model as {paths[0]} (names, shapes or model_config differ)")
-        elif run_id(ckpt) != run_id(first):
+        elif (ckpt.get("args") or {}).get("run_id") != (first.get("args") or {}).get("run_id"):  # train.py's flags
             raise DataError(f"{p}: from another run than {paths[0]} (run_id differs); average one run's checkpoints")
         else:
             for k in total:
@@ -520,22 +502,6 @@ def average_checkpoints(paths):
     out = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "rng")}
     out.update(model=averaged, averaged_from=[str(p) for p in paths])
     return out
-
-
-def run_id(ckpt):
-    """The id of the run that wrote a checkpoint (train.py keeps it among the run's flags)."""
-    return (ckpt.get("args") or {}).get("run_id")
-
-
-def build_model(ckpt, path, device="cpu"):
-    """The model of a checkpoint dict, in eval mode on device; DataError if it does not fit."""
-    try:
-        model = Transformer(ModelConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
-    except (TypeError, ValueError, RuntimeError, KeyError) as e:
-        raise DataError(f"{path}: its model_config and weights do not make a model of this code "
-                        f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
-    return model.to(device).eval()
 
 
 # A run directory's files are named here alone: train.py writes them, both files read them through these.
@@ -588,7 +554,13 @@ def load_checkpoint(path, device="cpu", average=0):
                 raise DataError(f"{p}: run directory has no best or last checkpoint")
             p = found[0]
         ckpt = read_checkpoint(p, device)
-    model = build_model(ckpt, p, device)
+    try:
+        model = Transformer(ModelConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+        raise DataError(f"{p}: its model_config and weights do not make a model of this code "
+                        f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    model = model.to(device).eval()
     proto = ckpt.get("bpe_model_proto")
     if not isinstance(proto, (bytes, bytearray)):
         raise DataError(f"{p}: has no bpe_model_proto (the sentencepiece model), so it cannot translate")
@@ -708,7 +680,11 @@ def future_leak(model, segments, t=None, seed=0):
 # Note: decoder row t reads input y_{t-1} (BOS at t = 1) and predicts y_t. For "cross" rows are labelled with the
 # predicted piece, so a row shows where the model looked to write it (an alignment); for "dec" both axes are inputs.
 # ---------------------------------------------------------------------------------------
-def _attention_module(model, kind, layer):
+@torch.no_grad()
+def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0, kind="cross"):
+    """One attention map -> (weights (Tq, Tk) float CPU tensor, rows summing to 1, query_tokens, key_tokens),
+    teacher-forced on tgt_line, else on the model's greedy translation. Tokens: BPE pieces labelling rows and columns
+    (see above). The module's keep_weights and last_weights and the model's train/eval mode are restored after."""
     stacks = {"enc": (model.encoder, "self_attn"), "dec": (model.decoder, "self_attn"),
               "cross": (model.decoder, "cross_attn")}
     if kind not in stacks:
@@ -717,15 +693,7 @@ def _attention_module(model, kind, layer):
     if not 0 <= layer < len(layers):
         raise DataError(f"--layer {layer}: the {'encoder' if kind == 'enc' else 'decoder'} has "
                         f"layers 0..{len(layers) - 1}")
-    return getattr(layers[layer], attr)
-
-
-@torch.no_grad()
-def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0, kind="cross"):
-    """One attention map -> (weights (Tq, Tk) float CPU tensor, rows summing to 1, query_tokens, key_tokens),
-    teacher-forced on tgt_line, else on the model's greedy translation. Tokens: BPE pieces labelling rows and columns
-    (see above). The module's keep_weights and last_weights and the model's train/eval mode are restored after."""
-    module = _attention_module(model, kind, layer)
+    module = getattr(layers[layer], attr)
     if not 0 <= head < model.cfg.heads:
         raise DataError(f"--head {head}: the model has heads 0..{model.cfg.heads - 1}")
     device = next(model.parameters()).device
@@ -884,12 +852,6 @@ def _qknorm(name):
     return name.endswith(("self_attn.g", "cross_attn.g"))
 
 
-def _depth(name):
-    """Sort key of a g's parameter name: the encoder before the decoder, layer by layer, final last."""
-    parts = name.split(".")
-    return (not name.startswith("enc"), int(parts[1]) if parts[1].isdigit() else 1 << 30)
-
-
 def plot_series(run_dirs):
     """{panel title: [(run name, xs, ys)]}: the curves of each panel of --plot, one per run."""
     panels = {t: [] for t in ("dev BLEU", "dev perplexity", "training loss", "gradient norm (before clipping)",
@@ -907,7 +869,8 @@ def plot_series(run_dirs):
         panels["gradient norm (before clipping)"].append(curve("gnorm"))
         evals = [r for r in rows if r.get("g")]
         if evals:
-            scale = sorted((k for k in evals[-1]["g"] if not _qknorm(k)), key=_depth)  # ScaleNorm g's
+            depth = lambda k: (not k.startswith("enc"), int(k.split(".")[1]) if k.split(".")[1].isdigit() else 1 << 30)
+            scale = sorted((k for k in evals[-1]["g"] if not _qknorm(k)), key=depth)  # ScaleNorm g's by depth
             panels["learned g by depth (last evaluation)"].append(
                 (name, list(range(len(scale))), [evals[-1]["g"][k] for k in scale]))
             qk = [(r["step"], [v for k, v in r["g"].items() if _qknorm(k)]) for r in evals]
@@ -1199,20 +1162,23 @@ def run(args):
         return analyse(args, model, tokenizer)
     if why := idle_flag("a language model" if model.cfg.lm else "a translator", args.given):
         raise DataError(f"{args.checkpoint}: {why}")
+    run_defaults(args, ckpt, model.cfg.lm)
     if model.cfg.lm:
-        return language_model(args, model, tokenizer, ckpt, lines)
+        return language_model(args, model, tokenizer, lines)
     if args.ppl and not args.ref:
         raise DataError("--ppl of a translator needs --ref (and the sources in --input or on stdin)")
-    search_flags(args, ckpt)
     return translate_and_score(args, model, tokenizer, ckpt, read_stdin() if lines is None else lines, refs)
 
 
-def search_flags(args, ckpt):
-    """--beam, --alpha and --length-penalty, where not given: the search train.py scored the run's test set with (its
-    checkpoint's flags, checked, not trusted), else TwT's beam 4, alpha 0.6, gnmt."""
+def run_defaults(args, ckpt, lm):
+    """The flags not given that default to the run's own: its checkpoint's value, checked by the flag's own type (not
+    trusted), else TwT's beam 4, alpha 0.6, gnmt and label smoothing 0.1; a language model's segment length and
+    batches (the NLL is summed in the same order, so --ppl prints results.json's number), else 32 and 4096."""
     saved = ckpt.get("args") if isinstance(ckpt.get("args"), dict) else {}
-    for flag, default, convert in (("beam", 4, positive_int), ("alpha", 0.6, alpha_range),
-                                   ("length_penalty", "gnmt", lambda v: PENALTIES[PENALTIES.index(v)])):
+    flags = (("seq_len", 32, positive_int), ("batch_tokens", 4096, positive_int)) if lm else \
+        (("beam", 4, positive_int), ("alpha", 0.6, alpha_range), ("label_smoothing", 0.1, fraction),
+         ("length_penalty", "gnmt", lambda v: PENALTIES[PENALTIES.index(v)]))
+    for flag, default, convert in flags:
         if getattr(args, flag) is None:
             v = saved.get(flag, default)
             try:  # the flag's own type, on the value as the command line would give it
@@ -1259,8 +1225,6 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
         print(score_report(hyps, refs, args.tokenized, args.lowercase), file=sys.stderr)
         if args.ppl:
             eps = args.label_smoothing
-            if eps is None:
-                eps = (ckpt.get("args") or {}).get("label_smoothing", 0.1)
             ppl = perplexity(model, tokenizer, list(zip(lines, refs)), eps, args.batch_tokens, args.dtype == "bf16")
             print(f"test perplexity: label-smoothed (eps {eps}) {ppl['smoothed_ppl']:.2f}, "
                   f"plain {ppl['ppl']:.2f} over {ppl['n_tokens']} target tokens", file=sys.stderr)
@@ -1293,17 +1257,14 @@ def read_stdin():
     return data.split_lines(raw, "stdin")  # undecodable bytes: DataError naming the line
 
 
-def language_model(args, model, tokenizer, ckpt, lines):
+def language_model(args, model, tokenizer, lines):
     """--ppl, --leak and --generate of a language model (section 8; data.py section 8)."""
     if args.generate is None and not args.ppl and not args.leak:
         raise DataError(f"{args.checkpoint}: a language model: give --ppl or --leak (with --input), "
                         f"or --generate PREFIX")
     if args.input and not (args.ppl or args.leak):
         raise DataError("--input does nothing with --generate (its text is for --ppl and --leak)")
-    saved = ckpt.get("args") or {}
-    seq_len = args.seq_len or saved.get("seq_len") or model.cfg.seq_len or 32
-    # The run's own batches by default: the NLL is summed in the same order, so --ppl prints results.json's number.
-    batch_tokens = args.batch_tokens or saved.get("batch_tokens") or 4096
+    seq_len, batch_tokens = args.seq_len, args.batch_tokens  # the run's own unless given (run_defaults)
     if model.cfg.attention == "multilinear" and seq_len > model.cfg.seq_len:
         raise DataError(f"--seq-len {seq_len}: {args.checkpoint} has a multi-linear attention built for segments of "
                         f"{model.cfg.seq_len} tokens; give --seq-len {model.cfg.seq_len} or less")
