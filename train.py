@@ -371,9 +371,11 @@ def end_of_epoch(run):
         s.best_step = s.step
     # Validation decay ([1] 2.4), for the schedules that have it: "we still perform a linear warmup
     # but then multiply by a scale alpha_decay < 1"; Code: no decay while still in the warmup.
-    if run.schedule.decays and s.step >= run.schedule.warmup and validation_decay(task.up(s.history), args.patience):
+    up = [task.sign * x for x in s.history]  # higher is better, as validation_decay reads them
+    if run.schedule.decays and s.step >= run.schedule.warmup and validation_decay(up, args.patience):
         s.lr_decay *= args.decay_factor
-        run.log(f"{task.name} {task.worse} each of the previous {args.patience}: LR x {args.decay_factor}")
+        worse = "below" if task.sign > 0 else "above"
+        run.log(f"{task.name} {worse} each of the previous {args.patience}: LR x {args.decay_factor}")
     next_lr = run.schedule(s.step + 1, s.lr_decay)
     # Stopping ([1] appendix A): the LR too small, or no dev improvement for a while.
     if next_lr < args.stop_lr and s.step >= run.schedule.warmup:
@@ -444,6 +446,7 @@ def main(argv=None):
         resumed = None
         if args.resume:  # Appendix E: the run's own flags, from its newest checkpoint, and what may change
             args, resumed = resume_flags(args, given)
+        refuse_idle_flags(args, given)
         validate_args(args)
         return train(args, resumed)
     except WriteFailed as e:  # a full disk: what was written before is intact
@@ -618,7 +621,7 @@ def resolve_flags(argv=None):
     if given.get("preset") == "list":
         print_presets()
         sys.exit(0)
-    flags = dict(DEFAULTS)
+    flags, row = dict(DEFAULTS), {}
     if given.get("pair", next(iter(PAIRS))) not in PAIRS:
         sys.exit(f"error: --pair {given['pair']}: unknown; choose one of {', '.join(PAIRS)}")
     if "preset" in given:
@@ -635,17 +638,12 @@ def resolve_flags(argv=None):
     if "lr" in given:
         flags["lr_scale"] = None
     flags.update(given)
-    if "preset" in given and "pair" in given:  # a language model's corpus for a translator's row, or the reverse
-        pair, _, row = PRESETS[given["preset"]]
-        task = row.get("task", PAIRS[pair].get("task", "mt"))
+    if "pair" in given and ("task" in given or "preset" in given):  # a language model's corpus for a translator...
+        task = given.get("task") or row.get("task") or PAIRS[PRESETS[given["preset"]][0]].get("task", "mt")
         if PAIRS[given["pair"]].get("task", "mt") != task:
-            sys.exit(f"error: --pair {given['pair']}: not a corpus for --preset {given['preset']}, a "
-                     f"{'language model' if task == 'lm' else 'translator'}")
-    if "pair" in given and "task" in given and given["task"] != PAIRS[given["pair"]].get("task", "mt"):
-        sys.exit(f"error: --pair {given['pair']}: not a corpus for --task {given['task']}")
+            what = f"--task {task}" if "task" in given else f"--preset {given['preset']}, a {TASKS[task].model}"
+            sys.exit(f"error: --pair {given['pair']}: not a corpus for {what}")
     args = argparse.Namespace(**flags)
-    if "resume" not in given:  # a resume checks them against the run's own flags (resume_flags)
-        refuse_idle_flags(args, given)
     # Values that depend on other flags are fixed here, once, and recorded in config.json.
     if args.bpe_size is None:
         args.bpe_size = 0 if args.task == "lm" else 2000 if args.data is None else 8000
@@ -657,7 +655,8 @@ def resolve_flags(argv=None):
 
 
 def refuse_idle_flags(args, given):
-    """A flag given that would do nothing in this configuration is refused, not silently ignored."""
+    """train.py's one table of which flags each task and mode reads: a flag given that would do nothing in this
+    configuration (a new run's, or a resumed one's) is refused, not silently ignored."""
     norms = {args.norm, args.encoder_norm, args.decoder_norm}
     for names, active, why in (
             (("qk_length", "qk_percentile", "qk_no_g", "qk_norm_v"), args.qknorm, "QKNorm's, so it needs --qknorm"),
@@ -670,7 +669,11 @@ def refuse_idle_flags(args, given):
               "qk_percentile"), args.task == "mt", "a translator's; a language model (--task lm) has no source, "
              "is scored by perplexity, and its QKNorm L is --seq-len"),
             (("sdpa", "attn_dropout"), args.attention == "softmax", "the softmax attention's; the multi-linear "
-             "attention has neither")):
+             "attention has neither"),
+            (("src", "tgt"), args.data is not None, "the name of a corpus's files in --data DIR; without --data the "
+             "built-in corpus is used"),
+            (("profile",), args.benchmark, "for the steps of --benchmark N: give --benchmark too"),
+            (("benchmark", "overwrite"), not args.resume, "an action of a new run; --resume continues one")):
         for name in names:
             if name in given and not active:
                 sys.exit(f"error: --{name.replace('_', '-')} is {why}")
@@ -691,12 +694,6 @@ def validate_args(args):
         bad("src", "give both language suffixes, --src and --tgt, or neither")
     if args.data is not None and args.src is None and args.task == "mt":
         bad("data", "also give --src and --tgt, e.g. --src en --tgt de for DIR/train.en and DIR/train.de")
-    if args.data is None and args.src is not None:
-        bad("src", "names the files of a corpus in --data DIR; without --data the built-in corpus is used")
-    if args.resume and (args.benchmark or args.overwrite):
-        bad("resume", "continues a run: it takes neither --benchmark nor --overwrite")
-    if args.profile and not args.benchmark:
-        bad("profile", "profiles the steps of --benchmark N: give --benchmark too")
 
 
 def budget(args):
@@ -1072,27 +1069,21 @@ class Task:
     """What a task's dev score is, which way is better, and how the log prints it."""
     name: str  # as the log says it
     key: str  # its key in metrics.jsonl (dev_KEY) and results.json (best_dev_KEY)
-    higher_is_better: bool
+    sign: int  # +1: higher is better (BLEU), -1: lower is better (perplexity); sign * score: higher is better
     width: str  # its format in the epoch line
-
-    def up(self, scores):  # the scores turned so that higher is better, as validation_decay reads them
-        return scores if self.higher_is_better else [-x for x in scores]
+    model: str  # what it trains
 
     def since_best(self, history):  # evaluations since the best (the first of equals)
-        up = self.up(history)
+        up = [self.sign * x for x in history]
         return len(up) - 1 - up.index(max(up))
 
-    @property
-    def worse(self):
-        return "below" if self.higher_is_better else "above"
-
     def scores(self, score, dev_ppl, history):  # the epoch line's scores
-        best = history[len(history) - 1 - self.since_best(history)]
         bleu = f"dev BLEU {score:6.2f} | " if self.key == "bleu" else ""
-        return f"{bleu}dev ppl {dev_ppl:7.2f} | best {best:{self.width}}"
+        return f"{bleu}dev ppl {dev_ppl:7.2f} | best {history[-1 - self.since_best(history)]:{self.width}}"
 
 
-TASKS = {"mt": Task("dev BLEU", "bleu", True, "6.2f"), "lm": Task("dev perplexity", "ppl", False, "7.2f")}
+TASKS = {"mt": Task("dev BLEU", "bleu", 1, "6.2f", "translator"),
+         "lm": Task("dev perplexity", "ppl", -1, "7.2f", "language model")}
 STOPS = {  # why a run stops: the code TrainState.stopped keeps, and its message (the log, results.json)
     "max_steps": "--max-steps {args.max_steps} reached", "max_epochs": "--max-epochs {args.max_epochs} reached",
     "stop_lr": "the LR {lr:.2e} fell below --stop-lr {args.stop_lr:g}",
@@ -1351,16 +1342,6 @@ def json_safe(x):
     return [json_safe(v) for v in x] if isinstance(x, (list, tuple)) else x
 
 
-def make_checkpoint(run):
-    """Only tensors and plain Python values: read back with torch.load(weights_only=True). The run's flags (args:
-    its run id and corpus hashes too) and its state (the step, the dev scores) are what a resume reads."""
-    return {"format": decode.CHECKPOINT_FORMAT, "model_config": run.model.cfg.to_dict(),
-            "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-            "bpe_model_proto": (run.dir / "bpe.model").read_bytes(), "src_lang": run.langs[0], "tgt_lang": run.langs[1],
-            "train_state": asdict(run.state), "args": vars(run.args), "world": run.world,
-            "rng": dict(rng_state(run), **({"ranks": run.rank_rngs} if run.world > 1 else {}))}
-
-
 def rng_state(run):
     """This process's random generators: what a resumed run restores to continue exactly."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -1371,8 +1352,14 @@ def rng_state(run):
 def save_checkpoints(run, improved):
     """The best checkpoint when dev improved, epoch N's under --keep-checkpoints (for averaging; Code [2]: the
     last 5), and the last, written last: the resume point."""
-    ckpt, s, keep, name = make_checkpoint(run), run.state, run.args.keep_checkpoints, partial(decode.checkpoint_file,
-                                                                                              run.dir)
+    s, keep, name = run.state, run.args.keep_checkpoints, partial(decode.checkpoint_file, run.dir)
+    # Only tensors and plain Python values: read back with torch.load(weights_only=True). The run's flags (args: its
+    # run id and corpus hashes too) and its state (the step, the dev scores) are what a resume reads.
+    ckpt = {"format": decode.CHECKPOINT_FORMAT, "model_config": run.model.cfg.to_dict(),
+            "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+            "bpe_model_proto": (run.dir / "bpe.model").read_bytes(), "src_lang": run.langs[0], "tgt_lang": run.langs[1],
+            "train_state": asdict(run.state), "args": vars(run.args), "world": run.world,
+            "rng": dict(rng_state(run), **({"ranks": run.rank_rngs} if run.world > 1 else {}))}
     if improved:
         write_file(name("best"), ckpt)
     if keep > 0:
@@ -1412,15 +1399,28 @@ def restore(run, ckpt):
 
 
 def resume_flags(args, given):
-    """--resume RUN: (the flags of RUN's newest good checkpoint with the given ones that may change, (that checkpoint,
-    the flags given)). Any other flag given with another value is refused by may_resume, before any change."""
+    """--resume RUN: (the flags of RUN's newest checkpoint that reads back, with the given ones that may change, (that
+    checkpoint, the flags given)); DataError if none reads back, or an older train.py wrote it. Any other flag given
+    with another value is refused by may_resume, before any change."""
     run_dir = Path(args.resume)
-    console = Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0")  # rank 0's, as start_process's
-    ckpt = newest_checkpoint(run_dir, partial(log_line, console))
+    log = partial(log_line, Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0"))  # rank 0's lines
+    for i, path in enumerate(decode.checkpoints(run_dir, "resume")):  # the newest that reads back safely
+        try:
+            ckpt = decode.read_checkpoint(path)
+            break
+        except data.DataError as e:
+            log(f"resume: skipped: {e}")
+    else:
+        raise data.DataError(f"--resume {run_dir}: nothing to resume from, no readable checkpoint (the run may have "
+                             f"stopped before its first evaluation); start it again with --overwrite")
+    if ckpt.get("format") != decode.CHECKPOINT_FORMAT:
+        raise data.DataError(f"--resume {run_dir}: written by an older train.py (checkpoint format "
+                             f"{ckpt.get('format')}, not {decode.CHECKPOINT_FORMAT}); start a new run")
+    fallback = "" if i == 0 and path == decode.checkpoint_file(run_dir, "last") else " (the newest that reads back)"
+    log(f"resume: {path} at step {ckpt['train_state']['step']}{fallback}")
     saved = ckpt["args"]
     given = {k: v for k, v in given.items() if k != "resume" and not (k == "out" and Path(v) == run_dir)}
     changed = {k: v for k, v in given.items() if k in RESUME_MAY_CHANGE and v != saved.get(k)}
-    refuse_idle_flags(argparse.Namespace(**{**DEFAULTS, **saved, **given}), given)
     return argparse.Namespace(**{**DEFAULTS, **saved, **changed, "resume": str(run_dir), "out": str(run_dir),
                                  "overwrite": False,  # an action of the run's first start, not one of its flags
                                  "changed_on_resume": {**saved.get("changed_on_resume", {}), **changed}}), (ckpt, given)
@@ -1442,8 +1442,11 @@ def may_resume(run_dir, args, ckpt, given, pairs):
                              f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''})")
     last, code = budget(args)  # train_loop's last step
     flag = f"--{code.replace('_', '-')} {getattr(args, code)}"
-    done = ckpt["train_state"]["step"]
-    finished = finished_at(run_dir, args.run_id) == done  # else: killed before its test, which is left to do
+    done, results = ckpt["train_state"]["step"], {}
+    with contextlib.suppress(OSError, ValueError):
+        results = json.loads((run_dir / "results.json").read_text())
+    # Finished: its results.json, of this run, at this step; else killed before its test, which is left to do.
+    finished = isinstance(results, dict) and results.get("run_id") == args.run_id and results.get("steps") == done
     if done > last or done == last and finished:
         raise data.DataError(f"--resume {run_dir}: the run has trained {done} steps, "
                              f"{'past' if done > last else 'all'} that {flag} allows: nothing to train; give a "
@@ -1459,12 +1462,6 @@ def corpus_hashes(pairs):
     return {split: data.pairs_sha256(split_pairs) for split, split_pairs in pairs.items()}
 
 
-def holds_a_run(run_dir):
-    """What in run_dir makes it a run directory ("" if nothing)."""
-    found = [n for n in ("config.json", "metrics.jsonl") if (run_dir / n).exists()]
-    return ", ".join(found + sorted(p.name for p in decode.checkpoints(run_dir))[:2])
-
-
 def run_id_of(path):
     """The run id a config.json, results.json or checkpoint holds (None if it holds none or is unreadable)."""
     try:
@@ -1478,14 +1475,6 @@ def run_id_of(path):
     return blob.get("run_id") if isinstance(blob, dict) and isinstance(blob.get("run_id"), str) else None
 
 
-def check_out(run_dir):
-    """--out must be a folder, or a path where one can be made."""
-    if run_dir.is_symlink() and not run_dir.exists():
-        raise data.DataError(f"--out {run_dir}: a symbolic link to {os.readlink(run_dir)}, which does not exist")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise data.DataError(f"--out {run_dir}: a file, not a folder")
-
-
 def open_run_dir(args, pairs, log, stack, master, resumed=None):
     """(the run directory, the checkpoint to resume from or None, the staging folder) after every check of the run
     directory, unchanged here: commit_run_dir changes it once every other input is checked too. Rank 0 holds its lock
@@ -1497,8 +1486,14 @@ def open_run_dir(args, pairs, log, stack, master, resumed=None):
     if not str(args.out).strip():  # Path("") would be this folder
         raise data.DataError("--out is empty: give the run directory, e.g. --out runs/NAME")
     run_dir, ckpt = Path(args.out), None
-    check_out(run_dir)
-    held = holds_a_run(run_dir) if run_dir.is_dir() and master else ""  # rank 0 checks, and may have committed
+    if run_dir.is_symlink() and not run_dir.exists():
+        raise data.DataError(f"--out {run_dir}: a symbolic link to {os.readlink(run_dir)}, which does not exist")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise data.DataError(f"--out {run_dir}: a file, not a folder")
+    held = ""  # what in run_dir makes it a run directory; rank 0 checks (the others come after its commit)
+    if run_dir.is_dir() and master:
+        found = [n for n in ("config.json", "metrics.jsonl") if (run_dir / n).exists()]
+        held = ", ".join(found + sorted(p.name for p in decode.checkpoints(run_dir))[:2])
     if held and not (args.resume or args.overwrite):
         raise data.DataError(f"{run_dir} already holds a run ({held}): continue it with --resume {run_dir}, "
                              f"or replace it with --overwrite")
@@ -1562,8 +1557,10 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
             f.unlink()
         log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
     write_file(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
-    if ckpt is not None:
-        keep_metrics_until(run_dir / "metrics.jsonl", ckpt["train_state"]["step"])
+    if ckpt is not None and (run_dir / "metrics.jsonl").exists():  # what a killed run logged after its checkpoint goes
+        rows = decode.read_metrics(run_dir)  # (and a half-written last line)
+        write_file(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows
+                                                      if r.get("step", 1 << 62) <= ckpt["train_state"]["step"]))
 
 
 class WriteFailed(data.DataError):
@@ -1594,34 +1591,6 @@ def lock(run_dir):
         yield  # closing the file releases the lock
 
 
-def newest_checkpoint(run_dir, log):
-    """The newest checkpoint in run_dir that reads back safely (decode.checkpoints' "resume" order); DataError if none
-    does, or if train.py before the checkpoint format of today wrote it."""
-    for i, path in enumerate(decode.checkpoints(run_dir, "resume")):
-        try:
-            ckpt = decode.read_checkpoint(path)
-        except data.DataError as e:
-            log(f"resume: skipped: {e}")
-            continue
-        if ckpt.get("format") != decode.CHECKPOINT_FORMAT:
-            raise data.DataError(f"--resume {run_dir}: written by an older train.py (checkpoint format "
-                                 f"{ckpt.get('format')}, not {decode.CHECKPOINT_FORMAT}); start a new run")
-        fallback = "" if i == 0 and path == decode.checkpoint_file(run_dir, "last") else " (the newest that reads back)"
-        log(f"resume: {path} at step {ckpt['train_state']['step']}{fallback}")
-        return ckpt
-    raise data.DataError(f"--resume {run_dir}: nothing to resume from, no readable checkpoint (the run may have "
-                         f"stopped before its first evaluation); start it again with --overwrite")
-
-
-def finished_at(run_dir, run_id):
-    """The step at which this run (run_id) wrote its results.json, or None."""
-    try:
-        results = json.loads((run_dir / "results.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return results.get("steps") if isinstance(results, dict) and results.get("run_id") == run_id else None
-
-
 def still_stopped(args, state):
     """state["stopped"] if the run stopped by --stop-lr or --early-stop and would stop again at its next step under
     the flags it resumes with (args), else None: changing either flag lets it go on."""
@@ -1632,20 +1601,6 @@ def still_stopped(args, state):
     if code == "early_stop" and args.early_stop and TASKS[args.task].since_best(state["history"]) >= args.early_stop:
         return state["stopped"]
     return None
-
-
-def keep_metrics_until(path, step):
-    """Drop what a killed run logged after its checkpoint, and a half-written last line."""
-    if path.exists():
-        keep = []
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if record.get("step", 1 << 62) <= step:
-                keep.append(line + "\n")
-        write_file(path, "".join(keep))
 
 
 def what_next(args):
