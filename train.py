@@ -619,7 +619,10 @@ def resolve_flags(argv=None):
     parser.error = lambda message: sys.exit(f"error: {message}")  # one line (argparse adds its usage)
     given = vars(parser.parse_args(argv))
     if given.get("preset") == "list":
-        print_presets()
+        for name, (pair, row, _) in PRESETS.items():
+            print(f"{name:30s} {pair:6s} {row}")
+        print(f"{len(PRESETS)} presets; --pair NAME swaps the language pair ({', '.join(PAIRS)}); any flag given "
+              f"with --preset overrides it")
         sys.exit(0)
     flags, row = dict(DEFAULTS), {}
     if given.get("pair", next(iter(PAIRS))) not in PAIRS:
@@ -879,13 +882,6 @@ PRESETS.update({
 })
 
 
-def print_presets():
-    for name, (pair, row, _) in PRESETS.items():
-        print(f"{name:30s} {pair:6s} {row}")
-    print(f"{len(PRESETS)} presets; --pair NAME swaps the language pair ({', '.join(PAIRS)}); "
-          f"any flag given with --preset overrides it")
-
-
 # =======================================================================================
 # Appendix C: speed and the log. Model FLOPs, the machine's own matmul throughput (MFU), the log line (StepLog), a
 # diverged run, the batch norms' diagnostics, --benchmark, --profile, keeping freed memory. Figures are never asserted.
@@ -952,12 +948,6 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def peak_memory_mb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB
-
-
 def benchmark(run):
     """--benchmark N: time N training steps after 3 warm-up steps (and --compile's compilations); print figures,
     assert nothing. As in training, the host reads nothing back from the device in the N steps: one sync at the end."""
@@ -991,9 +981,11 @@ def benchmark(run):
         result["compiled_graphs"] = compiled_graphs() - graphs
     matmul_peak = max(matmul_peak, matmul_flops(dev, cfg.d_model, cfg.ff, run.step_options.bf16))  # the larger kept
     pad = data.padding_share(run.train, run.order, run.pad_multiple)
+    peak_mb = torch.cuda.max_memory_allocated(dev) / 2 ** 20 if dev.type == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB
     result.update({"steps": args.benchmark, "tgt_tok_per_s": n_tok / secs, "flops_per_tgt_token": flops / n_tok,
                    "achieved_flops": flops / secs, "matmul_peak_flops": matmul_peak, "mfu": flops / secs / matmul_peak,
-                   "padding_share": pad, "peak_memory_mb": peak_memory_mb(dev), "threads": torch.get_num_threads(),
+                   "padding_share": pad, "peak_memory_mb": peak_mb, "threads": torch.get_num_threads(),
                    "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
                    "bf16": run.step_options.bf16, "losses": losses, "model_config": cfg.to_dict()})
     run.log(f"benchmark: {args.benchmark} steps | {result['tgt_tok_per_s']:.0f} target tok/s | "
@@ -1162,14 +1154,41 @@ class StepLog:
             dt, self.t0 = time.perf_counter() - self.t0, time.perf_counter()
             s.train_seconds += dt
             self.win["t"] += dt
-            n, self.pending = record_steps(run, self.pending, values, self.win), []
-            if s.stopped:
-                return
+            for (step, step_lr, n, f, _), (l, ll, g, *n_read) in zip(self.pending, values):  # into the window
+                n = n_read[0] if n_read else n
+                for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
+                    self.win[k] += v
+                run.metrics({"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
+                # A non-finite gradient norm with a finite loss would still make the weights NaN.
+                bad = [(name, v) for name, v in (("the training loss", l), ("the gradient norm", g))
+                       if not math.isfinite(v)]
+                if bad:
+                    return diverged(run, f"{bad[0][0]} became {bad[0][1]} at step {step}")
+            self.pending = []
             if log_now:
-                log_window(run, self.win, lr, self.matmul_peak)
-                self.win = dict.fromkeys(self.win, 0.0)
+                self.log_window(lr)
                 self.bar.update(self.task, info=f"loss {values[-1][0] / n:.3f}")
         self.bar.update(self.task, completed=s.step)
+
+    def log_window(self, lr):
+        """One log line (and metrics record) for the steps since the last one; the window starts again."""
+        run, win = self.run, self.win
+        tl, nll = win["loss"] / max(win["tok"], 1), win["nll"] / max(win["tok"], 1)
+        tps, mfu = win["tok"] / win["t"], win["flops"] / win["t"] / (self.matmul_peak * run.world)
+        run.log(f"step {run.state.step:6d} | loss {tl:6.3f} | ppl {math.exp(min(nll, 50)):8.2f} | lr {lr:.2e} | "
+                f"{tps:7.0f} tok/s | MFU {100 * mfu:4.1f}% | gnorm {win['gnorm'] / win['n']:6.3f}")
+        run.metrics({"step": run.state.step, "train_loss": tl, "train_ppl": math.exp(min(nll, 50)),
+                     "tok_per_s": tps, "mfu": mfu})
+        uniform = math.log(int(run.model.allowed.sum()))  # the loss of guessing uniformly among the target words
+        if tl > uniform + 3 and run.state.step > run.schedule.warmup:  # huge but finite: say so, go on
+            warning = (f"the training loss {tl:.2f} is far above a uniform guess ({uniform:.2f}): the run may be "
+                       f"diverging (a smaller --lr, --prenorm or more --warmup may help)")
+            run.log("warning: " + warning)
+            run.metrics({"step": run.state.step, "warning": warning})
+        stats = {name: m.stats for name, m in run.model.named_modules() if isinstance(m, BATCH_NORMS) and m.stats}
+        if stats:  # [2] Figures 2-4: batch vs running statistics, and the batch statistics' gradient terms
+            run.metrics({"step": run.state.step, "batch_norm_stats": stats})
+        self.win = dict.fromkeys(self.win, 0.0)
 
     def evaluated(self):
         """After an evaluation: MFU's denominator again, the larger kept (a busy moment at the start, another process
@@ -1178,41 +1197,6 @@ class StepLog:
         self.matmul_peak = max(self.matmul_peak, matmul_flops(self.run.device, args.d_model, args.ff,
                                                               self.run.step_options.bf16, seconds=0.25))
         self.t0 = time.perf_counter()
-
-
-def record_steps(run, pending, values, win):
-    """The steps since the last host sync, their numbers read together (values): into the log window and metrics.jsonl;
-    a non-finite loss or gradient norm stops the run as diverged. Returns the last step's target tokens."""
-    for (step, step_lr, n, f, _), (l, ll, g, *n_read) in zip(pending, values):
-        n = n_read[0] if n_read else n
-        for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
-            win[k] += v
-        run.metrics({"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
-        # A non-finite gradient norm with a finite loss would still make the weights NaN.
-        bad = [(name, v) for name, v in (("the training loss", l), ("the gradient norm", g)) if not math.isfinite(v)]
-        if bad:
-            diverged(run, f"{bad[0][0]} became {bad[0][1]} at step {step}")
-            break
-    return n
-
-
-def log_window(run, win, lr, matmul_peak):
-    """One log line (and metrics record) for the steps since the last one."""
-    tl, nll = win["loss"] / max(win["tok"], 1), win["nll"] / max(win["tok"], 1)
-    tps, mfu = win["tok"] / win["t"], win["flops"] / win["t"] / (matmul_peak * run.world)
-    run.log(f"step {run.state.step:6d} | loss {tl:6.3f} | ppl {math.exp(min(nll, 50)):8.2f} | lr {lr:.2e} | "
-            f"{tps:7.0f} tok/s | MFU {100 * mfu:4.1f}% | gnorm {win['gnorm'] / win['n']:6.3f}")
-    run.metrics({"step": run.state.step, "train_loss": tl, "train_ppl": math.exp(min(nll, 50)),
-                 "tok_per_s": tps, "mfu": mfu})
-    uniform = math.log(int(run.model.allowed.sum()))  # the loss of guessing uniformly among the target words
-    if tl > uniform + 3 and run.state.step > run.schedule.warmup:  # huge but finite: say so, go on
-        warning = (f"the training loss {tl:.2f} is far above a uniform guess ({uniform:.2f}): the run may be "
-                   f"diverging (a smaller --lr, --prenorm or more --warmup may help)")
-        run.log("warning: " + warning)
-        run.metrics({"step": run.state.step, "warning": warning})
-    stats = {name: m.stats for name, m in run.model.named_modules() if isinstance(m, BATCH_NORMS) and m.stats}
-    if stats:  # [2] Figures 2-4: batch vs running statistics, and the batch statistics' gradient terms
-        run.metrics({"step": run.state.step, "batch_norm_stats": stats})
 
 
 def track_batch_statistics(model, on):
@@ -1385,11 +1369,7 @@ def restore(run, ckpt):
     if ckpt["world"] != run.world:
         raise data.DataError(f"{run.dir}: the run trained on {ckpt['world']} processes and this is {run.world}; "
                              f"resume it with as many (a step's batches and batch statistics depend on them)")
-    run.state = TrainState(**ckpt["train_state"])
-    # A budget (--max-*), --stop-lr or --early-stop: the resumed run's own flags decide (may_resume has refused a
-    # finished run they would stop at once; one killed in its final test goes straight to the test).
-    if run.state.stopped and run.state.stopped[0] != "diverged" and not still_stopped(run.args, ckpt["train_state"]):
-        run.state.stopped = None
+    run.state = TrainState(**ckpt["train_state"])  # its stop as may_resume decided
     rng = ckpt["rng"]["ranks"][run.rank] if len(ckpt["rng"].get("ranks", [])) == run.world else ckpt["rng"]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
@@ -1451,10 +1431,15 @@ def may_resume(run_dir, args, ckpt, given, pairs):
         raise data.DataError(f"--resume {run_dir}: the run has trained {done} steps, "
                              f"{'past' if done > last else 'all'} that {flag} allows: nothing to train; give a "
                              f"larger {flag.split()[0]} to continue")
-    if (why := still_stopped(args, ckpt["train_state"])) and finished:
+    state = ckpt["train_state"]
+    if (why := still_stopped(args, state)) and finished:
         fix = "a smaller --stop-lr" if why[0] == "stop_lr" else "a larger --early-stop (0: off)"
         raise data.DataError(f"--resume {run_dir}: the run stopped ({why[1]}) and would stop again at once: "
                              f"nothing to train; give {fix} to continue")
+    # A budget (--max-*), --stop-lr or --early-stop: the resumed run's own flags decide whether its stop holds (one
+    # killed in its final test, still stopped, goes straight to the test).
+    if state["stopped"] and state["stopped"][0] != "diverged" and not why:
+        state["stopped"] = None
 
 
 def corpus_hashes(pairs):
@@ -1625,7 +1610,7 @@ def what_next(args):
 # encode (cached there too); a language model's text is cut into segments (data.py section 8).
 # =======================================================================================
 def read_corpus(args, log):
-    """{split: [(src, tgt)]} of raw text, and the language suffixes; a language model's: {split: [line]} (read_text)."""
+    """{split: [(src, tgt)]} of raw text, and the language suffixes; a language model's: {split: [line]}."""
     if args.data is None:
         data_dir, langs = data.ensure_toy_corpus(), ("src", "tgt")
         log(f"data: built-in synthetic corpus in {data_dir}")
@@ -1638,8 +1623,18 @@ def read_corpus(args, log):
         if pair and not data_dir.is_dir():
             raise data.DataError(f"--data {data_dir}: not there (relative to this folder): prepare it with "
                                  f"python data.py prepare {pair}, or give --data DIR")
-    if args.task == "lm":
-        return read_text(data_dir, args.data is None, log), (None, None)
+    if args.task == "lm":  # DIR/{train,dev,test}.txt, one sentence a line (the built-in corpus: its target side)
+        if args.data is None:
+            log("data: the target side of the built-in synthetic corpus, as a language model's text")
+        text = {split: data_dir / f"{split}.{'tgt' if args.data is None else 'txt'}" for split in data.SPLITS}
+        for split, path in text.items():
+            if not path.is_file():
+                raise data.DataError(f"{path}: file not found (a language model's corpus folder holds train.txt, "
+                                     f"dev.txt and test.txt, one sentence a line)")
+            text[split] = [line for line in data.read_lines(path) if line]  # empty lines skipped
+            if not text[split]:
+                raise data.DataError(f"{path}: no text (every line is empty)")
+        return text, (None, None)
     paths, pairs = data.corpus_paths(data_dir, *langs), {}
     for split in data.SPLITS:
         # A training pair with an empty side teaches nothing and is dropped. Dev and test lines never
@@ -1653,23 +1648,6 @@ def read_corpus(args, log):
             log(f"data: {split}: {stats['empty']} pairs with an empty side "
                 + ("dropped" if split == "train" else "kept (translated and scored like every other line)"))
     return pairs, langs
-
-
-def read_text(data_dir, builtin, log):
-    """A language model's {split: [line]}: DIR/{train,dev,test}.txt, one sentence a line, empty lines
-    skipped (the built-in corpus: its target side)."""
-    if builtin:
-        log("data: the target side of the built-in synthetic corpus, as a language model's text")
-    text = {}
-    for split in data.SPLITS:
-        path = data_dir / f"{split}.{'tgt' if builtin else 'txt'}"
-        if not path.is_file():
-            raise data.DataError(f"{path}: file not found (a language model's corpus folder holds train.txt, "
-                                 f"dev.txt and test.txt, one sentence a line)")
-        text[split] = [line for line in data.read_lines(path) if line]
-        if not text[split]:
-            raise data.DataError(f"{path}: no text (every line is empty)")
-    return text
 
 
 def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
