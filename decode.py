@@ -788,7 +788,23 @@ def save_heatmap_png(weights, rows, cols, path, title=None):
 
 
 def analyse(args, model, tokenizer):
-    """--g-table and --attention: print, write nothing but the optional PNG."""
+    """--svd ([2] Figure 6's curve), --g-table and --attention: print, write nothing but the optional PNG."""
+    if args.svd:
+        sv = singular_values(model)
+        marks = sorted({0, len(sv) // 10, len(sv) // 4, len(sv) // 2, 3 * len(sv) // 4, len(sv) - 1})
+        print("singular values of the embedding matrix over the largest ([2] Figure 6): "
+              + ", ".join(f"sigma_{i + 1} {sv[i]:.3f}" for i in marks))
+        if args.png:
+            plt = pyplot(args.png)
+            fig, ax = plt.subplots(figsize=(5, 3.5))
+            ax.plot(range(1, len(sv) + 1), sv)
+            ax.set(xlabel="index", ylabel="sigma_i / sigma_1", title="embedding singular values")
+            fig.tight_layout()
+            fig.savefig(args.png, dpi=120)
+            print(f"wrote {args.png}")
+        return 0
+    if model.cfg.lm and args.attention is not None:
+        raise DataError(f"{args.checkpoint}: a language model: --attention draws a translator's maps")
     if args.g_table:
         print_g_table(model, Console())
     if args.attention is not None:
@@ -847,17 +863,13 @@ def read_metrics(run_dir):
     return rows
 
 
-def _qknorm(name):
-    """Whether a g's parameter name is an attention module's (QKNorm), not a ScaleNorm's."""
-    return name.endswith(("self_attn.g", "cross_attn.g"))
-
-
 def plot_series(run_dirs):
     """{panel title: [(run name, xs, ys)]}: the curves of each panel of --plot, one per run."""
     panels = {t: [] for t in ("dev BLEU", "dev perplexity", "training loss", "gradient norm (before clipping)",
                               "learned g by depth (last evaluation)", "QKNorm g (mean over modules)",
                               "batch vs running statistic, first norm",
                               "embedding singular values / the largest ([2] Fig. 6)")}
+    qknorm = lambda k: k.endswith(("self_attn.g", "cross_attn.g"))  # an attention module's g (QKNorm), not a norm's
     for run in run_dirs:
         rows, name = read_metrics(run), Path(run).name
         def curve(key, where=lambda r: True):
@@ -870,10 +882,10 @@ def plot_series(run_dirs):
         evals = [r for r in rows if r.get("g")]
         if evals:
             depth = lambda k: (not k.startswith("enc"), int(k.split(".")[1]) if k.split(".")[1].isdigit() else 1 << 30)
-            scale = sorted((k for k in evals[-1]["g"] if not _qknorm(k)), key=depth)  # ScaleNorm g's by depth
+            scale = sorted((k for k in evals[-1]["g"] if not qknorm(k)), key=depth)  # ScaleNorm g's by depth
             panels["learned g by depth (last evaluation)"].append(
                 (name, list(range(len(scale))), [evals[-1]["g"][k] for k in scale]))
-            qk = [(r["step"], [v for k, v in r["g"].items() if _qknorm(k)]) for r in evals]
+            qk = [(r["step"], [v for k, v in r["g"].items() if qknorm(k)]) for r in evals]
             qk = [(x, sum(gs) / len(gs)) for x, gs in qk if gs]
             panels["QKNorm g (mean over modules)"].append((name, [x for x, _ in qk], [y for _, y in qk]))
         first = "encoder.0.norm_attn" if any("encoder.0.norm_attn" in r.get("batch_norm_stats", {}) for r in rows) \
@@ -1054,7 +1066,7 @@ MODES = {"compare": {"compare", "ref", "samples", "seed", "tokenized", "lowercas
          "benchmark": MODEL | SEARCH | {"benchmark", "input", "ref"},
          "a translator": TRANSLATE, "a language model": MODEL - {"average"} | LM}
 # A flag that only works with another ("--sample is for --generate"), checked whatever the mode.
-NEEDS = {"sample": "generate", "max_tokens": "generate", "temperature": "sample", "samples": "compare",
+NEEDS = {"out": "plot", "sample": "generate", "max_tokens": "generate", "temperature": "sample", "samples": "compare",
          "seed": ("compare", "sample"), "tokenized": "ref", "lowercase": "ref", "label_smoothing": "ppl",
          "attention_target": "attention", "png": ("attention", "svd"), "layer": "attention", "head": "attention",
          "kind": "attention"}
@@ -1079,8 +1091,6 @@ def parse_args(argv=None):
         ap.error("a checkpoint (file or run directory) is needed, except with --compare or --plot")
     if args.compare and args.seed < 1:  # SacreBLEU takes 0 as "no seed": another resampling at every run
         ap.error(f"--seed must be at least 1 for --compare (got {args.seed!r})")
-    if args.out and not args.plot:
-        ap.error("--out is the picture of --plot; translations go to --output")
     for flag, needs in NEEDS.items():
         needs = (needs,) if isinstance(needs, str) else needs
         if flag in args.given and not args.given & set(needs):
@@ -1116,20 +1126,6 @@ def check_output_file(path, flag, suffix=None):
         raise DataError(f"{flag} {path}: cannot write into {folder} ({e.strerror})") from None
 
 
-def check_not_an_input(args):
-    """--output never overwrites what decode.py reads (--input, --ref, the checkpoint), nor a file train.py wrote into
-    the run directory (its config, metrics, BPE model, checkpoints)."""
-    out = Path(args.output).resolve()
-    for flag, path in (("--input", args.input), ("--ref", args.ref), ("the checkpoint", args.checkpoint)):
-        if path and out.exists() and Path(path).exists() and out.samefile(path):
-            raise DataError(f"--output {args.output}: is {flag} {path}; write the translations elsewhere")
-    ckpt = Path(args.checkpoint).resolve()
-    run_dir = ckpt if ckpt.is_dir() else ckpt.parent
-    if out.parent == run_dir and out.exists() and (out.suffix not in (".hyp", ".txt") or is_run_file(out.name)):
-        raise DataError(f"--output {args.output}: a file of the run directory {run_dir} (train.py's, or not a .hyp "
-                        f"or .txt file); write the translations elsewhere")
-
-
 def run(args):
     """Everything main() does, raising DataError for the user's mistakes."""
     if args.compare:
@@ -1144,9 +1140,17 @@ def run(args):
     if device.type == "cuda" and not has_bf16(device):
         args.dtype = "fp32"  # this GPU only emulates bf16, slowly (model.has_bf16)
     # Every input is read and checked before any work; stdin is read last.
-    if args.output:
+    if args.output:  # never what decode.py reads (--input, --ref, the checkpoint), nor a file train.py wrote
         check_output_file(args.output, "--output")
-        check_not_an_input(args)
+        out = Path(args.output).resolve()
+        for flag, path in (("--input", args.input), ("--ref", args.ref), ("the checkpoint", args.checkpoint)):
+            if path and out.exists() and Path(path).exists() and out.samefile(path):
+                raise DataError(f"--output {args.output}: is {flag} {path}; write the translations elsewhere")
+        run_dir = Path(args.checkpoint).resolve() if Path(args.checkpoint).is_dir() else \
+            Path(args.checkpoint).resolve().parent
+        if out.parent == run_dir and out.exists() and (out.suffix not in (".hyp", ".txt") or is_run_file(out.name)):
+            raise DataError(f"--output {args.output}: a file of the run directory {run_dir} (train.py's, or not a "
+                            f".hyp or .txt file); write the translations elsewhere")
     if args.png:
         require_pyplot(args.png, "--png")
     lines = data.read_lines(args.input) if args.input else None
@@ -1154,11 +1158,7 @@ def run(args):
     model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
     if args.batch_tokens is None and not model.cfg.lm:
         args.batch_tokens = 4096
-    if args.svd:
-        return print_singular_values(model, args.png)
-    if model.cfg.lm and args.attention is not None:
-        raise DataError(f"{args.checkpoint}: a language model: --attention draws a translator's maps")
-    if args.g_table or args.attention is not None:
+    if args.svd or args.g_table or args.attention is not None:
         return analyse(args, model, tokenizer)
     if why := idle_flag("a language model" if model.cfg.lm else "a translator", args.given):
         raise DataError(f"{args.checkpoint}: {why}")
@@ -1211,8 +1211,13 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
     search = Search(args.beam, args.alpha, args.max_len_b, args.max_len, args.dtype == "bf16", args.length_penalty)
     hyps = translate(model, tokenizer, lines, search, args.batch_tokens, args.progress)
     text = "".join(h + "\n" for h in hyps)
-    if args.output:
-        write_output(args.output, text)
+    if args.output:  # atomically (a kill leaves the old file or the new one), through a symbolic link to its file; a
+        # stream (is_stream) appended to: /dev/stdout may be a file the shell opened (> out.txt 2>&1), not to be cut
+        if is_stream(args.output):
+            with open(args.output, "a", encoding="utf-8") as f:
+                f.write(text)
+        else:
+            data.atomic_write(Path(args.output).resolve(), text)
         args.output_written = True  # for the message of a Ctrl-C while scoring
     else:
         sys.stdout.write(text)
@@ -1237,16 +1242,6 @@ def is_stream(path):
     p = Path(path).absolute()
     descriptor = re.fullmatch(r"/dev/(stdout|stderr|fd/\d+)|/proc/[^/]+/fd/\d+", str(p))
     return bool(descriptor) or p.exists() and not p.is_file()
-
-
-def write_output(path, text):
-    """--output: atomically (a kill leaves the old file or the new one), through a symbolic link to its file; a
-    stream (is_stream) appended to: /dev/stdout may be a file the shell opened (> out.txt 2>&1), not to be cut."""
-    if is_stream(path):
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        data.atomic_write(Path(path).resolve(), text)
 
 
 def read_stdin():
@@ -1293,23 +1288,6 @@ def language_model(args, model, tokenizer, lines):
     return 0
 
 
-def print_singular_values(model, png=None):
-    """--svd: [2] Figure 6's curve, printed (and drawn into png)."""
-    sv = singular_values(model)
-    marks = sorted({0, len(sv) // 10, len(sv) // 4, len(sv) // 2, 3 * len(sv) // 4, len(sv) - 1})
-    print("singular values of the embedding matrix over the largest ([2] Figure 6): "
-          + ", ".join(f"sigma_{i + 1} {sv[i]:.3f}" for i in marks))
-    if png:
-        plt = pyplot(png)
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot(range(1, len(sv) + 1), sv)
-        ax.set(xlabel="index", ylabel="sigma_i / sigma_1", title="embedding singular values")
-        fig.tight_layout()
-        fig.savefig(png, dpi=120)
-        print(f"wrote {png}")
-    return 0
-
-
 def main(argv=None):
     args = parse_args(argv)
     try:
@@ -1338,13 +1316,8 @@ def _max_lengths(src, max_len):
 
 
 def _strip(tokens):
-    """Hypothesis tokens up to (not including) the first EOS or PAD placeholder."""
-    out = []
-    for w in tokens:
-        if w == EOS or w == PAD:
-            break
-        out.append(w)
-    return out
+    """Hypothesis tokens (a list) up to (not including) the first EOS or PAD placeholder."""
+    return tokens[:next((i for i, w in enumerate(tokens) if w in (EOS, PAD)), len(tokens))]
 
 
 @contextlib.contextmanager

@@ -72,6 +72,11 @@ from norms import BATCH_NORMS, NORMS, fast_paths, use_reference
 #   cosine (the tensorized Transformer's PTB script, for [2]'s language models): eq. 7's linear
 #     warmup to the peak, then peak * (1 + cos(pi (n - n_warmup) / (N - n_warmup))) / 2, to 0 at
 #     the run's last step N (--max-steps, else --max-epochs x --epoch-size).
+# Why: warmup exists because a PostNorm model's early updates pass through LayerNorm on the residual path and
+#   can blow up or vanish before its scales settle; PreNorm keeps a clean residual path, so the model can start
+#   at a large, constant LR with no warmup at all. Validation-based decay then trains at that LR as long as dev
+#   BLEU still improves, and cuts it by alpha_decay only when BLEU stalls for `patience` evaluations: the data,
+#   not a fixed formula, decides when the LR comes down.
 # ---------------------------------------------------------------------------------------
 def inverse_sqrt_lr(step, d_model, warmup, lr_scale):
     n = max(step, 1)

@@ -836,7 +836,7 @@ def test_decode_refuses_what_would_silently_do_nothing_or_mislead(finished, tmp_
     src.write_text("the dog sees a cat .\n")
     ref.write_text("the dog sees a cat .\n")
     run = [str(finished), "--input", str(src)]
-    for argv, words in ((run + ["--out", str(tmp_path / "o.hyp")], "--out is the picture of --plot"),
+    for argv, words in ((run + ["--out", str(tmp_path / "o.hyp")], "--out is for --plot"),
                         ([str(finished), "--g-table", "--input", str(src)], "--input does nothing with --g-table"),
                         (run + ["--benchmark", "--output", str(tmp_path / "o.hyp")], "--output does nothing"),
                         (run + ["--svd"], "--input does nothing with --svd"),
