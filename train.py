@@ -1024,41 +1024,10 @@ def profile_steps(run, step, secs, n_tok):
     return result
 
 
-def compile_model(net):
-    """torch.compile for batches whose shapes change at every step (sentence lengths, sentences per batch): compiled
-    once for symbolic shapes (dynamic=True), rather than for the first batch's shapes, then again, or once per shape.
-    Two more specialisations each recompiled the whole base model (60-90 s each, H100, 2026-11-24), so both are off:
-    "duck sizing" (two lengths equal in the first batch were assumed equal for ever) and inductor's matmul padding,
-    which asks whether each matmul is compute-bound (with lengths padded to multiples of 8 it has nothing to pad).
-    Note: the padding to multiples of 8 changes no result except PowerNorm's code variant, whose backward statistics
-    average over padding too. torch's compiler modules are imported only here, with --compile."""
-    import torch._inductor.config as inductor_config
-    import torch.fx.experimental._config as fx_config
-    fx_config.use_duck_shape = False
-    inductor_config.shape_padding = False
-    return torch.compile(net, dynamic=True)
-
-
 def compiled_graphs():
     """How many graphs torch.compile has compiled in this process (its dynamo counter)."""
     from torch._dynamo.utils import counters  # torch.compile's own module, imported only with --compile
     return int(counters["stats"]["unique_graphs"])
-
-
-def keep_freed_memory():
-    """Ask glibc's malloc to keep freed memory for reuse instead of returning it to the OS. By default a block over
-    32 MiB (a batch's logits, an FFN activation) is mmap'ed fresh at every allocation and unmapped when freed, so each
-    training step faults every page of it in again, zero-filled by the kernel (system time was a sixth of a Multi30k
-    step). With these limits the freed blocks stay in malloc's heap: +10-15% tokens/s, the same peak memory.
-    Linux/glibc only; elsewhere a no-op. (The usual alternative is preloading jemalloc.)"""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # <malloc.h>
-        libc.mallopt(m_mmap_threshold, 1 << 30)  # blocks up to 1 GiB come from the heap
-        libc.mallopt(m_trim_threshold, 1 << 30)  # and freed heap memory is not trimmed back
-        libc.mallopt(m_top_pad, 64 << 20)
-    except (OSError, AttributeError):
-        pass
 
 
 @dataclass(frozen=True)
@@ -1215,7 +1184,7 @@ def track_batch_statistics(model, on):
 # Appendix D: this process (threads, seeds, device), and several processes. torchrun sets
 # WORLD_SIZE/RANK/LOCAL_RANK: PyTorch's DistributedDataParallel, gloo on the CPU and NCCL on CUDA.
 # Each step's batches are sharded by rank (Run.next_batches); the batch norms sum their statistics
-# over the ranks (norms.py Appendix A); rank 0 alone evaluates, logs and writes, and shares its dev BLEU.
+# over the ranks (norms.py Appendix A); rank 0 alone evaluates, logs and writes, and shares its dev score.
 # =======================================================================================
 def start_process(args):
     """(rank, world size, device, bf16, console) of this process: --threads, --reference, the
@@ -1238,8 +1207,17 @@ def start_process(args):
     if world > 1:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if world > 1 else 0
-    if device.type == "cpu" and not args.reference:
-        keep_freed_memory()  # Appendix C: +10-15% tokens/s on the CPU
+    if device.type == "cpu" and not args.reference:  # glibc's malloc keeps freed memory for reuse: +10-15% tokens/s
+        # By default a block over 32 MiB (a batch's logits, an FFN activation) is mmap'ed fresh at every allocation and
+        # unmapped when freed, so each training step faults every page of it in again, zero-filled by the kernel (system
+        # time was a sixth of a Multi30k step). With these limits the freed blocks stay in malloc's heap, with the same
+        # peak memory. Linux/glibc only; elsewhere a no-op. (The usual alternative is preloading jemalloc.)
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL("libc.so.6")
+            m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # <malloc.h>
+            libc.mallopt(m_mmap_threshold, 1 << 30)  # blocks up to 1 GiB come from the heap
+            libc.mallopt(m_trim_threshold, 1 << 30)  # and freed heap memory is not trimmed back
+            libc.mallopt(m_top_pad, 64 << 20)
     console = Console(soft_wrap=True, quiet=rank != 0)  # log lines never wrap in a log file
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -1273,10 +1251,10 @@ def rank0_first(rank, world):
     dist.broadcast_object_list([False], src=0)
 
 
-def share_epoch(run, bleu):
+def share_epoch(run, score):
     """At each evaluation: rank 0's dev score and stop, so that every rank decides alike; and every rank's random
     generators into run.rank_rngs, which rank 0's checkpoint keeps, so that each rank resumes its own streams."""
-    box = [bleu, run.state.stopped]
+    box = [score, run.state.stopped]
     dist.broadcast_object_list(box, src=0)
     run.rank_rngs = [None] * run.world
     dist.all_gather_object(run.rank_rngs, rng_state(run))
@@ -1294,12 +1272,26 @@ def check_batches(run):
 
 def wrap_model(model, args, world, device):
     """What a step calls: PyTorch's DDP (gradients all-reduced, averaged, across ranks in backward)
-    and/or torch.compile (Appendix C) around the model; checkpoints save `model` itself."""
+    and/or torch.compile around the model; checkpoints save `model` itself."""
     net = model
     if world > 1:
         ids = [device.index] if device.type == "cuda" else None
         net = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    return compile_model(net) if args.compile else net
+    if args.compile:
+        # --compile: torch.compile for batches whose shapes change at every step (sentence lengths, sentences per
+        # batch): compiled once for symbolic shapes (dynamic=True), rather than for the first batch's shapes, then
+        # again, or once per shape. Two more specialisations each recompiled the whole base model (60-90 s each, H100,
+        # 2026-11-24), so both are off: "duck sizing" (two lengths equal in the first batch were assumed equal for ever)
+        # and inductor's matmul padding, which asks whether each matmul is compute-bound (with lengths padded to
+        # multiples of 8 it has nothing to pad). Note: the padding to multiples of 8 changes no result except
+        # PowerNorm's code variant, whose backward statistics average over padding too. torch's compiler modules are
+        # imported only here, with --compile.
+        import torch._inductor.config as inductor_config
+        import torch.fx.experimental._config as fx_config
+        fx_config.use_duck_shape = False
+        inductor_config.shape_padding = False
+        net = torch.compile(net, dynamic=True)
+    return net
 
 
 # =======================================================================================
@@ -1512,11 +1504,20 @@ def staging(run_dir):
     except OSError as e:
         raise data.DataError(f"--out {run_dir}: cannot make the run directory there ({e.strerror})") from None
     try:
-        with lock(run_dir):
+        try:
+            lock = open(run_dir / ".lock", "a")  # held while training (flock): a second process is refused
+        except OSError as e:
+            raise data.DataError(f"{run_dir}: cannot write there ({e.strerror})") from None
+        with lock:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise data.DataError(f"{run_dir} is in use by another process (it holds {run_dir}/.lock)") from None
             stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=run_dir))
             try:
                 yield stage
-            finally:
+            finally:  # closing the lock's file releases it
                 shutil.rmtree(stage, ignore_errors=True)
     except BaseException:
         if not (run_dir / "config.json").exists() and made:  # not committed: remove the folders made here,
@@ -1563,22 +1564,6 @@ def write_file(path, content):
         data.atomic_write(path, content)
     except OSError as e:
         raise WriteFailed(f"{path}: cannot write it ({e.strerror}); the files written before it are intact") from None
-
-
-@contextlib.contextmanager
-def lock(run_dir):
-    """Hold RUN/.lock while training (flock): a second process on the same run directory is refused."""
-    try:
-        f = open(run_dir / ".lock", "a")
-    except OSError as e:
-        raise data.DataError(f"{run_dir}: cannot write there ({e.strerror})") from None
-    with f:
-        if fcntl is not None:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise data.DataError(f"{run_dir} is in use by another process (it holds {run_dir}/.lock)") from None
-        yield  # closing the file releases the lock
 
 
 def still_stopped(args, state):

@@ -37,6 +37,7 @@ import data  # noqa: E402
 import model  # noqa: E402
 import norms  # noqa: E402
 import train  # noqa: E402
+from conftest import gloo_unusable_reason  # noqa: E402
 
 TIMEOUT_S = 90  # a hung collective must fail the test, not hang it
 
@@ -170,19 +171,6 @@ def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def gloo_unusable_reason():
-    """None, or why 2 local gloo processes cannot run here (then the tests skip, saying so)."""
-    if not torch.distributed.is_available():
-        return "this torch build has no torch.distributed"
-    if not torch.distributed.is_gloo_available():
-        return "this torch build has no gloo backend"
-    try:
-        free_port()
-    except OSError as e:
-        return f"cannot bind a TCP port on 127.0.0.1 for the rendezvous: {e}"
-    return None
 
 
 def dist_env(**extra):

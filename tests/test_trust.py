@@ -22,18 +22,9 @@ import torch
 import data
 import decode
 import train
+from conftest import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--d-model", "32", "--ff", "64", "--heads", "2", "--layers", "1", "--bpe-size", "300", "--batch-tokens", "512",
-        "--epoch-size", "5", "--threads", "1", "--log-interval", "5", "--dev-beam", "1", "--beam", "1"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = data.make_toy_corpus(tmp_path_factory.mktemp("toy"), n_train=300, n_dev=8, n_test=8)
-    return ["--data", str(d), "--src", "src", "--tgt", "tgt"]
-
-
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, corpus):
     """A finished run of 3 epochs (15 steps): config, metrics, 3 epoch checkpoints, best, last, results."""
