@@ -225,7 +225,7 @@ class Run:
         return self.rank == 0
 
     def log(self, msg):
-        log_line(self.console, msg)
+        self.console.print(msg)
 
     def metrics(self, record):  # one record in metrics.jsonl (rank 0; Appendix C)
         append_metrics(self, record)
@@ -255,7 +255,7 @@ def setup(args, stack, resumed=None):
     written; the run directory's lock is held in ``stack`` until training ends (Appendix E). resumed: --resume's
     (checkpoint, flags given), from resume_flags."""
     rank, world, device, bf16, console = start_process(args)  # Appendix D: threads, seeds, torchrun's ranks
-    log = partial(log_line, console)
+    log = console.print
     pairs, langs = read_corpus(args, log)  # Appendix F
     with rank0_first(rank, world):  # Appendix D: the other ranks read what rank 0 checks, prepares and commits
         run_dir, ckpt, stage = open_run_dir(args, pairs, log, stack, rank == 0, resumed)  # Appendix E: checked
@@ -488,7 +488,7 @@ def build_parser():
     g = p.add_argument_group("presets")
     add(g, "--preset", metavar="NAME", help="apply one row of a paper's table (train.py Appendix B); flags given "
         "with it override it; 'list' prints them all")
-    add(g, "--pair", metavar="NAME", help="use this language pair's corpus and per-pair flags instead of the "
+    add(g, "--pair", metavar="NAME", choices=list(PAIRS), help="use this language pair's corpus and per-pair flags instead of the "
         "preset's (" + ", ".join(PAIRS) + ")")
     g = p.add_argument_group("data")
     add(g, "--task", choices=["mt", "lm"], default="mt", help="mt: a translator; lm: a language model, the decoder "
@@ -562,10 +562,11 @@ def build_parser():
              "[1] 3.3) with the same validation decay; warmupflat: valdecay under the name of QKNorm's released "
              "configs (Code [3]); cosine: the warmup, then a cosine to 0 at the run's last step (the tensorized "
              "Transformer's PTB script, [2]'s language models)")
-    add(g, "--lr-scale", type=positive, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
+    peak = g.add_mutually_exclusive_group()  # both set the peak LR (lr = lr_scale / sqrt(d * warmup)): one of them
+    add(peak, "--lr-scale", type=positive, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
         "warmup^-1.5) ([1] 3.3: 1, and 2 for 2xLR); when given it overrides --lr, whose value is "
         "lambda / sqrt(d * warmup)")
-    add(g, "--lr", type=positive, default=2e-3, help="peak LR (reached at n_warmup), i.e. lambda = lr * "
+    add(peak, "--lr", type=positive, default=2e-3, help="peak LR (reached at n_warmup), i.e. lambda = lr * "
         "sqrt(d * warmup) in eq. 7; the constant LR of --schedule nowarmup ([1] 3.3: 3e-4)")
     add(g, "--warmup", type=positive_int, default=200, help="n_warmup of eq. 7 ([1]: 8000)")
     add(g, "--decay-factor", type=in_0_1, default=0.8, help="alpha_decay of validation decay ([1] 2.4; 0.8 in 3.3)")
@@ -630,8 +631,6 @@ def resolve_flags(argv=None):
               f"with --preset overrides it")
         sys.exit(0)
     flags, row = dict(DEFAULTS), {}
-    if given.get("pair", next(iter(PAIRS))) not in PAIRS:
-        sys.exit(f"error: --pair {given['pair']}: unknown; choose one of {', '.join(PAIRS)}")
     if "preset" in given:
         if given["preset"] not in PRESETS:
             sys.exit(f"error: --preset {given['preset']}: unknown; --preset list shows the {len(PRESETS)} presets")
@@ -641,8 +640,6 @@ def resolve_flags(argv=None):
         flags.update(PAIRS[given["pair"]])
     # A flag given on the command line wins over the preset, always: --lr sets the peak LR, which a
     # preset's lambda (--lr-scale) would otherwise override.
-    if "lr" in given and "lr_scale" in given:
-        sys.exit("error: --lr and --lr-scale both set the peak LR (lr = lr_scale / sqrt(d * warmup)): give one")
     if "lr" in given:
         flags["lr_scale"] = None
     flags.update(given)
@@ -657,7 +654,7 @@ def resolve_flags(argv=None):
         args.bpe_size = 0 if args.task == "lm" else 2000 if args.data is None else 8000
     if args.pn_warmup is None:  # Paper [2] appendix A: the same as the LR schedule's warmup
         args.pn_warmup = 0 if args.schedule == "nowarmup" else args.warmup
-    if args.lr_scale is not None and args.d_model >= 1 and args.warmup >= 1:  # config.json records the peak that runs
+    if args.lr_scale is not None:  # config.json records the peak that runs
         args.lr = args.lr_scale / math.sqrt(args.d_model * args.warmup)
     return args, given
 
@@ -1078,7 +1075,8 @@ def append_metrics(run, record):
     as null and its key listed under "nonfinite" (json.dumps would write the non-standard NaN)."""
     if run.master:
         bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
-        record = dict(json_safe(record), **({"nonfinite": bad} if bad else {}))
+        record = json.loads(json.dumps(record), parse_constant=lambda _: None)  # NaN, Infinity: null, nested too
+        record.update({"nonfinite": bad} if bad else {})
         try:
             with open(run.dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
@@ -1218,12 +1216,12 @@ def start_process(args):
             libc.mallopt(m_mmap_threshold, 1 << 30)  # blocks up to 1 GiB come from the heap
             libc.mallopt(m_trim_threshold, 1 << 30)  # and freed heap memory is not trimmed back
             libc.mallopt(m_top_pad, 64 << 20)
-    console = Console(soft_wrap=True, quiet=rank != 0)  # log lines never wrap in a log file
+    console = Console(soft_wrap=True, quiet=rank != 0, highlight=False, markup=False)  # log lines never wrap
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     bf16 = device.type == "cuda" and args.dtype == "bf16"
     if bf16 and not has_bf16(device):
-        log_line(console, f"note: {torch.cuda.get_device_name(device)} has no bf16: training in fp32 (--dtype fp32)")
+        console.print(f"note: {torch.cuda.get_device_name(device)} has no bf16: training in fp32 (--dtype fp32)")
         bf16 = False
     return rank, world, device, bf16, console
 
@@ -1310,19 +1308,6 @@ RESUME_MAY_CHANGE = {"max_steps", "max_epochs", "early_stop", "stop_lr", "patien
 # id); the BPE model and the encoded caches are keyed by their content and are reused or replaced, never trusted.
 
 
-def log_line(console, msg):
-    console.print(msg, highlight=False, markup=False)
-
-
-def json_safe(x):
-    """x with every non-finite float replaced by None, in nested dicts and lists too."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    return [json_safe(v) for v in x] if isinstance(x, (list, tuple)) else x
-
-
 def rng_state(run):
     """This process's random generators: what a resumed run restores to continue exactly."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -1380,7 +1365,7 @@ def resume_flags(args, given):
     checkpoint, the flags given)); DataError if none reads back, or an older train.py wrote it. Any other flag given
     with another value is refused by may_resume, before any change."""
     run_dir = Path(args.resume)
-    log = partial(log_line, Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0"))  # rank 0's lines
+    log = Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0", highlight=False, markup=False).print
     for i, path in enumerate(decode.checkpoints(run_dir, "resume")):  # the newest that reads back safely
         try:
             ckpt = decode.read_checkpoint(path)

@@ -121,7 +121,7 @@ def test_flags_given_with_a_preset_override_it_and_pair_swaps_the_corpus():
     assert (args.norm, args.prenorm, args.warmup, args.d_model) == ("scale", True, 8000, 512)  # the row stays
     with pytest.raises(SystemExit, match="--preset nope"):
         train.resolve_flags(["--preset", "nope"])
-    with pytest.raises(SystemExit, match="--pair xx-yy"):
+    with pytest.raises(SystemExit, match="--pair: invalid choice: .xx-yy."):
         train.resolve_flags(["--pair", "xx-yy"])
 
 

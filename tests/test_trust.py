@@ -494,7 +494,7 @@ def _link(tmp_path):
 
 
 @pytest.mark.parametrize("make_argv, names", [
-    (lambda t: ["--preset", "twt3-scalenorm", "--pair", "nosuch"], ["--pair nosuch"]),
+    (lambda t: ["--preset", "twt3-scalenorm", "--pair", "nosuch"], ["--pair", "nosuch"]),
     (lambda t: ["--out", str((t / "a-file").write_text("x") and t / "a-file")], ["--out", "a file"]),
     (lambda t: ["--out", str(_link(t))], ["--out", "symbolic link"]),
     (lambda t: ["--out", "/proc/nmt-run"], ["--out /proc/nmt-run"]),
