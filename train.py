@@ -398,7 +398,7 @@ def end_of_epoch(run):
 
 
 def finish(run):
-    """Test BLEU of the best checkpoint (by dev BLEU), with beam search; the learned g's."""
+    """Test BLEU (beam search) or perplexity of the best checkpoint (by the dev score); the learned g's."""
     args = run.args
     if not run.master:
         return None
@@ -435,7 +435,8 @@ def finish(run):
         result.update(test_bleu=score.score, test_signature=score.signature)
         run.log(f"test BLEU (best checkpoint, step {best['step']}, beam {args.beam}, {args.length_penalty} length "
                 f"penalty alpha {args.alpha}): {score.score:.2f}  {score.signature}")
-    write_results(run, result)  # Appendix E: results.json, metrics.jsonl's last record
+    run.metrics({"final": result})  # metrics.jsonl's last record
+    write_file(run.dir / "results.json", json.dumps(result, indent=2) + "\n")  # Appendix E: a finished run
     return result
 
 
@@ -1334,12 +1335,6 @@ def save_checkpoints(run, improved):
     write_file(name("last"), ckpt)
 
 
-def write_results(run, result):
-    """results.json and metrics.jsonl's "final" record (rank 0)."""
-    run.metrics({"final": result})
-    write_file(run.dir / "results.json", json.dumps(result, indent=2) + "\n")
-
-
 def restore(run, ckpt):
     """The model, optimizer, training state and random generators of a checkpoint (Appendix E found it)."""
     try:
@@ -1388,7 +1383,7 @@ def resume_flags(args, given):
                                  "changed_on_resume": {**saved.get("changed_on_resume", {}), **changed}}), (ckpt, given)
 
 
-def may_resume(run_dir, args, ckpt, given, pairs):
+def may_resume(run_dir, args, ckpt, given, hashes):
     """Whether the run in run_dir may go on from ckpt: DataError naming what stops it, a flag given that a continued
     run keeps, its corpus changed, its budget spent (--max-steps, --max-epochs), or a stop that would come again at
     once (--stop-lr, --early-stop); each says which flag would let it go on."""
@@ -1398,7 +1393,7 @@ def may_resume(run_dir, args, ckpt, given, pairs):
     if refused:
         raise data.DataError(f"--resume {run_dir}: a continued run keeps its flags, and these differ from its "
                              f"checkpoint's: {', '.join(refused)} (start a new run with another --out)")
-    changed = [s for s, h in corpus_hashes(pairs).items() if h != args.corpus_sha256.get(s)]
+    changed = [s for s, h in hashes.items() if h != args.corpus_sha256.get(s)]
     if changed:
         raise data.DataError(f"--resume {run_dir}: the corpus changed since the run started "
                              f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''})")
@@ -1422,11 +1417,6 @@ def may_resume(run_dir, args, ckpt, given, pairs):
     # killed in its final test, still stopped, goes straight to the test).
     if state["stopped"] and state["stopped"][0] != "diverged" and not why:
         state["stopped"] = None
-
-
-def corpus_hashes(pairs):
-    """{split: sha256 of its text}: what a resumed run must find unchanged."""
-    return {split: data.pairs_sha256(split_pairs) for split, split_pairs in pairs.items()}
 
 
 def run_id_of(path):
@@ -1468,13 +1458,14 @@ def open_run_dir(args, pairs, log, stack, master, resumed=None):
         if run_id_of(run_dir / "config.json") is None:  # commit_run_dir removes the files of that run id
             raise data.DataError(f"--overwrite {run_dir}: not a run directory of train.py (no config.json with a "
                                  f"run_id; it holds {held}), so none of its files are removed; choose another --out")
+    hashes = {split: data.pairs_sha256(split_pairs) for split, split_pairs in pairs.items()}  # the corpus's
     if args.resume:
         ckpt, given = resumed
-        may_resume(run_dir, args, ckpt, given, pairs)
+        may_resume(run_dir, args, ckpt, given, hashes)
         for k, v in args.changed_on_resume.items():
             log(f"resume: --{k.replace('_', '-')} {v} (changed on resume)")
     else:
-        args.run_id, args.corpus_sha256 = uuid.uuid4().hex, corpus_hashes(pairs)  # recorded in config.json
+        args.run_id, args.corpus_sha256 = uuid.uuid4().hex, hashes  # recorded in config.json, the checkpoints
     return run_dir, ckpt, stack.enter_context(staging(run_dir)) if master else None
 
 
@@ -1489,10 +1480,10 @@ def staging(run_dir):
     except OSError as e:
         raise data.DataError(f"--out {run_dir}: cannot make the run directory there ({e.strerror})") from None
     try:
-        try:
-            lock = open(run_dir / ".lock", "a")  # held while training (flock): a second process is refused
-        except OSError as e:
-            raise data.DataError(f"{run_dir}: cannot write there ({e.strerror})") from None
+        lock = open(run_dir / ".lock", "a")  # held while training (flock): a second process is refused
+    except OSError as e:
+        raise data.DataError(f"{run_dir}: cannot write there ({e.strerror})") from None
+    try:
         with lock:
             if fcntl is not None:
                 try:

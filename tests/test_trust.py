@@ -639,15 +639,17 @@ def test_an_empty_out_is_refused_not_this_folder(tmp_path, corpus, monkeypatch):
 @pytest.mark.parametrize("flags, steps", [([], 10), (["--warmup", "2", "--stop-lr", "10"], 5)])
 def test_a_run_killed_in_its_final_test_resumes_to_finish_it(flags, steps, tmp_path, corpus, monkeypatch):
     """Stopped by its budget or by --stop-lr, then killed before results.json: the resume runs the test alone."""
-    run, real = tmp_path / "run", train.write_results
+    run, real = tmp_path / "run", train.write_file
 
-    def killed(*a, **k):
-        raise KeyboardInterrupt
-    monkeypatch.setattr(train, "write_results", killed)  # Ctrl-C just before results.json
+    def killed(path, content):
+        if Path(path).name == "results.json":
+            raise KeyboardInterrupt
+        return real(path, content)
+    monkeypatch.setattr(train, "write_file", killed)  # Ctrl-C just before results.json
     with pytest.raises(SystemExit):
         train.main(TINY + corpus + ["--max-steps", "10", *flags, "--out", str(run)])
     assert not (run / "results.json").exists()
-    monkeypatch.setattr(train, "write_results", real)
+    monkeypatch.setattr(train, "write_file", real)
     result = train.main(["--resume", str(run)])  # every step trained: only the test is left
     assert result["steps"] == steps and "test_bleu" in result and (run / "results.json").exists()
     one_line_error(lambda: train.main(["--resume", str(run)]), "nothing to train")  # now it is finished
