@@ -95,7 +95,7 @@ class Schedule:
 
     @classmethod
     def from_args(cls, args):
-        peak = args.lr if args.lr_scale is None else args.lr_scale / math.sqrt(args.d_model * args.warmup)
+        peak = args.lr  # resolve_flags has made it lambda / sqrt(d * n_warmup) when --lr-scale sets lambda
         total = budget(args)[0]
         return cls(args.schedule, args.d_model, 0 if args.schedule == "nowarmup" else args.warmup, peak, total)
 
@@ -244,7 +244,7 @@ class Run:
 
     @property
     def pad_multiple(self):
-        """Lengths are padded to a multiple of this: 8 under --compile (see compile_model), else 1."""
+        """Lengths are padded to a multiple of this: 8 under --compile (see wrap_model), else 1."""
         return 8 if self.args.compile else 1
 
 
@@ -489,8 +489,8 @@ def build_parser():
     g = p.add_argument_group("presets")
     add(g, "--preset", metavar="NAME", help="apply one row of a paper's table (train.py Appendix B); flags given "
         "with it override it; 'list' prints them all")
-    add(g, "--pair", metavar="NAME", choices=list(PAIRS), help="use this language pair's corpus and per-pair flags instead of the "
-        "preset's (" + ", ".join(PAIRS) + ")")
+    add(g, "--pair", metavar="NAME", choices=list(PAIRS), help="use this language pair's corpus and per-pair flags "
+        "instead of the preset's (" + ", ".join(PAIRS) + ")")
     g = p.add_argument_group("data")
     add(g, "--task", choices=["mt", "lm"], default="mt", help="mt: a translator; lm: a language model, the decoder "
         "alone ([2] Table 2), on DIR/{train,dev,test}.txt")
@@ -631,14 +631,10 @@ def resolve_flags(argv=None):
         print(f"{len(PRESETS)} presets; --pair NAME swaps the language pair ({', '.join(PAIRS)}); any flag given "
               f"with --preset overrides it")
         sys.exit(0)
-    flags, row = dict(DEFAULTS), {}
-    if "preset" in given:
-        if given["preset"] not in PRESETS:
-            sys.exit(f"error: --preset {given['preset']}: unknown; --preset list shows the {len(PRESETS)} presets")
-        pair, _, row = PRESETS[given["preset"]]
-        flags.update(PAIRS[given.get("pair", pair)], **row)
-    elif "pair" in given:
-        flags.update(PAIRS[given["pair"]])
+    if given.get("preset", next(iter(PRESETS))) not in PRESETS:
+        sys.exit(f"error: --preset {given['preset']}: unknown; --preset list shows the {len(PRESETS)} presets")
+    pair, _, row = PRESETS[given["preset"]] if "preset" in given else (None, "", {})
+    flags = {**DEFAULTS, **PAIRS.get(given.get("pair", pair), {}), **row}
     # A flag given on the command line wins over the preset, always: --lr sets the peak LR, which a
     # preset's lambda (--lr-scale) would otherwise override.
     if "lr" in given:
@@ -647,7 +643,8 @@ def resolve_flags(argv=None):
     if "pair" in given and ("task" in given or "preset" in given):  # a language model's corpus for a translator...
         task = given.get("task") or row.get("task") or PAIRS[PRESETS[given["preset"]][0]].get("task", "mt")
         if PAIRS[given["pair"]].get("task", "mt") != task:
-            what = f"--task {task}" if "task" in given else f"--preset {given['preset']}, a {TASKS[task].model}"
+            what = f"--task {task}" if "task" in given else \
+                f"--preset {given['preset']}, a {'language model' if task == 'lm' else 'translator'}"
             sys.exit(f"error: --pair {given['pair']}: not a corpus for {what}")
     args = argparse.Namespace(**flags)
     # Values that depend on other flags are fixed here, once, and recorded in config.json.
@@ -958,7 +955,9 @@ def benchmark(run):
     matmul_peak = matmul_flops(dev, cfg.d_model, cfg.ff, run.step_options.bf16)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    graphs = compiled_graphs() if args.compile else 0
+    if args.compile:  # torch.compile's own counter of the graphs it made, imported only with --compile
+        from torch._dynamo.utils import counters
+    graphs = int(counters["stats"]["unique_graphs"]) if args.compile else 0
     n_out, n_tok, flops, losses = output_columns(run.model), 0, 0.0, []
 
     def step(i):
@@ -981,7 +980,7 @@ def benchmark(run):
     secs, n_tok = time.perf_counter() - t0, float(n_tok)  # n_tok: a device tensor under DDP
     result = profile_steps(run, step, secs, n_tok) if args.profile else {}
     if args.compile:  # the graphs torch.compile made in these steps (a recompilation storm shows here)
-        result["compiled_graphs"] = compiled_graphs() - graphs
+        result["compiled_graphs"] = int(counters["stats"]["unique_graphs"]) - graphs
     matmul_peak = max(matmul_peak, matmul_flops(dev, cfg.d_model, cfg.ff, run.step_options.bf16))  # the larger kept
     pad = data.padding_share(run.train, run.order, run.pad_multiple)
     peak_mb = torch.cuda.max_memory_allocated(dev) / 2 ** 20 if dev.type == "cuda" else \
@@ -1022,12 +1021,6 @@ def profile_steps(run, step, secs, n_tok):
     return result
 
 
-def compiled_graphs():
-    """How many graphs torch.compile has compiled in this process (its dynamo counter)."""
-    from torch._dynamo.utils import counters  # torch.compile's own module, imported only with --compile
-    return int(counters["stats"]["unique_graphs"])
-
-
 @dataclass(frozen=True)
 class Task:
     """What a task's dev score is, which way is better, and how the log prints it."""
@@ -1035,7 +1028,6 @@ class Task:
     key: str  # its key in metrics.jsonl (dev_KEY) and results.json (best_dev_KEY)
     sign: int  # +1: higher is better (BLEU), -1: lower is better (perplexity); sign * score: higher is better
     width: str  # its format in the epoch line
-    model: str  # what it trains
 
     def since_best(self, history):  # evaluations since the best (the first of equals)
         up = [self.sign * x for x in history]
@@ -1046,8 +1038,7 @@ class Task:
         return f"{bleu}dev ppl {dev_ppl:7.2f} | best {history[-1 - self.since_best(history)]:{self.width}}"
 
 
-TASKS = {"mt": Task("dev BLEU", "bleu", 1, "6.2f", "translator"),
-         "lm": Task("dev perplexity", "ppl", -1, "7.2f", "language model")}
+TASKS = {"mt": Task("dev BLEU", "bleu", 1, "6.2f"), "lm": Task("dev perplexity", "ppl", -1, "7.2f")}
 STOPS = {  # why a run stops: the code TrainState.stopped keeps, and its message (the log, results.json)
     "max_steps": "--max-steps {args.max_steps} reached", "max_epochs": "--max-epochs {args.max_epochs} reached",
     "stop_lr": "the LR {lr:.2e} fell below --stop-lr {args.stop_lr:g}",
