@@ -511,9 +511,9 @@ RESULT_FILES = ("config.json", "metrics.jsonl", "results.json", "test.hyp", "g_v
 CACHE_FILES = ("bpe.model", "bpe.key", "train.enc.pt", "dev.enc.pt")  # kept by their content's key (train.py F)
 
 
-def checkpoint_file(run_dir, name):
-    """RUN's checkpoint NAME: best (the best dev score), last (the resume point) or epochN (--keep-checkpoints)."""
-    return Path(run_dir) / f"checkpoint_{name}.pt"
+def checkpoint_file(run_dir, which):
+    """RUN's checkpoint: "best" (the best dev score), "last" (the resume point) or epoch N's (an int)."""
+    return Path(run_dir) / f"checkpoint_{which if isinstance(which, str) else f'epoch{which}'}.pt"
 
 
 def checkpoints(run_dir, use="any"):

@@ -1321,8 +1321,8 @@ def save_checkpoints(run, improved):
     if improved:
         write_file(name("best"), ckpt)
     if keep > 0:
-        write_file(name(f"epoch{s.epoch}"), ckpt)
-        name(f"epoch{s.epoch - keep}").unlink(missing_ok=True)
+        write_file(name(s.epoch), ckpt)
+        name(s.epoch - keep).unlink(missing_ok=True)
     write_file(name("last"), ckpt)
 
 
