@@ -1095,7 +1095,7 @@ def parse_args(argv=None):
         needs = (needs,) if isinstance(needs, str) else needs
         if flag in args.given and not args.given & set(needs):
             ap.error(f"--{flag.replace('_', '-')} is for " + " or ".join(f"--{n.replace('_', '-')}" for n in needs)
-                     + ": give it too")
+                     + ": give it too" + ("; translations go to --output" if flag == "out" else ""))
     mode = next((m for m in MODES if m in args.given), None)  # else the checkpoint's kind chooses (run)
     if mode and (why := idle_flag(mode, args.given)):
         ap.error(why)
