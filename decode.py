@@ -51,6 +51,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 from rich import box
@@ -385,20 +386,6 @@ def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, 
 # Note: we call SacreBLEU's own implementation (sacrebleu.significance.PairedTest, test_type="bs", a port of Moses'
 # bootstrap-hypothesis-difference-significance.pl); the CI is mean +- half the 2.5%..97.5% percentile range.
 # =======================================================================================
-@contextlib.contextmanager
-def _sacrebleu_seed(seed):
-    """SacreBLEU reads its resampling seed from $SACREBLEU_SEED; set it for one call."""
-    old = os.environ.get("SACREBLEU_SEED")
-    os.environ["SACREBLEU_SEED"] = "None" if seed is None else str(int(seed))
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("SACREBLEU_SEED", None)
-        else:
-            os.environ["SACREBLEU_SEED"] = old
-
-
 def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=12345, already_tokenized=False,
                      lowercase=False):
     """Paired bootstrap test of system vs baseline on corpus BLEU -> dict: "baseline", "system" ({"bleu", "mean",
@@ -413,7 +400,7 @@ def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=1234
     # The BLEU of score_report: tokenized BLEU as multi-bleu.perl (no smoothing) under --tokenized, else SacreBLEU.
     metric = BLEU(tokenize="none", smooth_method="none", lowercase=lowercase, force=True) if already_tokenized \
         else BLEU(lowercase=lowercase, force=True)
-    with _sacrebleu_seed(seed):
+    with mock.patch.dict(os.environ, SACREBLEU_SEED="None" if seed is None else str(int(seed))):  # SacreBLEU reads it
         test = PairedTest([("baseline", base), ("system", sys_)], {"BLEU": metric}, [refs],
                           test_type="bs", n_samples=n_samples)
         signatures, scores = test()
@@ -432,27 +419,22 @@ def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=1234
     return out
 
 
-def bootstrap_table(result, names=("baseline", "system")):
-    """A small rich Table of paired_bootstrap's result (print result["signature"] with it)."""
-    table = Table(title=f"paired bootstrap resampling, {result['n_samples']} samples")
-    for col in ("system", "BLEU", "mean +- 95% CI", "p-value"):
-        table.add_column(col, justify="left" if col == "system" else "right")
-    for key, name in zip(("baseline", "system"), names):
-        r = result[key]
-        p = "-" if key == "baseline" else f"{result['p_value']:.4f}"
-        table.add_row(str(name), f"{r['bleu']:.2f}", f"{r['mean']:.2f} +- {r['ci']:.2f}", p)
-    return table
-
-
 def compare(args):
-    """--compare BASELINE SYSTEM --ref REF: the paired bootstrap table on stdout."""
+    """--compare BASELINE SYSTEM --ref REF: the paired bootstrap table (a rich Table) and its signature on stdout."""
     base_path, sys_path = args.compare
     base, system, refs = data.read_lines(base_path), data.read_lines(sys_path), data.read_lines(args.ref)
     for path, lines in ((base_path, base), (sys_path, system)):
         if len(lines) != len(refs):
             raise DataError(f"{path}: {len(lines)} lines, but {args.ref} has {len(refs)}")
     result = paired_bootstrap(base, system, refs, args.samples, args.seed, args.tokenized, args.lowercase)
-    Console().print(bootstrap_table(result, names=(base_path, sys_path)))
+    table = Table(title=f"paired bootstrap resampling, {result['n_samples']} samples")
+    for col in ("system", "BLEU", "mean +- 95% CI", "p-value"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for key, name in zip(("baseline", "system"), (base_path, sys_path)):
+        r = result[key]
+        p = "-" if key == "baseline" else f"{result['p_value']:.4f}"
+        table.add_row(str(name), f"{r['bleu']:.2f}", f"{r['mean']:.2f} +- {r['ci']:.2f}", p)
+    Console().print(table)
     print(result["signature"])
     verdict = (f"not significant: {result['undecidable']}, so there is no difference to test" if result["undecidable"]
                else f"{'' if result['p_value'] < 0.05 else 'not '}significant at 0.05")
@@ -481,7 +463,7 @@ def read_checkpoint(path, device="cpu"):
             head = f.read(2)
     except OSError as e:
         raise DataError(f"{p}: cannot read it ({e.strerror})") from None
-    if not head.startswith(b"PK") and head[:1] != b"\x80":  # torch.save writes a zip (or, before 1.6, a pickle)
+    if not head.startswith(b"PK"):  # torch.save writes a zip
         raise DataError(f"{p}: refused, not a checkpoint (not a file torch.save writes)")
     try:
         ckpt = torch.load(p, map_location=device, weights_only=True)
@@ -492,15 +474,13 @@ def read_checkpoint(path, device="cpu"):
         raise DataError(f"{p}: refused, not a readable checkpoint ({why})") from None
     if not isinstance(ckpt, dict) or not all(isinstance(ckpt.get(k), dict) for k in ("model_config", "model")):
         raise DataError(f"{p}: not a checkpoint of this project (no 'model_config' and 'model' entries)")
-    # Note: a module saved after torch.compile has "_orig_mod." prefixes; accept both.
-    ckpt["model"] = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
     return ckpt
 
 
 def average_checkpoints(paths):
     """Checkpoint files (oldest first) -> one checkpoint dict whose "model" is their average; the rest is the last
     file's, less "optimizer" and "rng" (they belong to its weights: do not resume from it); "averaged_from" lists the
-    files. Sums in float64, one file in memory at a time. DataError if the models or runs ("run_id") differ."""
+    files. Sums in float64, one file in memory at a time. DataError if the models or runs (their run_id) differ."""
     paths = [Path(x) for x in paths]
     if not paths:
         raise DataError("average_checkpoints: no checkpoint files given")
@@ -513,7 +493,7 @@ def average_checkpoints(paths):
         elif state.keys() != first["model"].keys() or ckpt["model_config"] != first["model_config"] or \
                 any(v.shape != first["model"][k].shape for k, v in state.items()):
             raise DataError(f"{p}: not the same model as {paths[0]} (names, shapes or model_config differ)")
-        elif ckpt.get("run_id") != first.get("run_id"):
+        elif (ckpt.get("args") or {}).get("run_id") != (first.get("args") or {}).get("run_id"):  # train.py's flags
             raise DataError(f"{p}: from another run than {paths[0]} (run_id differs); average one run's checkpoints")
         else:
             for k in total:
@@ -524,46 +504,63 @@ def average_checkpoints(paths):
     return out
 
 
-def build_model(ckpt, path, device="cpu"):
-    """The model of a checkpoint dict, in eval mode on device; DataError if it does not fit."""
-    try:
-        model = Transformer(ModelConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
-    except (TypeError, ValueError, RuntimeError, KeyError) as e:
-        raise DataError(f"{path}: its model_config and weights do not make a model of this code "
-                        f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
-    return model.to(device).eval()
+# A run directory's files are named here alone: train.py writes them, both files read them through these.
+CHECKPOINT_FORMAT = 2  # train.py's checkpoints since the checkpoint became the resume record (older: refused)
+CHECKPOINT = re.compile(r"checkpoint_(best|last|epoch(\d+))\.pt")  # the best dev score | the resume point | epoch N
+RESULT_FILES = ("config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json")  # --overwrite removes
+CACHE_FILES = ("bpe.model", "bpe.key", "train.enc.pt", "dev.enc.pt")  # kept by their content's key (train.py F)
 
 
-def epoch_checkpoints(run_dir):
-    """A run directory's checkpoint_epoch{N}.pt files, sorted by N."""
-    found = [(int(m.group(1)), f) for f in Path(run_dir).glob("checkpoint_epoch*.pt")
-             if (m := re.fullmatch(r"checkpoint_epoch(\d+)\.pt", f.name))]
-    return [f for _, f in sorted(found)]
+def checkpoint_file(run_dir, which):
+    """RUN's checkpoint: "best" (the best dev score), "last" (the resume point) or epoch N's (an int)."""
+    return Path(run_dir) / f"checkpoint_{which if isinstance(which, str) else f'epoch{which}'}.pt"
+
+
+def checkpoints(run_dir, use="any"):
+    """The checkpoints in run_dir that `use` reads, in the order it tries them: "decode" (a run directory given to
+    decode.py) the best, else the last; "test" (train.py's final test) the best; "resume" the last, the epochs newest
+    first, the best; "average" the epochs, oldest first; "any" every one."""
+    run_dir = Path(run_dir)
+    found = sorted((int(m[2] or -1), m[1], p) for p in (run_dir.iterdir() if run_dir.is_dir() else [])
+                   if (m := CHECKPOINT.fullmatch(p.name)))
+    named, epochs = {k: p for _, k, p in found}, [p for n, _, p in found if n >= 0]
+    order = {"decode": [named.get("best"), named.get("last")], "test": [named.get("best")], "average": epochs,
+             "resume": [named.get("last"), *epochs[::-1], named.get("best")], "any": [p for *_, p in found]}[use]
+    return [p for p in order if p is not None and p.is_file()]
+
+
+def is_run_file(name):
+    """Whether train.py writes a file of this name into a run directory."""
+    return name in RESULT_FILES + CACHE_FILES or bool(CHECKPOINT.fullmatch(name))
 
 
 def load_checkpoint(path, device="cpu", average=0):
     """A .pt file or a run directory -> (model in eval mode on device, tokenizer, ckpt dict). A run directory
-    gives its checkpoint_best.pt, else checkpoint_last.pt; with average=N > 0 (a run directory only) the average of
-    its N highest-numbered checkpoint_epoch{N}.pt. The tokenizer is rebuilt from the sentencepiece model inside the
+    gives its best checkpoint, else its last (checkpoints(dir, "decode")); with average=N > 0 (a run directory only)
+    the average of its last N epoch checkpoints. The tokenizer is rebuilt from the sentencepiece model inside the
     checkpoint ("bpe_model_proto"), so a checkpoint file alone can translate. Otherwise DataError naming the path."""
     p = Path(path)
     if average > 0:
         if not p.is_dir():
-            raise DataError(f"{p}: --average {average} needs a run directory (with checkpoint_epoch*.pt files)")
-        epochs = epoch_checkpoints(p)
+            raise DataError(f"{p}: --average {average} needs a run directory (with epoch checkpoints)")
+        epochs = checkpoints(p, "average")
         if len(epochs) < average:
-            raise DataError(f"{p}: --average {average} needs {average} checkpoint_epoch*.pt files, "
+            raise DataError(f"{p}: --average {average} needs {average} epoch checkpoints, "
                             f"the run directory has {len(epochs)}")
         ckpt, p = average_checkpoints(epochs[-average:]), epochs[-1]
     else:
         if p.is_dir():
-            found = [p / n for n in ("checkpoint_best.pt", "checkpoint_last.pt") if (p / n).is_file()]
-            if not found:
-                raise DataError(f"{p}: run directory has no checkpoint_best.pt or checkpoint_last.pt")
+            if not (found := checkpoints(p, "decode")):
+                raise DataError(f"{p}: run directory has no best or last checkpoint")
             p = found[0]
         ckpt = read_checkpoint(p, device)
-    model = build_model(ckpt, p, device)
+    try:
+        model = Transformer(ModelConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+        raise DataError(f"{p}: its model_config and weights do not make a model of this code "
+                        f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    model = model.to(device).eval()
     proto = ckpt.get("bpe_model_proto")
     if not isinstance(proto, (bytes, bytearray)):
         raise DataError(f"{p}: has no bpe_model_proto (the sentencepiece model), so it cannot translate")
@@ -683,7 +680,11 @@ def future_leak(model, segments, t=None, seed=0):
 # Note: decoder row t reads input y_{t-1} (BOS at t = 1) and predicts y_t. For "cross" rows are labelled with the
 # predicted piece, so a row shows where the model looked to write it (an alignment); for "dec" both axes are inputs.
 # ---------------------------------------------------------------------------------------
-def _attention_module(model, kind, layer):
+@torch.no_grad()
+def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0, kind="cross"):
+    """One attention map -> (weights (Tq, Tk) float CPU tensor, rows summing to 1, query_tokens, key_tokens),
+    teacher-forced on tgt_line, else on the model's greedy translation. Tokens: BPE pieces labelling rows and columns
+    (see above). The module's keep_weights and last_weights and the model's train/eval mode are restored after."""
     stacks = {"enc": (model.encoder, "self_attn"), "dec": (model.decoder, "self_attn"),
               "cross": (model.decoder, "cross_attn")}
     if kind not in stacks:
@@ -692,15 +693,7 @@ def _attention_module(model, kind, layer):
     if not 0 <= layer < len(layers):
         raise DataError(f"--layer {layer}: the {'encoder' if kind == 'enc' else 'decoder'} has "
                         f"layers 0..{len(layers) - 1}")
-    return getattr(layers[layer], attr)
-
-
-@torch.no_grad()
-def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0, kind="cross"):
-    """One attention map -> (weights (Tq, Tk) float CPU tensor, rows summing to 1, query_tokens, key_tokens),
-    teacher-forced on tgt_line, else on the model's greedy translation. Tokens: BPE pieces labelling rows and columns
-    (see above). The module's keep_weights and last_weights and the model's train/eval mode are restored after."""
-    module = _attention_module(model, kind, layer)
+    module = getattr(layers[layer], attr)
     if not 0 <= head < model.cfg.heads:
         raise DataError(f"--head {head}: the model has heads 0..{model.cfg.heads - 1}")
     device = next(model.parameters()).device
@@ -795,7 +788,23 @@ def save_heatmap_png(weights, rows, cols, path, title=None):
 
 
 def analyse(args, model, tokenizer):
-    """--g-table and --attention: print, write nothing but the optional PNG."""
+    """--svd ([2] Figure 6's curve), --g-table and --attention: print, write nothing but the optional PNG."""
+    if args.svd:
+        sv = singular_values(model)
+        marks = sorted({0, len(sv) // 10, len(sv) // 4, len(sv) // 2, 3 * len(sv) // 4, len(sv) - 1})
+        print("singular values of the embedding matrix over the largest ([2] Figure 6): "
+              + ", ".join(f"sigma_{i + 1} {sv[i]:.3f}" for i in marks))
+        if args.png:
+            plt = pyplot(args.png)
+            fig, ax = plt.subplots(figsize=(5, 3.5))
+            ax.plot(range(1, len(sv) + 1), sv)
+            ax.set(xlabel="index", ylabel="sigma_i / sigma_1", title="embedding singular values")
+            fig.tight_layout()
+            fig.savefig(args.png, dpi=120)
+            print(f"wrote {args.png}")
+        return 0
+    if model.cfg.lm and args.attention is not None:
+        raise DataError(f"{args.checkpoint}: a language model: --attention draws a translator's maps")
     if args.g_table:
         print_g_table(model, Console())
     if args.attention is not None:
@@ -854,23 +863,13 @@ def read_metrics(run_dir):
     return rows
 
 
-def _qknorm(name):
-    """Whether a g's parameter name is an attention module's (QKNorm), not a ScaleNorm's."""
-    return name.endswith(("self_attn.g", "cross_attn.g"))
-
-
-def _depth(name):
-    """Sort key of a g's parameter name: the encoder before the decoder, layer by layer, final last."""
-    parts = name.split(".")
-    return (not name.startswith("enc"), int(parts[1]) if parts[1].isdigit() else 1 << 30)
-
-
 def plot_series(run_dirs):
     """{panel title: [(run name, xs, ys)]}: the curves of each panel of --plot, one per run."""
     panels = {t: [] for t in ("dev BLEU", "dev perplexity", "training loss", "gradient norm (before clipping)",
                               "learned g by depth (last evaluation)", "QKNorm g (mean over modules)",
                               "batch vs running statistic, first norm",
                               "embedding singular values / the largest ([2] Fig. 6)")}
+    qknorm = lambda k: k.endswith(("self_attn.g", "cross_attn.g"))  # an attention module's g (QKNorm), not a norm's
     for run in run_dirs:
         rows, name = read_metrics(run), Path(run).name
         def curve(key, where=lambda r: True):
@@ -882,10 +881,11 @@ def plot_series(run_dirs):
         panels["gradient norm (before clipping)"].append(curve("gnorm"))
         evals = [r for r in rows if r.get("g")]
         if evals:
-            scale = sorted((k for k in evals[-1]["g"] if not _qknorm(k)), key=_depth)  # ScaleNorm g's
+            depth = lambda k: (not k.startswith("enc"), int(k.split(".")[1]) if k.split(".")[1].isdigit() else 1 << 30)
+            scale = sorted((k for k in evals[-1]["g"] if not qknorm(k)), key=depth)  # ScaleNorm g's by depth
             panels["learned g by depth (last evaluation)"].append(
                 (name, list(range(len(scale))), [evals[-1]["g"][k] for k in scale]))
-            qk = [(r["step"], [v for k, v in r["g"].items() if _qknorm(k)]) for r in evals]
+            qk = [(r["step"], [v for k, v in r["g"].items() if qknorm(k)]) for r in evals]
             qk = [(x, sum(gs) / len(gs)) for x, gs in qk if gs]
             panels["QKNorm g (mean over modules)"].append((name, [x for x, _ in qk], [y for _, y in qk]))
         first = "encoder.0.norm_attn" if any("encoder.0.norm_attn" in r.get("batch_norm_stats", {}) for r in rows) \
@@ -899,7 +899,7 @@ def plot_series(run_dirs):
             sv = json.loads((Path(run) / "results.json").read_text())["embedding_singular_values"]
             panels["embedding singular values / the largest ([2] Fig. 6)"].append(
                 (name, list(range(1, len(sv) + 1)), sv))
-        except (OSError, ValueError, KeyError, TypeError):  # not finished, or an older run
+        except (OSError, ValueError, KeyError, TypeError):  # not finished (no results.json yet)
             pass
     return panels
 
@@ -954,11 +954,29 @@ def score_report(hyps, refs, already_tokenized=False, lowercase=False):
             f"SacreBLEU {sb} | {sb.signature} | chrF2 = {cs.score:.2f}")
 
 
+def ranged(kind, ok, why):
+    """An argparse type= that checks the range too, for both files' flags: a value out of range is argparse's own
+    one-line error naming the flag ("argument --beam: must be at least 1 (got 0)"); a non-finite number never passes."""
+    def convert(text):
+        v = kind(text)
+        if not (math.isfinite(v) and ok(v)):
+            raise argparse.ArgumentTypeError(f"must be {why}{'' if math.isfinite(v) else ', and finite'} (got {text})")
+        return v
+    convert.__name__ = kind.__name__  # argparse's "invalid int value: 'x'" for text that is no number
+    return convert
+
+
+positive_int, count = ranged(int, lambda v: v >= 1, "at least 1"), ranged(int, lambda v: v >= 0, "0 or more")
+positive, non_negative = ranged(float, lambda v: v > 0, "positive"), ranged(float, lambda v: v >= 0, "0 or more")
+fraction = ranged(float, lambda v: 0 <= v < 1, "in [0, 1)")
+alpha_range = ranged(float, lambda v: 0 <= v <= 10, "in [0, 10] (the papers: 0.6, 1.0; a larger one overflows)")
+
+
 def build_parser():
     ap = argparse.ArgumentParser(description="Translate with a trained checkpoint (beam search or greedy), score it "
                                  "(tokenized BLEU, SacreBLEU, chrF), test significance, and look inside the model.")
     ap.add_argument("checkpoint", nargs="?", help="a checkpoint .pt file, or a run directory "
-                    "(its checkpoint_best.pt, else checkpoint_last.pt); not needed with --compare")
+                    "(its best checkpoint, else its last); not needed with --compare")
     ap.add_argument("--input", help="source text, one sentence a line (default: stdin)")
     ap.add_argument("--output", help="where to write translations, one a line (default: stdout)")
     ap.add_argument("--ref", help="reference translations: print tokenized BLEU, SacreBLEU with its signature, "
@@ -969,39 +987,39 @@ def build_parser():
                     "text is 13a-tokenized first (prepare de-en writes raw text: leave it off there)")
     ap.add_argument("--lowercase", action="store_true",
                     help="case-insensitive BLEU and chrF (PowerNorm [2] reports case-insensitive BLEU on IWSLT14)")
-    ap.add_argument("--beam", type=int, help="beam size; 1 = greedy search (default: the run's test beam, as "
+    ap.add_argument("--beam", type=positive_int, help="beam size; 1 = greedy search (default: the run's test beam, as "
                     "train.py used it; TwT: 4)")
-    ap.add_argument("--alpha", type=float, help="length penalty alpha (default: the run's; TwT: 0.6 with gnmt; "
+    ap.add_argument("--alpha", type=alpha_range, help="length penalty alpha (default: the run's; TwT: 0.6 with gnmt; "
                     "PowerNorm: 1.0 with fairseq)")
     ap.add_argument("--length-penalty", choices=PENALTIES, help="gnmt: score / ((5 + |Y|) / 6)^alpha (Wu et al. 2016; "
                     "TwT, QKNorm); fairseq: score / |Y|^alpha (Ott et al. 2019; PowerNorm); default: the run's")
-    ap.add_argument("--max-len-b", type=int, default=50,
+    ap.add_argument("--max-len-b", type=count, default=50,
                     help="maximum output length = source length + this (TwT code: 50)")
-    ap.add_argument("--max-len", type=int, default=1024, help="source lines longer than this (BPE tokens) are cut "
-                    "to it, with a count on stderr (one huge line must not exhaust memory)")
+    ap.add_argument("--max-len", type=positive_int, default=1024, help="source lines longer than this (BPE tokens) are "
+                    "cut to it, with a count on stderr (one huge line must not exhaust memory)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="on CUDA: bf16 autocast (default) "
                     "or fp32 throughout; the CPU always computes in fp32")
-    ap.add_argument("--batch-tokens", type=int, help="source tokens per batch (sentences x longest length; default "
-                    "4096); a language model's tokens per batch (default: its run's)")
+    ap.add_argument("--batch-tokens", type=positive_int, help="source tokens per batch (sentences x longest length; "
+                    "default 4096); a language model's tokens per batch (default: its run's)")
     ap.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     ap.add_argument("--reference", action="store_true",
                     help="run every equation as written, with no fast path anywhere (norms.py section 1)")
     ap.add_argument("--benchmark", action="store_true", help="time greedy (beam 1) and beam search on --input "
                     "(after a warm-up); print sentences/s, target tokens/s and, with --ref, the BLEU of each")
     ev = ap.add_argument_group("evaluation and analysis")
-    ev.add_argument("--average", type=int, default=0, metavar="N", help="translate with the average of the run "
-                    "directory's last N checkpoint_epoch*.pt (PowerNorm's released script: 5; its paper: 10); floats "
+    ev.add_argument("--average", type=count, default=0, metavar="N", help="translate with the average of the run "
+                    "directory's last N epoch checkpoints (PowerNorm's released script: 5; its paper: 10); floats "
                     "are averaged, integer/bool buffers copied")
     ev.add_argument("--ppl", action="store_true",
                     help="with --ref: also print the label-smoothed and plain perplexity (teacher forced, "
                          "[1] Table 8); a language model: the perplexity of the text of --input (or stdin)")
-    ev.add_argument("--label-smoothing", type=float, default=None,
+    ev.add_argument("--label-smoothing", type=fraction, default=None,
                     help="epsilon for --ppl (default: the checkpoint's training value, else 0.1)")
     ev.add_argument("--compare", nargs=2, metavar=("BASELINE", "SYSTEM"),
                     help="paired bootstrap resampling (Koehn 2004, SacreBLEU's implementation) of two output files "
                          "against --ref: BLEU, 95%% CI, p-value; no checkpoint needed")
-    ev.add_argument("--samples", type=int, default=1000, help="bootstrap resamples for --compare")
+    ev.add_argument("--samples", type=positive_int, default=1000, help="bootstrap resamples for --compare")
     ev.add_argument("--seed", type=int, default=12345,
                     help="resampling seed for --compare (SacreBLEU's default); --sample's seed")
     ev.add_argument("--attention", metavar="SOURCE", help="print the attention map of this source sentence (QKNorm "
@@ -1028,67 +1046,59 @@ def build_parser():
     lm.add_argument("--generate", metavar="PREFIX", help="continue this text until EOS or --max-tokens")
     lm.add_argument("--sample", action="store_true", help="--generate: sample from the softmax instead of the "
                     "most probable token")
-    lm.add_argument("--temperature", type=float, default=1.0, help="--sample: softmax(logits / T)")
+    lm.add_argument("--temperature", type=positive, default=1.0, help="--sample: softmax(logits / T)")
     lm.add_argument("--max-tokens", type=int, default=50, help="--generate: at most this many new tokens")
-    lm.add_argument("--seq-len", type=int, help="--ppl and --generate: the segment (context) length (default: "
+    lm.add_argument("--seq-len", type=positive_int, help="--ppl and --generate: the segment (context) length (default: "
                     "the run's; a multi-linear attention is built for its own and takes no longer one)")
     return ap
+
+
+# Which flags each mode reads: decode.py's one table. A mode is chosen by its flag (the first of MODES given), else by
+# the checkpoint (a translator, a language model); a flag given that its mode does not read is refused (idle_flag).
+MODEL = {"checkpoint", "average", "device", "dtype", "reference"}
+SEARCH = {"beam", "alpha", "length_penalty", "max_len_b", "max_len", "batch_tokens"}
+LOOK = MODEL | SEARCH | {"g_table", "attention", "attention_target", "layer", "head", "kind", "png"}  # translates once
+TRANSLATE = MODEL | SEARCH | {"input", "output", "ref", "tokenized", "lowercase", "progress", "ppl", "label_smoothing",
+                              "benchmark"}
+LM = {"batch_tokens", "input", "ppl", "leak", "generate", "sample", "temperature", "max_tokens", "seed", "seq_len"}
+MODES = {"compare": {"compare", "ref", "samples", "seed", "tokenized", "lowercase"}, "plot": {"plot", "out"},
+         "svd": MODEL | {"svd", "png"}, "g_table": LOOK, "attention": LOOK,
+         "benchmark": MODEL | SEARCH | {"benchmark", "input", "ref"},
+         "a translator": TRANSLATE, "a language model": MODEL - {"average"} | LM}
+# A flag that only works with another ("--sample is for --generate"), checked whatever the mode.
+NEEDS = {"out": "plot", "sample": "generate", "max_tokens": "generate", "temperature": "sample", "samples": "compare",
+         "seed": ("compare", "sample"), "tokenized": "ref", "lowercase": "ref", "label_smoothing": "ppl",
+         "attention_target": "attention", "png": ("attention", "svd"), "layer": "attention", "head": "attention",
+         "kind": "attention"}
+
+
+def idle_flag(mode, given):
+    """Why the first flag given that `mode` does not read (MODES) is refused, or None."""
+    if extra := sorted(given - MODES[mode]):
+        what = "a checkpoint" if extra[0] == "checkpoint" else f"--{extra[0].replace('_', '-')}"
+        return f"{what} does nothing with {mode if ' ' in mode else '--' + mode.replace('_', '-')}"
 
 
 def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    given = {f for f, v in vars(args).items() if v != ap.get_default(f)}  # the flags given a value of their own
-    for flag, ok, why in [("beam", args.beam is None or args.beam >= 1, "at least 1"),
-                          ("max_len_b", args.max_len_b >= 0, "0 or more"),
-                          ("max_len", args.max_len >= 1, "at least 1"),
-                          ("batch_tokens", args.batch_tokens is None or args.batch_tokens >= 1, "at least 1"),
-                          ("alpha", args.alpha is None or 0 <= args.alpha <= 10, "in [0, 10] (the papers: 0.6, 1.0)"),
-                          ("samples", args.samples >= 1, "at least 1"),
-                          ("average", args.average >= 0, "0 (off) or a number of checkpoints"),
-                          ("label_smoothing", args.label_smoothing is None or 0 <= args.label_smoothing < 1,
-                           "in [0, 1)")]:
-        if not ok:
-            ap.error(f"--{flag.replace('_', '-')} must be {why} (got {getattr(args, flag)!r})")
+    args.given = {f for f, v in vars(args).items() if v != ap.get_default(f)}  # the flags given a value of their own
     if args.compare and not args.ref:
         ap.error("--compare needs --ref")
     if args.plot and not args.out:
         ap.error("--plot needs --out FILE.png")
     if not args.compare and not args.plot and not args.checkpoint:
         ap.error("a checkpoint (file or run directory) is needed, except with --compare or --plot")
-    if not 0 < args.temperature < math.inf:
-        ap.error(f"--temperature must be positive and finite (got {args.temperature!r})")
-    if "seed" in given and not (args.compare or args.sample):
-        ap.error("--seed is for --compare's resampling and --sample's draws")
     if args.compare and args.seed < 1:  # SacreBLEU takes 0 as "no seed": another resampling at every run
         ap.error(f"--seed must be at least 1 for --compare (got {args.seed!r})")
-    if args.out and not args.plot:
-        ap.error("--out is the picture of --plot; translations go to --output")
-    for flag, needs in (("sample", "generate"), ("max_tokens", "generate"), ("temperature", "sample"),
-                        ("samples", "compare"), ("tokenized", "ref"), ("lowercase", "ref"), ("label_smoothing", "ppl")):
-        if flag in given and getattr(args, needs) in (None, False):
-            ap.error(f"--{flag.replace('_', '-')} is for --{needs}: give --{needs} too")
-    if args.seq_len is not None and args.seq_len < 1:
-        ap.error(f"--seq-len must be at least 1 (got {args.seq_len!r})")
-    if args.attention_target is not None and args.attention is None:
-        ap.error("--attention-target needs --attention")
-    for flag, default in (("png", None), ("layer", 0), ("head", 0), ("kind", "cross")):
-        if getattr(args, flag) != default and args.attention is None and not (flag == "png" and args.svd):
-            ap.error(f"--{flag} is for the map of --attention (or --svd): give --attention too")
-    # What a mode does not read is refused, as train.py refuses a flag that would do nothing.
-    model_flags = {"checkpoint", "average", "device", "dtype", "reference"}
-    inside = model_flags | {"g_table", "attention", "attention_target", "layer", "head", "kind", "png", "beam", "alpha",
-                            "length_penalty", "max_len_b", "max_len", "batch_tokens"}  # --attention translates once
-    for mode, reads in (("compare", {"compare", "ref", "samples", "seed", "tokenized", "lowercase"}),
-                        ("plot", {"plot", "out"}), ("svd", model_flags | {"svd", "png"}),
-                        ("g_table", inside), ("attention", inside),
-                        ("benchmark", given - {"output", "ppl", "label_smoothing", "progress", "tokenized",
-                                               "lowercase"})):
-        if mode in given:
-            if extra := sorted(given - reads):
-                what = "a checkpoint" if extra[0] == "checkpoint" else f"--{extra[0].replace('_', '-')}"
-                ap.error(f"{what} does nothing with --{mode.replace('_', '-')}")
-            break
+    for flag, needs in NEEDS.items():
+        needs = (needs,) if isinstance(needs, str) else needs
+        if flag in args.given and not args.given & set(needs):
+            ap.error(f"--{flag.replace('_', '-')} is for " + " or ".join(f"--{n.replace('_', '-')}" for n in needs)
+                     + ": give it too" + ("; translations go to --output" if flag == "out" else ""))
+    mode = next((m for m in MODES if m in args.given), None)  # else the checkpoint's kind chooses (run)
+    if mode and (why := idle_flag(mode, args.given)):
+        ap.error(why)
     return args
 
 
@@ -1116,20 +1126,6 @@ def check_output_file(path, flag, suffix=None):
         raise DataError(f"{flag} {path}: cannot write into {folder} ({e.strerror})") from None
 
 
-def check_not_an_input(args):
-    """--output never overwrites what decode.py reads (--input, --ref, the checkpoint), nor a file train.py wrote into
-    the run directory (its config, metrics, BPE model, checkpoints)."""
-    out = Path(args.output).resolve()
-    for flag, path in (("--input", args.input), ("--ref", args.ref), ("the checkpoint", args.checkpoint)):
-        if path and out.exists() and Path(path).exists() and out.samefile(path):
-            raise DataError(f"--output {args.output}: is {flag} {path}; write the translations elsewhere")
-    ckpt = Path(args.checkpoint).resolve()
-    run_dir = ckpt if ckpt.is_dir() else ckpt.parent
-    if out.parent == run_dir and out.exists() and (out.suffix not in (".hyp", ".txt") or out.name == "test.hyp"):
-        raise DataError(f"--output {args.output}: a file of the run directory {run_dir} (train.py's, or not a .hyp "
-                        f"or .txt file); write the translations elsewhere")
-
-
 def run(args):
     """Everything main() does, raising DataError for the user's mistakes."""
     if args.compare:
@@ -1144,9 +1140,17 @@ def run(args):
     if device.type == "cuda" and not has_bf16(device):
         args.dtype = "fp32"  # this GPU only emulates bf16, slowly (model.has_bf16)
     # Every input is read and checked before any work; stdin is read last.
-    if args.output:
+    if args.output:  # never what decode.py reads (--input, --ref, the checkpoint), nor a file train.py wrote
         check_output_file(args.output, "--output")
-        check_not_an_input(args)
+        out = Path(args.output).resolve()
+        for flag, path in (("--input", args.input), ("--ref", args.ref), ("the checkpoint", args.checkpoint)):
+            if path and out.exists() and Path(path).exists() and out.samefile(path):
+                raise DataError(f"--output {args.output}: is {flag} {path}; write the translations elsewhere")
+        run_dir = Path(args.checkpoint).resolve() if Path(args.checkpoint).is_dir() else \
+            Path(args.checkpoint).resolve().parent
+        if out.parent == run_dir and out.exists() and (out.suffix not in (".hyp", ".txt") or is_run_file(out.name)):
+            raise DataError(f"--output {args.output}: a file of the run directory {run_dir} (train.py's, or not a "
+                            f".hyp or .txt file); write the translations elsewhere")
     if args.png:
         require_pyplot(args.png, "--png")
     lines = data.read_lines(args.input) if args.input else None
@@ -1154,34 +1158,34 @@ def run(args):
     model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
     if args.batch_tokens is None and not model.cfg.lm:
         args.batch_tokens = 4096
-    if args.svd:
-        return print_singular_values(model, args.png)
-    if model.cfg.lm and args.attention is not None:
-        raise DataError(f"{args.checkpoint}: a language model: --attention draws a translator's maps")
-    if args.g_table or args.attention is not None:
+    if args.svd or args.g_table or args.attention is not None:
         return analyse(args, model, tokenizer)
-    if model.cfg.lm or args.generate is not None or args.seq_len is not None or args.leak:
-        return language_model(args, model, tokenizer, ckpt, lines)
+    if why := idle_flag("a language model" if model.cfg.lm else "a translator", args.given):
+        raise DataError(f"{args.checkpoint}: {why}")
+    run_defaults(args, ckpt, model.cfg.lm)
+    if model.cfg.lm:
+        return language_model(args, model, tokenizer, lines)
     if args.ppl and not args.ref:
         raise DataError("--ppl of a translator needs --ref (and the sources in --input or on stdin)")
-    search_flags(args, ckpt)
     return translate_and_score(args, model, tokenizer, ckpt, read_stdin() if lines is None else lines, refs)
 
 
-def search_flags(args, ckpt):
-    """--beam, --alpha and --length-penalty, where not given: the search train.py scored the run's test set with (its
-    checkpoint's flags, checked, not trusted), else TwT's beam 4, alpha 0.6, gnmt."""
+def run_defaults(args, ckpt, lm):
+    """The flags not given that default to the run's own: its checkpoint's value, checked by the flag's own type (not
+    trusted), else TwT's beam 4, alpha 0.6, gnmt and label smoothing 0.1; a language model's segment length and
+    batches (the NLL is summed in the same order, so --ppl prints results.json's number), else 32 and 4096."""
     saved = ckpt.get("args") if isinstance(ckpt.get("args"), dict) else {}
-    checks = (("beam", 4, lambda v: type(v) is int and v >= 1),
-              ("alpha", 0.6, lambda v: type(v) in (int, float) and 0 <= v <= 10),
-              ("length_penalty", "gnmt", lambda v: v in PENALTIES))
-    for flag, default, ok in checks:
+    flags = (("seq_len", 32, positive_int), ("batch_tokens", 4096, positive_int)) if lm else \
+        (("beam", 4, positive_int), ("alpha", 0.6, alpha_range), ("label_smoothing", 0.1, fraction),
+         ("length_penalty", "gnmt", lambda v: PENALTIES[PENALTIES.index(v)]))
+    for flag, default, convert in flags:
         if getattr(args, flag) is None:
             v = saved.get(flag, default)
-            if not ok(v):
+            try:  # the flag's own type, on the value as the command line would give it
+                setattr(args, flag, convert(str(v)))
+            except (ValueError, argparse.ArgumentTypeError):
                 raise DataError(f"{args.checkpoint}: its saved --{flag.replace('_', '-')} {v!r} is not one "
-                                f"decode.py takes; give --{flag.replace('_', '-')}")
-            setattr(args, flag, v)
+                                f"decode.py takes; give --{flag.replace('_', '-')}") from None
 
 
 def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
@@ -1194,7 +1198,8 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
         print(f"note: {n_long} source lines longer than --max-len {args.max_len} BPE tokens are cut to it",
               file=sys.stderr)
     avg = f", average of {len(ckpt['averaged_from'])} epochs" if "averaged_from" in ckpt else ""
-    print(f"loaded {args.checkpoint} (step {ckpt.get('step')}, dev BLEU {ckpt.get('dev_bleu')}, "
+    state = ckpt.get("train_state") or {}
+    print(f"loaded {args.checkpoint} (step {state.get('step')}, dev BLEU {(state.get('history') or [None])[-1]}, "
           f"{ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')}{avg}); beam {args.beam}, "
           f"{args.length_penalty} length penalty alpha {args.alpha}", file=sys.stderr)
     if args.ppl and not any(line.strip() for line in lines):
@@ -1206,8 +1211,13 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
     search = Search(args.beam, args.alpha, args.max_len_b, args.max_len, args.dtype == "bf16", args.length_penalty)
     hyps = translate(model, tokenizer, lines, search, args.batch_tokens, args.progress)
     text = "".join(h + "\n" for h in hyps)
-    if args.output:
-        write_output(args.output, text)
+    if args.output:  # atomically (a kill leaves the old file or the new one), through a symbolic link to its file; a
+        # stream (is_stream) appended to: /dev/stdout may be a file the shell opened (> out.txt 2>&1), not to be cut
+        if is_stream(args.output):
+            with open(args.output, "a", encoding="utf-8") as f:
+                f.write(text)
+        else:
+            data.atomic_write(Path(args.output).resolve(), text)
         args.output_written = True  # for the message of a Ctrl-C while scoring
     else:
         sys.stdout.write(text)
@@ -1220,8 +1230,6 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
         print(score_report(hyps, refs, args.tokenized, args.lowercase), file=sys.stderr)
         if args.ppl:
             eps = args.label_smoothing
-            if eps is None:
-                eps = (ckpt.get("args") or {}).get("label_smoothing", 0.1)
             ppl = perplexity(model, tokenizer, list(zip(lines, refs)), eps, args.batch_tokens, args.dtype == "bf16")
             print(f"test perplexity: label-smoothed (eps {eps}) {ppl['smoothed_ppl']:.2f}, "
                   f"plain {ppl['ppl']:.2f} over {ppl['n_tokens']} target tokens", file=sys.stderr)
@@ -1236,16 +1244,6 @@ def is_stream(path):
     return bool(descriptor) or p.exists() and not p.is_file()
 
 
-def write_output(path, text):
-    """--output: atomically (a kill leaves the old file or the new one), through a symbolic link to its file; a
-    stream (is_stream) appended to: /dev/stdout may be a file the shell opened (> out.txt 2>&1), not to be cut."""
-    if is_stream(path):
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        data.atomic_write(Path(path).resolve(), text)
-
-
 def read_stdin():
     try:
         raw = sys.stdin.buffer.read()
@@ -1254,25 +1252,14 @@ def read_stdin():
     return data.split_lines(raw, "stdin")  # undecodable bytes: DataError naming the line
 
 
-def language_model(args, model, tokenizer, ckpt, lines):
-    """--ppl and --generate of a language model (section 8; data.py section 8)."""
-    if not model.cfg.lm:
-        raise DataError(f"{args.checkpoint}: a translator; --generate, --leak and --seq-len are for a language model")
-    if args.ref or args.benchmark or args.generate is None and not args.ppl and not args.leak:
+def language_model(args, model, tokenizer, lines):
+    """--ppl, --leak and --generate of a language model (section 8; data.py section 8)."""
+    if args.generate is None and not args.ppl and not args.leak:
         raise DataError(f"{args.checkpoint}: a language model: give --ppl or --leak (with --input), "
                         f"or --generate PREFIX")
-    defaults = vars(build_parser().parse_args([]))
-    idle = [f for f in ("output", "beam", "alpha", "length_penalty", "max_len_b", "max_len", "tokenized", "lowercase",
-                        "label_smoothing", "progress", "average") if getattr(args, f) != defaults[f]]
-    if idle:
-        raise DataError(f"--{idle[0].replace('_', '-')}: a translator's flag; a language model's --ppl, --leak and "
-                        f"--generate do not use it")
     if args.input and not (args.ppl or args.leak):
         raise DataError("--input does nothing with --generate (its text is for --ppl and --leak)")
-    saved = ckpt.get("args") or {}
-    seq_len = args.seq_len or saved.get("seq_len") or model.cfg.seq_len or 32
-    # The run's own batches by default: the NLL is summed in the same order, so --ppl prints results.json's number.
-    batch_tokens = args.batch_tokens or saved.get("batch_tokens") or 4096
+    seq_len, batch_tokens = args.seq_len, args.batch_tokens  # the run's own unless given (run_defaults)
     if model.cfg.attention == "multilinear" and seq_len > model.cfg.seq_len:
         raise DataError(f"--seq-len {seq_len}: {args.checkpoint} has a multi-linear attention built for segments of "
                         f"{model.cfg.seq_len} tokens; give --seq-len {model.cfg.seq_len} or less")
@@ -1298,23 +1285,6 @@ def language_model(args, model, tokenizer, ckpt, lines):
         prefix, more = generate(model, tokenizer, args.generate, seq_len, args.max_tokens,
                                 args.temperature if args.sample else 0.0, args.seed)
         print(f"{prefix} [{more}]" if prefix else more)
-    return 0
-
-
-def print_singular_values(model, png=None):
-    """--svd: [2] Figure 6's curve, printed (and drawn into png)."""
-    sv = singular_values(model)
-    marks = sorted({0, len(sv) // 10, len(sv) // 4, len(sv) // 2, 3 * len(sv) // 4, len(sv) - 1})
-    print("singular values of the embedding matrix over the largest ([2] Figure 6): "
-          + ", ".join(f"sigma_{i + 1} {sv[i]:.3f}" for i in marks))
-    if png:
-        plt = pyplot(png)
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot(range(1, len(sv) + 1), sv)
-        ax.set(xlabel="index", ylabel="sigma_i / sigma_1", title="embedding singular values")
-        fig.tight_layout()
-        fig.savefig(png, dpi=120)
-        print(f"wrote {png}")
     return 0
 
 
@@ -1346,13 +1316,8 @@ def _max_lengths(src, max_len):
 
 
 def _strip(tokens):
-    """Hypothesis tokens up to (not including) the first EOS or PAD placeholder."""
-    out = []
-    for w in tokens:
-        if w == EOS or w == PAD:
-            break
-        out.append(w)
-    return out
+    """Hypothesis tokens (a list) up to (not including) the first EOS or PAD placeholder."""
+    return tokens[:next((i for i, w in enumerate(tokens) if w in (EOS, PAD)), len(tokens))]
 
 
 @contextlib.contextmanager

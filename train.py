@@ -35,7 +35,6 @@ import json
 import math
 import os
 import random
-import re
 import resource
 import shutil
 import sys
@@ -60,6 +59,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import data
 import decode
+from decode import alpha_range, count, fraction, non_negative, positive, positive_int, ranged
 from model import ModelConfig, Transformer, autocast, count_parameters, has_bf16, pick_device, qk_g0
 from norms import BATCH_NORMS, NORMS, fast_paths, use_reference
 
@@ -72,6 +72,11 @@ from norms import BATCH_NORMS, NORMS, fast_paths, use_reference
 #   cosine (the tensorized Transformer's PTB script, for [2]'s language models): eq. 7's linear
 #     warmup to the peak, then peak * (1 + cos(pi (n - n_warmup) / (N - n_warmup))) / 2, to 0 at
 #     the run's last step N (--max-steps, else --max-epochs x --epoch-size).
+# Why: warmup exists because a PostNorm model's early updates pass through LayerNorm on the residual path and
+#   can blow up or vanish before its scales settle; PreNorm keeps a clean residual path, so the model can start
+#   at a large, constant LR with no warmup at all. Validation-based decay then trains at that LR as long as dev
+#   BLEU still improves, and cuts it by alpha_decay only when BLEU stalls for `patience` evaluations: the data,
+#   not a fixed formula, decides when the LR comes down.
 # ---------------------------------------------------------------------------------------
 def inverse_sqrt_lr(step, d_model, warmup, lr_scale):
     n = max(step, 1)
@@ -90,8 +95,8 @@ class Schedule:
 
     @classmethod
     def from_args(cls, args):
-        peak = args.lr if args.lr_scale is None else args.lr_scale / math.sqrt(args.d_model * args.warmup)
-        total = min(args.max_epochs * args.epoch_size, args.max_steps or math.inf)
+        peak = args.lr  # resolve_flags has made it lambda / sqrt(d * n_warmup) when --lr-scale sets lambda
+        total = budget(args)[0]
         return cls(args.schedule, args.d_model, 0 if args.schedule == "nowarmup" else args.warmup, peak, total)
 
     @property
@@ -185,13 +190,10 @@ class TrainState:
     epoch: int = 0  # evaluations so far (an epoch is --epoch-size steps, as in [1]'s code)
     data_pass: int = 0  # passes over the training data so far (an epoch here is not one)
     batch_pos: int = 0  # position in this pass's shuffled batch order
-    best_bleu: float = -1.0
-    best_step: int = 0
-    dev_bleu: Optional[float] = None
-    history: list = field(default_factory=list)  # dev BLEU of every evaluation
+    best_step: int = 0  # the step of the best dev score (the best checkpoint's)
+    history: list = field(default_factory=list)  # the dev score of every evaluation (TASKS: BLEU or perplexity)
     lr_decay: float = 1.0  # the product of the validation decays so far
-    since_best: int = 0  # evaluations since the best dev BLEU
-    stopped: Optional[str] = None  # why training stopped
+    stopped: Optional[tuple] = None  # why training stopped: (code, message) of STOPS
     train_seconds: float = 0.0  # training time so far, over every start of the run (evaluation not counted)
 
 
@@ -223,7 +225,7 @@ class Run:
         return self.rank == 0
 
     def log(self, msg):
-        log_line(self.console, msg)
+        self.console.print(msg)
 
     def metrics(self, record):  # one record in metrics.jsonl (rank 0; Appendix C)
         append_metrics(self, record)
@@ -242,20 +244,21 @@ class Run:
 
     @property
     def pad_multiple(self):
-        """Lengths are padded to a multiple of this: 8 under --compile (see compile_model), else 1."""
+        """Lengths are padded to a multiple of this: 8 under --compile (see wrap_model), else 1."""
         return 8 if self.args.compile else 1
 
 
-def setup(args, stack):
+def setup(args, stack, resumed=None):
     """Everything before the first step, in order: this process, the corpus, the run directory,
     the data, the model and its optimizer, the checkpoint a resumed run starts from. Every input
     (flags, corpus, the run directory and what it holds) is read and checked before anything is
-    written; the run directory's lock is held in ``stack`` until training ends (Appendix E)."""
+    written; the run directory's lock is held in ``stack`` until training ends (Appendix E). resumed: --resume's
+    (checkpoint, flags given), from resume_flags."""
     rank, world, device, bf16, console = start_process(args)  # Appendix D: threads, seeds, torchrun's ranks
-    log = partial(log_line, console)
+    log = console.print
     pairs, langs = read_corpus(args, log)  # Appendix F
     with rank0_first(rank, world):  # Appendix D: the other ranks read what rank 0 checks, prepares and commits
-        run_dir, ckpt, stage = open_run_dir(args, pairs, log, stack, rank == 0)  # Appendix E: checked, not changed
+        run_dir, ckpt, stage = open_run_dir(args, pairs, log, stack, rank == 0, resumed)  # Appendix E: checked
         tokenizer, train, dev, unfiltered = prepare_data(args, pairs, run_dir, stage, log, ckpt)  # Appendix F
         model, optimizer = build_model(args, tokenizer, train, unfiltered, device, bf16, log)
         # Word dropout draws from its own generator, on the device the batches live on.
@@ -295,20 +298,20 @@ def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
 # ---------------------------------------------------------------------------------------
 # 4. The loop: one log line per --log-interval steps, dev BLEU every --epoch-size steps.
 # ---------------------------------------------------------------------------------------
-def train(args):  # main() (Appendix A) calls it with the checked flags
+def train(args, resumed=None):  # main() (Appendix A) calls it with the checked flags
     with contextlib.ExitStack() as stack:  # holds the run directory's lock until the end
-        run = setup(args, stack)
+        run = setup(args, stack, resumed)
         if args.benchmark:
             return benchmark(run)
         result = train_loop(run)
-    if (run.state.stopped or "").startswith("diverged"):  # a failed run exits non-zero (its last good checkpoint stays)
-        raise Diverged(run.state.stopped)
+    if run.state.stopped[0] == "diverged":  # a failed run exits non-zero (its last good checkpoint stays)
+        raise Diverged(run.state.stopped[1])
     return result
 
 
 def train_loop(run):
     args, s = run.args, run.state
-    total = min(args.max_epochs * args.epoch_size, args.max_steps or math.inf)
+    total, limit = budget(args)
     with StepLog(run, total) as step_log:  # Appendix C: the progress bar, log lines, metrics.jsonl, MFU
         while s.step < total and not s.stopped:
             batches = run.next_batches()
@@ -321,9 +324,10 @@ def train_loop(run):
             if not s.stopped and (s.step % args.epoch_size == 0 or s.step == total):
                 end_of_epoch(run)
                 step_log.evaluated()
-    if not s.stopped and s.step >= total:  # the budget, recorded in results.json
-        s.stopped = (f"--max-steps {args.max_steps} reached" if args.max_steps and s.step >= args.max_steps
-                     else f"--max-epochs {args.max_epochs} reached")
+    if not s.stopped:  # the budget, recorded in results.json
+        stop(run, limit)
+    if s.stopped[0] != "diverged":
+        run.log(f"stopping: {s.stopped[1]}")
     result = finish(run)
     if run.world > 1:
         dist.destroy_process_group()
@@ -335,10 +339,9 @@ def train_loop(run):
 # run (diverged, Appendix C) stops with its last good checkpoint.
 # ---------------------------------------------------------------------------------------
 def dev_score(run):
-    """Rank 0: (score, dev loss, dev NLL, dev tokens). The score is dev BLEU, or minus a language
-    model's dev perplexity (higher is better for both); None when the model diverged: a checkpoint is
-    written only if it is good, finite weights and a finite dev loss (weights of 1e30 are finite,
-    but their dev loss is not)."""
+    """Rank 0: (score, dev loss per token, dev perplexity). The score is a translator's dev BLEU, a language model's
+    dev perplexity (TASKS); None when the model diverged: a checkpoint is written only if it is good, finite
+    weights and a finite dev loss (weights of 1e30 are finite, but their dev loss is not)."""
     args = run.args
     dev_loss, dev_nll, n = decode.evaluate_loss(run.model, run.dev, args.batch_tokens, args.label_smoothing,
                                                 run.step_options.bf16)
@@ -346,75 +349,69 @@ def dev_score(run):
     if bad or not math.isfinite(dev_loss):
         diverged(run, (f"the weights became non-finite ({bad})" if bad else f"the dev loss became {dev_loss}")
                  + f" at step {run.state.step}, so no checkpoint of it is written")
-        return None, dev_loss, dev_nll, n
+        return None, None, None
+    dev_ppl, dev_loss = math.exp(min(dev_nll / max(n, 1), 50)), dev_loss / max(n, 1)
     if args.task == "lm":
-        return -math.exp(min(dev_nll / max(n, 1), 50)), dev_loss, dev_nll, n
+        return dev_ppl, dev_loss, dev_ppl
     search = decode.Search(args.dev_beam, args.alpha, max_src_len=args.max_len, bf16=run.step_options.bf16,
                            penalty=args.length_penalty)
     hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["dev"]], search, args.batch_tokens)
-    return decode.bleu(hyps, [y for _, y in run.pairs["dev"]]).score, dev_loss, dev_nll, n
+    return decode.bleu(hyps, [y for _, y in run.pairs["dev"]]).score, dev_loss, dev_ppl
 
 
 def end_of_epoch(run):
-    """Dev BLEU of a translator, dev perplexity of a language model; the same decisions on either."""
-    args, s = run.args, run.state
-    lm, what = args.task == "lm", "dev perplexity" if args.task == "lm" else "dev BLEU"
+    """Dev BLEU of a translator, dev perplexity of a language model (TASKS); the same decisions on either."""
+    args, s, task = run.args, run.state, TASKS[run.args.task]
     s.epoch += 1
-    t0, bleu = time.time(), None
+    t0, score = time.time(), None
     if run.master:
-        bleu, dev_loss, dev_nll, n = dev_score(run)
+        score, dev_loss, dev_ppl = dev_score(run)
     if run.world > 1:  # every rank takes the same decisions: share rank 0's score (Appendix D)
-        bleu, s.stopped = share_epoch(run, bleu)
-    if bleu is None:  # diverged
+        score, s.stopped = share_epoch(run, score)
+    if score is None:  # diverged
         return
-    s.dev_bleu = bleu
-    s.history.append(bleu)
-    improved = s.best_step == 0 or bleu > s.best_bleu  # the first evaluation is the best so far
+    s.history.append(score)
+    improved = task.since_best(s.history) == 0  # the first evaluation is the best so far
     if improved:
-        s.best_bleu, s.best_step, s.since_best = bleu, s.step, 0
-    else:
-        s.since_best += 1
+        s.best_step = s.step
     # Validation decay ([1] 2.4), for the schedules that have it: "we still perform a linear warmup
     # but then multiply by a scale alpha_decay < 1"; Code: no decay while still in the warmup.
-    if run.schedule.decays and s.step >= run.schedule.warmup and validation_decay(s.history, args.patience):
+    up = [task.sign * x for x in s.history]  # higher is better, as validation_decay reads them
+    if run.schedule.decays and s.step >= run.schedule.warmup and validation_decay(up, args.patience):
         s.lr_decay *= args.decay_factor
-        run.log(f"{what} {'above' if lm else 'below'} each of the previous {args.patience}: LR x {args.decay_factor}")
+        worse = "below" if task.sign > 0 else "above"
+        run.log(f"{task.name} {worse} each of the previous {args.patience}: LR x {args.decay_factor}")
     next_lr = run.schedule(s.step + 1, s.lr_decay)
     # Stopping ([1] appendix A): the LR too small, or no dev improvement for a while.
     if next_lr < args.stop_lr and s.step >= run.schedule.warmup:
-        s.stopped = f"the LR {next_lr:.2e} fell below --stop-lr {args.stop_lr:g}"
-    elif args.early_stop and s.since_best >= args.early_stop:
-        s.stopped = f"{what} has not improved for {args.early_stop} evaluations"
-    elif s.epoch >= args.max_epochs:
-        s.stopped = f"--max-epochs {args.max_epochs} reached"
+        stop(run, "stop_lr", lr=next_lr)
+    elif args.early_stop and task.since_best(s.history) >= args.early_stop:
+        stop(run, "early_stop")
     if not run.master:
         return
-    dev_ppl = math.exp(min(dev_nll / max(n, 1), 50))
-    scores = f"dev ppl {dev_ppl:7.2f} | best {-s.best_bleu:7.2f}" if lm else \
-        f"dev BLEU {bleu:6.2f} | dev ppl {dev_ppl:7.2f} | best {s.best_bleu:6.2f}"
-    run.log(f"epoch {s.epoch:3d} | step {s.step:6d} | {scores} (step {s.best_step}) | eval {time.time() - t0:.1f}s")
+    run.log(f"epoch {s.epoch:3d} | step {s.step:6d} | {task.scores(score, dev_ppl, s.history)} (step {s.best_step}) "
+            f"| eval {time.time() - t0:.1f}s")
     # [1] Figure 1 (dev BLEU per epoch) and Figures 3-4 (learned g's) come from these records.
-    run.metrics({"step": s.step, "epoch": s.epoch, **({} if lm else {"dev_bleu": bleu}),
-                 "dev_loss": dev_loss / max(n, 1), "dev_ppl": dev_ppl, "lr": next_lr, "g": run.model.learned_scales()})
+    run.metrics({"step": s.step, "epoch": s.epoch, f"dev_{task.key}": score, "dev_loss": dev_loss, "dev_ppl": dev_ppl,
+                 "lr": next_lr, "g": run.model.learned_scales()})
     save_checkpoints(run, improved)  # Appendix E: best, last (the resume point), per epoch (--keep-checkpoints)
-    if s.stopped:
-        run.log(f"stopping: {s.stopped}")
 
 
 def finish(run):
-    """Test BLEU of the best checkpoint (by dev BLEU), with beam search; the learned g's."""
-    best, args = run.dir / "checkpoint_best.pt", run.args
+    """Test BLEU (beam search) or perplexity of the best checkpoint (by the dev score); the learned g's."""
+    args = run.args
     if not run.master:
         return None
-    if not best.exists():
+    if not (best := decode.checkpoints(run.dir, "test")):
         run.log("no checkpoint was written (the run ended before its first epoch)")
         return None
-    ckpt = decode.read_checkpoint(best, run.device)
+    ckpt = decode.read_checkpoint(best[0], run.device)
     run.model.load_state_dict(ckpt["model"])
     run.model.eval()
-    result = {"run_id": args.run_id, "steps": run.state.step, "best_step": ckpt["step"],
-              **({"best_dev_ppl": ckpt["dev_ppl"]} if args.task == "lm" else {"best_dev_bleu": ckpt["dev_bleu"]}),
-              "train_seconds": run.state.train_seconds, "stopped": run.state.stopped,
+    best = ckpt["train_state"]
+    result = {"run_id": args.run_id, "steps": run.state.step, "best_step": best["step"],
+              f"best_dev_{TASKS[args.task].key}": best["history"][-1],
+              "train_seconds": run.state.train_seconds, "stopped": run.state.stopped[1],
               # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd)
               "embedding_singular_values": decode.singular_values(run.model)}
     decode.print_g_table(run.model)  # [1] Figures 3-4: learned g versus depth
@@ -426,7 +423,7 @@ def finish(run):
         if args.bpe_size:  # BPE: per word too (the same NLL over the text's words and EOS)
             result.update(test_word_ppl=ppl["word_ppl"], test_words=ppl["n_words"])
         per_word = f" ({ppl['word_ppl']:.2f} per word, {ppl['n_words']} words and EOS)" if args.bpe_size else ""
-        run.log(f"test perplexity (best checkpoint, step {ckpt['step']}): {ppl['ppl']:.2f} over {ppl['n_tokens']} "
+        run.log(f"test perplexity (best checkpoint, step {best['step']}): {ppl['ppl']:.2f} over {ppl['n_tokens']} "
                 f"tokens{per_word}")
     elif run.pairs["test"]:
         hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["test"]],
@@ -436,9 +433,10 @@ def finish(run):
         score = decode.bleu(hyps, [y for _, y in run.pairs["test"]])
         write_file(run.dir / "test.hyp", "".join(h + "\n" for h in hyps))
         result.update(test_bleu=score.score, test_signature=score.signature)
-        run.log(f"test BLEU (best checkpoint, step {ckpt['step']}, beam {args.beam}, {args.length_penalty} length "
+        run.log(f"test BLEU (best checkpoint, step {best['step']}, beam {args.beam}, {args.length_penalty} length "
                 f"penalty alpha {args.alpha}): {score.score:.2f}  {score.signature}")
-    write_results(run, result)  # Appendix E: results.json, metrics.jsonl's last record
+    run.metrics({"final": result})  # metrics.jsonl's last record
+    write_file(run.dir / "results.json", json.dumps(result, indent=2) + "\n")  # Appendix E: a finished run
     return result
 
 
@@ -451,10 +449,12 @@ def finish(run):
 def main(argv=None):
     args, given = resolve_flags(argv)
     try:
-        if args.resume:
-            args = resume_flags(args, given)  # Appendix E: the run's own flags, and what may change
+        resumed = None
+        if args.resume:  # Appendix E: the run's own flags, from its newest checkpoint, and what may change
+            args, resumed = resume_flags(args, given)
+        refuse_idle_flags(args, given)
         validate_args(args)
-        return train(args)
+        return train(args, resumed)
     except WriteFailed as e:  # a full disk: what was written before is intact
         sys.exit(f"error: {e}: make room, then {what_next(args)}")
     except (data.DataError, Diverged) as e:
@@ -463,7 +463,12 @@ def main(argv=None):
         sys.exit(f"interrupted: {what_next(args)}" if os.environ.get("RANK", "0") == "0" else "interrupted")
 
 
-DEFAULTS, ACTIONS = {}, {}  # every flag's default, and its argparse action (its type and choices)
+DEFAULTS = {}  # every flag's default
+# The range of each number is its type= (decode.py Appendix F): a value out of range is argparse's own error line.
+in_0_1, percent = ranged(float, lambda v: 0 < v <= 1, "in (0, 1]"), ranged(float, lambda v: 0 < v <= 100,
+                                                                                         "in (0, 100]")
+length = ranged(float, lambda v: v >= 2, "at least 2 (g0 = log2(L^2 - L) >= 1)")
+seed = ranged(int, lambda v: 0 <= v < 2 ** 63 - 64, "in [0, 2^63 - 64) (torch's generators take 64 bits)")
 
 
 def build_parser():
@@ -479,43 +484,43 @@ def build_parser():
         if default is not None and not isinstance(default, bool):
             help += f" (default: {default})"
         action = group.add_argument(*names, help=help, **kw)
-        DEFAULTS[action.dest], ACTIONS[action.dest] = default, action
+        DEFAULTS[action.dest] = default
 
     g = p.add_argument_group("presets")
     add(g, "--preset", metavar="NAME", help="apply one row of a paper's table (train.py Appendix B); flags given "
         "with it override it; 'list' prints them all")
-    add(g, "--pair", metavar="NAME", help="use this language pair's corpus and per-pair flags instead of the "
-        "preset's (" + ", ".join(PAIRS) + ")")
+    add(g, "--pair", metavar="NAME", choices=list(PAIRS), help="use this language pair's corpus and per-pair flags "
+        "instead of the preset's (" + ", ".join(PAIRS) + ")")
     g = p.add_argument_group("data")
     add(g, "--task", choices=["mt", "lm"], default="mt", help="mt: a translator; lm: a language model, the decoder "
         "alone ([2] Table 2), on DIR/{train,dev,test}.txt")
-    add(g, "--seq-len", type=int, default=32, help="--task lm: the text is cut into segments of this many tokens "
-        "(the tensorized Transformer's PTB script: 32)")
+    add(g, "--seq-len", type=positive_int, default=32, help="--task lm: the text is cut into segments of this many "
+        "tokens (the tensorized Transformer's PTB script: 32)")
     add(g, "--data", help="corpus directory holding {train,dev,test}.{SRC,TGT}; default: the built-in synthetic "
         "corpus (data.py), generated on first use")
     add(g, "--src", help="source language suffix, e.g. en (DIR/train.en)")
     add(g, "--tgt", help="target language suffix, e.g. de (DIR/train.de)")
-    add(g, "--bpe-size", type=int, help="joint sentencepiece BPE vocabulary size ([1] Table 1: 8k; 3k for "
+    add(g, "--bpe-size", type=count, help="joint sentencepiece BPE vocabulary size ([1] Table 1: 8k; 3k for "
         "gl-en); default 8000, or 2000 on the built-in corpus; --task lm: 0 (the default there) is whitespace words")
-    add(g, "--max-len", type=int, default=250, help="training pairs longer than this (BPE tokens, either side) "
-        "are dropped, with a count")
-    add(g, "--batch-tokens", type=int, default=4096, help="tokens per batch, counted as sentences x the longer "
-        "side's padded length ([1] appendix A: 4096)")
-    add(g, "--accumulate", type=int, default=1, metavar="N", help="micro-batches of --batch-tokens per update "
+    add(g, "--max-len", type=positive_int, default=250, help="training pairs longer than this (BPE tokens, either "
+        "side) are dropped, with a count")
+    add(g, "--batch-tokens", type=positive_int, default=4096, help="tokens per batch, counted as sentences x the "
+        "longer side's padded length ([1] appendix A: 4096)")
+    add(g, "--accumulate", type=positive_int, default=1, metavar="N", help="micro-batches of --batch-tokens per update "
         "(gradient accumulation); batch statistics are per micro-batch ([2] Figure 5)")
-    add(g, "--word-dropout", type=float, default=0.1, help="probability that an input token becomes UNK "
+    add(g, "--word-dropout", type=fraction, default=0.1, help="probability that an input token becomes UNK "
         "([1] appendix A, training only)")
     g = p.add_argument_group("model")
-    add(g, "--layers", type=int, default=2, help="encoder and decoder layers ([1]: 6; 4 for gl-en)")
-    add(g, "--enc-layers", type=int, help="override --layers for the encoder")
-    add(g, "--dec-layers", type=int, help="override --layers for the decoder")
-    add(g, "--d-model", type=int, default=128, help="model width d ([1]: 512)")
-    add(g, "--heads", type=int, default=4, help="attention heads ([1]: 8; [3] Table 4 varies it)")
-    add(g, "--ff", type=int, default=512, help="feed-forward width ([1]: 2048)")
-    add(g, "--dropout", type=float, default=0.1, help="dropout on embeddings, sublayer outputs, ReLU and "
+    add(g, "--layers", type=positive_int, default=2, help="encoder and decoder layers ([1]: 6; 4 for gl-en)")
+    add(g, "--enc-layers", type=positive_int, help="override --layers for the encoder")
+    add(g, "--dec-layers", type=positive_int, help="override --layers for the decoder")
+    add(g, "--d-model", type=positive_int, default=128, help="model width d ([1]: 512)")
+    add(g, "--heads", type=positive_int, default=4, help="attention heads ([1]: 8; [3] Table 4 varies it)")
+    add(g, "--ff", type=positive_int, default=512, help="feed-forward width ([1]: 2048)")
+    add(g, "--dropout", type=fraction, default=0.1, help="dropout on embeddings, sublayer outputs, ReLU and "
         "attention weights ([1] Table 1: 0.3; 0.4 for gl-en)")
-    add(g, "--attn-dropout", type=float, help="attention-weight dropout (default: --dropout)")
-    add(g, "--relu-dropout", type=float, help="ReLU dropout (default: --dropout)")
+    add(g, "--attn-dropout", type=fraction, help="attention-weight dropout (default: --dropout)")
+    add(g, "--relu-dropout", type=fraction, help="ReLU dropout (default: --dropout)")
     add(g, "--norm", default="scale", choices=sorted(NORMS), help="norm of every sublayer (norms.NORMS): "
         + "; ".join(f"{name}: {e.equation} ({e.paper})" for name, e in NORMS.items()))
     add(g, "--encoder-norm", choices=sorted(NORMS), help="override --norm in the encoder ([2]: PN in the "
@@ -532,20 +537,20 @@ def build_parser():
         "[1] section 2.2) or Xavier normal ([1] eq. 4)")
     add(g, "--qknorm", action="store_true", default=False, help="QKNorm attention: softmax(g * q^.k^) with "
         "l2-normalised q, k ([3] eqs. 2-5)")
-    add(g, "--qk-length", type=float, help="L of g0 = log2(L^2 - L) ([3] eq. 3); default: computed from the "
+    add(g, "--qk-length", type=length, help="L of g0 = log2(L^2 - L) ([3] eq. 3); default: computed from the "
         "training data")
-    add(g, "--qk-percentile", type=float, default=97.5, help="percentile of training lengths used as L "
+    add(g, "--qk-percentile", type=percent, default=97.5, help="percentile of training lengths used as L "
         "([3] section 3; Table 5 varies it)")
     add(g, "--qk-no-g", action="store_true", default=False, help="QKNorm ablation: g fixed at 1 ([3] Table 6)")
     add(g, "--qk-norm-v", action="store_true", default=False, help="QKNorm ablation: l2-normalise V too "
         "([3] Table 6)")
-    add(g, "--pn-warmup", type=int, help="PowerNorm: training forwards that use batch statistics while the "
+    add(g, "--pn-warmup", type=count, help="PowerNorm: training forwards that use batch statistics while the "
         "running one accumulates ([2] appendix A: the LR warmup); default: the LR warmup")
     add(g, "--pn-variant", choices=["paper", "code"], default="paper", help="PowerNorm: 'paper' follows [2] "
         "Algorithm 2 / eq. 12; 'code' the released code (backward divides by the batch psi_B after warmup; "
         "padding enters the backward means)")
-    add(g, "--pn-alpha-fwd", type=float, default=0.9, help="PowerNorm forward running-average alpha ([2] eq. 10)")
-    add(g, "--pn-alpha-bkw", type=float, default=0.9, help="PowerNorm backward running-average alpha ([2] eq. 13)")
+    add(g, "--pn-alpha-fwd", type=fraction, default=0.9, help="PowerNorm forward running-average alpha ([2] eq. 10)")
+    add(g, "--pn-alpha-bkw", type=fraction, default=0.9, help="PowerNorm backward running-average alpha ([2] eq. 13)")
     add(g, "--attention", choices=["softmax", "multilinear"], default="softmax", help="--task lm: softmax "
         "attention, or the tensorized Transformer's multi-linear attention, core-1, causal ([2] appendix A.2)")
     add(g, "--sdpa", action=argparse.BooleanOptionalAction, default=True, help="torch's "
@@ -557,51 +562,52 @@ def build_parser():
              "[1] 3.3) with the same validation decay; warmupflat: valdecay under the name of QKNorm's released "
              "configs (Code [3]); cosine: the warmup, then a cosine to 0 at the run's last step (the tensorized "
              "Transformer's PTB script, [2]'s language models)")
-    add(g, "--lr-scale", type=float, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
+    peak = g.add_mutually_exclusive_group()  # both set the peak LR (lr = lr_scale / sqrt(d * warmup)): one of them
+    add(peak, "--lr-scale", type=positive, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
         "warmup^-1.5) ([1] 3.3: 1, and 2 for 2xLR); when given it overrides --lr, whose value is "
         "lambda / sqrt(d * warmup)")
-    add(g, "--lr", type=float, default=2e-3, help="peak LR (reached at n_warmup), i.e. lambda = lr * "
+    add(peak, "--lr", type=positive, default=2e-3, help="peak LR (reached at n_warmup), i.e. lambda = lr * "
         "sqrt(d * warmup) in eq. 7; the constant LR of --schedule nowarmup ([1] 3.3: 3e-4)")
-    add(g, "--warmup", type=int, default=200, help="n_warmup of eq. 7 ([1]: 8000)")
-    add(g, "--decay-factor", type=float, default=0.8, help="alpha_decay of validation decay ([1] 2.4; 0.8 in 3.3)")
-    add(g, "--patience", type=int, default=3, help="validation decay when dev BLEU is below each of the "
+    add(g, "--warmup", type=positive_int, default=200, help="n_warmup of eq. 7 ([1]: 8000)")
+    add(g, "--decay-factor", type=in_0_1, default=0.8, help="alpha_decay of validation decay ([1] 2.4; 0.8 in 3.3)")
+    add(g, "--patience", type=positive_int, default=3, help="validation decay when dev BLEU is below each of the "
         "previous PATIENCE evaluations ([1] 2.4; 3 in 3.3)")
-    add(g, "--stop-lr", type=float, default=1e-6, help="stop when the LR falls below this ([1] appendix A: "
+    add(g, "--stop-lr", type=non_negative, default=1e-6, help="stop when the LR falls below this ([1] appendix A: "
         "1e-6; TwT code 5e-5; [3]: 1e-5)")
-    add(g, "--early-stop", type=int, default=20, help="stop when dev BLEU has not improved for this many "
+    add(g, "--early-stop", type=count, default=20, help="stop when dev BLEU has not improved for this many "
         "evaluations ([1]: 20, 50 for gl-en; 0: off)")
-    add(g, "--beta1", type=float, default=0.9, help="Adam beta1 ([1] appendix A)")
-    add(g, "--beta2", type=float, default=0.999, help="Adam beta2 ([1] appendix A)")
-    add(g, "--adam-eps", type=float, default=1e-8, help="Adam epsilon ([1] appendix A)")
-    add(g, "--weight-decay", type=float, default=0.0, help="decoupled weight decay (AdamW; [2] used 1e-4)")
-    add(g, "--clip", type=float, default=1.0, help="clip the global gradient norm at this value (0: off)")
-    add(g, "--label-smoothing", type=float, default=0.1, help="epsilon of label smoothing, spread over the "
+    add(g, "--beta1", type=fraction, default=0.9, help="Adam beta1 ([1] appendix A)")
+    add(g, "--beta2", type=fraction, default=0.999, help="Adam beta2 ([1] appendix A)")
+    add(g, "--adam-eps", type=positive, default=1e-8, help="Adam epsilon ([1] appendix A)")
+    add(g, "--weight-decay", type=non_negative, default=0.0, help="decoupled weight decay (AdamW; [2] used 1e-4)")
+    add(g, "--clip", type=non_negative, default=1.0, help="clip the global gradient norm at this value (0: off)")
+    add(g, "--label-smoothing", type=fraction, default=0.1, help="epsilon of label smoothing, spread over the "
         "target vocabulary ([1] appendix A)")
     g = p.add_argument_group("run")
     add(g, "--out", default="runs/quickstart", help="run directory")
-    add(g, "--seed", type=int, default=1, help="fixes every random choice")
-    add(g, "--epoch-size", type=int, default=100, help="steps per epoch; dev BLEU after each ([1]: 1000-2000 "
+    add(g, "--seed", type=seed, default=1, help="fixes every random choice")
+    add(g, "--epoch-size", type=positive_int, default=100, help="steps per epoch; dev BLEU after each ([1]: 1000-2000 "
         "by pair)")
-    add(g, "--max-epochs", type=int, default=4, help="stop after this many epochs ([1] Table 1: 200)")
-    add(g, "--keep-checkpoints", type=int, default=5, help="keep the last N per-epoch checkpoints, for "
+    add(g, "--max-epochs", type=positive_int, default=4, help="stop after this many epochs ([1] Table 1: 200)")
+    add(g, "--keep-checkpoints", type=count, default=5, help="keep the last N per-epoch checkpoints, for "
         "checkpoint averaging (Code [2]: the last 5; its paper: 10)")
-    add(g, "--max-steps", type=int, help="stop after this many steps (quick checks)")
+    add(g, "--max-steps", type=positive_int, help="stop after this many steps (quick checks)")
     add(g, "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     add(g, "--dtype", default="bf16", choices=["bf16", "fp32"], help="on CUDA: bf16 autocast (default; fp32 where "
         "the GPU has no bf16) or fp32 throughout; the CPU always trains in fp32")
-    add(g, "--threads", type=int, help="CPU threads (torch.set_num_threads)")
+    add(g, "--threads", type=positive_int, help="CPU threads (torch.set_num_threads)")
     add(g, "--compile", action="store_true", default=False, help="torch.compile the model, once, for "
         "symbolic shapes, lengths padded to multiples of 8 (a minute or more to compile; for a GPU)")
     add(g, "--reference", action="store_true", default=False, help="run every equation as written, with no "
         "fast path anywhere (norms.py section 1): slower, for checking an edited equation")
-    add(g, "--log-interval", type=int, default=50, help="steps between log lines")
-    add(g, "--beam", type=int, default=4, help="beam size for test BLEU (Code: 4)")
-    add(g, "--alpha", type=float, default=0.6, help="length penalty alpha (TwT Code: 0.6 with gnmt; PowerNorm: 1.0 "
-        "with fairseq)")
+    add(g, "--log-interval", type=positive_int, default=50, help="steps between log lines")
+    add(g, "--beam", type=positive_int, default=4, help="beam size for test BLEU (Code: 4)")
+    add(g, "--alpha", type=alpha_range, default=0.6, help="length penalty alpha (TwT Code: 0.6 with gnmt; PowerNorm: "
+        "1.0 with fairseq)")
     add(g, "--length-penalty", choices=list(decode.PENALTIES), default="gnmt", help="gnmt: score / ((5 + |Y|) / 6)"
         "^alpha (Wu et al. 2016; TwT, QKNorm); fairseq: score / |Y|^alpha (Ott et al. 2019, as PowerNorm decodes)")
-    add(g, "--dev-beam", type=int, default=1, help="beam size for the per-epoch dev BLEU (1 = greedy)")
-    add(g, "--benchmark", type=int, default=0, metavar="N", help="time N training steps after a warm-up and "
+    add(g, "--dev-beam", type=positive_int, default=1, help="beam size for the per-epoch dev BLEU (1 = greedy)")
+    add(g, "--benchmark", type=count, default=0, metavar="N", help="time N training steps after a warm-up and "
         "print tokens/s, FLOPs/token, MFU, padding and peak memory, then exit (writes no run directory)")
     add(g, "--profile", action="store_true", default=False, help="with --benchmark: also print where the time "
         "of a step goes (torch.profiler, by operator)")
@@ -615,50 +621,45 @@ def build_parser():
 
 def resolve_flags(argv=None):
     """The command line -> (args, given): every flag's value, and the flags given explicitly."""
-    given = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    parser.error = lambda message: sys.exit(f"error: {message}")  # one line (argparse adds its usage)
+    given = vars(parser.parse_args(argv))
     if given.get("preset") == "list":
-        print_presets()
+        width = max(len(pair) for pair, _, _ in PRESETS.values())
+        for name, (pair, row, _) in PRESETS.items():
+            print(f"{name:30s} {pair:{width}s} {row}")
+        print(f"{len(PRESETS)} presets; --pair NAME swaps the language pair ({', '.join(PAIRS)}); any flag given "
+              f"with --preset overrides it")
         sys.exit(0)
-    flags = dict(DEFAULTS)
-    if given.get("pair", next(iter(PAIRS))) not in PAIRS:
-        sys.exit(f"error: --pair {given['pair']}: unknown; choose one of {', '.join(PAIRS)}")
-    if "preset" in given:
-        if given["preset"] not in PRESETS:
-            sys.exit(f"error: --preset {given['preset']}: unknown; --preset list shows the {len(PRESETS)} presets")
-        pair, _, row = PRESETS[given["preset"]]
-        flags.update(PAIRS[given.get("pair", pair)], **row)
-    elif "pair" in given:
-        flags.update(PAIRS[given["pair"]])
+    if given.get("preset", next(iter(PRESETS))) not in PRESETS:
+        sys.exit(f"error: --preset {given['preset']}: unknown; --preset list shows the {len(PRESETS)} presets")
+    pair, _, row = PRESETS[given["preset"]] if "preset" in given else (None, "", {})
+    flags = {**DEFAULTS, **PAIRS.get(given.get("pair", pair), {}), **row}
     # A flag given on the command line wins over the preset, always: --lr sets the peak LR, which a
     # preset's lambda (--lr-scale) would otherwise override.
-    if "lr" in given and "lr_scale" in given:
-        sys.exit("error: --lr and --lr-scale both set the peak LR (lr = lr_scale / sqrt(d * warmup)): give one")
     if "lr" in given:
         flags["lr_scale"] = None
     flags.update(given)
-    if "preset" in given and "pair" in given:  # a language model's corpus for a translator's row, or the reverse
-        pair, _, row = PRESETS[given["preset"]]
-        task = row.get("task", PAIRS[pair].get("task", "mt"))
+    if "pair" in given and ("task" in given or "preset" in given):  # a language model's corpus for a translator...
+        task = given.get("task") or row.get("task") or PAIRS[PRESETS[given["preset"]][0]].get("task", "mt")
         if PAIRS[given["pair"]].get("task", "mt") != task:
-            sys.exit(f"error: --pair {given['pair']}: not a corpus for --preset {given['preset']}, a "
-                     f"{'language model' if task == 'lm' else 'translator'}")
-    if "pair" in given and "task" in given and given["task"] != PAIRS[given["pair"]].get("task", "mt"):
-        sys.exit(f"error: --pair {given['pair']}: not a corpus for --task {given['task']}")
+            what = f"--task {task}" if "task" in given else \
+                f"--preset {given['preset']}, a {'language model' if task == 'lm' else 'translator'}"
+            sys.exit(f"error: --pair {given['pair']}: not a corpus for {what}")
     args = argparse.Namespace(**flags)
-    if "resume" not in given:  # a resume checks them against the run's own flags (resume_flags)
-        refuse_idle_flags(args, given)
     # Values that depend on other flags are fixed here, once, and recorded in config.json.
     if args.bpe_size is None:
         args.bpe_size = 0 if args.task == "lm" else 2000 if args.data is None else 8000
     if args.pn_warmup is None:  # Paper [2] appendix A: the same as the LR schedule's warmup
         args.pn_warmup = 0 if args.schedule == "nowarmup" else args.warmup
-    if args.lr_scale is not None and args.d_model >= 1 and args.warmup >= 1:  # config.json records the peak that runs
+    if args.lr_scale is not None:  # config.json records the peak that runs
         args.lr = args.lr_scale / math.sqrt(args.d_model * args.warmup)
     return args, given
 
 
 def refuse_idle_flags(args, given):
-    """A flag given that would do nothing in this configuration is refused, not silently ignored."""
+    """train.py's one table of which flags each task and mode reads: a flag given that would do nothing in this
+    configuration (a new run's, or a resumed one's) is refused, not silently ignored."""
     norms = {args.norm, args.encoder_norm, args.decoder_norm}
     for names, active, why in (
             (("qk_length", "qk_percentile", "qk_no_g", "qk_norm_v"), args.qknorm, "QKNorm's, so it needs --qknorm"),
@@ -671,41 +672,23 @@ def refuse_idle_flags(args, given):
               "qk_percentile"), args.task == "mt", "a translator's; a language model (--task lm) has no source, "
              "is scored by perplexity, and its QKNorm L is --seq-len"),
             (("sdpa", "attn_dropout"), args.attention == "softmax", "the softmax attention's; the multi-linear "
-             "attention has neither")):
+             "attention has neither"),
+            (("src", "tgt"), args.data is not None, "the name of a corpus's files in --data DIR; without --data the "
+             "built-in corpus is used"),
+            (("profile",), args.benchmark, "for the steps of --benchmark N: give --benchmark too"),
+            (("benchmark", "overwrite"), not args.resume, "an action of a new run; --resume continues one")):
         for name in names:
             if name in given and not active:
                 sys.exit(f"error: --{name.replace('_', '-')} is {why}")
 
 
 def validate_args(args):
-    """Every flag checked before any work, each failure one line naming the flag and its range."""
+    """What no flag's type= can check alone, before any work: each failure one line naming the flag."""
     def bad(flag, why):
         sys.exit(f"error: --{flag.replace('_', '-')}: {why} (got {getattr(args, flag, None)!r})")
 
-    def check(flags, ok, why, optional=False):
-        for f in flags:
-            v = getattr(args, f)
-            if not (optional and v is None) and not ok(v):
-                bad(f, why)
-    check(("batch_tokens", "epoch_size", "d_model", "heads", "ff", "layers", "warmup", "seq_len", "max_len",
-           "accumulate", "log_interval", "beam", "dev_beam", "max_epochs", "patience"), lambda v: v >= 1,
-          "must be at least 1")
-    check(("enc_layers", "dec_layers", "max_steps", "threads"), lambda v: v >= 1, "must be at least 1", optional=True)
-    check(("keep_checkpoints", "early_stop", "benchmark", "pn_warmup"), lambda v: v >= 0, "must be 0 or more")
-    check([f for f, a in ACTIONS.items() if a.type is float], math.isfinite, "must be a finite number", optional=True)
-    check(("seed",), lambda v: 0 <= v < 2 ** 63 - 64, "must be in [0, 2^63 - 64) (torch's generators take 64 bits)")
-    check(("dropout", "word_dropout", "label_smoothing", "beta1", "beta2", "pn_alpha_fwd", "pn_alpha_bkw"),
-          lambda v: 0 <= v < 1, "must be in [0, 1)")
-    check(("attn_dropout", "relu_dropout"), lambda v: 0 <= v < 1, "must be in [0, 1)", optional=True)
-    check(("lr", "adam_eps"), lambda v: v > 0, "must be positive")
-    check(("lr_scale",), lambda v: v > 0, "must be positive", optional=True)
-    check(("weight_decay", "clip", "stop_lr"), lambda v: v >= 0, "must be 0 or more")
-    check(("alpha",), lambda v: 0 <= v <= 10, "must be in [0, 10] (the papers: 0.6, 1.0; a larger one overflows)")
-    check(("decay_factor",), lambda v: 0 < v <= 1, "must be in (0, 1]")
-    check(("qk_percentile",), lambda v: 0 < v <= 100, "must be in (0, 100]")
-    check(("qk_length",), lambda v: v >= 2, "must be at least 2 (g0 = log2(L^2 - L) >= 1)", optional=True)
-    check(("bpe_size",), lambda v: v >= (0 if args.task == "lm" else 1),
-          "must be at least 1" + ("" if args.task == "lm" else " (0, whitespace words, is for --task lm)"))
+    if args.bpe_size < 1 and args.task == "mt":
+        bad("bpe_size", "must be at least 1 (0, whitespace words, is for --task lm)")
     if args.attention == "multilinear" and args.qknorm:
         bad("qknorm", "normalises the queries and keys of a softmax; the multi-linear attention has none")
     if args.d_model % args.heads:
@@ -714,12 +697,13 @@ def validate_args(args):
         bad("src", "give both language suffixes, --src and --tgt, or neither")
     if args.data is not None and args.src is None and args.task == "mt":
         bad("data", "also give --src and --tgt, e.g. --src en --tgt de for DIR/train.en and DIR/train.de")
-    if args.data is None and args.src is not None:
-        bad("src", "names the files of a corpus in --data DIR; without --data the built-in corpus is used")
-    if args.resume and (args.benchmark or args.overwrite):
-        bad("resume", "continues a run: it takes neither --benchmark nor --overwrite")
-    if args.profile and not args.benchmark:
-        bad("profile", "profiles the steps of --benchmark N: give --benchmark too")
+
+
+def budget(args):
+    """The run's last step, and the flag that sets it (its code in STOPS): --max-steps, or --max-epochs x
+    --epoch-size, whichever is first."""
+    epochs = args.max_epochs * args.epoch_size
+    return (args.max_steps, "max_steps") if args.max_steps and args.max_steps <= epochs else (epochs, "max_epochs")
 
 
 def model_config_from_args(args, vocab_size, qk_g0=1.0):
@@ -905,14 +889,6 @@ PRESETS.update({
 })
 
 
-def print_presets():
-    width = max(len(pair) for pair, _, _ in PRESETS.values())
-    for name, (pair, row, _) in PRESETS.items():
-        print(f"{name:30s} {pair:{width}s} {row}")
-    print(f"{len(PRESETS)} presets; --pair NAME swaps the language pair ({', '.join(PAIRS)}); "
-          f"any flag given with --preset overrides it")
-
-
 # =======================================================================================
 # Appendix C: speed and the log. Model FLOPs, the machine's own matmul throughput (MFU), the log line (StepLog), a
 # diverged run, the batch norms' diagnostics, --benchmark, --profile, keeping freed memory. Figures are never asserted.
@@ -979,12 +955,6 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def peak_memory_mb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB
-
-
 def benchmark(run):
     """--benchmark N: time N training steps after 3 warm-up steps (and --compile's compilations); print figures,
     assert nothing. As in training, the host reads nothing back from the device in the N steps: one sync at the end."""
@@ -992,7 +962,9 @@ def benchmark(run):
     matmul_peak = matmul_flops(dev, cfg.d_model, cfg.ff, run.step_options.bf16)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    graphs = compiled_graphs() if args.compile else 0
+    if args.compile:  # torch.compile's own counter of the graphs it made, imported only with --compile
+        from torch._dynamo.utils import counters
+    graphs = int(counters["stats"]["unique_graphs"]) if args.compile else 0
     n_out, n_tok, flops, losses = output_columns(run.model), 0, 0.0, []
 
     def step(i):
@@ -1015,12 +987,14 @@ def benchmark(run):
     secs, n_tok = time.perf_counter() - t0, float(n_tok)  # n_tok: a device tensor under DDP
     result = profile_steps(run, step, secs, n_tok) if args.profile else {}
     if args.compile:  # the graphs torch.compile made in these steps (a recompilation storm shows here)
-        result["compiled_graphs"] = compiled_graphs() - graphs
+        result["compiled_graphs"] = int(counters["stats"]["unique_graphs"]) - graphs
     matmul_peak = max(matmul_peak, matmul_flops(dev, cfg.d_model, cfg.ff, run.step_options.bf16))  # the larger kept
     pad = data.padding_share(run.train, run.order, run.pad_multiple)
+    peak_mb = torch.cuda.max_memory_allocated(dev) / 2 ** 20 if dev.type == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB
     result.update({"steps": args.benchmark, "tgt_tok_per_s": n_tok / secs, "flops_per_tgt_token": flops / n_tok,
                    "achieved_flops": flops / secs, "matmul_peak_flops": matmul_peak, "mfu": flops / secs / matmul_peak,
-                   "padding_share": pad, "peak_memory_mb": peak_memory_mb(dev), "threads": torch.get_num_threads(),
+                   "padding_share": pad, "peak_memory_mb": peak_mb, "threads": torch.get_num_threads(),
                    "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
                    "bf16": run.step_options.bf16, "losses": losses, "model_config": cfg.to_dict()})
     run.log(f"benchmark: {args.benchmark} steps | {result['tgt_tok_per_s']:.0f} target tok/s | "
@@ -1054,41 +1028,33 @@ def profile_steps(run, step, secs, n_tok):
     return result
 
 
-def compile_model(net):
-    """torch.compile for batches whose shapes change at every step (sentence lengths, sentences per batch): compiled
-    once for symbolic shapes (dynamic=True), rather than for the first batch's shapes, then again, or once per shape.
-    Two more specialisations each recompiled the whole base model (60-90 s each, H100, 2026-11-24), so both are off:
-    "duck sizing" (two lengths equal in the first batch were assumed equal for ever) and inductor's matmul padding,
-    which asks whether each matmul is compute-bound (with lengths padded to multiples of 8 it has nothing to pad).
-    Note: the padding to multiples of 8 changes no result except PowerNorm's code variant, whose backward statistics
-    average over padding too. torch's compiler modules are imported only here, with --compile."""
-    import torch._inductor.config as inductor_config
-    import torch.fx.experimental._config as fx_config
-    fx_config.use_duck_shape = False
-    inductor_config.shape_padding = False
-    return torch.compile(net, dynamic=True)
+@dataclass(frozen=True)
+class Task:
+    """What a task's dev score is, which way is better, and how the log prints it."""
+    name: str  # as the log says it
+    key: str  # its key in metrics.jsonl (dev_KEY) and results.json (best_dev_KEY)
+    sign: int  # +1: higher is better (BLEU), -1: lower is better (perplexity); sign * score: higher is better
+    width: str  # its format in the epoch line
+
+    def since_best(self, history):  # evaluations since the best (the first of equals)
+        up = [self.sign * x for x in history]
+        return len(up) - 1 - up.index(max(up))
+
+    def scores(self, score, dev_ppl, history):  # the epoch line's scores
+        bleu = f"dev BLEU {score:6.2f} | " if self.key == "bleu" else ""
+        return f"{bleu}dev ppl {dev_ppl:7.2f} | best {history[-1 - self.since_best(history)]:{self.width}}"
 
 
-def compiled_graphs():
-    """How many graphs torch.compile has compiled in this process (its dynamo counter)."""
-    from torch._dynamo.utils import counters  # torch.compile's own module, imported only with --compile
-    return int(counters["stats"]["unique_graphs"])
+TASKS = {"mt": Task("dev BLEU", "bleu", 1, "6.2f"), "lm": Task("dev perplexity", "ppl", -1, "7.2f")}
+STOPS = {  # why a run stops: the code TrainState.stopped keeps, and its message (the log, results.json)
+    "max_steps": "--max-steps {args.max_steps} reached", "max_epochs": "--max-epochs {args.max_epochs} reached",
+    "stop_lr": "the LR {lr:.2e} fell below --stop-lr {args.stop_lr:g}",
+    "early_stop": "{task.name} has not improved for {args.early_stop} evaluations",
+    "diverged": "diverged: {what} (try a smaller --lr, --prenorm, --init small or more --warmup); {last}"}
 
 
-def keep_freed_memory():
-    """Ask glibc's malloc to keep freed memory for reuse instead of returning it to the OS. By default a block over
-    32 MiB (a batch's logits, an FFN activation) is mmap'ed fresh at every allocation and unmapped when freed, so each
-    training step faults every page of it in again, zero-filled by the kernel (system time was a sixth of a Multi30k
-    step). With these limits the freed blocks stay in malloc's heap: +10-15% tokens/s, the same peak memory.
-    Linux/glibc only; elsewhere a no-op. (The usual alternative is preloading jemalloc.)"""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # <malloc.h>
-        libc.mallopt(m_mmap_threshold, 1 << 30)  # blocks up to 1 GiB come from the heap
-        libc.mallopt(m_trim_threshold, 1 << 30)  # and freed heap memory is not trimmed back
-        libc.mallopt(m_top_pad, 64 << 20)
-    except (OSError, AttributeError):
-        pass
+def stop(run, code, **values):
+    run.state.stopped = (code, STOPS[code].format(args=run.args, task=TASKS[run.args.task], **values))
 
 
 class Diverged(Exception):
@@ -1097,10 +1063,10 @@ class Diverged(Exception):
 
 def diverged(run, what):
     """Stop the run as diverged: one line saying what and where the last good checkpoint is."""
-    last = run.dir / "checkpoint_last.pt"
-    run.state.stopped = (f"diverged: {what} (try a smaller --lr, --prenorm, --init small or more --warmup); "
-                         + (f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"))
-    run.log("error: " + run.state.stopped)
+    last = decode.checkpoint_file(run.dir, "last")
+    stop(run, "diverged", what=what, last=f"the last good checkpoint is {last}" if last.exists() else
+         "no checkpoint was written")
+    run.log("error: " + run.state.stopped[1])
 
 
 def append_metrics(run, record):
@@ -1108,7 +1074,8 @@ def append_metrics(run, record):
     as null and its key listed under "nonfinite" (json.dumps would write the non-standard NaN)."""
     if run.master:
         bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
-        record = dict(json_safe(record), **({"nonfinite": bad} if bad else {}))
+        record = json.loads(json.dumps(record), parse_constant=lambda _: None)  # NaN, Infinity: null, nested too
+        record.update({"nonfinite": bad} if bad else {})
         try:
             with open(run.dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
@@ -1158,14 +1125,41 @@ class StepLog:
             dt, self.t0 = time.perf_counter() - self.t0, time.perf_counter()
             s.train_seconds += dt
             self.win["t"] += dt
-            n, self.pending = record_steps(run, self.pending, values, self.win), []
-            if s.stopped:
-                return
+            for (step, step_lr, n, f, _), (l, ll, g, *n_read) in zip(self.pending, values):  # into the window
+                n = n_read[0] if n_read else n
+                for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
+                    self.win[k] += v
+                run.metrics({"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
+                # A non-finite gradient norm with a finite loss would still make the weights NaN.
+                bad = [(name, v) for name, v in (("the training loss", l), ("the gradient norm", g))
+                       if not math.isfinite(v)]
+                if bad:
+                    return diverged(run, f"{bad[0][0]} became {bad[0][1]} at step {step}")
+            self.pending = []
             if log_now:
-                log_window(run, self.win, lr, self.matmul_peak)
-                self.win = dict.fromkeys(self.win, 0.0)
+                self.log_window(lr)
                 self.bar.update(self.task, info=f"loss {values[-1][0] / n:.3f}")
         self.bar.update(self.task, completed=s.step)
+
+    def log_window(self, lr):
+        """One log line (and metrics record) for the steps since the last one; the window starts again."""
+        run, win = self.run, self.win
+        tl, nll = win["loss"] / max(win["tok"], 1), win["nll"] / max(win["tok"], 1)
+        tps, mfu = win["tok"] / win["t"], win["flops"] / win["t"] / (self.matmul_peak * run.world)
+        run.log(f"step {run.state.step:6d} | loss {tl:6.3f} | ppl {math.exp(min(nll, 50)):8.2f} | lr {lr:.2e} | "
+                f"{tps:7.0f} tok/s | MFU {100 * mfu:4.1f}% | gnorm {win['gnorm'] / win['n']:6.3f}")
+        run.metrics({"step": run.state.step, "train_loss": tl, "train_ppl": math.exp(min(nll, 50)),
+                     "tok_per_s": tps, "mfu": mfu})
+        uniform = math.log(int(run.model.allowed.sum()))  # the loss of guessing uniformly among the target words
+        if tl > uniform + 3 and run.state.step > run.schedule.warmup:  # huge but finite: say so, go on
+            warning = (f"the training loss {tl:.2f} is far above a uniform guess ({uniform:.2f}): the run may be "
+                       f"diverging (a smaller --lr, --prenorm or more --warmup may help)")
+            run.log("warning: " + warning)
+            run.metrics({"step": run.state.step, "warning": warning})
+        stats = {name: m.stats for name, m in run.model.named_modules() if isinstance(m, BATCH_NORMS) and m.stats}
+        if stats:  # [2] Figures 2-4: batch vs running statistics, and the batch statistics' gradient terms
+            run.metrics({"step": run.state.step, "batch_norm_stats": stats})
+        self.win = dict.fromkeys(self.win, 0.0)
 
     def evaluated(self):
         """After an evaluation: MFU's denominator again, the larger kept (a busy moment at the start, another process
@@ -1174,41 +1168,6 @@ class StepLog:
         self.matmul_peak = max(self.matmul_peak, matmul_flops(self.run.device, args.d_model, args.ff,
                                                               self.run.step_options.bf16, seconds=0.25))
         self.t0 = time.perf_counter()
-
-
-def record_steps(run, pending, values, win):
-    """The steps since the last host sync, their numbers read together (values): into the log window and metrics.jsonl;
-    a non-finite loss or gradient norm stops the run as diverged. Returns the last step's target tokens."""
-    for (step, step_lr, n, f, _), (l, ll, g, *n_read) in zip(pending, values):
-        n = n_read[0] if n_read else n
-        for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
-            win[k] += v
-        run.metrics({"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
-        # A non-finite gradient norm with a finite loss would still make the weights NaN.
-        bad = [(name, v) for name, v in (("the training loss", l), ("the gradient norm", g)) if not math.isfinite(v)]
-        if bad:
-            diverged(run, f"{bad[0][0]} became {bad[0][1]} at step {step}")
-            break
-    return n
-
-
-def log_window(run, win, lr, matmul_peak):
-    """One log line (and metrics record) for the steps since the last one."""
-    tl, nll = win["loss"] / max(win["tok"], 1), win["nll"] / max(win["tok"], 1)
-    tps, mfu = win["tok"] / win["t"], win["flops"] / win["t"] / (matmul_peak * run.world)
-    run.log(f"step {run.state.step:6d} | loss {tl:6.3f} | ppl {math.exp(min(nll, 50)):8.2f} | lr {lr:.2e} | "
-            f"{tps:7.0f} tok/s | MFU {100 * mfu:4.1f}% | gnorm {win['gnorm'] / win['n']:6.3f}")
-    run.metrics({"step": run.state.step, "train_loss": tl, "train_ppl": math.exp(min(nll, 50)),
-                 "tok_per_s": tps, "mfu": mfu})
-    uniform = math.log(int(run.model.allowed.sum()))  # the loss of guessing uniformly among the target words
-    if tl > uniform + 3 and run.state.step > run.schedule.warmup:  # huge but finite: say so, go on
-        warning = (f"the training loss {tl:.2f} is far above a uniform guess ({uniform:.2f}): the run may be "
-                   f"diverging (a smaller --lr, --prenorm or more --warmup may help)")
-        run.log("warning: " + warning)
-        run.metrics({"step": run.state.step, "warning": warning})
-    stats = {name: m.stats for name, m in run.model.named_modules() if isinstance(m, BATCH_NORMS) and m.stats}
-    if stats:  # [2] Figures 2-4: batch vs running statistics, and the batch statistics' gradient terms
-        run.metrics({"step": run.state.step, "batch_norm_stats": stats})
 
 
 def track_batch_statistics(model, on):
@@ -1222,7 +1181,7 @@ def track_batch_statistics(model, on):
 # Appendix D: this process (threads, seeds, device), and several processes. torchrun sets
 # WORLD_SIZE/RANK/LOCAL_RANK: PyTorch's DistributedDataParallel, gloo on the CPU and NCCL on CUDA.
 # Each step's batches are sharded by rank (Run.next_batches); the batch norms sum their statistics
-# over the ranks (norms.py Appendix A); rank 0 alone evaluates, logs and writes, and shares its dev BLEU.
+# over the ranks (norms.py Appendix A); rank 0 alone evaluates, logs and writes, and shares its dev score.
 # =======================================================================================
 def start_process(args):
     """(rank, world size, device, bf16, console) of this process: --threads, --reference, the
@@ -1245,14 +1204,23 @@ def start_process(args):
     if world > 1:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if world > 1 else 0
-    if device.type == "cpu" and not args.reference:
-        keep_freed_memory()  # Appendix C: +10-15% tokens/s on the CPU
-    console = Console(soft_wrap=True, quiet=rank != 0)  # log lines never wrap in a log file
+    if device.type == "cpu" and not args.reference:  # glibc's malloc keeps freed memory for reuse: +10-15% tokens/s
+        # By default a block over 32 MiB (a batch's logits, an FFN activation) is mmap'ed fresh at every allocation and
+        # unmapped when freed, so each training step faults every page of it in again, zero-filled by the kernel (system
+        # time was a sixth of a Multi30k step). With these limits the freed blocks stay in malloc's heap, with the same
+        # peak memory. Linux/glibc only; elsewhere a no-op. (The usual alternative is preloading jemalloc.)
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL("libc.so.6")
+            m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # <malloc.h>
+            libc.mallopt(m_mmap_threshold, 1 << 30)  # blocks up to 1 GiB come from the heap
+            libc.mallopt(m_trim_threshold, 1 << 30)  # and freed heap memory is not trimmed back
+            libc.mallopt(m_top_pad, 64 << 20)
+    console = Console(soft_wrap=True, quiet=rank != 0, highlight=False, markup=False)  # log lines never wrap
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     bf16 = device.type == "cuda" and args.dtype == "bf16"
     if bf16 and not has_bf16(device):
-        log_line(console, f"note: {torch.cuda.get_device_name(device)} has no bf16: training in fp32 (--dtype fp32)")
+        console.print(f"note: {torch.cuda.get_device_name(device)} has no bf16: training in fp32 (--dtype fp32)")
         bf16 = False
     return rank, world, device, bf16, console
 
@@ -1280,10 +1248,10 @@ def rank0_first(rank, world):
     dist.broadcast_object_list([False], src=0)
 
 
-def share_epoch(run, bleu):
+def share_epoch(run, score):
     """At each evaluation: rank 0's dev score and stop, so that every rank decides alike; and every rank's random
     generators into run.rank_rngs, which rank 0's checkpoint keeps, so that each rank resumes its own streams."""
-    box = [bleu, run.state.stopped]
+    box = [score, run.state.stopped]
     dist.broadcast_object_list(box, src=0)
     run.rank_rngs = [None] * run.world
     dist.all_gather_object(run.rank_rngs, rng_state(run))
@@ -1301,12 +1269,26 @@ def check_batches(run):
 
 def wrap_model(model, args, world, device):
     """What a step calls: PyTorch's DDP (gradients all-reduced, averaged, across ranks in backward)
-    and/or torch.compile (Appendix C) around the model; checkpoints save `model` itself."""
+    and/or torch.compile around the model; checkpoints save `model` itself."""
     net = model
     if world > 1:
         ids = [device.index] if device.type == "cuda" else None
         net = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    return compile_model(net) if args.compile else net
+    if args.compile:
+        # --compile: torch.compile for batches whose shapes change at every step (sentence lengths, sentences per
+        # batch): compiled once for symbolic shapes (dynamic=True), rather than for the first batch's shapes, then
+        # again, or once per shape. Two more specialisations each recompiled the whole base model (60-90 s each, H100,
+        # 2026-11-24), so both are off: "duck sizing" (two lengths equal in the first batch were assumed equal for ever)
+        # and inductor's matmul padding, which asks whether each matmul is compute-bound (with lengths padded to
+        # multiples of 8 it has nothing to pad). Note: the padding to multiples of 8 changes no result except
+        # PowerNorm's code variant, whose backward statistics average over padding too. torch's compiler modules are
+        # imported only here, with --compile.
+        import torch._inductor.config as inductor_config
+        import torch.fx.experimental._config as fx_config
+        fx_config.use_duck_shape = False
+        inductor_config.shape_padding = False
+        net = torch.compile(net, dynamic=True)
+    return net
 
 
 # =======================================================================================
@@ -1314,44 +1296,15 @@ def wrap_model(model, args, world, device):
 # already holds a run is refused unless --resume (continue it) or --overwrite (replace it). Nothing is deleted or
 # written before every input is checked, and a lock keeps a second process out. A resumed run keeps its flags (those
 # in RESUME_MAY_CHANGE may be given again), its corpus and its BPE model, and starts from the newest checkpoint that
-# reads back (torch.load weights_only). Checkpoints hold only tensors and plain Python values.
+# reads back (torch.load weights_only). Checkpoints hold only tensors and plain Python values. The checkpoint is the
+# resume record (the run's flags, state and generators); config.json is for people, and a resume does not read it.
 # =======================================================================================
 RESUME_MAY_CHANGE = {"max_steps", "max_epochs", "early_stop", "stop_lr", "patience", "log_interval", "device",
                      "dtype", "threads", "compile", "dev_beam", "beam", "alpha", "length_penalty", "keep_checkpoints",
                      "data"}  # a moved corpus: its hashes are checked
-# The files train.py writes into a run directory. --overwrite removes the old run's results (the
-# checkpoints only if they hold its run id); the BPE model and the encoded caches are keyed by
-# their content (bpe.key, the caches' keys) and are reused or replaced, never trusted blindly.
-RESULT_FILES = ["config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json"]
-CHECKPOINT_NAME = re.compile(r"checkpoint_(best|last|epoch\d+)\.pt")
-
-
-def own_file(name):
-    """Whether train.py writes a file of this name into a run directory."""
-    cached = ["bpe.model", "bpe.key", "train.enc.pt", "dev.enc.pt"]
-    return name in RESULT_FILES + cached or bool(CHECKPOINT_NAME.fullmatch(name))
-
-
-def log_line(console, msg):
-    console.print(msg, highlight=False, markup=False)
-
-
-def json_safe(x):
-    """x with every non-finite float replaced by None, in nested dicts and lists too."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    return [json_safe(v) for v in x] if isinstance(x, (list, tuple)) else x
-
-
-def make_checkpoint(run):
-    """Only tensors and plain Python values: read back with torch.load(weights_only=True)."""
-    return {"model_config": run.model.cfg.to_dict(), "model": run.model.state_dict(), "run_id": run.args.run_id,
-            "optimizer": run.optimizer.state_dict(), "bpe_model_proto": (run.dir / "bpe.model").read_bytes(),
-            "src_lang": run.langs[0], "tgt_lang": run.langs[1], "step": run.state.step,
-            **score_of(run), "train_state": asdict(run.state), "args": vars(run.args), "world": run.world,
-            "rng": dict(rng_state(run), **({"ranks": run.rank_rngs} if run.world > 1 else {}))}
+# The files train.py writes into a run directory are named by decode.py's Appendix B (decode.RESULT_FILES,
+# CACHE_FILES, checkpoints). --overwrite removes the old run's results (the checkpoints only if they hold its run
+# id); the BPE model and the encoded caches are keyed by their content and are reused or replaced, never trusted.
 
 
 def rng_state(run):
@@ -1362,28 +1315,22 @@ def rng_state(run):
 
 
 def save_checkpoints(run, improved):
-    """checkpoint_best.pt when dev improved, checkpoint_epochN.pt under --keep-checkpoints (for
-    averaging; Code [2]: the last 5), and checkpoint_last.pt, written last: the resume point."""
-    ckpt, s, keep = make_checkpoint(run), run.state, run.args.keep_checkpoints
+    """The best checkpoint when dev improved, epoch N's under --keep-checkpoints (for averaging; Code [2]: the
+    last 5), and the last, written last: the resume point."""
+    s, keep, name = run.state, run.args.keep_checkpoints, partial(decode.checkpoint_file, run.dir)
+    # Only tensors and plain Python values: read back with torch.load(weights_only=True). The run's flags (args: its
+    # run id and corpus hashes too) and its state (the step, the dev scores) are what a resume reads.
+    ckpt = {"format": decode.CHECKPOINT_FORMAT, "model_config": run.model.cfg.to_dict(),
+            "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+            "bpe_model_proto": (run.dir / "bpe.model").read_bytes(), "src_lang": run.langs[0], "tgt_lang": run.langs[1],
+            "train_state": asdict(run.state), "args": vars(run.args), "world": run.world,
+            "rng": dict(rng_state(run), **({"ranks": run.rank_rngs} if run.world > 1 else {}))}
     if improved:
-        write_file(run.dir / "checkpoint_best.pt", ckpt)
+        write_file(name("best"), ckpt)
     if keep > 0:
-        write_file(run.dir / f"checkpoint_epoch{s.epoch}.pt", ckpt)
-        (run.dir / f"checkpoint_epoch{s.epoch - keep}.pt").unlink(missing_ok=True)
-    write_file(run.dir / "checkpoint_last.pt", ckpt)
-
-
-def write_results(run, result):
-    """results.json and metrics.jsonl's "final" record (rank 0)."""
-    run.metrics({"final": result})
-    write_file(run.dir / "results.json", json.dumps(result, indent=2) + "\n")
-
-
-def score_of(run):
-    """The checkpoint's dev score: dev BLEU, or a language model's dev perplexity."""
-    if run.args.task == "lm":
-        return {"dev_ppl": None if run.state.dev_bleu is None else -run.state.dev_bleu}
-    return {"dev_bleu": run.state.dev_bleu}
+        write_file(name(s.epoch), ckpt)
+        name(s.epoch - keep).unlink(missing_ok=True)
+    write_file(name("last"), ckpt)
 
 
 def restore(run, ckpt):
@@ -1392,17 +1339,12 @@ def restore(run, ckpt):
         run.model.load_state_dict(ckpt["model"])
         run.optimizer.load_state_dict(ckpt["optimizer"])
     except (RuntimeError, ValueError, KeyError) as e:
-        raise data.DataError(f"{run.dir}: its checkpoint does not fit the model of its config.json "
+        raise data.DataError(f"{run.dir}: its checkpoint does not fit the model of its flags "
                              f"({str(e).splitlines()[0]})") from None
-    if ckpt.get("world", run.world) != run.world:  # checkpoints before 2026-11-24 do not say
+    if ckpt["world"] != run.world:
         raise data.DataError(f"{run.dir}: the run trained on {ckpt['world']} processes and this is {run.world}; "
                              f"resume it with as many (a step's batches and batch statistics depend on them)")
-    run.state = TrainState(**ckpt["train_state"])
-    # A budget (--max-*), --stop-lr or --early-stop: the resumed run's own flags decide (open_run_dir has refused a
-    # finished run they would stop at once; one killed in its final test goes straight to the test).
-    stop = run.state.stopped
-    if stop and not stop.startswith("diverged") and not still_stopped(run.args, ckpt["train_state"]):
-        run.state.stopped = None
+    run.state = TrainState(**ckpt["train_state"])  # its stop as may_resume decided
     rng = ckpt["rng"]["ranks"][run.rank] if len(ckpt["rng"].get("ranks", [])) == run.world else ckpt["rng"]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
@@ -1412,59 +1354,67 @@ def restore(run, ckpt):
 
 
 def resume_flags(args, given):
-    """--resume RUN: the flags of RUN/config.json, with the given flags that may change; DataError
-    naming every other flag given with a value that differs from the run's."""
+    """--resume RUN: (the flags of RUN's newest checkpoint that reads back, with the given ones that may change, (that
+    checkpoint, the flags given)); DataError if none reads back, or an older train.py wrote it. Any other flag given
+    with another value is refused by may_resume, before any change."""
     run_dir = Path(args.resume)
-    try:
-        saved = json.loads((run_dir / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise data.DataError(f"--resume {run_dir}: no readable config.json there (is it a run directory? "
-                             f"{type(e).__name__})") from None
-    if not isinstance(saved, dict) or not isinstance(saved.get("run_id"), str):
-        raise data.DataError(f"--resume {run_dir}: its config.json is not one train.py wrote (not a JSON object "
-                             f"with a run_id)")
-    for k, v in saved.items():  # an edited config.json: every value of the type and choices of its flag
-        if k in ("corpus_sha256", "changed_on_resume") and not isinstance(v, dict):
-            raise data.DataError(f"--resume {run_dir}: config.json: {k} is {v!r}, not what train.py wrote")
-        if k not in ACTIONS and k not in ("run_id", "corpus_sha256", "changed_on_resume"):
-            raise data.DataError(f"--resume {run_dir}: config.json: {k} is not a flag of train.py (was it edited?)")
-        if k in ACTIONS and not flag_value_ok(k, v):
-            raise data.DataError(f"--resume {run_dir}: config.json: {k} is {v!r}, not a value of "
-                                 f"--{k.replace('_', '-')}")
+    log = Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0", highlight=False, markup=False).print
+    for i, path in enumerate(decode.checkpoints(run_dir, "resume")):  # the newest that reads back safely
+        try:
+            ckpt = decode.read_checkpoint(path)
+            break
+        except data.DataError as e:
+            log(f"resume: skipped: {e}")
+    else:
+        raise data.DataError(f"--resume {run_dir}: nothing to resume from, no readable checkpoint (the run may have "
+                             f"stopped before its first evaluation); start it again with --overwrite")
+    if ckpt.get("format") != decode.CHECKPOINT_FORMAT:
+        raise data.DataError(f"--resume {run_dir}: written by an older train.py (checkpoint format "
+                             f"{ckpt.get('format')}, not {decode.CHECKPOINT_FORMAT}); start a new run")
+    fallback = "" if i == 0 and path == decode.checkpoint_file(run_dir, "last") else " (the newest that reads back)"
+    log(f"resume: {path} at step {ckpt['train_state']['step']}{fallback}")
+    saved = ckpt["args"]
     given = {k: v for k, v in given.items() if k != "resume" and not (k == "out" and Path(v) == run_dir)}
+    changed = {k: v for k, v in given.items() if k in RESUME_MAY_CHANGE and v != saved.get(k)}
+    return argparse.Namespace(**{**DEFAULTS, **saved, **changed, "resume": str(run_dir), "out": str(run_dir),
+                                 "overwrite": False,  # an action of the run's first start, not one of its flags
+                                 "changed_on_resume": {**saved.get("changed_on_resume", {}), **changed}}), (ckpt, given)
+
+
+def may_resume(run_dir, args, ckpt, given, hashes):
+    """Whether the run in run_dir may go on from ckpt: DataError naming what stops it, a flag given that a continued
+    run keeps, its corpus changed, its budget spent (--max-steps, --max-epochs), or a stop that would come again at
+    once (--stop-lr, --early-stop); each says which flag would let it go on."""
+    saved = ckpt["args"]
     refused = [f"--{k.replace('_', '-')} ({saved.get(k, DEFAULTS.get(k))!r} -> {v!r})" for k, v in given.items()
                if k not in RESUME_MAY_CHANGE and v != saved.get(k, DEFAULTS.get(k))]
     if refused:
         raise data.DataError(f"--resume {run_dir}: a continued run keeps its flags, and these differ from its "
-                             f"config.json: {', '.join(refused)} (start a new run with another --out)")
-    changed = {k: v for k, v in given.items() if v != saved.get(k)}
-    refuse_idle_flags(argparse.Namespace(**{**DEFAULTS, **saved, **given}), given)
-    return argparse.Namespace(**{**DEFAULTS, **saved, **changed, "resume": str(run_dir), "out": str(run_dir),
-                                 "overwrite": False,  # an action of the run's first start, not one of its flags
-                                 "changed_on_resume": {**saved.get("changed_on_resume", {}), **changed}})
-
-
-def flag_value_ok(flag, v):
-    """Whether v (read from a config.json) could have come from the flag: its type, or its choices."""
-    action, default = ACTIONS[flag], DEFAULTS[flag]
-    if v is None:
-        return default is None
-    if isinstance(default, bool):
-        return isinstance(v, bool)
-    kind = action.type or str
-    ok = isinstance(v, str) if kind is str else isinstance(v, (int, float) if kind is float else int)
-    return ok and not isinstance(v, bool) and (action.choices is None or v in action.choices)
-
-
-def corpus_hashes(pairs):
-    """{split: sha256 of its text}: what a resumed run must find unchanged."""
-    return {split: data.pairs_sha256(split_pairs) for split, split_pairs in pairs.items()}
-
-
-def holds_a_run(run_dir):
-    """What in run_dir makes it a run directory ("" if nothing)."""
-    found = [n for n in ("config.json", "metrics.jsonl") if (run_dir / n).exists()]
-    return ", ".join(found + sorted(p.name for p in run_dir.iterdir() if CHECKPOINT_NAME.fullmatch(p.name))[:2])
+                             f"checkpoint's: {', '.join(refused)} (start a new run with another --out)")
+    changed = [s for s, h in hashes.items() if h != args.corpus_sha256.get(s)]
+    if changed:
+        raise data.DataError(f"--resume {run_dir}: the corpus changed since the run started "
+                             f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''})")
+    last, code = budget(args)  # train_loop's last step
+    flag = f"--{code.replace('_', '-')} {getattr(args, code)}"
+    done, results = ckpt["train_state"]["step"], {}
+    with contextlib.suppress(OSError, ValueError):
+        results = json.loads((run_dir / "results.json").read_text())
+    # Finished: its results.json, of this run, at this step; else killed before its test, which is left to do.
+    finished = isinstance(results, dict) and results.get("run_id") == args.run_id and results.get("steps") == done
+    if done > last or done == last and finished:
+        raise data.DataError(f"--resume {run_dir}: the run has trained {done} steps, "
+                             f"{'past' if done > last else 'all'} that {flag} allows: nothing to train; give a "
+                             f"larger {flag.split()[0]} to continue")
+    state = ckpt["train_state"]
+    if (why := still_stopped(args, state)) and finished:
+        fix = "a smaller --stop-lr" if why[0] == "stop_lr" else "a larger --early-stop (0: off)"
+        raise data.DataError(f"--resume {run_dir}: the run stopped ({why[1]}) and would stop again at once: "
+                             f"nothing to train; give {fix} to continue")
+    # A budget (--max-*), --stop-lr or --early-stop: the resumed run's own flags decide whether its stop holds (one
+    # killed in its final test, still stopped, goes straight to the test).
+    if state["stopped"] and state["stopped"][0] != "diverged" and not why:
+        state["stopped"] = None
 
 
 def run_id_of(path):
@@ -1476,18 +1426,11 @@ def run_id_of(path):
             blob = json.loads(path.read_text())
     except Exception:  # unreadable, not JSON, not a checkpoint: not known to be this run's
         return None
+    blob = blob.get("args") if path.suffix == ".pt" and isinstance(blob, dict) else blob  # a checkpoint's flags
     return blob.get("run_id") if isinstance(blob, dict) and isinstance(blob.get("run_id"), str) else None
 
 
-def check_out(run_dir):
-    """--out must be a folder, or a path where one can be made."""
-    if run_dir.is_symlink() and not run_dir.exists():
-        raise data.DataError(f"--out {run_dir}: a symbolic link to {os.readlink(run_dir)}, which does not exist")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise data.DataError(f"--out {run_dir}: a file, not a folder")
-
-
-def open_run_dir(args, pairs, log, stack, master):
+def open_run_dir(args, pairs, log, stack, master, resumed=None):
     """(the run directory, the checkpoint to resume from or None, the staging folder) after every check of the run
     directory, unchanged here: commit_run_dir changes it once every other input is checked too. Rank 0 holds its lock
     (in stack); the other ranks write nothing (staging None). --benchmark trains in a temporary directory, removed."""
@@ -1498,8 +1441,14 @@ def open_run_dir(args, pairs, log, stack, master):
     if not str(args.out).strip():  # Path("") would be this folder
         raise data.DataError("--out is empty: give the run directory, e.g. --out runs/NAME")
     run_dir, ckpt = Path(args.out), None
-    check_out(run_dir)
-    held = holds_a_run(run_dir) if run_dir.is_dir() and master else ""  # rank 0 checks, and may have committed
+    if run_dir.is_symlink() and not run_dir.exists():
+        raise data.DataError(f"--out {run_dir}: a symbolic link to {os.readlink(run_dir)}, which does not exist")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise data.DataError(f"--out {run_dir}: a file, not a folder")
+    held = ""  # what in run_dir makes it a run directory; rank 0 checks (the others come after its commit)
+    if run_dir.is_dir() and master:
+        found = [n for n in ("config.json", "metrics.jsonl") if (run_dir / n).exists()]
+        held = ", ".join(found + sorted(p.name for p in decode.checkpoints(run_dir))[:2])
     if held and not (args.resume or args.overwrite):
         raise data.DataError(f"{run_dir} already holds a run ({held}): continue it with --resume {run_dir}, "
                              f"or replace it with --overwrite")
@@ -1507,45 +1456,15 @@ def open_run_dir(args, pairs, log, stack, master):
         if run_id_of(run_dir / "config.json") is None:  # commit_run_dir removes the files of that run id
             raise data.DataError(f"--overwrite {run_dir}: not a run directory of train.py (no config.json with a "
                                  f"run_id; it holds {held}), so none of its files are removed; choose another --out")
+    hashes = {split: data.pairs_sha256(split_pairs) for split, split_pairs in pairs.items()}  # the corpus's
     if args.resume:
-        if not getattr(args, "corpus_sha256", None):
-            raise data.DataError(f"--resume {run_dir}: its config.json has no record of the corpus (an older "
-                                 f"train.py wrote it); start it again with --overwrite")
-        changed = [s for s, h in corpus_hashes(pairs).items() if h != args.corpus_sha256.get(s)]
-        if changed and all(data.pairs_sha256([p for p in pairs[s] if all(p)]) == args.corpus_sha256.get(s)
-                           for s in changed):  # train.py before 2026-11-24 dropped the lines with an empty side
-            raise data.DataError(f"--resume {run_dir}: {changed[0]} differs only in its lines with an empty side: an "
-                                 f"older train.py dropped those, this one keeps and scores them; start it again with "
-                                 f"--overwrite")
-        if changed:
-            raise data.DataError(f"--resume {run_dir}: the corpus changed since the run started "
-                                 f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''})")
-        ckpt = newest_checkpoint(run_dir, args.run_id, log)
-        budget = min(args.max_epochs * args.epoch_size, args.max_steps or math.inf)  # train_loop's last step
-        flag = f"--max-steps {args.max_steps}" if budget == args.max_steps else f"--max-epochs {args.max_epochs}"
-        done, finished = ckpt["step"], finished_at(run_dir, args.run_id) == ckpt["step"]  # else: finish the test
-        if done > budget or done == budget and finished:
-            raise data.DataError(f"--resume {run_dir}: the run has trained {done} steps, "
-                                 f"{'past' if done > budget else 'all'} that {flag} allows: nothing to train; give a "
-                                 f"larger {flag.split()[0]} to continue")
-        if (why := still_stopped(args, ckpt["train_state"])) and finished:
-            fix = "a smaller --stop-lr" if "--stop-lr" in why else "a larger --early-stop (0: off)"
-            raise data.DataError(f"--resume {run_dir}: the run stopped ({why}) and would stop again at once: nothing "
-                                 f"to train; give {fix} to continue")
-        fixed = {k: v for k, v in ckpt["args"].items() if k not in RESUME_MAY_CHANGE and k not in NOT_FLAGS}
-        edited = [f"{k} ({v!r} in the checkpoint, {getattr(args, k)!r} in config.json)" for k, v in fixed.items()
-                  if hasattr(args, k) and getattr(args, k) != v]
-        if edited:
-            raise data.DataError(f"--resume {run_dir}: config.json differs from the flags its checkpoint was trained "
-                                 f"with: {', '.join(edited)}; restore it, or start a new run with another --out")
+        ckpt, given = resumed
+        may_resume(run_dir, args, ckpt, given, hashes)
         for k, v in args.changed_on_resume.items():
             log(f"resume: --{k.replace('_', '-')} {v} (changed on resume)")
     else:
-        args.run_id, args.corpus_sha256 = uuid.uuid4().hex, corpus_hashes(pairs)  # recorded in config.json
+        args.run_id, args.corpus_sha256 = uuid.uuid4().hex, hashes  # recorded in config.json, the checkpoints
     return run_dir, ckpt, stack.enter_context(staging(run_dir)) if master else None
-
-
-NOT_FLAGS = {"resume", "out", "overwrite", "changed_on_resume"}  # what a start did, not the run's flags
 
 
 @contextlib.contextmanager
@@ -1559,11 +1478,20 @@ def staging(run_dir):
     except OSError as e:
         raise data.DataError(f"--out {run_dir}: cannot make the run directory there ({e.strerror})") from None
     try:
-        with lock(run_dir):
+        lock = open(run_dir / ".lock", "a")  # held while training (flock): a second process is refused
+    except OSError as e:
+        raise data.DataError(f"{run_dir}: cannot write there ({e.strerror})") from None
+    try:
+        with lock:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise data.DataError(f"{run_dir} is in use by another process (it holds {run_dir}/.lock)") from None
             stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=run_dir))
             try:
                 yield stage
-            finally:
+            finally:  # closing the lock's file releases it
                 shutil.rmtree(stage, ignore_errors=True)
     except BaseException:
         if not (run_dir / "config.json").exists() and made:  # not committed: remove the folders made here,
@@ -1580,21 +1508,24 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
     """The run directory's first change, once every input has been checked: the leftovers of killed
     runs go, the staged files move in, an overwritten run's files go, config.json is written."""
     for p in run_dir.iterdir():  # atomic_write's temporaries (.NAME.xxxx.tmp) and staging folders of killed runs
-        temporary = p.name.startswith(".") and p.name.endswith(".tmp") and own_file(p.name[1:].rsplit(".", 2)[0])
+        written = p.name[1:].rsplit(".", 2)[0]  # .NAME.xxxx.tmp: a temporary of NAME
+        temporary = p.name.startswith(".") and p.name.endswith(".tmp") and decode.is_run_file(written)
         if temporary or (p.name.startswith(".staging-") and p != stage):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     replaces = run_id_of(run_dir / "config.json") if args.overwrite else None  # the run --overwrite replaces
     for f in stage.iterdir():
         os.replace(f, run_dir / f.name)
     if replaces:  # the old run's results, and its checkpoints (by their run id)
-        gone = [run_dir / n for n in RESULT_FILES if (run_dir / n).exists()]
-        gone += [p for p in run_dir.iterdir() if CHECKPOINT_NAME.fullmatch(p.name) and run_id_of(p) == replaces]
+        gone = [run_dir / n for n in decode.RESULT_FILES if (run_dir / n).exists()]
+        gone += [p for p in decode.checkpoints(run_dir) if run_id_of(p) == replaces]
         for f in gone:
             f.unlink()
         log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
     write_file(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
-    if ckpt is not None:
-        keep_metrics_until(run_dir / "metrics.jsonl", ckpt["step"])
+    if ckpt is not None and (run_dir / "metrics.jsonl").exists():  # what a killed run logged after its checkpoint goes
+        rows = decode.read_metrics(run_dir)  # (and a half-written last line)
+        write_file(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows
+                                                      if r.get("step", 1 << 62) <= ckpt["train_state"]["step"]))
 
 
 class WriteFailed(data.DataError):
@@ -1609,79 +1540,16 @@ def write_file(path, content):
         raise WriteFailed(f"{path}: cannot write it ({e.strerror}); the files written before it are intact") from None
 
 
-@contextlib.contextmanager
-def lock(run_dir):
-    """Hold RUN/.lock while training (flock): a second process on the same run directory is refused."""
-    try:
-        f = open(run_dir / ".lock", "a")
-    except OSError as e:
-        raise data.DataError(f"{run_dir}: cannot write there ({e.strerror})") from None
-    with f:
-        if fcntl is not None:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise data.DataError(f"{run_dir} is in use by another process (it holds {run_dir}/.lock)") from None
-        yield  # closing the file releases the lock
-
-
-def newest_checkpoint(run_dir, run_id, log):
-    """The newest checkpoint of run_dir's run (run_id) that reads back safely and can be resumed from:
-    the last, or else an epoch checkpoint (newest first), or else the best; DataError if none can."""
-    candidates = [run_dir / "checkpoint_last.pt", *decode.epoch_checkpoints(run_dir)[::-1],
-                  run_dir / "checkpoint_best.pt"]
-    for path in [c for c in candidates if c.exists()]:
-        try:
-            ckpt = decode.read_checkpoint(path)
-            needs = {"optimizer", "train_state", "rng", "bpe_model_proto", "args"}
-            if not needs <= ckpt.keys() or "word_dropout" not in ckpt["rng"]:
-                raise data.DataError(f"{path}: not a checkpoint this train.py can resume from (another version "
-                                     f"wrote it)")
-            if ckpt.get("run_id") != run_id:
-                raise data.DataError(f"{path}: a checkpoint of another run (run id {ckpt.get('run_id')})")
-        except data.DataError as e:
-            log(f"resume: skipped: {e}")
-            continue
-        fallback = "" if path.name == "checkpoint_last.pt" else " (the newest that reads back)"
-        log(f"resume: {path} at step {ckpt['step']}{fallback}")
-        return ckpt
-    raise data.DataError(f"--resume {run_dir}: nothing to resume from, no readable checkpoint (the run may have "
-                         f"stopped before its first evaluation); start it again with --overwrite")
-
-
-def finished_at(run_dir, run_id):
-    """The step at which this run (run_id) wrote its results.json, or None."""
-    try:
-        results = json.loads((run_dir / "results.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return results.get("steps") if isinstance(results, dict) and results.get("run_id") == run_id else None
-
-
 def still_stopped(args, state):
-    """Why a run that stopped by --stop-lr or --early-stop would stop again at its next step under the
-    flags it resumes with (args), or None: changing either flag lets it go on."""
-    why = state.get("stopped") or ""
-    if "--stop-lr" in why:
-        next_lr = Schedule.from_args(args)(state.get("step", 0) + 1, state.get("lr_decay", 1.0))
-        return why if next_lr < args.stop_lr else None
-    if "has not improved" in why:
-        return why if args.early_stop and state.get("since_best", 0) >= args.early_stop else None
+    """state["stopped"] if the run stopped by --stop-lr or --early-stop and would stop again at its next step under
+    the flags it resumes with (args), else None: changing either flag lets it go on."""
+    code = (state.get("stopped") or (None,))[0]
+    if code == "stop_lr":
+        next_lr = Schedule.from_args(args)(state["step"] + 1, state["lr_decay"])
+        return state["stopped"] if next_lr < args.stop_lr else None
+    if code == "early_stop" and args.early_stop and TASKS[args.task].since_best(state["history"]) >= args.early_stop:
+        return state["stopped"]
     return None
-
-
-def keep_metrics_until(path, step):
-    """Drop what a killed run logged after its checkpoint, and a half-written last line."""
-    if path.exists():
-        keep = []
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if record.get("step", 1 << 62) <= step:
-                keep.append(line + "\n")
-        write_file(path, "".join(keep))
 
 
 def what_next(args):
@@ -1692,7 +1560,7 @@ def what_next(args):
         return "run the benchmark again (it writes no run directory)"
     if getattr(args, "run_id", None) is None or run_id_of(run_dir / "config.json") != args.run_id:
         return f"the run had not started in {run_dir}: start it again with the same command"
-    if any(CHECKPOINT_NAME.fullmatch(p.name) and run_id_of(p) == args.run_id for p in run_dir.iterdir()):
+    if any(run_id_of(p) == args.run_id for p in decode.checkpoints(run_dir)):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         how = "python train.py" if world == 1 else f"torchrun (as many processes as before, {world}) train.py"
         return f"continue with {how} --resume {run_dir}"
@@ -1706,7 +1574,7 @@ def what_next(args):
 # encode (cached there too); a language model's text is cut into segments (data.py section 8).
 # =======================================================================================
 def read_corpus(args, log):
-    """{split: [(src, tgt)]} of raw text, and the language suffixes; a language model's: {split: [line]} (read_text)."""
+    """{split: [(src, tgt)]} of raw text, and the language suffixes; a language model's: {split: [line]}."""
     if args.data is None:
         data_dir, langs = data.ensure_toy_corpus(), ("src", "tgt")
         log(f"data: built-in synthetic corpus in {data_dir}")
@@ -1719,8 +1587,18 @@ def read_corpus(args, log):
         if pair and not data_dir.is_dir():
             raise data.DataError(f"--data {data_dir}: not there (relative to this folder): prepare it with "
                                  f"python data.py prepare {pair}, or give --data DIR")
-    if args.task == "lm":
-        return read_text(data_dir, args.data is None, log), (None, None)
+    if args.task == "lm":  # DIR/{train,dev,test}.txt, one sentence a line (the built-in corpus: its target side)
+        if args.data is None:
+            log("data: the target side of the built-in synthetic corpus, as a language model's text")
+        text = {split: data_dir / f"{split}.{'tgt' if args.data is None else 'txt'}" for split in data.SPLITS}
+        for split, path in text.items():
+            if not path.is_file():
+                raise data.DataError(f"{path}: file not found (a language model's corpus folder holds train.txt, "
+                                     f"dev.txt and test.txt, one sentence a line)")
+            text[split] = [line for line in data.read_lines(path) if line]  # empty lines skipped
+            if not text[split]:
+                raise data.DataError(f"{path}: no text (every line is empty)")
+        return text, (None, None)
     paths, pairs = data.corpus_paths(data_dir, *langs), {}
     for split in data.SPLITS:
         # A training pair with an empty side teaches nothing and is dropped. Dev and test lines never
@@ -1734,23 +1612,6 @@ def read_corpus(args, log):
             log(f"data: {split}: {stats['empty']} pairs with an empty side "
                 + ("dropped" if split == "train" else "kept (translated and scored like every other line)"))
     return pairs, langs
-
-
-def read_text(data_dir, builtin, log):
-    """A language model's {split: [line]}: DIR/{train,dev,test}.txt, one sentence a line, empty lines
-    skipped (the built-in corpus: its target side)."""
-    if builtin:
-        log("data: the target side of the built-in synthetic corpus, as a language model's text")
-    text = {}
-    for split in data.SPLITS:
-        path = data_dir / f"{split}.{'tgt' if builtin else 'txt'}"
-        if not path.is_file():
-            raise data.DataError(f"{path}: file not found (a language model's corpus folder holds train.txt, "
-                                 f"dev.txt and test.txt, one sentence a line)")
-        text[split] = [line for line in data.read_lines(path) if line]
-        if not text[split]:
-            raise data.DataError(f"{path}: no text (every line is empty)")
-    return text
 
 
 def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):

@@ -37,6 +37,7 @@ import data  # noqa: E402
 import model  # noqa: E402
 import norms  # noqa: E402
 import train  # noqa: E402
+from conftest import gloo_unusable_reason  # noqa: E402
 
 TIMEOUT_S = 90  # a hung collective must fail the test, not hang it
 
@@ -172,19 +173,6 @@ def free_port():
         return s.getsockname()[1]
 
 
-def gloo_unusable_reason():
-    """None, or why 2 local gloo processes cannot run here (then the tests skip, saying so)."""
-    if not torch.distributed.is_available():
-        return "this torch build has no torch.distributed"
-    if not torch.distributed.is_gloo_available():
-        return "this torch build has no gloo backend"
-    try:
-        free_port()
-    except OSError as e:
-        return f"cannot bind a TCP port on 127.0.0.1 for the rendezvous: {e}"
-    return None
-
-
 def dist_env(**extra):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
     if Path("/sys/class/net/lo").exists():
@@ -304,7 +292,7 @@ def test_train_py_under_torchrun_with_two_processes(tmp_path):
         assert (run / f).exists(), f
     assert not list(run.glob("*.tmp"))
     ckpt = torch.load(run / "checkpoint_last.pt", map_location="cpu", weights_only=True)
-    assert ckpt["step"] == 6
+    assert ckpt["train_state"]["step"] == 6
     # The same command again: rank 0 refuses (the directory holds a run), and rank 1 stops with it, not
     # waiting for rank 0 for ever; nothing changes.
     before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}

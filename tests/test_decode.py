@@ -18,6 +18,7 @@ so that its outputs depend on the source and the prefix, and they end at varied 
 import io
 import math
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -25,25 +26,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import conftest  # noqa: E402
 import decode  # noqa: E402
+from conftest import WORDS  # noqa: E402
 from decode import Search, beam_search, greedy_search, length_penalty, load_checkpoint, translate  # noqa: E402
 from model import BOS, EOS, PAD, ModelConfig, Transformer  # noqa: E402
 
 V = 40
 
 
-def tiny_model(vocab_size=V, seed=0, mask=None, eos_bias=2.0, scale=4.0, g=8.0):
-    """A random 2+2-layer model; weights x scale so the layers matter, final g sets peakiness."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=vocab_size, d_model=32, heads=4, ff=64, enc_layers=2, dec_layers=2)
-    model = Transformer(cfg, tgt_vocab_mask=mask)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and name != "embed":
-                p.mul_(scale)
-        model.dec_final_norm.g.fill_(g)  # logit = g cos(h, e_w) + b_w: larger g, peakier
-        model.out_bias[EOS] = eos_bias  # so that outputs end, at varied lengths
-    return model.eval()
+tiny_model = partial(conftest.tiny_model, g=8.0)  # the final g sets peakiness: 8, peaky
 
 
 def random_src(B=6, S=7, seed=1, vocab_size=V):
@@ -190,7 +182,6 @@ def test_beam_search_with_all_scores_minus_inf_paths_has_no_nan():
 
 # -- files, translate(), the command line -------------------------------------------------
 B_ = 5  # outputs of at most |x| + 5 tokens keep these tests fast
-WORDS = "the cat dog sat on a mat and ran to house big small red blue".split()
 
 
 @pytest.fixture(scope="module")

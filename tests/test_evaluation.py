@@ -31,24 +31,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decode  # noqa: E402
+from conftest import WORDS, tiny_model  # noqa: E402
 from data import DataError as DecodeError  # noqa: E402  (decode.py raises data.DataError)
 from model import BOS, EOS, ModelConfig, MultiHeadAttention, Transformer  # noqa: E402
-
-WORDS = "the cat dog sat on a mat and ran to house big small red blue".split()
-
-
-def tiny_model(vocab_size, seed=0, **cfg):
-    torch.manual_seed(seed)
-    c = dict(vocab_size=vocab_size, d_model=32, heads=4, ff=64, enc_layers=2, dec_layers=2)
-    c.update(cfg)
-    model = Transformer(ModelConfig(**c))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and name != "embed":
-                p.mul_(4.0)  # so that the layers matter (see tests/test_decode.py)
-        model.out_bias[EOS] = 2.0  # outputs end
-    return model.eval()
-
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):

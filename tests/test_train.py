@@ -9,20 +9,8 @@ import torch.nn.functional as F
 import data
 import norms
 import train
+from conftest import SMALL  # a small, fast configuration (d 64, two layers)
 from model import ModelConfig, Transformer, label_smoothed_loss
-
-# A small, fast configuration on the built-in corpus (the tests' own corpus, no download).
-TINY = ["--d-model", "64", "--ff", "256", "--heads", "4", "--layers", "2", "--batch-tokens", "1024",
-        "--threads", "1", "--log-interval", "10", "--dropout", "0.1", "--bpe-size", "1000"]
-
-
-@pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory):
-    """A small copy of the built-in language pair (fast evaluation): --data DIR --src src --tgt tgt."""
-    d = tmp_path_factory.mktemp("toy")
-    data.make_toy_corpus(d, seed=1, n_train=3000, n_dev=40, n_test=40)
-    return ["--data", str(d), "--src", "src", "--tgt", "tgt"]
-
 
 # --- eq. 7 --------------------------------------------------------------------------------
 @pytest.mark.parametrize("step", [1, 10, 399, 400, 401, 4000, 100000])
@@ -154,7 +142,7 @@ def _records(run_dir):
 
 
 def test_a_run_killed_mid_epoch_resumes_to_the_same_metrics(tmp_path, killed_run, small_corpus):
-    argv = TINY + small_corpus + ["--max-steps", "24", "--epoch-size", "8", "--warmup", "10", "--seed", "3",
+    argv = SMALL + small_corpus + ["--max-steps", "24", "--epoch-size", "8", "--warmup", "10", "--seed", "3",
                    "--pn-warmup", "5", "--norm", "layer", "--encoder-norm", "power"]
     whole = tmp_path / "whole"
     train.main(argv + ["--out", str(whole)])
@@ -183,7 +171,7 @@ def test_a_run_killed_mid_epoch_resumes_to_the_same_metrics(tmp_path, killed_run
 ])
 def test_every_norm_and_placement_trains_with_finite_loss(extra, tmp_path, small_corpus):
     run = tmp_path / "run"
-    result = train.main(TINY + small_corpus + extra + ["--benchmark", "2", "--out", str(run)])  # 3 + 2 steps
+    result = train.main(SMALL + small_corpus + extra + ["--benchmark", "2", "--out", str(run)])  # 3 + 2 steps
     # --benchmark trains real steps (and writes no run directory); the model took the flags.
     assert result["model_config"]["norm"] == extra[1] and all(math.isfinite(l) for l in result["losses"])
     assert not run.exists()
@@ -194,7 +182,7 @@ def test_a_stale_bpe_model_of_another_size_is_not_reused(tmp_path, small_corpus)
     with another --bpe-size in that directory trains a new BPE instead of reusing the stale one."""
     import sentencepiece as spm
     run = tmp_path / "run"
-    base = TINY[:TINY.index("--bpe-size")] + small_corpus + ["--max-steps", "1", "--out", str(run)]
+    base = SMALL[:SMALL.index("--bpe-size")] + small_corpus + ["--max-steps", "1", "--out", str(run)]
     train.main(base + ["--bpe-size", "300"])
     assert spm.SentencePieceProcessor(model_file=str(run / "bpe.model")).get_piece_size() == 300
     for f in run.iterdir():
@@ -206,7 +194,7 @@ def test_a_stale_bpe_model_of_another_size_is_not_reused(tmp_path, small_corpus)
 
 def test_short_runs_log_finite_losses_and_decreasing_loss(tmp_path, small_corpus):
     run = tmp_path / "run"
-    train.main(TINY + small_corpus + ["--max-steps", "30", "--epoch-size", "30", "--warmup", "10", "--norm", "power",
+    train.main(SMALL + small_corpus + ["--max-steps", "30", "--epoch-size", "30", "--warmup", "10", "--norm", "power",
                        "--qknorm", "--pn-warmup", "10", "--out", str(run)])
     steps, bleus = _records(run)
     losses = [l for _, l, _ in steps]
@@ -246,7 +234,7 @@ def test_validation_decay_never_fires_inside_the_warmup(tmp_path, monkeypatch, s
     monkeypatch.setattr(train.decode, "bleu", lambda hyps, refs: type("S", (), {"score": float(next(bleus)), "signature": "stub"})())
     run = tmp_path / "run"
     warmup, epoch = 30, 5
-    train.main(TINY + small_corpus + ["--schedule", "valdecay", "--warmup", str(warmup), "--lr", "1e-3",
+    train.main(SMALL + small_corpus + ["--schedule", "valdecay", "--warmup", str(warmup), "--lr", "1e-3",
                                       "--epoch-size", str(epoch), "--max-steps", "50", "--patience", "1",
                                       "--early-stop", "0", "--max-epochs", "100", "--out", str(run)])
     lr = _lr_by_step(run)
@@ -311,7 +299,7 @@ def test_qknorm_L_is_measured_before_the_max_len_filter(tmp_path, small_corpus, 
     training sequence, not the longest one --max-len kept."""
     run = tmp_path / "run"
     capsys.readouterr()
-    train.main(TINY + small_corpus + ["--qknorm", "--qk-percentile", "100", "--max-len", "6", "--max-steps", "1",
+    train.main(SMALL + small_corpus + ["--qknorm", "--qk-percentile", "100", "--max-len", "6", "--max-steps", "1",
                                       "--out", str(run)])
     out = capsys.readouterr().out
     tok = data.Tokenizer(run / "bpe.model")
@@ -327,7 +315,7 @@ def test_mfu_takes_the_larger_matmul_probe_after_each_evaluation(tmp_path, small
     probes = iter([1e6, 1e12, 1e9, 1e9])  # the start, then after each evaluation
     monkeypatch.setattr(train, "matmul_flops", lambda *a, **k: next(probes))
     run = tmp_path / "run"
-    train.main(TINY + small_corpus + ["--max-steps", "20", "--epoch-size", "10", "--log-interval", "10",
+    train.main(SMALL + small_corpus + ["--max-steps", "20", "--epoch-size", "10", "--log-interval", "10",
                                       "--out", str(run)])
     mfu = [r["mfu"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "mfu" in r]
     assert len(mfu) == 2 and mfu[0] > 1000 * mfu[1]  # 1e6 before the first evaluation, then 1e12
