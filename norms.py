@@ -512,9 +512,8 @@ def pnv_diagnostics(norm, y, x, real, psi2):
 def powernorm_diagnostics(norm, xs, real, psi2, phi, fwd_psi2, bwd_psi2=None):
     # The nu X^ term of eqs. 11-12 does not depend on dL/dY: nu_{t-1} is known in the forward. bwd_psi2: what the
     # backward divides by, if not fwd_psi2 (PowerNormCode's psi_B^2).
-    bwd_psi2 = fwd_psi2 if bwd_psi2 is None else bwd_psi2
     z = xs.detach() / torch.sqrt(fwd_psi2 + norm.eps)  # X^
-    g_nu = norm.running_nu * z[real] / torch.sqrt(bwd_psi2 + norm.eps)  # (N_r, D)
+    g_nu = norm.running_nu * z[real] / torch.sqrt((fwd_psi2 if bwd_psi2 is None else bwd_psi2) + norm.eps)  # (N_r, D)
     return {"dist_psi2": dist(psi2, phi), "g_nu": torch.linalg.vector_norm(g_nu, dim=-1).mean().item()}
 
 
