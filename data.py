@@ -916,9 +916,8 @@ def _check_md5(path, raw, expected, name):
 
 def prepare_main(argv=None):
     """CLI: python data.py prepare NAME [--dir DIR] [--url URL]; returns the exit status."""
-    by_note = {}  # the corpora's notes, each once (the four TED pairs share one)
-    for name, c in CORPORA.items():
-        by_note.setdefault(c["notes"], []).append(name)
+    # The corpora's notes, each once (the four TED pairs share one), with the corpora they are about.
+    by_note = {c["notes"]: [n for n, e in CORPORA.items() if e["notes"] == c["notes"]] for c in CORPORA.values()}
     p = argparse.ArgumentParser(prog="data.py prepare", formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Download, check and lay out a corpus of the papers.",
                                 epilog="the corpora:\n" + "\n".join(textwrap.fill(
@@ -1021,14 +1020,13 @@ def load_or_encode(tok, pairs, cache_path, write_path=None):
     resumed run loads the ids; anything different encodes again and writes the cache to
     write_path (default: cache_path; False: nowhere)."""
     key, cache_path = pairs_sha256(pairs, tok.proto), Path(cache_path)
-    if cache_path.exists():
-        try:
-            blob = torch.load(cache_path, weights_only=True)
-            if blob["key"] == key:
-                split = lambda side: [t.tolist() for t in torch.split(blob[side], blob[side + "_len"].tolist())]
-                return list(zip(split("src"), split("tgt")))
-        except Exception:  # an unreadable or old cache: encode again
-            pass
+    try:
+        blob = torch.load(cache_path, weights_only=True)
+        if blob["key"] == key:
+            split = lambda side: [t.tolist() for t in torch.split(blob[side], blob[side + "_len"].tolist())]
+            return list(zip(split("src"), split("tgt")))
+    except Exception:  # no cache, an unreadable or an old one: encode again
+        pass
     enc = encode_pairs(tok, pairs)
     blob = {"key": key}
     for side, seqs in (("src", [e[0] for e in enc]), ("tgt", [e[1] for e in enc])):  # ragged -> flat + lengths
