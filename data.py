@@ -860,12 +860,12 @@ def prepare(name, out_dir=None, url=None, expected=None):
     # Exact counts must match; approximate ones (the papers' rounded numbers, or a pipeline we only approximate) print
     # a warning when 2% or more off.
     want, exact = (expected, SPLITS) if expected else (c["counts"], c["exact"])
-    for split, n in counts.items():
-        w = want.get(split)
-        if w is not None and split in exact and n != w:
+    for split, w in want.items():
+        n = counts[split]
+        if split in exact and n != w:
             raise DataError(f"{files[split][0]}: {n:,} lines, expected {w:,} for {name}; "
                             f"the download may be damaged or changed (delete {out} and retry)")
-        if w is not None and split not in exact and abs(n - w) >= 0.02 * w:
+        if split not in exact and abs(n - w) >= 0.02 * w:
             print(f"warning: {name} {split}: {n:,} pairs where the papers give about {w:,}; "
                   f"this count is not certain, so it is not an error", file=sys.stderr)
     atomic_write_all({files[split][side]: "".join(p[side] + "\n" for p in pairs)
@@ -918,11 +918,10 @@ def prepare_main(argv=None):
     """CLI: python data.py prepare NAME [--dir DIR] [--url URL]; returns the exit status."""
     # The corpora's notes, each once (the four TED pairs share one), with the corpora they are about.
     by_note = {c["notes"]: [n for n, e in CORPORA.items() if e["notes"] == c["notes"]] for c in CORPORA.values()}
+    epilog = "the corpora:\n" + "\n".join(textwrap.fill(f"{', '.join(names)}: {note}", 100, subsequent_indent="  ")
+                                          for note, names in by_note.items())
     p = argparse.ArgumentParser(prog="data.py prepare", formatter_class=argparse.RawDescriptionHelpFormatter,
-                                description="Download, check and lay out a corpus of the papers.",
-                                epilog="the corpora:\n" + "\n".join(textwrap.fill(
-                                    f"{', '.join(names)}: {note}", 100, subsequent_indent="  ")
-                                    for note, names in by_note.items()))
+                                description="Download, check and lay out a corpus of the papers.", epilog=epilog)
     p.add_argument("name", metavar="NAME", choices=list(CORPORA), help=", ".join(CORPORA))
     p.add_argument("--dir", default=None, help="output folder (default data/NAME)")
     p.add_argument("--url", default=None, help="source: http(s)://, file:// or a local path "

@@ -438,9 +438,8 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 def sum_over_ranks(*tensors):
-    """What batch_mean sums with (the multi-process tests replace it): each tensor summed over all ranks (one
-    collective), differentiably; on one process the tensors themselves. Returns a tuple, one entry per argument.
-    Note: counts travel as floats of the statistics' dtype: exact up to 2^24 tokens per batch in fp32."""
+    """What batch_mean sums with (the banner above; the multi-process tests replace it), differentiably, in one
+    collective; a tuple. Note: counts travel as floats of the statistics' dtype: exact up to 2^24 tokens in fp32."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return tensors
     flat = _AllReduceSum.apply(torch.cat([t.reshape(-1) for t in tensors]))  # one message, not one per tensor
