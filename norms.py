@@ -423,11 +423,6 @@ def build_norm(name, d, heads=1, norm_options=None):
 # train.py. Also in practice: average only PowerNorm's float buffers when averaging checkpoints; phi and its
 # counter change in forward and nu in backward: do not wrap PN in activation checkpointing (forward would run twice).
 # =======================================================================================
-def sum_over_ranks(*tensors):
-    """What batch_mean sums with: all_reduce_sum (the name the multi-process tests replace)."""
-    return all_reduce_sum(*tensors)
-
-
 class _AllReduceSum(torch.autograd.Function):
     """y = sum over ranks of x, with its gradient: every rank's y is the same sum, so dL/dx on a
     rank is the sum over ranks of their dL/dy. (dist.all_reduce alone is in place and invisible
@@ -439,17 +434,12 @@ class _AllReduceSum(torch.autograd.Function):
         torch.distributed.all_reduce(y)
         return y
 
-    @staticmethod
-    def backward(ctx, dy):
-        dx = dy.clone()
-        torch.distributed.all_reduce(dx)
-        return dx
+    backward = forward  # dL/dx = the sum over ranks of dL/dy: the same collective
 
 
-def all_reduce_sum(*tensors):
-    """Each tensor summed over all ranks (one collective), differentiably; on one process the
-    tensors themselves. Returns a tuple, one entry per argument. Note: counts travel as floats
-    of the statistics' dtype: exact up to 2^24 tokens per batch in fp32."""
+def sum_over_ranks(*tensors):
+    """What batch_mean sums with (the banner above; the multi-process tests replace it), differentiably, in one
+    collective; a tuple. Note: counts travel as floats of the statistics' dtype: exact up to 2^24 tokens in fp32."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return tensors
     flat = _AllReduceSum.apply(torch.cat([t.reshape(-1) for t in tensors]))  # one message, not one per tensor
@@ -521,9 +511,8 @@ def pnv_diagnostics(norm, y, x, real, psi2):
 def powernorm_diagnostics(norm, xs, real, psi2, phi, fwd_psi2, bwd_psi2=None):
     # The nu X^ term of eqs. 11-12 does not depend on dL/dY: nu_{t-1} is known in the forward. bwd_psi2: what the
     # backward divides by, if not fwd_psi2 (PowerNormCode's psi_B^2).
-    bwd_psi2 = fwd_psi2 if bwd_psi2 is None else bwd_psi2
     z = xs.detach() / torch.sqrt(fwd_psi2 + norm.eps)  # X^
-    g_nu = norm.running_nu * z[real] / torch.sqrt(bwd_psi2 + norm.eps)  # (N_r, D)
+    g_nu = norm.running_nu * z[real] / torch.sqrt((fwd_psi2 if bwd_psi2 is None else bwd_psi2) + norm.eps)  # (N_r, D)
     return {"dist_psi2": dist(psi2, phi), "g_nu": torch.linalg.vector_norm(g_nu, dim=-1).mean().item()}
 
 

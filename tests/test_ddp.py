@@ -60,7 +60,7 @@ CONFIGS = {
 }
 
 
-# Negative controls, BatchNorm with norms.all_reduce_sum replaced: they must *not* match, or the
+# Negative controls, BatchNorm with norms.sum_over_ranks replaced: they must *not* match, or the
 # comparison could not see anything. "unsynced": per-rank statistics (the authors' code).
 # "not differentiable": the right sums in the forward, but through plain dist.all_reduce, which
 # autograd does not see: the backward misses the other ranks' share of the gradient.
@@ -156,13 +156,13 @@ def worker(out_dir):
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     results = {name: run_config(name, rank, world) for name in CONFIGS}
-    synced = norms.all_reduce_sum
+    synced = norms.sum_over_ranks
     for name, replacement in CONTROLS.items():
-        norms.all_reduce_sum = replacement
+        norms.sum_over_ranks = replacement
         try:
             results[name] = run_config(name, rank, world)
         finally:
-            norms.all_reduce_sum = synced
+            norms.sum_over_ranks = synced
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
@@ -254,9 +254,9 @@ def test_batchnorm_without_differentiable_cross_rank_sums_does_not_match(ranks, 
         assert ranks[0][control]["loss"][0] == pytest.approx(ranks[0]["batch"]["loss"][0], rel=1e-12)
 
 
-def test_all_reduce_sum_is_the_identity_on_one_process():
+def test_sum_over_ranks_is_the_identity_on_one_process():
     a, b = torch.randn(3, requires_grad=True), torch.tensor(2.0)
-    out = norms.all_reduce_sum(a, b)
+    out = norms.sum_over_ranks(a, b)
     assert out[0] is a and out[1] is b
 
 
