@@ -949,11 +949,11 @@ def lm_windows(stream, length, context):
     """Segments for perplexity with context (decode.py --ppl --context N; [2] A.2 evaluates as Transformer-XL does,
     each token with the text before it): windows of `length` inputs, each one `length - context` tokens after the
     last, scoring only its targets not scored before (the first window all of its own; the other targets are PAD).
-    Every target is scored once, with at least min(context, its index) tokens before it, at most length - 1.
-    context 0: lm_segments' segments exactly."""
+    Every target is scored once, predicted from its input and at least `context` tokens before that (fewer at the
+    very start of the text), at most length - 1. context 0: lm_segments' segments exactly."""
     n, stride = stream.numel() - 1, length - context
     if not 0 <= context < length:
-        raise DataError(f"--context {context}: at most {length - 1} here (a window of {length} tokens)")
+        raise DataError(f"--context {context}: at most {length - 1}, less than the window (--seq-len {length})")
     if n < 1:
         raise DataError("no text to predict")
     scored = [0] + list(range(length, n, stride))  # where each window's scored targets begin

@@ -344,12 +344,15 @@ def perplexity(model, tokenizer, pairs, label_smoothing=0.1, batch_tokens=4096, 
 #   ppl = exp(NLL / n),  n = the text's tokens + one EOS a sentence;  per word: exp(NLL / (words + EOS))
 # (the same NLL; under BPE n counts pieces, so per-word perplexity is the one comparable across vocabularies).
 # ---------------------------------------------------------------------------------------
-def lm_perplexity(model, tokenizer, lines, seq_len, batch_tokens=4096, bf16=True):
-    """dict(ppl, nll, n_tokens, word_ppl, n_words) of text lines (empty lines skipped, as training does)."""
+def lm_perplexity(model, tokenizer, lines, seq_len, batch_tokens=4096, bf16=True, context=0):
+    """dict(ppl, nll, n_tokens, word_ppl, n_words) of text lines (empty lines skipped, as training does). context N > 0:
+    each token with at least N tokens before it ([2] A.2, as Transformer-XL evaluates), in windows of seq_len tokens
+    that slide by seq_len - N (data.lm_windows). Note: the window stays seq_len, the positions the model trained on
+    (a softmax model scored with longer windows got worse: its positions past seq_len were never trained)."""
     lines = [line for line in lines if line]
     if not lines:
         raise DataError("perplexity: no text (every line is empty)")
-    segments = data.lm_segments(data.lm_stream(tokenizer, lines), seq_len)
+    segments = data.lm_windows(data.lm_stream(tokenizer, lines), seq_len, context)
     _, nll, n = evaluate_loss(model, segments, batch_tokens, 0.0, bf16)
     words = sum(len(line.split()) + 1 for line in lines)  # + EOS each
     return {"ppl": math.exp(nll / n), "nll": nll / n, "n_tokens": n, "word_ppl": math.exp(nll / words),
@@ -644,12 +647,14 @@ def singular_values(model):
 
 # ---------------------------------------------------------------------------------------
 # --leak: how far the batch statistics of a training forward let a causal model see the future ([2]'s BN and
-# PN-V in a language model). Zero for the per-token norms.
+# PN-V in a language model). Zero for the per-token norms. --leak-mode eval: the model as evaluated, zero for any causal
+# model, positive for one that sees later tokens itself (the baseline's unmasked multi-linear attention, model.py B).
 # ---------------------------------------------------------------------------------------
-def future_leak(model, segments, t=None, seed=0):
+def future_leak(model, segments, t=None, seed=0, training=True):
     """One batch of segments, then the same with every token after position t replaced at random; the batch
-    norms as in training (batch statistics, running ones updated on a copy), dropout off. Returns the mean
-    |change| of log p(next token) at positions <= t, and those positions' perplexity before and after."""
+    norms as in training (batch statistics, running ones updated on a copy; training=False: the model as evaluated,
+    which shows a model that sees later tokens itself: [2]'s baseline with its mask unapplied), dropout off. Returns
+    the mean |change| of log p(next token) at positions <= t, and those positions' perplexity before and after."""
     t = segments.x.size(1) // 2 - 1 if t is None else t
     x, y = segments.x, segments.y
     changed = x.clone()
@@ -658,7 +663,7 @@ def future_leak(model, segments, t=None, seed=0):
 
     def logp(inp):  # a fresh copy each time: a running statistic updated by the first call is not a leak
         m = copy.deepcopy(model).eval()
-        for mod in m.modules():
+        for mod in m.modules() if training else ():
             if isinstance(mod, BATCH_NORMS):
                 mod.train()
         with torch.no_grad():
@@ -1040,6 +1045,8 @@ def build_parser():
     ev.add_argument("--leak", action="store_true", help="a language model: how much changing the tokens after the "
                     "middle of a segment moves the predictions before it when the batch norms use batch statistics, "
                     "as in training (one batch of --batch-tokens from --input)")
+    ev.add_argument("--leak-mode", choices=["train", "eval"], default="train", help="--leak: the batch norms as in "
+                    "training, or the whole model as evaluated (eval: zero for a causal model, not for an unmasked one)")
     ev.add_argument("--svd", action="store_true", help="print the singular values of the embedding matrix over the "
                     "largest ([2] Figure 6); with --png also draw them")
     lm = ap.add_argument_group("a language model (train.py --task lm)")
@@ -1048,6 +1055,9 @@ def build_parser():
                     "most probable token")
     lm.add_argument("--temperature", type=positive, default=1.0, help="--sample: softmax(logits / T)")
     lm.add_argument("--max-tokens", type=int, default=50, help="--generate: at most this many new tokens")
+    lm.add_argument("--context", type=count, default=0, metavar="N", help="--ppl: each token predicted with at least N "
+                    "tokens of the text before it, in windows of --seq-len sliding by --seq-len - N ([2] A.2, "
+                    "Transformer-XL's evaluation); 0: non-overlapping segments (train.py's number)")
     lm.add_argument("--seq-len", type=positive_int, help="--ppl and --generate: the segment (context) length (default: "
                     "the run's; a multi-linear attention is built for its own and takes no longer one)")
     return ap
@@ -1060,13 +1070,13 @@ SEARCH = {"beam", "alpha", "length_penalty", "max_len_b", "max_len", "batch_toke
 LOOK = MODEL | SEARCH | {"g_table", "attention", "attention_target", "layer", "head", "kind", "png"}  # translates once
 TRANSLATE = MODEL | SEARCH | {"input", "output", "ref", "tokenized", "lowercase", "progress", "ppl", "label_smoothing",
                               "benchmark"}
-LM = {"batch_tokens", "input", "ppl", "leak", "generate", "sample", "temperature", "max_tokens", "seed", "seq_len"}
+LM = {"batch_tokens", "input", "ppl", "context", "leak", "leak_mode", "generate", "sample", "temperature", "max_tokens", "seed", "seq_len"}
 MODES = {"compare": {"compare", "ref", "samples", "seed", "tokenized", "lowercase"}, "plot": {"plot", "out"},
          "svd": MODEL | {"svd", "png"}, "g_table": LOOK, "attention": LOOK,
          "benchmark": MODEL | SEARCH | {"benchmark", "input", "ref"},
          "a translator": TRANSLATE, "a language model": MODEL - {"average"} | LM}
 # A flag that only works with another ("--sample is for --generate"), checked whatever the mode.
-NEEDS = {"out": "plot", "sample": "generate", "max_tokens": "generate", "temperature": "sample", "samples": "compare",
+NEEDS = {"out": "plot", "context": "ppl", "leak_mode": "leak", "sample": "generate", "max_tokens": "generate", "temperature": "sample", "samples": "compare",
          "seed": ("compare", "sample"), "tokenized": "ref", "lowercase": "ref", "label_smoothing": "ppl",
          "attention_target": "attention", "png": ("attention", "svd"), "layer": "attention", "head": "attention",
          "kind": "attention"}
@@ -1272,14 +1282,16 @@ def language_model(args, model, tokenizer, lines):
         n = max(1, batch_tokens // seq_len)
         if not full.any():
             raise DataError(f"--leak: {args.input or 'stdin'} is shorter than one segment of {seq_len} tokens")
-        r = future_leak(model, data.Segments(segs.x[full][:n], segs.y[full][:n]))
-        print(f"future leak: changing tokens {r['positions'] + 1}..{seq_len} of {r['segments']} segments moves "
+        r = future_leak(model, data.Segments(segs.x[full][:n], segs.y[full][:n]), training=args.leak_mode == "train")
+        print(f"future leak ({'batch norms as in training' if args.leak_mode == 'train' else 'the model as evaluated'})"
+              f": changing tokens {r['positions'] + 1}..{seq_len} of {r['segments']} segments moves "
               f"log p(next token) at positions 1..{r['positions']} by {r['mean_abs_change']:.4f} nats on average; "
               f"their perplexity {r['ppl_before']:.2f} -> {r['ppl_after']:.2f}")
     if args.ppl:
         ppl = lm_perplexity(model, tokenizer, read_stdin() if lines is None else lines, seq_len, batch_tokens,
-                            args.dtype == "bf16")
-        print(f"perplexity {ppl['ppl']:.2f} over {ppl['n_tokens']} tokens (segments of {seq_len}); per word "
+                            args.dtype == "bf16", args.context)
+        how = f"at least {args.context} tokens of context" if args.context else f"segments of {seq_len}"
+        print(f"perplexity {ppl['ppl']:.2f} over {ppl['n_tokens']} tokens ({how}); per word "
               f"{ppl['word_ppl']:.2f} over {ppl['n_words']} words and EOS")
     if args.generate is not None:
         prefix, more = generate(model, tokenizer, args.generate, seq_len, args.max_tokens,

@@ -553,6 +553,10 @@ def build_parser():
     add(g, "--pn-alpha-bkw", type=fraction, default=0.9, help="PowerNorm backward running-average alpha ([2] eq. 13)")
     add(g, "--attention", choices=["softmax", "multilinear"], default="softmax", help="--task lm: softmax "
         "attention, or the tensorized Transformer's multi-linear attention, core-1, causal ([2] appendix A.2)")
+    add(g, "--mask", choices=["causal", "none"], default="causal", help="--attention multilinear: causal ([2]: "
+        "'with masking'), or none: the baseline code's mask, built and never applied (model.py Appendix B)")
+    add(g, "--positions", choices=["sinusoidal", "relative"], default="sinusoidal", help="--attention multilinear: "
+        "sinusoids added to the input, or relative: the baseline code's term inside the attention instead")
     add(g, "--sdpa", action=argparse.BooleanOptionalAction, default=True, help="torch's "
         "scaled_dot_product_attention (off: the written-out attention; default on)")
     g = p.add_argument_group("optimisation and schedule")
@@ -671,6 +675,8 @@ def refuse_idle_flags(args, given):
             (("src", "tgt", "enc_layers", "encoder_norm", "max_len", "beam", "dev_beam", "alpha", "length_penalty",
               "qk_percentile"), args.task == "mt", "a translator's; a language model (--task lm) has no source, "
              "is scored by perplexity, and its QKNorm L is --seq-len"),
+            (("mask", "positions"), args.attention == "multilinear", "the multi-linear attention's: give "
+             "--attention multilinear"),
             (("sdpa", "attn_dropout"), args.attention == "softmax", "the softmax attention's; the multi-linear "
              "attention has neither"),
             (("src", "tgt"), args.data is not None, "the name of a corpus's files in --data DIR; without --data the "
@@ -716,7 +722,8 @@ def model_config_from_args(args, vocab_size, qk_g0=1.0):
         norm=args.norm, encoder_norm=args.encoder_norm, decoder_norm=args.decoder_norm, norm_options=power,
         prenorm=args.prenorm, fixnorm=args.fixnorm, init=args.init, qknorm=args.qknorm, qk_g0=qk_g0,
         qk_learn_g=not args.qk_no_g, qk_norm_v=args.qk_norm_v, sdpa=args.sdpa, lm=args.task == "lm",
-        attention=args.attention, seq_len=args.seq_len if args.attention == "multilinear" else 0)
+        attention=args.attention, seq_len=args.seq_len if args.attention == "multilinear" else 0, mask=args.mask,
+        positions=args.positions)
 
 
 # =======================================================================================
@@ -809,6 +816,10 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
     "pn2-batchnorm": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer BN", row(PN2, norm="batch")),
     "pn2-pnv": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer PN-V", row(PN2, norm="pnv")),
     "pn2-powernorm": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer PN", row(PN2, norm="power")),
+    # The baseline as its code ran (model.py Appendix B): the mask never applied, positions only inside the attention.
+    **{f"pn2-released-{key}": ("ptb", f"PowerNorm Table 2: PTB, {name}, the baseline's code as it ran (unmasked, "
+                               f"relative positions)", row(PN2, norm=norm, mask="none", positions="relative"))
+       for key, name, norm in (("layernorm", "LN", "layer"), ("powernorm", "PN", "power"))},
     # [2] A.2: WikiText-103 with 6 layers, the rest as PTB's; an epoch is one pass over its 103,227,021 words and
     # 1,801,350 EOS (27,352 batches). Days a row on a GPU, far more on a CPU: named here, not run in this project.
     **{f"pn2-wt103-{key}": ("wikitext-103", f"PowerNorm Table 2: WikiText-103, 6-layer tensorized Transformer {name}",

@@ -1,0 +1,88 @@
+"""A language model evaluated as PowerNorm's Table 2 was ([2] A.2: Transformer-XL's scheme, each token with the text
+before it), and the baseline's unmasked model seen at evaluation: decode.py --ppl --context N, --leak --leak-mode eval."""
+import random
+
+import pytest
+import torch
+
+import data
+import decode
+import train
+
+LM = ["--task", "lm", "--bpe-size", "0", "--d-model", "32", "--ff", "64", "--heads", "2", "--layers", "2",
+      "--batch-tokens", "256", "--threads", "1", "--warmup", "20", "--lr", "3e-3", "--attention", "multilinear",
+      "--norm", "layer"]
+
+
+@pytest.mark.parametrize("length, context", [(4, 0), (4, 1), (4, 3), (6, 2), (5, 4), (7, 3)])
+def test_every_token_is_scored_once_with_at_least_context_tokens_before_it(length, context):
+    stream = torch.arange(4, 4 + 23)
+    w = data.lm_windows(stream, length, context)
+    scored = w.y.ne(data.PAD)
+    assert w.y[scored].tolist() == stream[1:].tolist()  # each target once, in order
+    for row, col in scored.nonzero().tolist():
+        p = int(w.y[row, col]) - 4  # the target's index in the stream
+        assert int(w.x[row, col]) == int(w.y[row, col]) - 1  # its input: the token before it
+        assert col >= min(context, p - 1)  # and at least `context` tokens before that input, in its window
+    if context == 0:  # the segments train.py scores, exactly
+        segs = data.lm_segments(stream, length)
+        assert torch.equal(w.x, segs.x) and torch.equal(w.y, segs.y)
+    with pytest.raises(data.DataError, match=f"--context {length}: at most {length - 1}"):
+        data.lm_windows(stream, length, length)
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory):
+    """A multi-linear model trained on lines 'k_i m m v_i': v_i is known from k_i three tokens back, and a segment
+    of 6 that starts between them cannot see it."""
+    d = tmp_path_factory.mktemp("kv")
+    r = random.Random(0)
+    for split, n in (("train", 2000), ("dev", 100), ("test", 200)):
+        (d / f"{split}.txt").write_text("".join(f"k{i} m m v{i}\n" for i in (r.randrange(10) for _ in range(n))))
+    run = tmp_path_factory.mktemp("runs") / "kv"
+    train.main(LM + ["--data", str(d), "--seq-len", "6", "--max-steps", "200", "--epoch-size", "50", "--out", str(run)])
+    return d, run
+
+
+def test_with_context_a_model_that_learned_the_text_scores_lower(learned, capsys):
+    d, run = learned
+    model, tok, _ = decode.load_checkpoint(run)
+    lines = (d / "test.txt").read_text().splitlines()
+    seg = decode.lm_perplexity(model, tok, lines, 6, bf16=False)
+    ctx = decode.lm_perplexity(model, tok, lines, 6, bf16=False, context=5)
+    assert ctx["n_tokens"] == seg["n_tokens"] == 1000  # every token scored once either way
+    assert ctx["ppl"] < 0.97 * seg["ppl"], (ctx, seg)  # v_i sees its k_i in every window
+    assert decode.lm_perplexity(model, tok, lines, 6, bf16=False, context=0) == seg
+    capsys.readouterr()
+    decode.main([str(run), "--ppl", "--input", str(d / "test.txt"), "--context", "5"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"perplexity {ctx['ppl']:.2f} over 1000 tokens (at least 5 tokens of context)"), out
+    with pytest.raises(SystemExit, match="--context 6: at most 5, less than the window"):
+        decode.main([str(run), "--ppl", "--input", str(d / "test.txt"), "--context", "6"])
+    with pytest.raises(SystemExit):
+        decode.main([str(run), "--generate", "k1", "--context", "2"])
+    assert "--context is for --ppl" in capsys.readouterr().err
+
+
+def test_at_evaluation_a_causal_model_leaks_nothing_and_an_unmasked_one_does(learned, tmp_path, capsys):
+    d, causal = learned
+    unmasked = tmp_path / "unmasked"
+    train.main(LM + ["--data", str(d), "--seq-len", "6", "--mask", "none", "--positions", "relative",
+                     "--max-steps", "4", "--epoch-size", "4", "--out", str(unmasked)])
+    moved = {}
+    for name, run in (("causal", causal), ("unmasked", unmasked)):
+        capsys.readouterr()
+        decode.main([str(run), "--leak", "--leak-mode", "eval", "--input", str(d / "dev.txt")])
+        out = capsys.readouterr().out
+        assert out.startswith("future leak (the model as evaluated)"), out
+        moved[name] = float(out.split(" by ")[1].split()[0])
+    assert moved["causal"] == 0.0 and moved["unmasked"] > 1e-3, moved
+
+
+def test_the_baselines_flags_need_the_multilinear_attention_and_its_presets_set_them():
+    with pytest.raises(SystemExit, match="--mask is the multi-linear attention's"):
+        train.main(["--task", "lm", "--mask", "none"])
+    for norm in ("layernorm", "powernorm"):
+        pair, _, flags = train.PRESETS[f"pn2-released-{norm}"]
+        causal = train.PRESETS[f"pn2-{norm}"][2]
+        assert pair == "ptb" and flags == dict(causal, mask="none", positions="relative")
