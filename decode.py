@@ -366,10 +366,8 @@ def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, 
         for _ in range(max_tokens):
             x = torch.tensor([ids[-seq_len:]], device=device)  # the context the model was trained with
             logits = model(None, x)[0, -1].float().cpu()  # (V,) -inf at PAD and BOS
-            if temperature > 0:
-                nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=rng))
-            else:
-                nxt = int(logits.argmax())
+            nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=rng)) \
+                if temperature > 0 else int(logits.argmax())
             if nxt == EOS:
                 break
             ids.append(nxt)
@@ -386,14 +384,14 @@ def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, 
 # bootstrap-hypothesis-difference-significance.pl); the CI is mean +- half the 2.5%..97.5% percentile range.
 # =======================================================================================
 def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=12345, already_tokenized=False,
-                     lowercase=False):
+                     lowercase=False, names=("baseline", "system", "references")):
     """Paired bootstrap test of system vs baseline on corpus BLEU -> dict: "baseline", "system" ({"bleu", "mean",
     "ci", "ci_low", "ci_high"}: real BLEU, bootstrap mean, 95% half-width), "p_value", "delta" (system - baseline),
     "n_samples", "signature", "identical" (line-for-line equal), "undecidable" (why p is 1, see below; else "").
-    Note: SacreBLEU treats seed 0 as no seed."""
+    names: the three texts' names in the error when their line counts differ. Note: SacreBLEU takes seed 0 as none."""
     base, sys_, refs = list(baseline_hyps), list(system_hyps), list(refs)
     if not (len(base) == len(sys_) == len(refs)):
-        raise DataError(f"line counts differ: baseline {len(base)}, system {len(sys_)}, references {len(refs)}")
+        raise DataError("line counts differ: " + ", ".join(f"{n} {len(x)}" for n, x in zip(names, (base, sys_, refs))))
     if not refs:
         raise DataError("paired bootstrap needs at least one sentence")
     # The BLEU of score_report: tokenized BLEU as multi-bleu.perl (no smoothing) under --tokenized, else SacreBLEU.
@@ -421,11 +419,9 @@ def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=1234
 def compare(args):
     """--compare BASELINE SYSTEM --ref REF: the paired bootstrap table (a rich Table) and its signature on stdout."""
     base_path, sys_path = args.compare
-    base, system, refs = data.read_lines(base_path), data.read_lines(sys_path), data.read_lines(args.ref)
-    for path, lines in ((base_path, base), (sys_path, system)):
-        if len(lines) != len(refs):
-            raise DataError(f"{path}: {len(lines)} lines, but {args.ref} has {len(refs)}")
-    result = paired_bootstrap(base, system, refs, args.samples, args.seed, args.tokenized, args.lowercase)
+    texts = [data.read_lines(path) for path in (base_path, sys_path, args.ref)]
+    result = paired_bootstrap(*texts, args.samples, args.seed, args.tokenized, args.lowercase,
+                              names=(base_path, sys_path, args.ref))
     table = Table(title=f"paired bootstrap resampling, {result['n_samples']} samples")
     for col in ("system", "BLEU", "mean +- 95% CI", "p-value"):
         table.add_column(col, justify="left" if col == "system" else "right")
@@ -482,20 +478,18 @@ def average_checkpoints(paths):
     paths = [Path(x) for x in paths]
     if not paths:
         raise DataError("average_checkpoints: no checkpoint files given")
-    total, first = None, None
-    for p in paths:
+    ckpt = first = read_checkpoint(paths[0], "cpu")
+    total = {k: v.double() for k, v in first["model"].items() if torch.is_floating_point(v)}
+    for p in paths[1:]:
         ckpt = read_checkpoint(p, "cpu")
         state = ckpt["model"]
-        if total is None:
-            first, total = ckpt, {k: v.double() for k, v in state.items() if torch.is_floating_point(v)}
-        elif state.keys() != first["model"].keys() or ckpt["model_config"] != first["model_config"] or \
+        if state.keys() != first["model"].keys() or ckpt["model_config"] != first["model_config"] or \
                 any(v.shape != first["model"][k].shape for k, v in state.items()):
             raise DataError(f"{p}: not the same model as {paths[0]} (names, shapes or model_config differ)")
-        elif (ckpt.get("args") or {}).get("run_id") != (first.get("args") or {}).get("run_id"):  # train.py's flags
+        if (ckpt.get("args") or {}).get("run_id") != (first.get("args") or {}).get("run_id"):  # train.py's flags
             raise DataError(f"{p}: from another run than {paths[0]} (run_id differs); average one run's checkpoints")
-        else:
-            for k in total:
-                total[k] += state[k].double()  # sum_i theta_i
+        for k in total:
+            total[k] += state[k].double()  # sum_i theta_i
     averaged = {k: (total[k] / len(paths)).to(v.dtype) if k in total else v.clone() for k, v in ckpt["model"].items()}
     kept = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "rng")}
     return dict(kept, model=averaged, averaged_from=[str(p) for p in paths])
@@ -540,8 +534,7 @@ def load_checkpoint(path, device="cpu", average=0):
     if average > 0:
         if not p.is_dir():
             raise DataError(f"{p}: --average {average} needs a run directory (with epoch checkpoints)")
-        epochs = checkpoints(p, "average")
-        if len(epochs) < average:
+        if len(epochs := checkpoints(p, "average")) < average:
             raise DataError(f"{p}: --average {average} needs {average} epoch checkpoints, "
                             f"the run directory has {len(epochs)}")
         ckpt, p = average_checkpoints(epochs[-average:]), epochs[-1]
@@ -753,9 +746,8 @@ def save_heatmap_png(weights, rows, cols, path, title=None):
     plt = pyplot(path)
     if plt is None:
         return False
-    w = torch.as_tensor(weights, dtype=torch.float32).numpy()
     fig, ax = plt.subplots(figsize=(max(4, 0.4 * len(cols) + 2), max(3, 0.4 * len(rows) + 1.5)))
-    im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+    im = ax.imshow(torch.as_tensor(weights).float().numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(cols)), cols, rotation=90)
     ax.set_yticks(range(len(rows)), rows)
     ax.set_title(title or "")
@@ -781,7 +773,6 @@ def analyse(args, model, tokenizer):
             fig.tight_layout()
             fig.savefig(args.png, dpi=120)
             print(f"wrote {args.png}")
-        return 0
     if model.cfg.lm and args.attention is not None:
         raise DataError(f"{args.checkpoint}: a language model: --attention draws a translator's maps")
     if args.g_table:
@@ -890,8 +881,7 @@ def plot_runs(run_dirs, out):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("layer (encoder, then decoder)" if "depth" in title else
                       "index" if "singular" in title else "step")
-        if "gradient" in title or "statistic" in title or "perplexity" in title:
-            ax.set_yscale("log")
+        ax.set_yscale("log" if any(w in title for w in ("gradient", "statistic", "perplexity")) else "linear")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -1124,8 +1114,6 @@ def run(args):
     lines = data.read_lines(args.input) if args.input else None
     refs = data.read_lines(args.ref) if args.ref else None
     model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
-    if args.batch_tokens is None and not model.cfg.lm:
-        args.batch_tokens = 4096
     if args.svd or args.g_table or args.attention is not None:
         return analyse(args, model, tokenizer)
     if why := idle_flag("a language model" if model.cfg.lm else "a translator", args.given):
@@ -1135,6 +1123,7 @@ def run(args):
         return language_model(args, model, tokenizer, lines)
     if args.ppl and not args.ref:
         raise DataError("--ppl of a translator needs --ref (and the sources in --input or on stdin)")
+    args.batch_tokens = args.batch_tokens or 4096  # a translator's default (a language model's: its run's)
     return translate_and_score(args, model, tokenizer, ckpt, read_stdin() if lines is None else lines, refs)
 
 
@@ -1179,16 +1168,12 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
         return benchmark(model, tokenizer, lines, refs, args, search)
     hyps = translate(model, tokenizer, lines, search, args.batch_tokens, args.progress)
     text = "".join(h + "\n" for h in hyps)
-    if args.output:  # atomically (a kill leaves the old file or the new one), through a symbolic link to its file; a
-        # stream (is_stream) appended to: /dev/stdout may be a file the shell opened (> out.txt 2>&1), not to be cut
-        if is_stream(args.output):
-            with open(args.output, "a", encoding="utf-8") as f:
-                f.write(text)
-        else:
-            data.atomic_write(Path(args.output).resolve(), text)
-        args.output_written = True  # for the message of a Ctrl-C while scoring
-    else:
-        print(text, end="", flush=True)
+    if args.output and not is_stream(args.output):  # atomically (a kill leaves the old file or the new one), through a
+        data.atomic_write(Path(args.output).resolve(), text)  # symbolic link to its file
+    else:  # a stream (is_stream) is appended to, not cut: /dev/stdout may be a file the shell opened (> out.txt 2>&1)
+        with open(args.output, "a", encoding="utf-8") if args.output else contextlib.nullcontext(sys.stdout) as f:
+            print(text, end="", file=f, flush=True)
+    args.output_written = True  # for the message of a Ctrl-C while scoring
     if refs is not None:
         if args.tokenized and (share := attached_punctuation(refs)) > 0.03:
             print(f"note: --tokenized, but {100 * share:.0f}% of the words of {args.ref} have punctuation attached: "
@@ -1196,9 +1181,8 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
                   f"both sides first)", file=sys.stderr)
         print(score_report(hyps, refs, args.tokenized, args.lowercase), file=sys.stderr)
         if args.ppl:
-            eps = args.label_smoothing
-            ppl = perplexity(model, tokenizer, list(zip(lines, refs)), eps, args.batch_tokens, args.dtype == "bf16")
-            print(f"test perplexity: label-smoothed (eps {eps}) {ppl['smoothed_ppl']:.2f}, "
+            ppl = perplexity(model, tokenizer, zip(lines, refs), args.label_smoothing, args.batch_tokens, search.bf16)
+            print(f"test perplexity: label-smoothed (eps {args.label_smoothing}) {ppl['smoothed_ppl']:.2f}, "
                   f"plain {ppl['ppl']:.2f} over {ppl['n_tokens']} target tokens", file=sys.stderr)
     return 0
 
