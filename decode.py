@@ -418,14 +418,13 @@ def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=1234
 
 def compare(args):
     """--compare BASELINE SYSTEM --ref REF: the paired bootstrap table (a rich Table) and its signature on stdout."""
-    base_path, sys_path = args.compare
-    texts = [data.read_lines(path) for path in (base_path, sys_path, args.ref)]
-    result = paired_bootstrap(*texts, args.samples, args.seed, args.tokenized, args.lowercase,
-                              names=(base_path, sys_path, args.ref))
+    names = (*args.compare, args.ref)  # BASELINE, SYSTEM, REF
+    result = paired_bootstrap(*(data.read_lines(path) for path in names), args.samples, args.seed, args.tokenized,
+                              args.lowercase, names=names)
     table = Table(title=f"paired bootstrap resampling, {result['n_samples']} samples")
     for col in ("system", "BLEU", "mean +- 95% CI", "p-value"):
         table.add_column(col, justify="left" if col == "system" else "right")
-    for key, name, p in (("baseline", base_path, "-"), ("system", sys_path, f"{result['p_value']:.4f}")):
+    for key, name, p in zip(("baseline", "system"), names, ("-", f"{result['p_value']:.4f}")):
         r = result[key]
         table.add_row(str(name), f"{r['bleu']:.2f}", f"{r['mean']:.2f} +- {r['ci']:.2f}", p)
     Console().print(table)
@@ -503,7 +502,6 @@ CACHE_FILES = ("bpe.model", "bpe.key", "train.enc.pt", "dev.enc.pt")  # kept by 
 
 
 def checkpoint_file(run_dir, which):
-    """RUN's checkpoint: "best" (the best dev score), "last" (the resume point) or epoch N's (an int)."""
     return Path(run_dir) / f"checkpoint_{which if isinstance(which, str) else f'epoch{which}'}.pt"
 
 
@@ -551,8 +549,7 @@ def load_checkpoint(path, device="cpu", average=0):
         raise DataError(f"{p}: its model_config and weights do not make a model of this code "
                         f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
     model = model.to(device).eval()
-    proto = ckpt.get("bpe_model_proto")
-    if not isinstance(proto, (bytes, bytearray)):
+    if not isinstance(proto := ckpt.get("bpe_model_proto"), (bytes, bytearray)):
         raise DataError(f"{p}: has no bpe_model_proto (the sentencepiece model), so it cannot translate")
     try:
         tokenizer = data.load_tokenizer(proto, f"{p}:bpe_model_proto")
@@ -588,9 +585,8 @@ def g_values(model):
             stack, layer, sub = parts[0], int(parts[1]), _SUBLAYER.get(parts[2], parts[2])
         elif parts[0] in ("enc_final_norm", "dec_final_norm"):
             stack = "encoder" if parts[0].startswith("enc") else "decoder"
-            layer = len(model.encoder if stack == "encoder" else model.decoder)
-            # FixNorm: logit = g cos(h, e_w) + b_w
-            sub = "final (temp.)" if stack == "decoder" and model.cfg.fixnorm else "final"
+            fixnorm = stack == "decoder" and model.cfg.fixnorm  # FixNorm: logit = g cos(h, e_w) + b_w
+            layer, sub = len(getattr(model, stack)), "final (temp.)" if fixnorm else "final"
         else:
             stack, layer, sub = "-", -1, parts[0]
         kind = "QKNorm" if isinstance(owner, MultiHeadAttention) else type(owner).__name__
@@ -622,7 +618,6 @@ def print_g_table(model, console=None, bar_width=12):
 # trained; with --fixnorm the model reads its rows normalised to unit length (their lengths are left free).
 # ---------------------------------------------------------------------------------------
 def singular_values(model):
-    """sigma_i / sigma_1 of the embedding matrix, largest first (a list of min(V, D) floats)."""
     sigma = torch.linalg.svdvals(model.embed.detach().double().cpu())
     return [round(x, 5) for x in (sigma / sigma[0]).tolist()]
 
@@ -724,9 +719,8 @@ def render_heatmap(weights, rows, cols, max_label=8):
 
 
 def pyplot(path, flag=None):
-    """matplotlib.pyplot for writing the PNG `path`, or None after one line on stderr saying how to install it:
-    matplotlib is an optional extra (not in requirements.txt), imported only here. With `flag` (asked for before any
-    work, never silently skipped): `path` checked first (check_output_file), and DataError naming the flag instead."""
+    """matplotlib.pyplot (an optional extra, not in requirements.txt, imported only here) to write the PNG `path`;
+    without it None and a line on stderr saying how to install it, or with `flag` (`path` checked first) DataError."""
     if flag:
         check_output_file(path, flag, ".png")
     try:
@@ -1111,8 +1105,7 @@ def run(args):
                             f".hyp or .txt file); write the translations elsewhere")
     if args.png:
         pyplot(args.png, "--png")
-    lines = data.read_lines(args.input) if args.input else None
-    refs = data.read_lines(args.ref) if args.ref else None
+    lines, refs = (data.read_lines(path) if path else None for path in (args.input, args.ref))
     model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
     if args.svd or args.g_table or args.attention is not None:
         return analyse(args, model, tokenizer)
@@ -1283,7 +1276,6 @@ def evaluating(model):
 
 
 def _score(metric, hyps, refs):
-    """The corpus score of hyps against one reference each, with the metric's .signature."""
     score = metric.corpus_score(list(hyps), [list(refs)])
     score.signature = str(metric.get_signature())
     return score
