@@ -674,8 +674,7 @@ def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0
     if not 0 <= head < model.cfg.heads:
         raise DataError(f"--head {head}: the model has heads 0..{model.cfg.heads - 1}")
     device = next(model.parameters()).device
-    x = tokenizer.encode(src_line)
-    if not x:
+    if not (x := tokenizer.encode(src_line)):
         raise DataError("--attention: the source sentence is empty")
     src = torch.tensor([x], device=device)  # (1, S)
     old = (module.keep_weights, module.last_weights)
@@ -837,8 +836,7 @@ def plot_series(run_dirs):
         rows, name = read_metrics(run), Path(run).name
         for title, key in keys.items():
             panels[title].append(curve(name, [(r["step"], r[key]) for r in rows if r.get(key) is not None]))
-        evals = [r for r in rows if r.get("g")]
-        if evals:
+        if evals := [r for r in rows if r.get("g")]:
             depth = lambda k: (not k.startswith("enc"), int(k.split(".")[1]) if k.split(".")[1].isdigit() else 1 << 30)
             g = evals[-1]["g"]
             scale = sorted((k for k in g if not qknorm(k)), key=depth)  # ScaleNorm g's by depth
