@@ -28,7 +28,7 @@ Contents
   Appendix D: --benchmark, the speed and BLEU of greedy and beam search
   Appendix E: pictures (--plot)
   Appendix F: the command line (python decode.py --help)
-  Appendix G: plumbing: the output length limit, eval mode for a while, the progress bar, a score's signature
+  Appendix G: plumbing: the output length limit, eval mode for a while, a score's signature
 
   [1] Nguyen & Salazar 2019, Transformers without Tears (TwT): beam 4, alpha 0.6, maximum
       output length = source length + 50 (the authors' code, tnq177/transformers_without_tears).
@@ -49,7 +49,7 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from unittest import mock
 
@@ -88,9 +88,7 @@ class DecoderCache:
         """Keep or reorder rows (beams, sentences): rows (n',) long. Returns self."""
         self.src_pad = self.src_pad.index_select(0, rows)
         self.mem_kv = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.mem_kv]
-        for kv in self.self_kv:
-            for key in kv:
-                kv[key] = kv[key].index_select(0, rows)
+        self.self_kv = [{key: x.index_select(0, rows) for key, x in kv.items()} for kv in self.self_kv]
         return self
 
 
@@ -256,7 +254,8 @@ def translate_ids(model, tokenizer, lines, search=Search(), batch_tokens=4096, p
     outputs = [[] for _ in encoded]  # an empty (or blank) line translates to an empty line
     todo = [i for i, x in enumerate(encoded) if x]
     sources = [(encoded[i], []) for i in todo]  # no target: batched by source length alone
-    bar = _progress_bar(progress)
+    bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   console=Console(stderr=True), transient=True, disable=not progress)  # on stderr, gone when done
     with bar, evaluating(model), autocast(device, search.bf16):  # train.py calls us mid-training: its mode comes back
         task = bar.add_task("translating", total=len(todo))
         for b in reversed(data.make_batches(sources, batch_tokens, shuffle=False)):
@@ -370,10 +369,8 @@ def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, 
         for _ in range(max_tokens):
             x = torch.tensor([ids[-seq_len:]], device=device)  # the context the model was trained with
             logits = model(None, x)[0, -1].float().cpu()  # (V,) -inf at PAD and BOS
-            if temperature > 0:
-                nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=rng))
-            else:
-                nxt = int(logits.argmax())
+            nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=rng)) \
+                if temperature > 0 else int(logits.argmax())
             if nxt == EOS:
                 break
             ids.append(nxt)
@@ -390,14 +387,14 @@ def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, 
 # bootstrap-hypothesis-difference-significance.pl); the CI is mean +- half the 2.5%..97.5% percentile range.
 # =======================================================================================
 def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=12345, already_tokenized=False,
-                     lowercase=False):
+                     lowercase=False, names=("baseline", "system", "references")):
     """Paired bootstrap test of system vs baseline on corpus BLEU -> dict: "baseline", "system" ({"bleu", "mean",
     "ci", "ci_low", "ci_high"}: real BLEU, bootstrap mean, 95% half-width), "p_value", "delta" (system - baseline),
     "n_samples", "signature", "identical" (line-for-line equal), "undecidable" (why p is 1, see below; else "").
-    Note: SacreBLEU treats seed 0 as no seed."""
+    names: the three texts' names in the error when their line counts differ. Note: SacreBLEU takes seed 0 as none."""
     base, sys_, refs = list(baseline_hyps), list(system_hyps), list(refs)
     if not (len(base) == len(sys_) == len(refs)):
-        raise DataError(f"line counts differ: baseline {len(base)}, system {len(sys_)}, references {len(refs)}")
+        raise DataError("line counts differ: " + ", ".join(f"{n} {len(x)}" for n, x in zip(names, (base, sys_, refs))))
     if not refs:
         raise DataError("paired bootstrap needs at least one sentence")
     # The BLEU of score_report: tokenized BLEU as multi-bleu.perl (no smoothing) under --tokenized, else SacreBLEU.
@@ -424,18 +421,14 @@ def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=1234
 
 def compare(args):
     """--compare BASELINE SYSTEM --ref REF: the paired bootstrap table (a rich Table) and its signature on stdout."""
-    base_path, sys_path = args.compare
-    base, system, refs = data.read_lines(base_path), data.read_lines(sys_path), data.read_lines(args.ref)
-    for path, lines in ((base_path, base), (sys_path, system)):
-        if len(lines) != len(refs):
-            raise DataError(f"{path}: {len(lines)} lines, but {args.ref} has {len(refs)}")
-    result = paired_bootstrap(base, system, refs, args.samples, args.seed, args.tokenized, args.lowercase)
+    names = (*args.compare, args.ref)  # BASELINE, SYSTEM, REF
+    result = paired_bootstrap(*(data.read_lines(path) for path in names), args.samples, args.seed, args.tokenized,
+                              args.lowercase, names=names)
     table = Table(title=f"paired bootstrap resampling, {result['n_samples']} samples")
     for col in ("system", "BLEU", "mean +- 95% CI", "p-value"):
         table.add_column(col, justify="left" if col == "system" else "right")
-    for key, name in zip(("baseline", "system"), (base_path, sys_path)):
+    for key, name, p in zip(("baseline", "system"), names, ("-", f"{result['p_value']:.4f}")):
         r = result[key]
-        p = "-" if key == "baseline" else f"{result['p_value']:.4f}"
         table.add_row(str(name), f"{r['bleu']:.2f}", f"{r['mean']:.2f} +- {r['ci']:.2f}", p)
     Console().print(table)
     print(result["signature"])
@@ -487,24 +480,21 @@ def average_checkpoints(paths):
     paths = [Path(x) for x in paths]
     if not paths:
         raise DataError("average_checkpoints: no checkpoint files given")
-    total, first = None, None
-    for p in paths:
+    ckpt = first = read_checkpoint(paths[0], "cpu")
+    total = {k: v.double() for k, v in first["model"].items() if torch.is_floating_point(v)}
+    for p in paths[1:]:
         ckpt = read_checkpoint(p, "cpu")
         state = ckpt["model"]
-        if total is None:
-            first, total = ckpt, {k: v.double() for k, v in state.items() if torch.is_floating_point(v)}
-        elif state.keys() != first["model"].keys() or ckpt["model_config"] != first["model_config"] or \
+        if state.keys() != first["model"].keys() or ckpt["model_config"] != first["model_config"] or \
                 any(v.shape != first["model"][k].shape for k, v in state.items()):
             raise DataError(f"{p}: not the same model as {paths[0]} (names, shapes or model_config differ)")
-        elif (ckpt.get("args") or {}).get("run_id") != (first.get("args") or {}).get("run_id"):  # train.py's flags
+        if (ckpt.get("args") or {}).get("run_id") != (first.get("args") or {}).get("run_id"):  # train.py's flags
             raise DataError(f"{p}: from another run than {paths[0]} (run_id differs); average one run's checkpoints")
-        else:
-            for k in total:
-                total[k] += state[k].double()  # sum_i theta_i
+        for k in total:
+            total[k] += state[k].double()  # sum_i theta_i
     averaged = {k: (total[k] / len(paths)).to(v.dtype) if k in total else v.clone() for k, v in ckpt["model"].items()}
-    out = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "rng")}
-    out.update(model=averaged, averaged_from=[str(p) for p in paths])
-    return out
+    kept = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "rng")}
+    return dict(kept, model=averaged, averaged_from=[str(p) for p in paths])
 
 
 # A run directory's files are named here alone: train.py writes them, both files read them through these.
@@ -515,7 +505,6 @@ CACHE_FILES = ("bpe.model", "bpe.key", "train.enc.pt", "dev.enc.pt")  # kept by 
 
 
 def checkpoint_file(run_dir, which):
-    """RUN's checkpoint: "best" (the best dev score), "last" (the resume point) or epoch N's (an int)."""
     return Path(run_dir) / f"checkpoint_{which if isinstance(which, str) else f'epoch{which}'}.pt"
 
 
@@ -546,8 +535,7 @@ def load_checkpoint(path, device="cpu", average=0):
     if average > 0:
         if not p.is_dir():
             raise DataError(f"{p}: --average {average} needs a run directory (with epoch checkpoints)")
-        epochs = checkpoints(p, "average")
-        if len(epochs) < average:
+        if len(epochs := checkpoints(p, "average")) < average:
             raise DataError(f"{p}: --average {average} needs {average} epoch checkpoints, "
                             f"the run directory has {len(epochs)}")
         ckpt, p = average_checkpoints(epochs[-average:]), epochs[-1]
@@ -564,8 +552,7 @@ def load_checkpoint(path, device="cpu", average=0):
         raise DataError(f"{p}: its model_config and weights do not make a model of this code "
                         f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
     model = model.to(device).eval()
-    proto = ckpt.get("bpe_model_proto")
-    if not isinstance(proto, (bytes, bytearray)):
+    if not isinstance(proto := ckpt.get("bpe_model_proto"), (bytes, bytearray)):
         raise DataError(f"{p}: has no bpe_model_proto (the sentencepiece model), so it cannot translate")
     try:
         tokenizer = data.load_tokenizer(proto, f"{p}:bpe_model_proto")
@@ -601,9 +588,8 @@ def g_values(model):
             stack, layer, sub = parts[0], int(parts[1]), _SUBLAYER.get(parts[2], parts[2])
         elif parts[0] in ("enc_final_norm", "dec_final_norm"):
             stack = "encoder" if parts[0].startswith("enc") else "decoder"
-            layer = len(model.encoder if stack == "encoder" else model.decoder)
-            # FixNorm: logit = g cos(h, e_w) + b_w
-            sub = "final (temp.)" if stack == "decoder" and model.cfg.fixnorm else "final"
+            fixnorm = stack == "decoder" and model.cfg.fixnorm  # FixNorm: logit = g cos(h, e_w) + b_w
+            layer, sub = len(getattr(model, stack)), "final (temp.)" if fixnorm else "final"
         else:
             stack, layer, sub = "-", -1, parts[0]
         kind = "QKNorm" if isinstance(owner, MultiHeadAttention) else type(owner).__name__
@@ -611,11 +597,12 @@ def g_values(model):
     return sorted(out, key=lambda r: (r["stack"] != "encoder", r["layer"]))  # encoder first, by depth (stable)
 
 
-def g_table(model, bar_width=12):
-    """The g's as a rich Table (None when the model has no scalar g); bar length ~ |g|."""
-    rows = g_values(model)
+def print_g_table(model, console=None, bar_width=12):
+    """Prints the g's as a rich Table, bar length ~ |g|, on console (a rich Console; None: a new one on stdout), or a
+    line saying there is none."""
+    console, rows = console or Console(), g_values(model)
     if not rows:
-        return None
+        return console.print("no scalar g in this model (no norm with one, no QKNorm)")
     top = max(abs(r["value"]) for r in rows) or 1.0
     kinds = " / ".join(dict.fromkeys(r["kind"] for r in rows))  # the modules with a scalar g, e.g. ScaleNorm / QKNorm
     table = Table(title=f"learned g ({kinds}), by depth", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
@@ -625,13 +612,7 @@ def g_table(model, bar_width=12):
     for r in rows:
         bar = "#" * round(bar_width * abs(r["value"]) / top)  # length proportional to |g|
         table.add_row(r["name"], str(r["layer"]), r["sublayer"], r["kind"], f"{r['value']:.3f}", bar)
-    return table
-
-
-def print_g_table(model, console=None):
-    """Prints the g table on console (a rich Console; None: a new one on stdout), or a line saying there is none."""
-    table = g_table(model)
-    (console or Console()).print("no scalar g in this model (no norm with one, no QKNorm)" if table is None else table)
+    console.print(table)
 
 
 # ---------------------------------------------------------------------------------------
@@ -640,7 +621,6 @@ def print_g_table(model, console=None):
 # trained; with --fixnorm the model reads its rows normalised to unit length (their lengths are left free).
 # ---------------------------------------------------------------------------------------
 def singular_values(model):
-    """sigma_i / sigma_1 of the embedding matrix, largest first (a list of min(V, D) floats)."""
     sigma = torch.linalg.svdvals(model.embed.detach().double().cpu())
     return [round(x, 5) for x in (sigma / sigma[0]).tolist()]
 
@@ -690,11 +670,8 @@ def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0
     """One attention map -> (weights (Tq, Tk) float CPU tensor, rows summing to 1, query_tokens, key_tokens),
     teacher-forced on tgt_line, else on the model's greedy translation. Tokens: BPE pieces labelling rows and columns
     (see above). The module's keep_weights and last_weights and the model's train/eval mode are restored after."""
-    stacks = {"enc": (model.encoder, "self_attn"), "dec": (model.decoder, "self_attn"),
-              "cross": (model.decoder, "cross_attn")}
-    if kind not in stacks:
-        raise DataError(f"--kind must be one of {', '.join(stacks)}, not {kind!r}")
-    layers, attr = stacks[kind]
+    layers, attr = {"enc": (model.encoder, "self_attn"), "dec": (model.decoder, "self_attn"),
+                    "cross": (model.decoder, "cross_attn")}[kind]  # --kind's choices
     if not 0 <= layer < len(layers):
         raise DataError(f"--layer {layer}: the {'encoder' if kind == 'enc' else 'decoder'} has "
                         f"layers 0..{len(layers) - 1}")
@@ -702,8 +679,7 @@ def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0
     if not 0 <= head < model.cfg.heads:
         raise DataError(f"--head {head}: the model has heads 0..{model.cfg.heads - 1}")
     device = next(model.parameters()).device
-    x = tokenizer.encode(src_line)
-    if not x:
+    if not (x := tokenizer.encode(src_line)):
         raise DataError("--attention: the source sentence is empty")
     src = torch.tensor([x], device=device)  # (1, S)
     old = (module.keep_weights, module.last_weights)
@@ -716,13 +692,9 @@ def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0
             w = module.last_weights[0, head].float().cpu()  # (Tq, Tk)
     finally:
         module.keep_weights, module.last_weights = old
-    src_pieces = [tokenizer.piece(i) for i in x]
-    if kind == "enc":
-        return w, src_pieces, src_pieces
-    if kind == "dec":
-        inputs = ["<s>"] + [tokenizer.piece(i) for i in y]
-        return w, inputs, inputs
-    return w, [tokenizer.piece(i) for i in y] + ["</s>"], src_pieces
+    source, target = ([tokenizer.piece(i) for i in ids] for ids in (x, y))
+    return {"enc": (w, source, source), "dec": (w, ["<s>"] + target, ["<s>"] + target),
+            "cross": (w, target + ["</s>"], source)}[kind]
 
 
 SHADES = " .:-=+*#%@"  # weight 0 -> " ", weight 1 -> "@"
@@ -750,27 +722,21 @@ def render_heatmap(weights, rows, cols, max_label=8):
     return "\n".join(lines)
 
 
-def require_pyplot(path, flag):
-    """pyplot() or DataError naming the flag: asked for before any work, never silently skipped."""
-    check_output_file(path, flag, ".png")
-    plt = pyplot(path, quiet=True)
-    if plt is None:
-        raise DataError(f"{flag} {path} needs matplotlib, which is not installed: pip install matplotlib")
-    return plt
-
-
-def pyplot(path, quiet=False):
-    """matplotlib.pyplot for writing the PNG `path`, or None after one line on stderr saying how to
-    install it: matplotlib is an optional extra (not in requirements.txt), imported only here."""
+def pyplot(path, flag=None):
+    """matplotlib.pyplot (an optional extra, not in requirements.txt, imported only here) to write the PNG `path`;
+    without it None and a line on stderr saying how to install it, or with `flag` (`path` checked first) DataError."""
+    if flag:
+        check_output_file(path, flag, ".png")
     try:
         import matplotlib
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
         return plt
     except ImportError:
-        if not quiet:
-            print(f"note: {path} needs matplotlib, which is not installed: pip install matplotlib", file=sys.stderr)
-        return None
+        why = f"{path} needs matplotlib, which is not installed: pip install matplotlib"
+        if flag:
+            raise DataError(f"{flag} {why}") from None
+        print(f"note: {why}", file=sys.stderr)
 
 
 def save_heatmap_png(weights, rows, cols, path, title=None):
@@ -778,13 +744,11 @@ def save_heatmap_png(weights, rows, cols, path, title=None):
     plt = pyplot(path)
     if plt is None:
         return False
-    w = torch.as_tensor(weights, dtype=torch.float32).numpy()
     fig, ax = plt.subplots(figsize=(max(4, 0.4 * len(cols) + 2), max(3, 0.4 * len(rows) + 1.5)))
-    im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+    im = ax.imshow(torch.as_tensor(weights).float().numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(cols)), cols, rotation=90)
     ax.set_yticks(range(len(rows)), rows)
-    if title:
-        ax.set_title(title)
+    ax.set_title(title or "")
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
@@ -807,7 +771,6 @@ def analyse(args, model, tokenizer):
             fig.tight_layout()
             fig.savefig(args.png, dpi=120)
             print(f"wrote {args.png}")
-        return 0
     if model.cfg.lm and args.attention is not None:
         raise DataError(f"{args.checkpoint}: a language model: --attention draws a translator's maps")
     if args.g_table:
@@ -818,8 +781,7 @@ def analyse(args, model, tokenizer):
         teacher = "given target" if args.attention_target is not None else "greedy translation"
         print(f"{args.kind} attention, layer {args.layer}, head {args.head} ({teacher}); rows = queries")
         print(render_heatmap(w, rows, cols))
-        title = f"{args.kind} layer {args.layer} head {args.head}"
-        if args.png and save_heatmap_png(w, rows, cols, args.png, title=title):
+        if args.png and save_heatmap_png(w, rows, cols, args.png, f"{args.kind} layer {args.layer} head {args.head}"):
             print(f"wrote {args.png}", file=sys.stderr)
     return 0
 
@@ -828,11 +790,9 @@ def analyse(args, model, tokenizer):
 # Appendix D: --benchmark. Speed of greedy and beam search with the BLEU each one buys, timed by
 # norms.timed after a warm-up (allocator, kernels, thread pools); prints, asserts nothing.
 # =======================================================================================
-def benchmark(model, tokenizer, lines, refs, args):
+def benchmark(model, tokenizer, lines, refs, args, search):
     device = next(model.parameters()).device
-    beams = [1, args.beam if args.beam > 1 else 4]
-    searches = [Search(k, args.alpha, args.max_len_b, args.max_len, args.dtype == "bf16", args.length_penalty)
-                for k in beams]
+    searches = [replace(search, beam=k) for k in (1, search.beam if search.beam > 1 else 4)]  # greedy, and a beam
     for search in searches:  # warm-up
         translate_ids(model, tokenizer, lines[:32], search, args.batch_tokens)
     print(f"benchmark: {len(lines)} sentences on {device} (torch threads {torch.get_num_threads()}), "
@@ -870,48 +830,42 @@ def read_metrics(run_dir):
 
 def plot_series(run_dirs):
     """{panel title: [(run name, xs, ys)]}: the curves of each panel of --plot, one per run."""
-    panels = {t: [] for t in ("dev BLEU", "dev perplexity", "training loss", "gradient norm (before clipping)",
-                              "learned g by depth (last evaluation)", "QKNorm g (mean over modules)",
+    keys = {"dev BLEU": "dev_bleu", "dev perplexity": "dev_ppl",  # perplexity: steadier than a short run's BLEU
+            "training loss": "train_loss", "gradient norm (before clipping)": "gnorm"}  # the panels of one key each
+    panels = {t: [] for t in (*keys, "learned g by depth (last evaluation)", "QKNorm g (mean over modules)",
                               "batch vs running statistic, first norm",
                               "embedding singular values / the largest ([2] Fig. 6)")}
     qknorm = lambda k: k.endswith(("self_attn.g", "cross_attn.g"))  # an attention module's g (QKNorm), not a norm's
+    curve = lambda label, points: (label, [x for x, _ in points], [y for _, y in points])  # [(x, y)] -> one curve
     for run in run_dirs:
         rows, name = read_metrics(run), Path(run).name
-        def curve(key, where=lambda r: True):
-            pts = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None and where(r)]
-            return (name, [x for x, _ in pts], [y for _, y in pts])
-        panels["dev BLEU"].append(curve("dev_bleu"))
-        panels["dev perplexity"].append(curve("dev_ppl"))  # steadier than a short run's BLEU
-        panels["training loss"].append(curve("train_loss"))
-        panels["gradient norm (before clipping)"].append(curve("gnorm"))
-        evals = [r for r in rows if r.get("g")]
-        if evals:
+        for title, key in keys.items():
+            panels[title].append(curve(name, [(r["step"], r[key]) for r in rows if r.get(key) is not None]))
+        if evals := [r for r in rows if r.get("g")]:
             depth = lambda k: (not k.startswith("enc"), int(k.split(".")[1]) if k.split(".")[1].isdigit() else 1 << 30)
-            scale = sorted((k for k in evals[-1]["g"] if not qknorm(k)), key=depth)  # ScaleNorm g's by depth
-            panels["learned g by depth (last evaluation)"].append(
-                (name, list(range(len(scale))), [evals[-1]["g"][k] for k in scale]))
+            g = evals[-1]["g"]
+            scale = sorted((k for k in g if not qknorm(k)), key=depth)  # ScaleNorm g's by depth
+            panels["learned g by depth (last evaluation)"].append(curve(name, [*enumerate(g[k] for k in scale)]))
             qk = [(r["step"], [v for k, v in r["g"].items() if qknorm(k)]) for r in evals]
             qk = [(x, sum(gs) / len(gs)) for x, gs in qk if gs]
-            panels["QKNorm g (mean over modules)"].append((name, [x for x, _ in qk], [y for _, y in qk]))
+            panels["QKNorm g (mean over modules)"].append(curve(name, qk))
         first = "encoder.0.norm_attn" if any("encoder.0.norm_attn" in r.get("batch_norm_stats", {}) for r in rows) \
             else "decoder.0.norm_self"  # a language model has no encoder
         stats = [(r["step"], s) for r in rows for n, s in r.get("batch_norm_stats", {}).items() if n == first]
         key = next((k for k in ("dist_sigma2", "dist_psi2") if stats and k in stats[0][1]), None)
         if key:
             panels["batch vs running statistic, first norm"].append(
-                (f"{name} ({key})", [x for x, _ in stats], [s[key] for _, s in stats]))
-        try:  # the finished run's embedding ([2] Figure 6), from results.json
+                curve(f"{name} ({key})", [(x, s[key]) for x, s in stats]))
+        # the finished run's embedding ([2] Figure 6), from results.json; none while not finished (no results.json yet)
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             sv = json.loads((Path(run) / "results.json").read_text())["embedding_singular_values"]
-            panels["embedding singular values / the largest ([2] Fig. 6)"].append(
-                (name, list(range(1, len(sv) + 1)), sv))
-        except (OSError, ValueError, KeyError, TypeError):  # not finished (no results.json yet)
-            pass
+            panels["embedding singular values / the largest ([2] Fig. 6)"].append(curve(name, [*enumerate(sv, 1)]))
     return panels
 
 
 def plot_runs(run_dirs, out):
     """--plot: draw plot_series() into out (PNG); DataError (one line) without matplotlib or a place to write."""
-    plt = require_pyplot(out, "--out")
+    plt = pyplot(out, "--out")
     panels = {t: c for t, c in plot_series(run_dirs).items() if any(xs for _, xs, _ in c)}  # only panels with data
     rows = -(-max(len(panels), 1) // 3)
     fig, axes = plt.subplots(rows, 3, figsize=(15, 4 * rows), squeeze=False)
@@ -924,8 +878,7 @@ def plot_runs(run_dirs, out):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("layer (encoder, then decoder)" if "depth" in title else
                       "index" if "singular" in title else "step")
-        if "gradient" in title or "statistic" in title or "perplexity" in title:
-            ax.set_yscale("log")
+        ax.set_yscale("log" if any(w in title for w in ("gradient", "statistic", "perplexity")) else "linear")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -1124,14 +1077,11 @@ def check_output_file(path, flag, suffix=None):
         if not os.access(p, os.W_OK):
             raise DataError(f"{flag} {path}: cannot write to it")
         return
-    p = p.resolve()  # a symbolic link: its file is replaced, not the link
-    folder = p.absolute().parent
+    folder = p.resolve().parent  # a symbolic link: its file is replaced, not the link
     if not folder.is_dir():
         raise DataError(f"{flag} {path}: its folder {folder} does not exist")
     try:
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
-        os.close(fd)
-        os.unlink(probe)
+        tempfile.TemporaryFile(dir=folder).close()  # a file made there and removed
     except OSError as e:
         raise DataError(f"{flag} {path}: cannot write into {folder} ({e.strerror})") from None
 
@@ -1162,12 +1112,9 @@ def run(args):
             raise DataError(f"--output {args.output}: a file of the run directory {run_dir} (train.py's, or not a "
                             f".hyp or .txt file); write the translations elsewhere")
     if args.png:
-        require_pyplot(args.png, "--png")
-    lines = data.read_lines(args.input) if args.input else None
-    refs = data.read_lines(args.ref) if args.ref else None
+        pyplot(args.png, "--png")
+    lines, refs = (data.read_lines(path) if path else None for path in (args.input, args.ref))
     model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
-    if args.batch_tokens is None and not model.cfg.lm:
-        args.batch_tokens = 4096
     if args.svd or args.g_table or args.attention is not None:
         return analyse(args, model, tokenizer)
     if why := idle_flag("a language model" if model.cfg.lm else "a translator", args.given):
@@ -1177,6 +1124,7 @@ def run(args):
         return language_model(args, model, tokenizer, lines)
     if args.ppl and not args.ref:
         raise DataError("--ppl of a translator needs --ref (and the sources in --input or on stdin)")
+    args.batch_tokens = args.batch_tokens or 4096  # a translator's default (a language model's: its run's)
     return translate_and_score(args, model, tokenizer, ckpt, read_stdin() if lines is None else lines, refs)
 
 
@@ -1214,24 +1162,19 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
           f"{args.length_penalty} length penalty alpha {args.alpha}", file=sys.stderr)
     if args.ppl and not any(line.strip() for line in lines):
         raise DataError(f"--ppl: {args.input or 'stdin'} has no non-empty source line to score")
+    search = Search(args.beam, args.alpha, args.max_len_b, args.max_len, args.dtype == "bf16", args.length_penalty)
     if args.benchmark:
         if not any(lines):
             raise DataError(f"--benchmark: {args.input or 'stdin'} has no sentence to translate")
-        return benchmark(model, tokenizer, lines, refs, args)
-    search = Search(args.beam, args.alpha, args.max_len_b, args.max_len, args.dtype == "bf16", args.length_penalty)
+        return benchmark(model, tokenizer, lines, refs, args, search)
     hyps = translate(model, tokenizer, lines, search, args.batch_tokens, args.progress)
     text = "".join(h + "\n" for h in hyps)
-    if args.output:  # atomically (a kill leaves the old file or the new one), through a symbolic link to its file; a
-        # stream (is_stream) appended to: /dev/stdout may be a file the shell opened (> out.txt 2>&1), not to be cut
-        if is_stream(args.output):
-            with open(args.output, "a", encoding="utf-8") as f:
-                f.write(text)
-        else:
-            data.atomic_write(Path(args.output).resolve(), text)
-        args.output_written = True  # for the message of a Ctrl-C while scoring
-    else:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    if args.output and not is_stream(args.output):  # atomically (a kill leaves the old file or the new one), through a
+        data.atomic_write(Path(args.output).resolve(), text)  # symbolic link to its file
+    else:  # a stream (is_stream) is appended to, not cut: /dev/stdout may be a file the shell opened (> out.txt 2>&1)
+        with open(args.output, "a", encoding="utf-8") if args.output else contextlib.nullcontext(sys.stdout) as f:
+            print(text, end="", file=f, flush=True)
+    args.output_written = True  # for the message of a Ctrl-C while scoring
     if refs is not None:
         if args.tokenized and (share := attached_punctuation(refs)) > 0.03:
             print(f"note: --tokenized, but {100 * share:.0f}% of the words of {args.ref} have punctuation attached: "
@@ -1239,9 +1182,8 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
                   f"both sides first)", file=sys.stderr)
         print(score_report(hyps, refs, args.tokenized, args.lowercase), file=sys.stderr)
         if args.ppl:
-            eps = args.label_smoothing
-            ppl = perplexity(model, tokenizer, list(zip(lines, refs)), eps, args.batch_tokens, args.dtype == "bf16")
-            print(f"test perplexity: label-smoothed (eps {eps}) {ppl['smoothed_ppl']:.2f}, "
+            ppl = perplexity(model, tokenizer, zip(lines, refs), args.label_smoothing, args.batch_tokens, search.bf16)
+            print(f"test perplexity: label-smoothed (eps {args.label_smoothing}) {ppl['smoothed_ppl']:.2f}, "
                   f"plain {ppl['ppl']:.2f} over {ppl['n_tokens']} target tokens", file=sys.stderr)
     return 0
 
@@ -1314,7 +1256,7 @@ def main(argv=None):
 
 # =======================================================================================
 # Appendix G: plumbing a first reading can skip: the output length limit and a hypothesis's tokens (sections 3-4),
-# eval mode for a while and the progress bar (section 5), a corpus score with its signature (section 6).
+# eval mode for a while (section 5), a corpus score with its signature (section 6).
 # =======================================================================================
 def _max_lengths(src, max_len):
     """Maximum output tokens (EOS not counted) per sentence, (B,) long. None: source length + 50 (Code); an int: the
@@ -1343,14 +1285,7 @@ def evaluating(model):
         model.train(was_training)
 
 
-def _progress_bar(show):
-    """translate()'s progress bar on stderr (transient: gone when done); disabled unless show."""
-    return Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                    TimeRemainingColumn(), console=Console(stderr=True), transient=True, disable=not show)
-
-
 def _score(metric, hyps, refs):
-    """The corpus score of hyps against one reference each, with the metric's .signature."""
     score = metric.corpus_score(list(hyps), [list(refs)])
     score.signature = str(metric.get_signature())
     return score
