@@ -95,9 +95,8 @@ class Schedule:
 
     @classmethod
     def from_args(cls, args):
-        peak = args.lr  # resolve_flags has made it lambda / sqrt(d * n_warmup) when --lr-scale sets lambda
-        total = budget(args)[0]
-        return cls(args.schedule, args.d_model, 0 if args.schedule == "nowarmup" else args.warmup, peak, total)
+        return cls(args.schedule, args.d_model, 0 if args.schedule == "nowarmup" else args.warmup,
+                   args.lr, budget(args)[0])  # resolve_flags made lr lambda / sqrt(d * n_warmup) under --lr-scale
 
     @property
     def lr_scale(self):  # lambda of eq. 7
@@ -312,7 +311,8 @@ def train(args, resumed=None):  # main() (Appendix A) calls it with the checked 
 def train_loop(run):
     args, s = run.args, run.state
     total, limit = budget(args)
-    with StepLog(run, total) as step_log:  # Appendix C: the progress bar, log lines, metrics.jsonl, MFU
+    step_log = StepLog(run, total)  # Appendix C: the progress bar (step_log.bar), log lines, metrics.jsonl, MFU
+    with step_log.bar:
         while s.step < total and not s.stopped:
             batches = run.next_batches()
             s.step += 1
@@ -1099,16 +1099,9 @@ class StepLog:
                             TextColumn("{task.completed}/{task.total} steps"),
                             TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
                             console=run.console, disable=not run.console.is_terminal)
+        self.task = self.bar.add_task("train", total=total, completed=run.state.step, info="")
         self.win = dict.fromkeys(("loss", "nll", "tok", "flops", "t", "gnorm", "n"), 0.0)
         self.pending, self.t0 = [], time.perf_counter()  # the steps since the last host sync, and when it was
-
-    def __enter__(self):
-        self.bar.__enter__()
-        self.task = self.bar.add_task("train", total=self.total, completed=self.run.state.step, info="")
-        return self
-
-    def __exit__(self, *exc):
-        return self.bar.__exit__(*exc)
 
     def step(self, batches, lr, loss, nll, gnorm, n_tgt):
         run, s, args = self.run, self.run.state, self.run.args
@@ -1131,10 +1124,9 @@ class StepLog:
                     self.win[k] += v
                 run.metrics({"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
                 # A non-finite gradient norm with a finite loss would still make the weights NaN.
-                bad = [(name, v) for name, v in (("the training loss", l), ("the gradient norm", g))
-                       if not math.isfinite(v)]
-                if bad:
-                    return diverged(run, f"{bad[0][0]} became {bad[0][1]} at step {step}")
+                for what, v in (("the training loss", l), ("the gradient norm", g)):
+                    if not math.isfinite(v):
+                        return diverged(run, f"{what} became {v} at step {step}")
             self.pending = []
             if log_now:
                 self.log_window(lr)
@@ -1230,22 +1222,17 @@ def rank0_first(rank, world):
     """Under torchrun, what runs inside runs on rank 0 first: it checks the run directory, prepares the
     BPE model and the caches and commits the run directory; the other ranks then read them. When rank 0
     refuses (one line, from it), the other ranks stop too, instead of waiting for it for ever."""
-    if world == 1:
-        yield
-        return
-    if rank != 0:
-        refused = [None]
+    refused = [True]  # rank 0's verdict: refused, unless the block ends without an exception
+    if world > 1 and rank != 0:
         dist.broadcast_object_list(refused, src=0)  # waits for rank 0's verdict
         if refused[0]:
             raise SystemExit(1)
-        yield
-        return
     try:
         yield
-    except BaseException:
-        dist.broadcast_object_list([True], src=0)
-        raise
-    dist.broadcast_object_list([False], src=0)
+        refused = [False]
+    finally:
+        if world > 1 and rank == 0:
+            dist.broadcast_object_list(refused, src=0)
 
 
 def share_epoch(run, score):
@@ -1452,10 +1439,9 @@ def open_run_dir(args, pairs, log, stack, master, resumed=None):
     if held and not (args.resume or args.overwrite):
         raise data.DataError(f"{run_dir} already holds a run ({held}): continue it with --resume {run_dir}, "
                              f"or replace it with --overwrite")
-    if held and args.overwrite:
-        if run_id_of(run_dir / "config.json") is None:  # commit_run_dir removes the files of that run id
-            raise data.DataError(f"--overwrite {run_dir}: not a run directory of train.py (no config.json with a "
-                                 f"run_id; it holds {held}), so none of its files are removed; choose another --out")
+    if held and args.overwrite and run_id_of(run_dir / "config.json") is None:  # commit_run_dir removes that run id's
+        raise data.DataError(f"--overwrite {run_dir}: not a run directory of train.py (no config.json with a "
+                             f"run_id; it holds {held}), so none of its files are removed; choose another --out")
     hashes = {split: data.pairs_sha256(split_pairs) for split, split_pairs in pairs.items()}  # the corpus's
     if args.resume:
         ckpt, given = resumed
@@ -1482,17 +1468,14 @@ def staging(run_dir):
     except OSError as e:
         raise data.DataError(f"{run_dir}: cannot write there ({e.strerror})") from None
     try:
-        with lock:
+        with lock:  # closing the lock's file releases it
             if fcntl is not None:
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     raise data.DataError(f"{run_dir} is in use by another process (it holds {run_dir}/.lock)") from None
-            stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=run_dir))
-            try:
-                yield stage
-            finally:  # closing the lock's file releases it
-                shutil.rmtree(stage, ignore_errors=True)
+            with tempfile.TemporaryDirectory(prefix=".staging-", dir=run_dir, ignore_cleanup_errors=True) as stage:
+                yield Path(stage)
     except BaseException:
         if not (run_dir / "config.json").exists() and made:  # not committed: remove the folders made here,
             (run_dir / ".lock").unlink(missing_ok=True)  # each only if empty (another run may be in a parent)
