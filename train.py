@@ -448,10 +448,8 @@ def finish(run):
 # =======================================================================================
 def main(argv=None):
     args, given = resolve_flags(argv)
-    try:
-        resumed = None
-        if args.resume:  # Appendix E: the run's own flags, from its newest checkpoint, and what may change
-            args, resumed = resume_flags(args, given)
+    try:  # --resume (Appendix E): the run's own flags, from its newest checkpoint, and what may change
+        args, resumed = resume_flags(args, given) if args.resume else (args, None)
         refuse_idle_flags(args, given)
         validate_args(args)
         return train(args, resumed)
@@ -523,8 +521,7 @@ def build_parser():
     add(g, "--relu-dropout", type=fraction, help="ReLU dropout (default: --dropout)")
     add(g, "--norm", default="scale", choices=sorted(NORMS), help="norm of every sublayer (norms.NORMS): "
         + "; ".join(f"{name}: {e.equation} ({e.paper})" for name, e in NORMS.items()))
-    add(g, "--encoder-norm", choices=sorted(NORMS), help="override --norm in the encoder ([2]: PN in the "
-        "encoder only)")
+    add(g, "--encoder-norm", choices=sorted(NORMS), help="override --norm in the encoder ([2]: PN in the encoder only)")
     add(g, "--decoder-norm", choices=sorted(NORMS), help="override --norm in the decoder")
     place = g.add_mutually_exclusive_group()
     add(place, "--prenorm", dest="prenorm", action="store_true", default=True, help="PreNorm residual "
@@ -542,8 +539,7 @@ def build_parser():
     add(g, "--qk-percentile", type=percent, default=97.5, help="percentile of training lengths used as L "
         "([3] section 3; Table 5 varies it)")
     add(g, "--qk-no-g", action="store_true", default=False, help="QKNorm ablation: g fixed at 1 ([3] Table 6)")
-    add(g, "--qk-norm-v", action="store_true", default=False, help="QKNorm ablation: l2-normalise V too "
-        "([3] Table 6)")
+    add(g, "--qk-norm-v", action="store_true", default=False, help="QKNorm ablation: l2-normalise V too ([3] Table 6)")
     add(g, "--pn-warmup", type=count, help="PowerNorm: training forwards that use batch statistics while the "
         "running one accumulates ([2] appendix A: the LR warmup); default: the LR warmup")
     add(g, "--pn-variant", choices=["paper", "code"], default="paper", help="PowerNorm: 'paper' follows [2] "
@@ -684,19 +680,18 @@ def refuse_idle_flags(args, given):
 
 def validate_args(args):
     """What no flag's type= can check alone, before any work: each failure one line naming the flag."""
-    def bad(flag, why):
-        sys.exit(f"error: --{flag.replace('_', '-')}: {why} (got {getattr(args, flag, None)!r})")
-
-    if args.bpe_size < 1 and args.task == "mt":
-        bad("bpe_size", "must be at least 1 (0, whitespace words, is for --task lm)")
-    if args.attention == "multilinear" and args.qknorm:
-        bad("qknorm", "normalises the queries and keys of a softmax; the multi-linear attention has none")
-    if args.d_model % args.heads:
-        bad("d_model", f"must be divisible by --heads {args.heads}")
-    if (args.src is None) != (args.tgt is None):
-        bad("src", "give both language suffixes, --src and --tgt, or neither")
-    if args.data is not None and args.src is None and args.task == "mt":
-        bad("data", "also give --src and --tgt, e.g. --src en --tgt de for DIR/train.en and DIR/train.de")
+    for flag, wrong, why in (
+            ("bpe_size", args.bpe_size < 1 and args.task == "mt", "must be at least 1 (0, whitespace words, is for "
+             "--task lm)"),
+            ("qknorm", args.attention == "multilinear" and args.qknorm, "normalises the queries and keys of a "
+             "softmax; the multi-linear attention has none"),
+            ("d_model", args.d_model % args.heads, f"must be divisible by --heads {args.heads}"),
+            ("src", (args.src is None) != (args.tgt is None), "give both language suffixes, --src and --tgt, or "
+             "neither"),
+            ("data", args.data is not None and args.src is None and args.task == "mt", "also give --src and --tgt, "
+             "e.g. --src en --tgt de for DIR/train.en and DIR/train.de")):
+        if wrong:
+            sys.exit(f"error: --{flag.replace('_', '-')}: {why} (got {getattr(args, flag, None)!r})")
 
 
 def budget(args):
@@ -772,6 +767,8 @@ PN2 = dict(task="lm", layers=3, d_model=256, heads=1, ff=2100, dropout=0.3, attn
            word_dropout=0.0, label_smoothing=0.1, attention="multilinear", seq_len=32, batch_tokens=3840,
            prenorm=False, fixnorm=False, init="xavier", schedule="cosine", lr=2.5e-4, warmup=4000, clip=0.25,
            epoch_size=243, max_epochs=30, early_stop=0, stop_lr=0.0, keep_checkpoints=0, norm="layer")
+PN2_NORMS = (("layernorm", "LN", "layer"), ("batchnorm", "BN", "batch"), ("pnv", "PN-V", "pnv"),
+             ("powernorm", "PN", "power"))  # its Table 2's norms: (the preset's name, the table's, --norm)
 
 
 def row(*parts, **flags):
@@ -805,16 +802,13 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
                               row(TWT_FINAL, INVSQRT, norm="scale_fixed", schedule="valdecay")),
     "twt7-fixed-g-valdecay-2xlr": ("en-vi", "TwT Table 7: ScaleNorm (g = sqrt d) + FixNorm + VALDECAY + 2xLR",
                                    row(TWT_FINAL, INVSQRT, norm="scale_fixed", schedule="valdecay", lr_scale=2.0)),
-    "pn2-layernorm": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer LN", PN2),
-    "pn2-batchnorm": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer BN", row(PN2, norm="batch")),
-    "pn2-pnv": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer PN-V", row(PN2, norm="pnv")),
-    "pn2-powernorm": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer PN", row(PN2, norm="power")),
+    **{f"pn2-{key}": ("ptb", f"PowerNorm Table 2: PTB, tensorized Transformer {name}", row(PN2, norm=norm))
+       for key, name, norm in PN2_NORMS},
     # [2] A.2: WikiText-103 with 6 layers, the rest as PTB's; an epoch is one pass over its 103,227,021 words and
     # 1,801,350 EOS (27,352 batches). Days a row on a GPU, far more on a CPU: named here, not run in this project.
     **{f"pn2-wt103-{key}": ("wikitext-103", f"PowerNorm Table 2: WikiText-103, 6-layer tensorized Transformer {name}",
                             row(PN2, layers=6, epoch_size=27352, norm=norm))
-       for key, name, norm in (("layernorm", "LN", "layer"), ("batchnorm", "BN", "batch"), ("pnv", "PN-V", "pnv"),
-                               ("powernorm", "PN", "power"))},
+       for key, name, norm in PN2_NORMS},
     "pn1-layernorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer LN", PN),
     "pn1-batchnorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer BN", row(PN, encoder_norm="batch")),
     "pn1-pnv": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer PN-V", row(PN, encoder_norm="pnv")),
@@ -861,9 +855,8 @@ M30K_QK = row(M30K, prenorm=True, norm="layer", fixnorm=True, qknorm=True)  # [3
 PTB = row(PN2, d_model=128, ff=512, dropout=0.1, relu_dropout=0.1, schedule="invsqrt", lr=1e-3, warmup=200,
           epoch_size=243, max_epochs=3, log_interval=27)
 PRESETS.update({
-    **{f"ptb-{norm}": ("ptb", f"study, PowerNorm Table 2: {name}", row(PTB, norm=key))
-       for norm, name, key in (("layernorm", "LN", "layer"), ("batchnorm", "BN", "batch"), ("pnv", "PN-V", "pnv"),
-                               ("powernorm", "PN", "power"))},
+    **{f"ptb-{key}": ("ptb", f"study, PowerNorm Table 2: {name}", row(PTB, norm=norm))
+       for key, name, norm in PN2_NORMS},
     "m30k-postnorm": ("multi30k", "study, TwT Table 3 (1): PostNorm + LayerNorm", row(M30K_LN, prenorm=False)),
     "m30k-prenorm": ("multi30k", "study, TwT Table 3 (2): PreNorm + LayerNorm", row(M30K_LN, prenorm=True)),
     "m30k-prenorm-fixnorm": ("multi30k", "study, TwT Table 3 (3): PreNorm + FixNorm + LayerNorm (QKNorm's model "
@@ -907,10 +900,8 @@ def step_flops(cfg, B, S, T, out_vocab=None):
     """
     D, FF, V = cfg.d_model, cfg.ff, out_vocab or cfg.vocab_size
     enc = cfg.enc_layers * (S * (4 * D * D + 2 * D * FF) + 2 * S * S * D)
-    if cfg.attention == "multilinear":
-        attn = T * (3 * D * D + T * T * D + cfg.heads * cfg.seq_len ** 2 * D)
-    else:
-        attn = T * 4 * D * D + 2 * T * T * D
+    attn = (T * (3 * D * D + T * T * D + cfg.heads * cfg.seq_len ** 2 * D) if cfg.attention == "multilinear"
+            else T * 4 * D * D + 2 * T * T * D)
     cross = 0 if cfg.lm else T * 2 * D * D + S * 2 * D * D + 2 * T * S * D
     dec = cfg.dec_layers * (attn + cross + T * 2 * D * FF)
     return 3 * 2 * B * (enc + dec + T * D * V)
@@ -1407,13 +1398,12 @@ def may_resume(run_dir, args, ckpt, given, hashes):
 def run_id_of(path):
     """The run id a config.json, results.json or checkpoint holds (None if it holds none or is unreadable)."""
     try:
-        if path.suffix == ".pt":  # memory-mapped: only the few bytes of the id are read
-            blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if path.suffix == ".pt":  # memory-mapped: only the few bytes of the id are read; a checkpoint's flags
+            blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("args")
         else:
             blob = json.loads(path.read_text())
     except Exception:  # unreadable, not JSON, not a checkpoint: not known to be this run's
         return None
-    blob = blob.get("args") if path.suffix == ".pt" and isinstance(blob, dict) else blob  # a checkpoint's flags
     return blob.get("run_id") if isinstance(blob, dict) and isinstance(blob.get("run_id"), str) else None
 
 
@@ -1460,14 +1450,11 @@ def staging(run_dir):
     staging folder goes, and so do the folders made here. The lock is held until the run ends."""
     made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # the deepest first
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise data.DataError(f"--out {run_dir}: cannot make the run directory there ({e.strerror})") from None
-    try:
-        lock = open(run_dir / ".lock", "a")  # held while training (flock): a second process is refused
-    except OSError as e:
-        raise data.DataError(f"{run_dir}: cannot write there ({e.strerror})") from None
-    try:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock = open(run_dir / ".lock", "a")  # held while training (flock): a second process is refused
+        except OSError as e:
+            raise data.DataError(f"--out {run_dir}: cannot make it or write in it ({e.strerror})") from None
         with lock:  # closing the lock's file releases it
             if fcntl is not None:
                 try:
@@ -1479,11 +1466,9 @@ def staging(run_dir):
     except BaseException:
         if not (run_dir / "config.json").exists() and made:  # not committed: remove the folders made here,
             (run_dir / ".lock").unlink(missing_ok=True)  # each only if empty (another run may be in a parent)
-            for p in made:
-                try:
+            with contextlib.suppress(OSError):  # the first folder not empty ends it
+                for p in made:
                     p.rmdir()
-                except OSError:
-                    break
         raise
 
 
