@@ -232,8 +232,7 @@ class Run:
     def next_batches(self):
         """This rank's micro-batches of the next step: each step takes world x accumulate
         consecutive batches of the shuffled order; rank r trains on every world-th from the r-th."""
-        n = self.world * self.args.accumulate
-        s = self.state
+        n, s = self.world * self.args.accumulate, self.state
         if s.batch_pos + n > len(self.order):  # the data ran out: the next shuffled pass
             s.data_pass, s.batch_pos = s.data_pass + 1, 0
             self.order = data.make_batches(self.train, self.args.batch_tokens, True, self.args.seed, s.data_pass)
@@ -242,8 +241,7 @@ class Run:
         return [data.collate(self.train, i, self.device, self.pad_multiple) for i in idx]
 
     @property
-    def pad_multiple(self):
-        """Lengths are padded to a multiple of this: 8 under --compile (see wrap_model), else 1."""
+    def pad_multiple(self):  # lengths are padded to a multiple of this: 8 under --compile (see wrap_model), else 1
         return 8 if self.args.compile else 1
 
 
@@ -304,7 +302,7 @@ def train(args, resumed=None):  # main() (Appendix A) calls it with the checked 
             return benchmark(run)
         result = train_loop(run)
     if run.state.stopped[0] == "diverged":  # a failed run exits non-zero (its last good checkpoint stays)
-        raise Diverged(run.state.stopped[1])
+        sys.exit(f"error: {run.state.stopped[1]}")
     return result
 
 
@@ -455,7 +453,7 @@ def main(argv=None):
         return train(args, resumed)
     except WriteFailed as e:  # a full disk: what was written before is intact
         sys.exit(f"error: {e}: make room, then {what_next(args)}")
-    except (data.DataError, Diverged) as e:
+    except data.DataError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # under torchrun, rank 0 alone says what to do
         sys.exit(f"interrupted: {what_next(args)}" if os.environ.get("RANK", "0") == "0" else "interrupted")
@@ -463,8 +461,8 @@ def main(argv=None):
 
 DEFAULTS = {}  # every flag's default
 # The range of each number is its type= (decode.py Appendix F): a value out of range is argparse's own error line.
-in_0_1, percent = ranged(float, lambda v: 0 < v <= 1, "in (0, 1]"), ranged(float, lambda v: 0 < v <= 100,
-                                                                                         "in (0, 100]")
+in_0_1 = ranged(float, lambda v: 0 < v <= 1, "in (0, 1]")
+percent = ranged(float, lambda v: 0 < v <= 100, "in (0, 100]")
 length = ranged(float, lambda v: v >= 2, "at least 2 (g0 = log2(L^2 - L) >= 1)")
 seed = ranged(int, lambda v: 0 <= v < 2 ** 63 - 64, "in [0, 2^63 - 64) (torch's generators take 64 bits)")
 
@@ -637,7 +635,7 @@ def resolve_flags(argv=None):
         flags["lr_scale"] = None
     flags.update(given)
     if "pair" in given and ("task" in given or "preset" in given):  # a language model's corpus for a translator...
-        task = given.get("task") or row.get("task") or PAIRS[PRESETS[given["preset"]][0]].get("task", "mt")
+        task = given.get("task") or row.get("task") or PAIRS[pair].get("task", "mt")
         if PAIRS[given["pair"]].get("task", "mt") != task:
             what = f"--task {task}" if "task" in given else \
                 f"--preset {given['preset']}, a {'language model' if task == 'lm' else 'translator'}"
@@ -917,12 +915,13 @@ def output_columns(model):
     return int(model.allowed.sum()) if fast_paths() else model.cfg.vocab_size
 
 
-def matmul_flops(device, d, ff, bf16=False, tokens=4096, seconds=1.0):
+def matmul_flops(run, tokens=4096, seconds=1.0):
     """FLOP/s of a dense (tokens x d) @ (d x ff) GEMM, the model's largest matmul, in the step's matmul dtype (bf16
     under CUDA autocast, else fp32), in this process: MFU's denominator. The best of 5 short windows: a busy moment on
     a shared machine would otherwise understate the peak (and inflate MFU). On a GPU, 20 products per sync."""
+    device, d, ff = run.device, run.args.d_model, run.args.ff
     gen = torch.Generator(device=device).manual_seed(0)  # its own RNG: training's stays untouched
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype = torch.bfloat16 if run.step_options.bf16 else torch.float32
     a = torch.randn(tokens, d, device=device, generator=gen).to(dtype)
     b = torch.randn(d, ff, device=device, generator=gen).to(dtype)
     reps = 20 if device.type == "cuda" else 1
@@ -950,7 +949,7 @@ def benchmark(run):
     """--benchmark N: time N training steps after 3 warm-up steps (and --compile's compilations); print figures,
     assert nothing. As in training, the host reads nothing back from the device in the N steps: one sync at the end."""
     args, cfg, warm, dev = run.args, run.model.cfg, 3, run.device
-    matmul_peak = matmul_flops(dev, cfg.d_model, cfg.ff, run.step_options.bf16)
+    matmul_peak = matmul_flops(run)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     if args.compile:  # torch.compile's own counter of the graphs it made, imported only with --compile
@@ -979,7 +978,7 @@ def benchmark(run):
     result = profile_steps(run, step, secs, n_tok) if args.profile else {}
     if args.compile:  # the graphs torch.compile made in these steps (a recompilation storm shows here)
         result["compiled_graphs"] = int(counters["stats"]["unique_graphs"]) - graphs
-    matmul_peak = max(matmul_peak, matmul_flops(dev, cfg.d_model, cfg.ff, run.step_options.bf16))  # the larger kept
+    matmul_peak = max(matmul_peak, matmul_flops(run))  # the larger kept
     pad = data.padding_share(run.train, run.order, run.pad_multiple)
     peak_mb = torch.cuda.max_memory_allocated(dev) / 2 ** 20 if dev.type == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB
@@ -1048,10 +1047,6 @@ def stop(run, code, **values):
     run.state.stopped = (code, STOPS[code].format(args=run.args, task=TASKS[run.args.task], **values))
 
 
-class Diverged(Exception):
-    """The training loss became NaN or infinite."""
-
-
 def diverged(run, what):
     """Stop the run as diverged: one line saying what and where the last good checkpoint is."""
     last = decode.checkpoint_file(run.dir, "last")
@@ -1082,7 +1077,7 @@ class StepLog:
 
     def __init__(self, run, total):
         self.run, self.total, args = run, total, run.args
-        self.matmul_peak = matmul_flops(run.device, args.d_model, args.ff, run.step_options.bf16)
+        self.matmul_peak = matmul_flops(run)
         self.n_out = output_columns(run.model)
         run.log(f"speed: dense {args.d_model}x{args.ff} matmul runs at {self.matmul_peak / 1e9:.1f} GFLOP/s here "
                 f"(MFU's denominator)")
@@ -1147,9 +1142,7 @@ class StepLog:
     def evaluated(self):
         """After an evaluation: MFU's denominator again, the larger kept (a busy moment at the start, another process
         on a shared machine, reads it low and MFU above 100%); the clock restarts: evaluation is not training time."""
-        args = self.run.args
-        self.matmul_peak = max(self.matmul_peak, matmul_flops(self.run.device, args.d_model, args.ff,
-                                                              self.run.step_options.bf16, seconds=0.25))
+        self.matmul_peak = max(self.matmul_peak, matmul_flops(self.run, seconds=0.25))
         self.t0 = time.perf_counter()
 
 
