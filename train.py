@@ -226,9 +226,6 @@ class Run:
     def log(self, msg):
         self.console.print(msg)
 
-    def metrics(self, record):  # one record in metrics.jsonl (rank 0; Appendix C)
-        append_metrics(self, record)
-
     def next_batches(self):
         """This rank's micro-batches of the next step: each step takes world x accumulate
         consecutive batches of the shuffled order; rank r trains on every world-th from the r-th."""
@@ -298,12 +295,7 @@ def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
 def train(args, resumed=None):  # main() (Appendix A) calls it with the checked flags
     with contextlib.ExitStack() as stack:  # holds the run directory's lock until the end
         run = setup(args, stack, resumed)
-        if args.benchmark:
-            return benchmark(run)
-        result = train_loop(run)
-    if run.state.stopped[0] == "diverged":  # a failed run exits non-zero (its last good checkpoint stays)
-        sys.exit(f"error: {run.state.stopped[1]}")
-    return result
+        return benchmark(run) if args.benchmark else train_loop(run)
 
 
 def train_loop(run):
@@ -329,6 +321,8 @@ def train_loop(run):
     result = finish(run)
     if run.world > 1:
         dist.destroy_process_group()
+    if s.stopped[0] == "diverged":  # a failed run exits non-zero (its last good checkpoint stays)
+        sys.exit(f"error: {s.stopped[1]}")
     return result
 
 
@@ -390,8 +384,8 @@ def end_of_epoch(run):
     run.log(f"epoch {s.epoch:3d} | step {s.step:6d} | {task.scores(score, dev_ppl, s.history)} (step {s.best_step}) "
             f"| eval {time.time() - t0:.1f}s")
     # [1] Figure 1 (dev BLEU per epoch) and Figures 3-4 (learned g's) come from these records.
-    run.metrics({"step": s.step, "epoch": s.epoch, f"dev_{task.key}": score, "dev_loss": dev_loss, "dev_ppl": dev_ppl,
-                 "lr": next_lr, "g": run.model.learned_scales()})
+    append_metrics(run, {"step": s.step, "epoch": s.epoch, f"dev_{task.key}": score, "dev_loss": dev_loss,
+                         "dev_ppl": dev_ppl, "lr": next_lr, "g": run.model.learned_scales()})
     save_checkpoints(run, improved)  # Appendix E: best, last (the resume point), per epoch (--keep-checkpoints)
 
 
@@ -433,7 +427,7 @@ def finish(run):
         result.update(test_bleu=score.score, test_signature=score.signature)
         run.log(f"test BLEU (best checkpoint, step {best['step']}, beam {args.beam}, {args.length_penalty} length "
                 f"penalty alpha {args.alpha}): {score.score:.2f}  {score.signature}")
-    run.metrics({"final": result})  # metrics.jsonl's last record
+    append_metrics(run, {"final": result})  # metrics.jsonl's last record
     write_file(run.dir / "results.json", json.dumps(result, indent=2) + "\n")  # Appendix E: a finished run
     return result
 
@@ -1108,7 +1102,7 @@ class StepLog:
                 n = n_read[0] if n_read else n
                 for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
                     self.win[k] += v
-                run.metrics({"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
+                append_metrics(run, {"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
                 # A non-finite gradient norm with a finite loss would still make the weights NaN.
                 for what, v in (("the training loss", l), ("the gradient norm", g)):
                     if not math.isfinite(v):
@@ -1126,17 +1120,17 @@ class StepLog:
         tps, mfu = win["tok"] / win["t"], win["flops"] / win["t"] / (self.matmul_peak * run.world)
         run.log(f"step {run.state.step:6d} | loss {tl:6.3f} | ppl {math.exp(min(nll, 50)):8.2f} | lr {lr:.2e} | "
                 f"{tps:7.0f} tok/s | MFU {100 * mfu:4.1f}% | gnorm {win['gnorm'] / win['n']:6.3f}")
-        run.metrics({"step": run.state.step, "train_loss": tl, "train_ppl": math.exp(min(nll, 50)),
-                     "tok_per_s": tps, "mfu": mfu})
+        append_metrics(run, {"step": run.state.step, "train_loss": tl, "train_ppl": math.exp(min(nll, 50)),
+                             "tok_per_s": tps, "mfu": mfu})
         uniform = math.log(int(run.model.allowed.sum()))  # the loss of guessing uniformly among the target words
         if tl > uniform + 3 and run.state.step > run.schedule.warmup:  # huge but finite: say so, go on
             warning = (f"the training loss {tl:.2f} is far above a uniform guess ({uniform:.2f}): the run may be "
                        f"diverging (a smaller --lr, --prenorm or more --warmup may help)")
             run.log("warning: " + warning)
-            run.metrics({"step": run.state.step, "warning": warning})
+            append_metrics(run, {"step": run.state.step, "warning": warning})
         stats = {name: m.stats for name, m in run.model.named_modules() if isinstance(m, BATCH_NORMS) and m.stats}
         if stats:  # [2] Figures 2-4: batch vs running statistics, and the batch statistics' gradient terms
-            run.metrics({"step": run.state.step, "batch_norm_stats": stats})
+            append_metrics(run, {"step": run.state.step, "batch_norm_stats": stats})
         self.win = dict.fromkeys(self.win, 0.0)
 
     def evaluated(self):
@@ -1505,12 +1499,9 @@ def still_stopped(args, state):
     """state["stopped"] if the run stopped by --stop-lr or --early-stop and would stop again at its next step under
     the flags it resumes with (args), else None: changing either flag lets it go on."""
     code = (state.get("stopped") or (None,))[0]
-    if code == "stop_lr":
-        next_lr = Schedule.from_args(args)(state["step"] + 1, state["lr_decay"])
-        return state["stopped"] if next_lr < args.stop_lr else None
-    if code == "early_stop" and args.early_stop and TASKS[args.task].since_best(state["history"]) >= args.early_stop:
-        return state["stopped"]
-    return None
+    low_lr = code == "stop_lr" and Schedule.from_args(args)(state["step"] + 1, state["lr_decay"]) < args.stop_lr
+    stalled = code == "early_stop" and 0 < args.early_stop <= TASKS[args.task].since_best(state["history"])
+    return state["stopped"] if low_lr or stalled else None
 
 
 def what_next(args):
