@@ -141,12 +141,11 @@ class StepOptions:
 
 
 def train_step(net, optimizer, batches, lr, opts: StepOptions):
-    """Forward, label-smoothed loss, backward for every micro-batch, then clip and Adam. Returns this
-    rank's (loss sum, NLL sum), the gradient norm before clipping, and the step's target tokens over all
-    micro-batches and ranks, which the loss is divided by (under DDP a 0-dim tensor on the device).
-    Under DDP the ranks' gradients are averaged; times the world size they are the sum, the gradient of
-    one process with the whole batch (scaling each rank's loss instead would scale every dL/dY, which
-    PowerNorm's backward is not linear in)."""
+    """Forward, label-smoothed loss, backward for every micro-batch, then clip and Adam. Returns this rank's (loss
+    sum, NLL sum), the gradient norm before clipping, and the step's target tokens over all micro-batches and ranks,
+    which the loss is divided by (under DDP a 0-dim tensor on the device). Under DDP the ranks' gradients are
+    averaged; times the world size they are the sum, the gradient of one process with the whole batch (scaling each
+    rank's loss instead would scale every dL/dY, which PowerNorm's backward is not linear in)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     n_tgt = float(sum(b.n_tgt for b in batches))
     if world > 1:  # all ranks' count, a device tensor: counted and summed there, the host waits for nothing
@@ -243,11 +242,10 @@ class Run:
 
 
 def setup(args, stack, resumed=None):
-    """Everything before the first step, in order: this process, the corpus, the run directory,
-    the data, the model and its optimizer, the checkpoint a resumed run starts from. Every input
-    (flags, corpus, the run directory and what it holds) is read and checked before anything is
-    written; the run directory's lock is held in ``stack`` until training ends (Appendix E). resumed: --resume's
-    (checkpoint, flags given), from resume_flags."""
+    """Everything before the first step, in order: this process, the corpus, the run directory, the data, the model
+    and its optimizer, the checkpoint a resumed run starts from. Every input (flags, corpus, the run directory and
+    what it holds) is read and checked before anything is written; the run directory's lock is held in ``stack``
+    until training ends (Appendix E). resumed: --resume's (checkpoint, flags given), from resume_flags."""
     rank, world, device, bf16, console = start_process(args)  # Appendix D: threads, seeds, torchrun's ranks
     log = console.print
     pairs, langs = read_corpus(args, log)  # Appendix F
@@ -263,7 +261,10 @@ def setup(args, stack, resumed=None):
         if ckpt is not None:
             restore(run, ckpt)  # Appendix E
         run.order = data.make_batches(train, args.batch_tokens, True, args.seed, run.state.data_pass)
-        check_batches(run)  # Appendix D: a batch for every process at every step
+        if len(run.order) < world * args.accumulate:  # a step takes a batch for each process and micro-batch
+            raise data.DataError(f"the training data makes {len(run.order)} batches of --batch-tokens "
+                                 f"{args.batch_tokens}, fewer than the {world * args.accumulate} of a step ({world} "
+                                 f"processes x --accumulate {args.accumulate}): give a smaller --batch-tokens")
         if run.master and not args.benchmark:
             commit_run_dir(args, run_dir, stage, ckpt, log)  # Appendix E: every input checked, the first change
     run.net = wrap_model(model, args, world, device)  # Appendix D: DDP; Appendix C: --compile
@@ -307,8 +308,9 @@ def train_loop(run):
             batches = run.next_batches()
             s.step += 1
             lr = run.schedule(s.step, s.lr_decay)
-            # Appendix C's diagnostics at log steps (not under --compile: they read values mid-graph)
-            track_batch_statistics(run.model, s.step % args.log_interval == 0 and not args.compile)
+            for m in run.model.modules():  # the batch norms keep [2] Figures 2-4's diagnostics (Appendix C) at log
+                if isinstance(m, BATCH_NORMS):  # steps only: they cost host syncs (not under --compile: mid-graph)
+                    m.track, m.stats = s.step % args.log_interval == 0 and not args.compile, {}
             loss, nll, gnorm, n_tgt = train_step(run.net, run.optimizer, batches, lr, run.step_options)
             step_log.step(batches, lr, loss, nll, gnorm, n_tgt)  # may stop the run: a non-finite loss or gradient norm
             if not s.stopped and (s.step % args.epoch_size == 0 or s.step == total):
@@ -949,15 +951,14 @@ def benchmark(run):
     if args.compile:  # torch.compile's own counter of the graphs it made, imported only with --compile
         from torch._dynamo.utils import counters
     graphs = int(counters["stats"]["unique_graphs"]) if args.compile else 0
-    n_out, n_tok, flops, losses = output_columns(run.model), 0, 0.0, []
+    n_out, n_tok, flops = output_columns(run.model), 0, 0.0
 
     def step(i):
         batches = run.next_batches()
         loss, _, _, n_tgt = train_step(run.net, run.optimizer, batches, run.schedule(i + 1), run.step_options)
         return batches, loss / n_tgt, n_tgt
     t0 = time.perf_counter()
-    for i in range(warm):
-        losses.append(step(i)[1])
+    losses = [step(i)[1] for i in range(warm)]
     sync(dev)
     run.log(f"benchmark: {warm} warm-up steps{' (and compilation)' if args.compile else ''} took "
             f"{time.perf_counter() - t0:.1f}s")
@@ -993,11 +994,10 @@ def benchmark(run):
 def profile_steps(run, step, secs, n_tok):
     """--profile: 5 more steps under torch.profiler (not in --benchmark's figures: it slows them): where the time
     goes and, on a GPU, the share of a step (the timed steps: secs for n_tok target tokens) its kernels do not cover."""
-    dev, result, prof_tok = run.device, {}, 0
+    dev, result = run.device, {}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        for i in range(5):
-            prof_tok += float(step(i)[2])
+        prof_tok = sum(float(step(i)[2]) for i in range(5))
         sync(dev)
     events = prof.key_averages()
     if dev.type == "cuda":  # the GPU's busy time (its kernels' rows) against the step's wall time
@@ -1140,13 +1140,6 @@ class StepLog:
         self.t0 = time.perf_counter()
 
 
-def track_batch_statistics(model, on):
-    """Batch norms keep their [2] Figures 2-4 diagnostics on logged steps only (they cost host syncs)."""
-    for m in model.modules():
-        if isinstance(m, BATCH_NORMS):
-            m.track, m.stats = on, {}
-
-
 # =======================================================================================
 # Appendix D: this process (threads, seeds, device), and several processes. torchrun sets
 # WORLD_SIZE/RANK/LOCAL_RANK: PyTorch's DistributedDataParallel, gloo on the CPU and NCCL on CUDA.
@@ -1223,22 +1216,11 @@ def share_epoch(run, score):
     return box
 
 
-def check_batches(run):
-    """Each step takes world x --accumulate batches of the shuffled order (Run.next_batches): enough for each."""
-    need = run.world * run.args.accumulate
-    if len(run.order) < need:
-        raise data.DataError(f"the training data makes {len(run.order)} batches of --batch-tokens "
-                             f"{run.args.batch_tokens}, fewer than the {need} of a step ({run.world} processes x "
-                             f"--accumulate {run.args.accumulate}): give a smaller --batch-tokens")
-
-
 def wrap_model(model, args, world, device):
     """What a step calls: PyTorch's DDP (gradients all-reduced, averaged, across ranks in backward)
     and/or torch.compile around the model; checkpoints save `model` itself."""
-    net = model
-    if world > 1:
-        ids = [device.index] if device.type == "cuda" else None
-        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    ids = [device.index] if device.type == "cuda" else None
+    net = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids) if world > 1 else model
     if args.compile:
         # --compile: torch.compile for batches whose shapes change at every step (sentence lengths, sentences per
         # batch): compiled once for symbolic shapes (dynamic=True), rather than for the first batch's shapes, then
