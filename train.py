@@ -95,9 +95,8 @@ class Schedule:
 
     @classmethod
     def from_args(cls, args):
-        peak = args.lr  # resolve_flags has made it lambda / sqrt(d * n_warmup) when --lr-scale sets lambda
-        total = budget(args)[0]
-        return cls(args.schedule, args.d_model, 0 if args.schedule == "nowarmup" else args.warmup, peak, total)
+        return cls(args.schedule, args.d_model, 0 if args.schedule == "nowarmup" else args.warmup,
+                   args.lr, budget(args)[0])  # resolve_flags made lr lambda / sqrt(d * n_warmup) under --lr-scale
 
     @property
     def lr_scale(self):  # lambda of eq. 7
@@ -142,12 +141,11 @@ class StepOptions:
 
 
 def train_step(net, optimizer, batches, lr, opts: StepOptions):
-    """Forward, label-smoothed loss, backward for every micro-batch, then clip and Adam. Returns this
-    rank's (loss sum, NLL sum), the gradient norm before clipping, and the step's target tokens over all
-    micro-batches and ranks, which the loss is divided by (under DDP a 0-dim tensor on the device).
-    Under DDP the ranks' gradients are averaged; times the world size they are the sum, the gradient of
-    one process with the whole batch (scaling each rank's loss instead would scale every dL/dY, which
-    PowerNorm's backward is not linear in)."""
+    """Forward, label-smoothed loss, backward for every micro-batch, then clip and Adam. Returns this rank's (loss
+    sum, NLL sum), the gradient norm before clipping, and the step's target tokens over all micro-batches and ranks,
+    which the loss is divided by (under DDP a 0-dim tensor on the device). Under DDP the ranks' gradients are
+    averaged; times the world size they are the sum, the gradient of one process with the whole batch (scaling each
+    rank's loss instead would scale every dL/dY, which PowerNorm's backward is not linear in)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     n_tgt = float(sum(b.n_tgt for b in batches))
     if world > 1:  # all ranks' count, a device tensor: counted and summed there, the host waits for nothing
@@ -227,14 +225,10 @@ class Run:
     def log(self, msg):
         self.console.print(msg)
 
-    def metrics(self, record):  # one record in metrics.jsonl (rank 0; Appendix C)
-        append_metrics(self, record)
-
     def next_batches(self):
         """This rank's micro-batches of the next step: each step takes world x accumulate
         consecutive batches of the shuffled order; rank r trains on every world-th from the r-th."""
-        n = self.world * self.args.accumulate
-        s = self.state
+        n, s = self.world * self.args.accumulate, self.state
         if s.batch_pos + n > len(self.order):  # the data ran out: the next shuffled pass
             s.data_pass, s.batch_pos = s.data_pass + 1, 0
             self.order = data.make_batches(self.train, self.args.batch_tokens, True, self.args.seed, s.data_pass)
@@ -243,17 +237,15 @@ class Run:
         return [data.collate(self.train, i, self.device, self.pad_multiple) for i in idx]
 
     @property
-    def pad_multiple(self):
-        """Lengths are padded to a multiple of this: 8 under --compile (see wrap_model), else 1."""
+    def pad_multiple(self):  # lengths are padded to a multiple of this: 8 under --compile (see wrap_model), else 1
         return 8 if self.args.compile else 1
 
 
 def setup(args, stack, resumed=None):
-    """Everything before the first step, in order: this process, the corpus, the run directory,
-    the data, the model and its optimizer, the checkpoint a resumed run starts from. Every input
-    (flags, corpus, the run directory and what it holds) is read and checked before anything is
-    written; the run directory's lock is held in ``stack`` until training ends (Appendix E). resumed: --resume's
-    (checkpoint, flags given), from resume_flags."""
+    """Everything before the first step, in order: this process, the corpus, the run directory, the data, the model
+    and its optimizer, the checkpoint a resumed run starts from. Every input (flags, corpus, the run directory and
+    what it holds) is read and checked before anything is written; the run directory's lock is held in ``stack``
+    until training ends (Appendix E). resumed: --resume's (checkpoint, flags given), from resume_flags."""
     rank, world, device, bf16, console = start_process(args)  # Appendix D: threads, seeds, torchrun's ranks
     log = console.print
     pairs, langs = read_corpus(args, log)  # Appendix F
@@ -269,7 +261,10 @@ def setup(args, stack, resumed=None):
         if ckpt is not None:
             restore(run, ckpt)  # Appendix E
         run.order = data.make_batches(train, args.batch_tokens, True, args.seed, run.state.data_pass)
-        check_batches(run)  # Appendix D: a batch for every process at every step
+        if len(run.order) < world * args.accumulate:  # a step takes a batch for each process and micro-batch
+            raise data.DataError(f"the training data makes {len(run.order)} batches of --batch-tokens "
+                                 f"{args.batch_tokens}, fewer than the {world * args.accumulate} of a step ({world} "
+                                 f"processes x --accumulate {args.accumulate}): give a smaller --batch-tokens")
         if run.master and not args.benchmark:
             commit_run_dir(args, run_dir, stage, ckpt, log)  # Appendix E: every input checked, the first change
     run.net = wrap_model(model, args, world, device)  # Appendix D: DDP; Appendix C: --compile
@@ -301,24 +296,21 @@ def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
 def train(args, resumed=None):  # main() (Appendix A) calls it with the checked flags
     with contextlib.ExitStack() as stack:  # holds the run directory's lock until the end
         run = setup(args, stack, resumed)
-        if args.benchmark:
-            return benchmark(run)
-        result = train_loop(run)
-    if run.state.stopped[0] == "diverged":  # a failed run exits non-zero (its last good checkpoint stays)
-        raise Diverged(run.state.stopped[1])
-    return result
+        return benchmark(run) if args.benchmark else train_loop(run)
 
 
 def train_loop(run):
     args, s = run.args, run.state
     total, limit = budget(args)
-    with StepLog(run, total) as step_log:  # Appendix C: the progress bar, log lines, metrics.jsonl, MFU
+    step_log = StepLog(run, total)  # Appendix C: the progress bar (step_log.bar), log lines, metrics.jsonl, MFU
+    with step_log.bar:
         while s.step < total and not s.stopped:
             batches = run.next_batches()
             s.step += 1
             lr = run.schedule(s.step, s.lr_decay)
-            # Appendix C's diagnostics at log steps (not under --compile: they read values mid-graph)
-            track_batch_statistics(run.model, s.step % args.log_interval == 0 and not args.compile)
+            for m in run.model.modules():  # the batch norms keep [2] Figures 2-4's diagnostics (Appendix C) at log
+                if isinstance(m, BATCH_NORMS):  # steps only: they cost host syncs (not under --compile: mid-graph)
+                    m.track, m.stats = s.step % args.log_interval == 0 and not args.compile, {}
             loss, nll, gnorm, n_tgt = train_step(run.net, run.optimizer, batches, lr, run.step_options)
             step_log.step(batches, lr, loss, nll, gnorm, n_tgt)  # may stop the run: a non-finite loss or gradient norm
             if not s.stopped and (s.step % args.epoch_size == 0 or s.step == total):
@@ -331,6 +323,8 @@ def train_loop(run):
     result = finish(run)
     if run.world > 1:
         dist.destroy_process_group()
+    if s.stopped[0] == "diverged":  # a failed run exits non-zero (its last good checkpoint stays)
+        sys.exit(f"error: {s.stopped[1]}")
     return result
 
 
@@ -392,8 +386,8 @@ def end_of_epoch(run):
     run.log(f"epoch {s.epoch:3d} | step {s.step:6d} | {task.scores(score, dev_ppl, s.history)} (step {s.best_step}) "
             f"| eval {time.time() - t0:.1f}s")
     # [1] Figure 1 (dev BLEU per epoch) and Figures 3-4 (learned g's) come from these records.
-    run.metrics({"step": s.step, "epoch": s.epoch, f"dev_{task.key}": score, "dev_loss": dev_loss, "dev_ppl": dev_ppl,
-                 "lr": next_lr, "g": run.model.learned_scales()})
+    append_metrics(run, {"step": s.step, "epoch": s.epoch, f"dev_{task.key}": score, "dev_loss": dev_loss,
+                         "dev_ppl": dev_ppl, "lr": next_lr, "g": run.model.learned_scales()})
     save_checkpoints(run, improved)  # Appendix E: best, last (the resume point), per epoch (--keep-checkpoints)
 
 
@@ -435,7 +429,7 @@ def finish(run):
         result.update(test_bleu=score.score, test_signature=score.signature)
         run.log(f"test BLEU (best checkpoint, step {best['step']}, beam {args.beam}, {args.length_penalty} length "
                 f"penalty alpha {args.alpha}): {score.score:.2f}  {score.signature}")
-    run.metrics({"final": result})  # metrics.jsonl's last record
+    append_metrics(run, {"final": result})  # metrics.jsonl's last record
     write_file(run.dir / "results.json", json.dumps(result, indent=2) + "\n")  # Appendix E: a finished run
     return result
 
@@ -448,16 +442,14 @@ def finish(run):
 # =======================================================================================
 def main(argv=None):
     args, given = resolve_flags(argv)
-    try:
-        resumed = None
-        if args.resume:  # Appendix E: the run's own flags, from its newest checkpoint, and what may change
-            args, resumed = resume_flags(args, given)
+    try:  # --resume (Appendix E): the run's own flags, from its newest checkpoint, and what may change
+        args, resumed = resume_flags(args, given) if args.resume else (args, None)
         refuse_idle_flags(args, given)
         validate_args(args)
         return train(args, resumed)
     except WriteFailed as e:  # a full disk: what was written before is intact
         sys.exit(f"error: {e}: make room, then {what_next(args)}")
-    except (data.DataError, Diverged) as e:
+    except data.DataError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # under torchrun, rank 0 alone says what to do
         sys.exit(f"interrupted: {what_next(args)}" if os.environ.get("RANK", "0") == "0" else "interrupted")
@@ -465,8 +457,8 @@ def main(argv=None):
 
 DEFAULTS = {}  # every flag's default
 # The range of each number is its type= (decode.py Appendix F): a value out of range is argparse's own error line.
-in_0_1, percent = ranged(float, lambda v: 0 < v <= 1, "in (0, 1]"), ranged(float, lambda v: 0 < v <= 100,
-                                                                                         "in (0, 100]")
+in_0_1 = ranged(float, lambda v: 0 < v <= 1, "in (0, 1]")
+percent = ranged(float, lambda v: 0 < v <= 100, "in (0, 100]")
 length = ranged(float, lambda v: v >= 2, "at least 2 (g0 = log2(L^2 - L) >= 1)")
 seed = ranged(int, lambda v: 0 <= v < 2 ** 63 - 64, "in [0, 2^63 - 64) (torch's generators take 64 bits)")
 
@@ -523,8 +515,7 @@ def build_parser():
     add(g, "--relu-dropout", type=fraction, help="ReLU dropout (default: --dropout)")
     add(g, "--norm", default="scale", choices=sorted(NORMS), help="norm of every sublayer (norms.NORMS): "
         + "; ".join(f"{name}: {e.equation} ({e.paper})" for name, e in NORMS.items()))
-    add(g, "--encoder-norm", choices=sorted(NORMS), help="override --norm in the encoder ([2]: PN in the "
-        "encoder only)")
+    add(g, "--encoder-norm", choices=sorted(NORMS), help="override --norm in the encoder ([2]: PN in the encoder only)")
     add(g, "--decoder-norm", choices=sorted(NORMS), help="override --norm in the decoder")
     place = g.add_mutually_exclusive_group()
     add(place, "--prenorm", dest="prenorm", action="store_true", default=True, help="PreNorm residual "
@@ -542,8 +533,7 @@ def build_parser():
     add(g, "--qk-percentile", type=percent, default=97.5, help="percentile of training lengths used as L "
         "([3] section 3; Table 5 varies it)")
     add(g, "--qk-no-g", action="store_true", default=False, help="QKNorm ablation: g fixed at 1 ([3] Table 6)")
-    add(g, "--qk-norm-v", action="store_true", default=False, help="QKNorm ablation: l2-normalise V too "
-        "([3] Table 6)")
+    add(g, "--qk-norm-v", action="store_true", default=False, help="QKNorm ablation: l2-normalise V too ([3] Table 6)")
     add(g, "--pn-warmup", type=count, help="PowerNorm: training forwards that use batch statistics while the "
         "running one accumulates ([2] appendix A: the LR warmup); default: the LR warmup")
     add(g, "--pn-variant", choices=["paper", "code"], default="paper", help="PowerNorm: 'paper' follows [2] "
@@ -645,7 +635,7 @@ def resolve_flags(argv=None):
         flags["lr_scale"] = None
     flags.update(given)
     if "pair" in given and ("task" in given or "preset" in given):  # a language model's corpus for a translator...
-        task = given.get("task") or row.get("task") or PAIRS[PRESETS[given["preset"]][0]].get("task", "mt")
+        task = given.get("task") or row.get("task") or PAIRS[pair].get("task", "mt")
         if PAIRS[given["pair"]].get("task", "mt") != task:
             what = f"--task {task}" if "task" in given else \
                 f"--preset {given['preset']}, a {'language model' if task == 'lm' else 'translator'}"
@@ -690,19 +680,18 @@ def refuse_idle_flags(args, given):
 
 def validate_args(args):
     """What no flag's type= can check alone, before any work: each failure one line naming the flag."""
-    def bad(flag, why):
-        sys.exit(f"error: --{flag.replace('_', '-')}: {why} (got {getattr(args, flag, None)!r})")
-
-    if args.bpe_size < 1 and args.task == "mt":
-        bad("bpe_size", "must be at least 1 (0, whitespace words, is for --task lm)")
-    if args.attention == "multilinear" and args.qknorm:
-        bad("qknorm", "normalises the queries and keys of a softmax; the multi-linear attention has none")
-    if args.d_model % args.heads:
-        bad("d_model", f"must be divisible by --heads {args.heads}")
-    if (args.src is None) != (args.tgt is None):
-        bad("src", "give both language suffixes, --src and --tgt, or neither")
-    if args.data is not None and args.src is None and args.task == "mt":
-        bad("data", "also give --src and --tgt, e.g. --src en --tgt de for DIR/train.en and DIR/train.de")
+    for flag, wrong, why in (
+            ("bpe_size", args.bpe_size < 1 and args.task == "mt", "must be at least 1 (0, whitespace words, is for "
+             "--task lm)"),
+            ("qknorm", args.attention == "multilinear" and args.qknorm, "normalises the queries and keys of a "
+             "softmax; the multi-linear attention has none"),
+            ("d_model", args.d_model % args.heads, f"must be divisible by --heads {args.heads}"),
+            ("src", (args.src is None) != (args.tgt is None), "give both language suffixes, --src and --tgt, or "
+             "neither"),
+            ("data", args.data is not None and args.src is None and args.task == "mt", "also give --src and --tgt, "
+             "e.g. --src en --tgt de for DIR/train.en and DIR/train.de")):
+        if wrong:
+            sys.exit(f"error: --{flag.replace('_', '-')}: {why} (got {getattr(args, flag, None)!r})")
 
 
 def budget(args):
@@ -779,6 +768,8 @@ PN2 = dict(task="lm", layers=3, d_model=256, heads=1, ff=2100, dropout=0.3, attn
            word_dropout=0.0, label_smoothing=0.1, attention="multilinear", seq_len=32, batch_tokens=3840,
            prenorm=False, fixnorm=False, init="xavier", schedule="cosine", lr=2.5e-4, warmup=4000, clip=0.25,
            epoch_size=243, max_epochs=30, early_stop=0, stop_lr=0.0, keep_checkpoints=0, norm="layer")
+PN2_NORMS = (("layernorm", "LN", "layer"), ("batchnorm", "BN", "batch"), ("pnv", "PN-V", "pnv"),
+             ("powernorm", "PN", "power"))  # its Table 2's norms: (the preset's name, the table's, --norm)
 
 
 def row(*parts, **flags):
@@ -812,20 +803,17 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
                               row(TWT_FINAL, INVSQRT, norm="scale_fixed", schedule="valdecay")),
     "twt7-fixed-g-valdecay-2xlr": ("en-vi", "TwT Table 7: ScaleNorm (g = sqrt d) + FixNorm + VALDECAY + 2xLR",
                                    row(TWT_FINAL, INVSQRT, norm="scale_fixed", schedule="valdecay", lr_scale=2.0)),
-    "pn2-layernorm": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer LN", PN2),
-    "pn2-batchnorm": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer BN", row(PN2, norm="batch")),
-    "pn2-pnv": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer PN-V", row(PN2, norm="pnv")),
-    "pn2-powernorm": ("ptb", "PowerNorm Table 2: PTB, tensorized Transformer PN", row(PN2, norm="power")),
+    **{f"pn2-{key}": ("ptb", f"PowerNorm Table 2: PTB, tensorized Transformer {name}", row(PN2, norm=norm))
+       for key, name, norm in PN2_NORMS},
     # The baseline as its code ran (model.py Appendix B): the mask never applied, positions only inside the attention.
     **{f"pn2-released-{key}": ("ptb", f"PowerNorm Table 2: PTB, {name}, the baseline's code as it ran (unmasked, "
                                f"relative positions)", row(PN2, norm=norm, mask="none", positions="relative"))
-       for key, name, norm in (("layernorm", "LN", "layer"), ("powernorm", "PN", "power"))},
+       for key, name, norm in PN2_NORMS if key in ("layernorm", "powernorm")},
     # [2] A.2: WikiText-103 with 6 layers, the rest as PTB's; an epoch is one pass over its 103,227,021 words and
     # 1,801,350 EOS (27,352 batches). Days a row on a GPU, far more on a CPU: named here, not run in this project.
     **{f"pn2-wt103-{key}": ("wikitext-103", f"PowerNorm Table 2: WikiText-103, 6-layer tensorized Transformer {name}",
                             row(PN2, layers=6, epoch_size=27352, norm=norm))
-       for key, name, norm in (("layernorm", "LN", "layer"), ("batchnorm", "BN", "batch"), ("pnv", "PN-V", "pnv"),
-                               ("powernorm", "PN", "power"))},
+       for key, name, norm in PN2_NORMS},
     "pn1-layernorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer LN", PN),
     "pn1-batchnorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer BN", row(PN, encoder_norm="batch")),
     "pn1-pnv": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer PN-V", row(PN, encoder_norm="pnv")),
@@ -872,9 +860,8 @@ M30K_QK = row(M30K, prenorm=True, norm="layer", fixnorm=True, qknorm=True)  # [3
 PTB = row(PN2, d_model=128, ff=512, dropout=0.1, relu_dropout=0.1, schedule="invsqrt", lr=1e-3, warmup=200,
           epoch_size=243, max_epochs=3, log_interval=27)
 PRESETS.update({
-    **{f"ptb-{norm}": ("ptb", f"study, PowerNorm Table 2: {name}", row(PTB, norm=key))
-       for norm, name, key in (("layernorm", "LN", "layer"), ("batchnorm", "BN", "batch"), ("pnv", "PN-V", "pnv"),
-                               ("powernorm", "PN", "power"))},
+    **{f"ptb-{key}": ("ptb", f"study, PowerNorm Table 2: {name}", row(PTB, norm=norm))
+       for key, name, norm in PN2_NORMS},
     "m30k-postnorm": ("multi30k", "study, TwT Table 3 (1): PostNorm + LayerNorm", row(M30K_LN, prenorm=False)),
     "m30k-prenorm": ("multi30k", "study, TwT Table 3 (2): PreNorm + LayerNorm", row(M30K_LN, prenorm=True)),
     "m30k-prenorm-fixnorm": ("multi30k", "study, TwT Table 3 (3): PreNorm + FixNorm + LayerNorm (QKNorm's model "
@@ -918,10 +905,8 @@ def step_flops(cfg, B, S, T, out_vocab=None):
     """
     D, FF, V = cfg.d_model, cfg.ff, out_vocab or cfg.vocab_size
     enc = cfg.enc_layers * (S * (4 * D * D + 2 * D * FF) + 2 * S * S * D)
-    if cfg.attention == "multilinear":
-        attn = T * (3 * D * D + T * T * D + cfg.heads * cfg.seq_len ** 2 * D)
-    else:
-        attn = T * 4 * D * D + 2 * T * T * D
+    attn = (T * (3 * D * D + T * T * D + cfg.heads * cfg.seq_len ** 2 * D) if cfg.attention == "multilinear"
+            else T * 4 * D * D + 2 * T * T * D)
     cross = 0 if cfg.lm else T * 2 * D * D + S * 2 * D * D + 2 * T * S * D
     dec = cfg.dec_layers * (attn + cross + T * 2 * D * FF)
     return 3 * 2 * B * (enc + dec + T * D * V)
@@ -937,12 +922,13 @@ def output_columns(model):
     return int(model.allowed.sum()) if fast_paths() else model.cfg.vocab_size
 
 
-def matmul_flops(device, d, ff, bf16=False, tokens=4096, seconds=1.0):
+def matmul_flops(run, tokens=4096, seconds=1.0):
     """FLOP/s of a dense (tokens x d) @ (d x ff) GEMM, the model's largest matmul, in the step's matmul dtype (bf16
     under CUDA autocast, else fp32), in this process: MFU's denominator. The best of 5 short windows: a busy moment on
     a shared machine would otherwise understate the peak (and inflate MFU). On a GPU, 20 products per sync."""
+    device, d, ff = run.device, run.args.d_model, run.args.ff
     gen = torch.Generator(device=device).manual_seed(0)  # its own RNG: training's stays untouched
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype = torch.bfloat16 if run.step_options.bf16 else torch.float32
     a = torch.randn(tokens, d, device=device, generator=gen).to(dtype)
     b = torch.randn(d, ff, device=device, generator=gen).to(dtype)
     reps = 20 if device.type == "cuda" else 1
@@ -970,21 +956,20 @@ def benchmark(run):
     """--benchmark N: time N training steps after 3 warm-up steps (and --compile's compilations); print figures,
     assert nothing. As in training, the host reads nothing back from the device in the N steps: one sync at the end."""
     args, cfg, warm, dev = run.args, run.model.cfg, 3, run.device
-    matmul_peak = matmul_flops(dev, cfg.d_model, cfg.ff, run.step_options.bf16)
+    matmul_peak = matmul_flops(run)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     if args.compile:  # torch.compile's own counter of the graphs it made, imported only with --compile
         from torch._dynamo.utils import counters
     graphs = int(counters["stats"]["unique_graphs"]) if args.compile else 0
-    n_out, n_tok, flops, losses = output_columns(run.model), 0, 0.0, []
+    n_out, n_tok, flops = output_columns(run.model), 0, 0.0
 
     def step(i):
         batches = run.next_batches()
         loss, _, _, n_tgt = train_step(run.net, run.optimizer, batches, run.schedule(i + 1), run.step_options)
         return batches, loss / n_tgt, n_tgt
     t0 = time.perf_counter()
-    for i in range(warm):
-        losses.append(step(i)[1])
+    losses = [step(i)[1] for i in range(warm)]
     sync(dev)
     run.log(f"benchmark: {warm} warm-up steps{' (and compilation)' if args.compile else ''} took "
             f"{time.perf_counter() - t0:.1f}s")
@@ -999,7 +984,7 @@ def benchmark(run):
     result = profile_steps(run, step, secs, n_tok) if args.profile else {}
     if args.compile:  # the graphs torch.compile made in these steps (a recompilation storm shows here)
         result["compiled_graphs"] = int(counters["stats"]["unique_graphs"]) - graphs
-    matmul_peak = max(matmul_peak, matmul_flops(dev, cfg.d_model, cfg.ff, run.step_options.bf16))  # the larger kept
+    matmul_peak = max(matmul_peak, matmul_flops(run))  # the larger kept
     pad = data.padding_share(run.train, run.order, run.pad_multiple)
     peak_mb = torch.cuda.max_memory_allocated(dev) / 2 ** 20 if dev.type == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB
@@ -1020,11 +1005,10 @@ def benchmark(run):
 def profile_steps(run, step, secs, n_tok):
     """--profile: 5 more steps under torch.profiler (not in --benchmark's figures: it slows them): where the time
     goes and, on a GPU, the share of a step (the timed steps: secs for n_tok target tokens) its kernels do not cover."""
-    dev, result, prof_tok = run.device, {}, 0
+    dev, result = run.device, {}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        for i in range(5):
-            prof_tok += float(step(i)[2])
+        prof_tok = sum(float(step(i)[2]) for i in range(5))
         sync(dev)
     events = prof.key_averages()
     if dev.type == "cuda":  # the GPU's busy time (its kernels' rows) against the step's wall time
@@ -1068,10 +1052,6 @@ def stop(run, code, **values):
     run.state.stopped = (code, STOPS[code].format(args=run.args, task=TASKS[run.args.task], **values))
 
 
-class Diverged(Exception):
-    """The training loss became NaN or infinite."""
-
-
 def diverged(run, what):
     """Stop the run as diverged: one line saying what and where the last good checkpoint is."""
     last = decode.checkpoint_file(run.dir, "last")
@@ -1102,7 +1082,7 @@ class StepLog:
 
     def __init__(self, run, total):
         self.run, self.total, args = run, total, run.args
-        self.matmul_peak = matmul_flops(run.device, args.d_model, args.ff, run.step_options.bf16)
+        self.matmul_peak = matmul_flops(run)
         self.n_out = output_columns(run.model)
         run.log(f"speed: dense {args.d_model}x{args.ff} matmul runs at {self.matmul_peak / 1e9:.1f} GFLOP/s here "
                 f"(MFU's denominator)")
@@ -1110,16 +1090,9 @@ class StepLog:
                             TextColumn("{task.completed}/{task.total} steps"),
                             TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
                             console=run.console, disable=not run.console.is_terminal)
+        self.task = self.bar.add_task("train", total=total, completed=run.state.step, info="")
         self.win = dict.fromkeys(("loss", "nll", "tok", "flops", "t", "gnorm", "n"), 0.0)
         self.pending, self.t0 = [], time.perf_counter()  # the steps since the last host sync, and when it was
-
-    def __enter__(self):
-        self.bar.__enter__()
-        self.task = self.bar.add_task("train", total=self.total, completed=self.run.state.step, info="")
-        return self
-
-    def __exit__(self, *exc):
-        return self.bar.__exit__(*exc)
 
     def step(self, batches, lr, loss, nll, gnorm, n_tgt):
         run, s, args = self.run, self.run.state, self.run.args
@@ -1140,12 +1113,11 @@ class StepLog:
                 n = n_read[0] if n_read else n
                 for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
                     self.win[k] += v
-                run.metrics({"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
+                append_metrics(run, {"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
                 # A non-finite gradient norm with a finite loss would still make the weights NaN.
-                bad = [(name, v) for name, v in (("the training loss", l), ("the gradient norm", g))
-                       if not math.isfinite(v)]
-                if bad:
-                    return diverged(run, f"{bad[0][0]} became {bad[0][1]} at step {step}")
+                for what, v in (("the training loss", l), ("the gradient norm", g)):
+                    if not math.isfinite(v):
+                        return diverged(run, f"{what} became {v} at step {step}")
             self.pending = []
             if log_now:
                 self.log_window(lr)
@@ -1159,33 +1131,24 @@ class StepLog:
         tps, mfu = win["tok"] / win["t"], win["flops"] / win["t"] / (self.matmul_peak * run.world)
         run.log(f"step {run.state.step:6d} | loss {tl:6.3f} | ppl {math.exp(min(nll, 50)):8.2f} | lr {lr:.2e} | "
                 f"{tps:7.0f} tok/s | MFU {100 * mfu:4.1f}% | gnorm {win['gnorm'] / win['n']:6.3f}")
-        run.metrics({"step": run.state.step, "train_loss": tl, "train_ppl": math.exp(min(nll, 50)),
-                     "tok_per_s": tps, "mfu": mfu})
+        append_metrics(run, {"step": run.state.step, "train_loss": tl, "train_ppl": math.exp(min(nll, 50)),
+                             "tok_per_s": tps, "mfu": mfu})
         uniform = math.log(int(run.model.allowed.sum()))  # the loss of guessing uniformly among the target words
         if tl > uniform + 3 and run.state.step > run.schedule.warmup:  # huge but finite: say so, go on
             warning = (f"the training loss {tl:.2f} is far above a uniform guess ({uniform:.2f}): the run may be "
                        f"diverging (a smaller --lr, --prenorm or more --warmup may help)")
             run.log("warning: " + warning)
-            run.metrics({"step": run.state.step, "warning": warning})
+            append_metrics(run, {"step": run.state.step, "warning": warning})
         stats = {name: m.stats for name, m in run.model.named_modules() if isinstance(m, BATCH_NORMS) and m.stats}
         if stats:  # [2] Figures 2-4: batch vs running statistics, and the batch statistics' gradient terms
-            run.metrics({"step": run.state.step, "batch_norm_stats": stats})
+            append_metrics(run, {"step": run.state.step, "batch_norm_stats": stats})
         self.win = dict.fromkeys(self.win, 0.0)
 
     def evaluated(self):
         """After an evaluation: MFU's denominator again, the larger kept (a busy moment at the start, another process
         on a shared machine, reads it low and MFU above 100%); the clock restarts: evaluation is not training time."""
-        args = self.run.args
-        self.matmul_peak = max(self.matmul_peak, matmul_flops(self.run.device, args.d_model, args.ff,
-                                                              self.run.step_options.bf16, seconds=0.25))
+        self.matmul_peak = max(self.matmul_peak, matmul_flops(self.run, seconds=0.25))
         self.t0 = time.perf_counter()
-
-
-def track_batch_statistics(model, on):
-    """Batch norms keep their [2] Figures 2-4 diagnostics on logged steps only (they cost host syncs)."""
-    for m in model.modules():
-        if isinstance(m, BATCH_NORMS):
-            m.track, m.stats = on, {}
 
 
 # =======================================================================================
@@ -1241,22 +1204,17 @@ def rank0_first(rank, world):
     """Under torchrun, what runs inside runs on rank 0 first: it checks the run directory, prepares the
     BPE model and the caches and commits the run directory; the other ranks then read them. When rank 0
     refuses (one line, from it), the other ranks stop too, instead of waiting for it for ever."""
-    if world == 1:
-        yield
-        return
-    if rank != 0:
-        refused = [None]
+    refused = [True]  # rank 0's verdict: refused, unless the block ends without an exception
+    if world > 1 and rank != 0:
         dist.broadcast_object_list(refused, src=0)  # waits for rank 0's verdict
         if refused[0]:
             raise SystemExit(1)
-        yield
-        return
     try:
         yield
-    except BaseException:
-        dist.broadcast_object_list([True], src=0)
-        raise
-    dist.broadcast_object_list([False], src=0)
+        refused = [False]
+    finally:
+        if world > 1 and rank == 0:
+            dist.broadcast_object_list(refused, src=0)
 
 
 def share_epoch(run, score):
@@ -1269,22 +1227,11 @@ def share_epoch(run, score):
     return box
 
 
-def check_batches(run):
-    """Each step takes world x --accumulate batches of the shuffled order (Run.next_batches): enough for each."""
-    need = run.world * run.args.accumulate
-    if len(run.order) < need:
-        raise data.DataError(f"the training data makes {len(run.order)} batches of --batch-tokens "
-                             f"{run.args.batch_tokens}, fewer than the {need} of a step ({run.world} processes x "
-                             f"--accumulate {run.args.accumulate}): give a smaller --batch-tokens")
-
-
 def wrap_model(model, args, world, device):
     """What a step calls: PyTorch's DDP (gradients all-reduced, averaged, across ranks in backward)
     and/or torch.compile around the model; checkpoints save `model` itself."""
-    net = model
-    if world > 1:
-        ids = [device.index] if device.type == "cuda" else None
-        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    ids = [device.index] if device.type == "cuda" else None
+    net = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids) if world > 1 else model
     if args.compile:
         # --compile: torch.compile for batches whose shapes change at every step (sentence lengths, sentences per
         # batch): compiled once for symbolic shapes (dynamic=True), rather than for the first batch's shapes, then
@@ -1431,13 +1378,12 @@ def may_resume(run_dir, args, ckpt, given, hashes):
 def run_id_of(path):
     """The run id a config.json, results.json or checkpoint holds (None if it holds none or is unreadable)."""
     try:
-        if path.suffix == ".pt":  # memory-mapped: only the few bytes of the id are read
-            blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if path.suffix == ".pt":  # memory-mapped: only the few bytes of the id are read; a checkpoint's flags
+            blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("args")
         else:
             blob = json.loads(path.read_text())
     except Exception:  # unreadable, not JSON, not a checkpoint: not known to be this run's
         return None
-    blob = blob.get("args") if path.suffix == ".pt" and isinstance(blob, dict) else blob  # a checkpoint's flags
     return blob.get("run_id") if isinstance(blob, dict) and isinstance(blob.get("run_id"), str) else None
 
 
@@ -1463,10 +1409,9 @@ def open_run_dir(args, pairs, log, stack, master, resumed=None):
     if held and not (args.resume or args.overwrite):
         raise data.DataError(f"{run_dir} already holds a run ({held}): continue it with --resume {run_dir}, "
                              f"or replace it with --overwrite")
-    if held and args.overwrite:
-        if run_id_of(run_dir / "config.json") is None:  # commit_run_dir removes the files of that run id
-            raise data.DataError(f"--overwrite {run_dir}: not a run directory of train.py (no config.json with a "
-                                 f"run_id; it holds {held}), so none of its files are removed; choose another --out")
+    if held and args.overwrite and run_id_of(run_dir / "config.json") is None:  # commit_run_dir removes that run id's
+        raise data.DataError(f"--overwrite {run_dir}: not a run directory of train.py (no config.json with a "
+                             f"run_id; it holds {held}), so none of its files are removed; choose another --out")
     hashes = {split: data.pairs_sha256(split_pairs) for split, split_pairs in pairs.items()}  # the corpus's
     if args.resume:
         ckpt, given = resumed
@@ -1485,33 +1430,25 @@ def staging(run_dir):
     staging folder goes, and so do the folders made here. The lock is held until the run ends."""
     made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # the deepest first
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise data.DataError(f"--out {run_dir}: cannot make the run directory there ({e.strerror})") from None
-    try:
-        lock = open(run_dir / ".lock", "a")  # held while training (flock): a second process is refused
-    except OSError as e:
-        raise data.DataError(f"{run_dir}: cannot write there ({e.strerror})") from None
-    try:
-        with lock:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock = open(run_dir / ".lock", "a")  # held while training (flock): a second process is refused
+        except OSError as e:
+            raise data.DataError(f"--out {run_dir}: cannot make it or write in it ({e.strerror})") from None
+        with lock:  # closing the lock's file releases it
             if fcntl is not None:
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     raise data.DataError(f"{run_dir} is in use by another process (it holds {run_dir}/.lock)") from None
-            stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=run_dir))
-            try:
-                yield stage
-            finally:  # closing the lock's file releases it
-                shutil.rmtree(stage, ignore_errors=True)
+            with tempfile.TemporaryDirectory(prefix=".staging-", dir=run_dir, ignore_cleanup_errors=True) as stage:
+                yield Path(stage)
     except BaseException:
         if not (run_dir / "config.json").exists() and made:  # not committed: remove the folders made here,
             (run_dir / ".lock").unlink(missing_ok=True)  # each only if empty (another run may be in a parent)
-            for p in made:
-                try:
+            with contextlib.suppress(OSError):  # the first folder not empty ends it
+                for p in made:
                     p.rmdir()
-                except OSError:
-                    break
         raise
 
 
@@ -1555,12 +1492,9 @@ def still_stopped(args, state):
     """state["stopped"] if the run stopped by --stop-lr or --early-stop and would stop again at its next step under
     the flags it resumes with (args), else None: changing either flag lets it go on."""
     code = (state.get("stopped") or (None,))[0]
-    if code == "stop_lr":
-        next_lr = Schedule.from_args(args)(state["step"] + 1, state["lr_decay"])
-        return state["stopped"] if next_lr < args.stop_lr else None
-    if code == "early_stop" and args.early_stop and TASKS[args.task].since_best(state["history"]) >= args.early_stop:
-        return state["stopped"]
-    return None
+    low_lr = code == "stop_lr" and Schedule.from_args(args)(state["step"] + 1, state["lr_decay"]) < args.stop_lr
+    stalled = code == "early_stop" and 0 < args.early_stop <= TASKS[args.task].since_best(state["history"])
+    return state["stopped"] if low_lr or stalled else None
 
 
 def what_next(args):
