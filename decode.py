@@ -998,8 +998,8 @@ def build_parser():
     ev.add_argument("--leak", action="store_true", help="a language model: how much changing the tokens after the "
                     "middle of a segment moves the predictions before it when the batch norms use batch statistics, "
                     "as in training (one batch of --batch-tokens from --input)")
-    ev.add_argument("--leak-mode", choices=["train", "eval"], default="train", help="--leak: the batch norms as in "
-                    "training, or the whole model as evaluated (eval: zero for a causal model, not for an unmasked one)")
+    ev.add_argument("--leak-mode", choices=["train", "eval"], default="train", help="--leak: the batch norms as "
+                    "in training, or the model as evaluated (eval: 0 for a causal model, not for an unmasked one)")
     ev.add_argument("--svd", action="store_true", help="print the singular values of the embedding matrix over the "
                     "largest ([2] Figure 6); with --png also draw them")
     lm = ap.add_argument_group("a language model (train.py --task lm)")
@@ -1023,13 +1023,15 @@ SEARCH = {"beam", "alpha", "length_penalty", "max_len_b", "max_len", "batch_toke
 LOOK = MODEL | SEARCH | {"g_table", "attention", "attention_target", "layer", "head", "kind", "png"}  # translates once
 TRANSLATE = MODEL | SEARCH | {"input", "output", "ref", "tokenized", "lowercase", "progress", "ppl", "label_smoothing",
                               "benchmark"}
-LM = {"batch_tokens", "input", "ppl", "context", "leak", "leak_mode", "generate", "sample", "temperature", "max_tokens", "seed", "seq_len"}
+LM = {"batch_tokens", "input", "ppl", "context", "leak", "leak_mode", "generate", "sample", "temperature", "max_tokens",
+      "seed", "seq_len"}
 MODES = {"compare": {"compare", "ref", "samples", "seed", "tokenized", "lowercase"}, "plot": {"plot", "out"},
          "svd": MODEL | {"svd", "png"}, "g_table": LOOK, "attention": LOOK,
          "benchmark": MODEL | SEARCH | {"benchmark", "input", "ref"},
          "a translator": TRANSLATE, "a language model": MODEL - {"average"} | LM}
 # A flag that only works with another ("--sample is for --generate"), checked whatever the mode.
-NEEDS = {"out": "plot", "context": "ppl", "leak_mode": "leak", "sample": "generate", "max_tokens": "generate", "temperature": "sample", "samples": "compare",
+NEEDS = {"out": "plot", "context": "ppl", "leak_mode": "leak", "sample": "generate", "max_tokens": "generate",
+         "temperature": "sample", "samples": "compare",
          "seed": ("compare", "sample"), "tokenized": "ref", "lowercase": "ref", "label_smoothing": "ppl",
          "attention_target": "attention", "png": ("attention", "svd"), "layer": "attention", "head": "attention",
          "kind": "attention"}
