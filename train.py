@@ -730,7 +730,7 @@ PAIRS = {
     "en-he": dict(_TWT_PAIR, data="data/en-he", src="en", tgt="he", epoch_size=2000),
     "ar-en": dict(_TWT_PAIR, data="data/ar-en", src="ar", tgt="en", epoch_size=2000),
     "de-en": dict(data="data/de-en", src="de", tgt="en", bpe_size=10000),  # PowerNorm's IWSLT'14
-    "multi30k": dict(data="data/multi30k-en-de", src="en", tgt="de", bpe_size=4000),  # the README's study
+    "multi30k": dict(data="data/multi30k-en-de", src="en", tgt="de", bpe_size=4000),  # the study (docs/reproduced.md)
     "multi30k-en-cs": dict(data="data/multi30k-en-cs", src="en", tgt="cs", bpe_size=4000),  # its second pair
     "ptb": dict(data="data/ptb", task="lm", bpe_size=0),  # a language model's text: PowerNorm's Table 2
     "wikitext-103": dict(data="data/wikitext-103", task="lm", bpe_size=0),  # and its second column
@@ -837,7 +837,7 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
 }
 
 
-# The README's study ("Reproduced here"): the papers' comparisons at laptop scale, on Multi30k
+# The study (docs/reproduced.md): the papers' comparisons at laptop scale, on Multi30k
 # en-de (`python data.py prepare multi30k`). One recipe for every row of a comparison, so budgets
 # are equal: d 128, 3+3 layers, 400 updates of 4096-token batches (~13 min on one CPU thread),
 # eq. 7 to a 2e-3 peak at step 200, greedy dev BLEU every 50 steps, beam-4 test BLEU of the best.
