@@ -245,8 +245,13 @@ def test_prepare_ptb_checks_each_files_md5_offline(tmp_path, monkeypatch, capsys
     assert (out / "dev.txt").read_text() == "dev one <unk> N\ndev two\n"
     assert "python train.py --data" in capsys.readouterr().out
     monkeypatch.setitem(data.CORPORA["ptb"], "md5", dict(md5, test="0" * 32))
+    mine = tmp_path / "mine"  # a folder of the user's own text: a damaged test file found last changes none of it
+    mine.mkdir()
+    for split in files:
+        (mine / f"{split}.txt").write_text(f"the user's {split}\n")
     with pytest.raises(data.DataError, match="ptb.test.txt: md5"):
-        data.prepare("ptb", tmp_path / "other", str(src))
+        data.prepare("ptb", mine, str(src))
+    assert [(mine / f"{s}.txt").read_text() for s in files] == [f"the user's {s}\n" for s in files]
 
 
 def test_the_table_2_presets_are_the_papers_language_models():

@@ -311,25 +311,6 @@ def test_a_bpe_size_under_what_sentencepiece_needs_is_one_line(tmp_path, size):
         data.train_bpe(["hello world"] * 20, ["hallo welt"] * 20, size, tmp_path / "bpe")
 
 
-def test_a_language_models_damaged_test_file_writes_no_split(tmp_path, monkeypatch):
-    """PTB: a test file whose md5 is wrong was found after train.txt and dev.txt had been replaced."""
-    import hashlib
-    src = tmp_path / "copy"
-    src.mkdir()
-    files = {"train": "ptb.train.txt", "dev": "ptb.valid.txt", "test": "ptb.test.txt"}
-    for split, name in files.items():
-        (src / name).write_text(f" {split} one <unk> N \n")
-    md5 = {s: hashlib.md5((src / n).read_bytes()).hexdigest() for s, n in files.items()}
-    monkeypatch.setitem(data.CORPORA["ptb"], "md5", dict(md5, test="0" * 32))
-    mine = tmp_path / "mine"
-    mine.mkdir()
-    for split in files:
-        (mine / f"{split}.txt").write_text(f"the user's {split}\n")
-    with pytest.raises(DataError, match="ptb.test.txt: md5"):
-        data.prepare("ptb", mine, str(src))
-    assert [(mine / f"{s}.txt").read_text() for s in files] == [f"the user's {s}\n" for s in files]
-
-
 def _wikitext_zip(path, test=" = Test = \n \n the test <unk> . \n"):
     """A wikitext-103-v1.zip laid out as the real one: wikitext-103/wiki.{train,valid,test}.tokens, blank lines in."""
     import zipfile
