@@ -1007,7 +1007,7 @@ def build_parser():
     lm.add_argument("--sample", action="store_true", help="--generate: sample from the softmax instead of the "
                     "most probable token")
     lm.add_argument("--temperature", type=positive, default=1.0, help="--sample: softmax(logits / T)")
-    lm.add_argument("--max-tokens", type=int, default=50, help="--generate: at most this many new tokens")
+    lm.add_argument("--max-tokens", type=positive_int, default=50, help="--generate: at most this many new tokens")
     lm.add_argument("--context", type=count, default=0, metavar="N", help="--ppl: each token predicted with at least N "
                     "tokens of the text before it, in windows of --seq-len sliding by --seq-len - N ([2] A.2, "
                     "Transformer-XL's evaluation); 0: non-overlapping segments (train.py's number)")

@@ -459,8 +459,10 @@ DEFAULTS = {}  # every flag's default
 # The range of each number is its type= (decode.py Appendix F): a value out of range is argparse's own error line.
 in_0_1 = ranged(float, lambda v: 0 < v <= 1, "in (0, 1]")
 percent = ranged(float, lambda v: 0 < v <= 100, "in (0, 100]")
-length = ranged(float, lambda v: v >= 2, "at least 2 (g0 = log2(L^2 - L) >= 1)")
+length = ranged(float, lambda v: 2 <= v <= 1e6, "in [2, 1e6] (g0 = log2(L^2 - L) in [1, 40])")
 seed = ranged(int, lambda v: 0 <= v < 2 ** 63 - 64, "in [0, 2^63 - 64) (torch's generators take 64 bits)")
+rate = ranged(float, lambda v: 0 < v <= 100, "in (0, 100]")  # a larger LR overflows at the first step
+threads = ranged(int, lambda v: 1 <= v <= 1024, "in [1, 1024]")  # torch crashed at 100,000
 
 
 def build_parser():
@@ -557,10 +559,10 @@ def build_parser():
              "configs (Code [3]); cosine: the warmup, then a cosine to 0 at the run's last step (the tensorized "
              "Transformer's PTB script, [2]'s language models)")
     peak = g.add_mutually_exclusive_group()  # both set the peak LR (lr = lr_scale / sqrt(d * warmup)): one of them
-    add(peak, "--lr-scale", type=positive, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
+    add(peak, "--lr-scale", type=rate, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
         "warmup^-1.5) ([1] 3.3: 1, and 2 for 2xLR); when given it overrides --lr, whose value is "
         "lambda / sqrt(d * warmup)")
-    add(peak, "--lr", type=positive, default=2e-3, help="peak LR (reached at n_warmup), i.e. lambda = lr * "
+    add(peak, "--lr", type=rate, default=2e-3, help="peak LR (reached at n_warmup), i.e. lambda = lr * "
         "sqrt(d * warmup) in eq. 7; the constant LR of --schedule nowarmup ([1] 3.3: 3e-4)")
     add(g, "--warmup", type=positive_int, default=200, help="n_warmup of eq. 7 ([1]: 8000)")
     add(g, "--decay-factor", type=in_0_1, default=0.8, help="alpha_decay of validation decay ([1] 2.4; 0.8 in 3.3)")
@@ -589,7 +591,7 @@ def build_parser():
     add(g, "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     add(g, "--dtype", default="bf16", choices=["bf16", "fp32"], help="on CUDA: bf16 autocast (default; fp32 where "
         "the GPU has no bf16) or fp32 throughout; the CPU always trains in fp32")
-    add(g, "--threads", type=positive_int, help="CPU threads (torch.set_num_threads)")
+    add(g, "--threads", type=threads, help="CPU threads (torch.set_num_threads)")
     add(g, "--compile", action="store_true", default=False, help="torch.compile the model, once, for "
         "symbolic shapes, lengths padded to multiples of 8 (a minute or more to compile; for a GPU)")
     add(g, "--reference", action="store_true", default=False, help="run every equation as written, with no "

@@ -86,3 +86,11 @@ def test_the_baselines_flags_need_the_multilinear_attention_and_its_presets_set_
         pair, _, flags = train.PRESETS[f"pn2-released-{norm}"]
         causal = train.PRESETS[f"pn2-{norm}"][2]
         assert pair == "ptb" and flags == dict(causal, mask="none", positions="relative")
+
+
+@pytest.mark.parametrize("n", ["0", "-3"])
+def test_generate_with_no_tokens_to_make_is_refused(learned, n, capsys):
+    """Issue 30: --max-tokens 0 (and -3) printed nothing and exited 0."""
+    with pytest.raises(SystemExit):
+        decode.main([str(learned[1]), "--generate", "k1", "--max-tokens", n])
+    assert f"argument --max-tokens: must be at least 1 (got {n})" in capsys.readouterr().err

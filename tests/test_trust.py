@@ -208,6 +208,10 @@ def test_resume_survives_a_half_written_metrics_line_and_a_damaged_newest_checkp
     (["--enc-layers", "-1"], "--enc-layers"), (["--qk-length", "1.5"], "--qk-length"), (["--lr", "0"], "--lr"),
     (["--src", "en", "--tgt", "de"], "--src"), (["--accumulate", "0"], "--accumulate"),
     (["--decay-factor", "1.5"], "--decay-factor"), (["--clip", "-1"], "--clip"),
+    # Issue 30: each was a traceback or a crash after the run directory was made (g0 infinite, Adam's first step
+    # overflowing, torch segfaulting on 100,000 threads).
+    (["--lr", "1e300"], "--lr"), (["--lr-scale", "1e300"], "--lr-scale"),
+    (["--qknorm", "--qk-length", "1e200"], "--qk-length"), (["--threads", "100000"], "--threads"),
 ])
 def test_every_bad_flag_fails_at_start_in_one_line(argv, flag, tmp_path):
     one_line_error(lambda: train.main(argv + ["--out", str(tmp_path / "run")]), flag)
