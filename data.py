@@ -1106,7 +1106,7 @@ def atomic_write(path, content):
 
 def atomic_write_all(contents):
     """Write {path: content} so that no path is replaced until every content is written: each goes to a temporary
-    file beside its path (flushed to disk), then all are moved in by renames; on any failure none is replaced."""
+    file beside its path (flushed to disk), then all are moved in by renames: a failure before those replaces none."""
     staged = []
     try:
         for path, content in contents.items():

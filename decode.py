@@ -470,6 +470,8 @@ def read_checkpoint(path, device="cpu"):
         raise DataError(f"{p}: refused, not a readable checkpoint ({why})") from None
     if not isinstance(ckpt, dict) or not all(isinstance(ckpt.get(k), dict) for k in ("model_config", "model")):
         raise DataError(f"{p}: not a checkpoint of this project (no 'model_config' and 'model' entries)")
+    if ckpt.get("format") != CHECKPOINT_FORMAT:  # the one check of a checkpoint's format: decode and resume alike
+        raise DataError(f"{p}: written by an older train.py (format {ckpt.get('format')}); start a new run")
     return ckpt
 
 
@@ -1020,7 +1022,7 @@ def build_parser():
 # the checkpoint (a translator, a language model); a flag given that its mode does not read is refused (idle_flag).
 MODEL = {"checkpoint", "average", "device", "dtype", "reference"}
 SEARCH = {"beam", "alpha", "length_penalty", "max_len_b", "max_len", "batch_tokens"}
-LOOK = MODEL | SEARCH | {"g_table", "attention", "attention_target", "layer", "head", "kind", "png"}  # translates once
+LOOK = MODEL | {"g_table", "attention", "attention_target", "layer", "head", "kind", "png"}  # greedy, if at all
 TRANSLATE = MODEL | SEARCH | {"input", "output", "ref", "tokenized", "lowercase", "progress", "ppl", "label_smoothing",
                               "benchmark"}
 LM = {"batch_tokens", "input", "ppl", "context", "leak", "leak_mode", "generate", "sample", "temperature", "max_tokens",

@@ -248,7 +248,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, pad_mask, mem_kv, mem_key_mask, self_kv=None):
         """x (B, T, D); mem_kv: the encoder output's cross-attention (k, v); self_kv: None, or decode.py's cache."""
-        def self_attn(h):  # causal: position t attends to positions <= t
+        def self_attn(h):  # causal: position t attends to positions <= t (unless --mask none, Appendix B)
             if self_kv is not None or isinstance(self.self_attn, MultiLinearAttention):  # decoding's cache, or [7]
                 return other_self_attention(self.self_attn, h, self_kv)  # Appendix D
             return self.self_attn(h, *self.self_attn.project_kv(h), None, causal=True)  # k, v (B, H, T, Dh)
@@ -631,8 +631,8 @@ def autocast(device, bf16=True):
 # Appendix D: plumbing a first reading can skip.
 # =======================================================================================
 def other_self_attention(attn, h, self_kv):
-    """The decoder's self-attention other than the plain causal one: Appendix B's multi-linear attention (causal by
-    construction), or incremental decoding (decode.py): h (B, 1, D) the new step; self_kv a dict with this layer's
+    """The decoder's self-attention other than the plain causal one: Appendix B's multi-linear attention (its own
+    mask), or incremental decoding (decode.py): h (B, 1, D) the new step; self_kv a dict with this layer's
     self-attention keys/values so far, which the new step's are appended to (so the prefix is never recomputed)."""
     if isinstance(attn, MultiLinearAttention):
         return attn(h)

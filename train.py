@@ -566,12 +566,12 @@ def build_parser():
         "sqrt(d * warmup) in eq. 7; the constant LR of --schedule nowarmup ([1] 3.3: 3e-4)")
     add(g, "--warmup", type=positive_int, default=200, help="n_warmup of eq. 7 ([1]: 8000)")
     add(g, "--decay-factor", type=in_0_1, default=0.8, help="alpha_decay of validation decay ([1] 2.4; 0.8 in 3.3)")
-    add(g, "--patience", type=positive_int, default=3, help="validation decay when dev BLEU is below each of the "
-        "previous PATIENCE evaluations ([1] 2.4; 3 in 3.3)")
+    add(g, "--patience", type=positive_int, default=3, help="validation decay when the dev score (BLEU; perplexity "
+        "with --task lm) is worse than each of the previous PATIENCE evaluations ([1] 2.4; 3 in 3.3)")
     add(g, "--stop-lr", type=non_negative, default=1e-6, help="stop when the LR falls below this ([1] appendix A: "
         "1e-6; TwT code 5e-5; [3]: 1e-5)")
-    add(g, "--early-stop", type=count, default=20, help="stop when dev BLEU has not improved for this many "
-        "evaluations ([1]: 20, 50 for gl-en; 0: off)")
+    add(g, "--early-stop", type=count, default=20, help="stop when the dev score (BLEU, or perplexity) has not "
+        "improved for this many evaluations ([1]: 20, 50 for gl-en; 0: off)")
     add(g, "--beta1", type=fraction, default=0.9, help="Adam beta1 ([1] appendix A)")
     add(g, "--beta2", type=fraction, default=0.999, help="Adam beta2 ([1] appendix A)")
     add(g, "--adam-eps", type=positive, default=1e-8, help="Adam epsilon ([1] appendix A)")
@@ -811,8 +811,7 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
     **{f"pn2-released-{key}": ("ptb", f"PowerNorm Table 2: PTB, {name}, the baseline's code as it ran (unmasked, "
                                f"relative positions)", row(PN2, norm=norm, mask="none", positions="relative"))
        for key, name, norm in PN2_NORMS if key in ("layernorm", "powernorm")},
-    # [2] A.2: WikiText-103 with 6 layers, the rest as PTB's; an epoch is one pass over its 103,227,021 words and
-    # 1,801,350 EOS (27,352 batches). Days a row on a GPU, far more on a CPU: named here, not run in this project.
+    # [2] A.2: WikiText-103, 6 layers, the rest as PTB's; an epoch: 103,227,021 words + 1,801,350 EOS, 27,352 batches
     **{f"pn2-wt103-{key}": ("wikitext-103", f"PowerNorm Table 2: WikiText-103, 6-layer tensorized Transformer {name}",
                             row(PN2, layers=6, epoch_size=27352, norm=norm))
        for key, name, norm in PN2_NORMS},
@@ -1319,18 +1318,17 @@ def resume_flags(args, given):
     with another value is refused by may_resume, before any change."""
     run_dir = Path(args.resume)
     log = Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0", highlight=False, markup=False).print
+    why = "the run may have stopped before its first evaluation"
     for i, path in enumerate(decode.checkpoints(run_dir, "resume")):  # the newest that reads back safely
         try:
-            ckpt = decode.read_checkpoint(path)
+            ckpt = decode.read_checkpoint(path)  # which also refuses an older train.py's checkpoint
             break
         except data.DataError as e:
             log(f"resume: skipped: {e}")
+            why = f"the last: {e}"
     else:
-        raise data.DataError(f"--resume {run_dir}: nothing to resume from, no readable checkpoint (the run may have "
-                             f"stopped before its first evaluation); start it again with --overwrite")
-    if ckpt.get("format") != decode.CHECKPOINT_FORMAT:
-        raise data.DataError(f"--resume {run_dir}: written by an older train.py (checkpoint format "
-                             f"{ckpt.get('format')}, not {decode.CHECKPOINT_FORMAT}); start a new run")
+        raise data.DataError(f"--resume {run_dir}: nothing to resume from, no readable checkpoint ({why}); start it "
+                             f"again with --overwrite")
     fallback = "" if i == 0 and path == decode.checkpoint_file(run_dir, "last") else " (the newest that reads back)"
     log(f"resume: {path} at step {ckpt['train_state']['step']}{fallback}")
     saved = ckpt["args"]

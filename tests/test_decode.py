@@ -196,7 +196,7 @@ def run_dir(tmp_path_factory):
     model_path = train_bpe(lines[:30], lines[30:], 60, root / "bpe")
     tok = Tokenizer(model_path)
     model = tiny_model(vocab_size=tok.vocab_size)
-    ckpt = {"model_config": model.cfg.to_dict(), "model": model.state_dict(),
+    ckpt = {"format": decode.CHECKPOINT_FORMAT, "model_config": model.cfg.to_dict(), "model": model.state_dict(),
             "bpe_model_proto": Path(model_path).read_bytes(), "src_lang": "src", "tgt_lang": "tgt",
             "step": 7, "dev_bleu": 0.0}
     torch.save(ckpt, root / "checkpoint_best.pt")

@@ -182,6 +182,7 @@ def test_resume_says_what_it_cannot_honour(finished, tmp_path, corpus):
         torch.save({k: v for k, v in torch.load(f, weights_only=True).items() if k != "format"}, f)
     before = snapshot(run)
     one_line_error(lambda: train.main(["--resume", str(run)]), "written by an older train.py", "start a new run")
+    one_line_error(lambda: decode.main([str(run), "--g-table"]), "written by an older train.py")  # decode.py too
     assert snapshot(run) == before
 
 
