@@ -64,7 +64,7 @@ from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 import data
 from data import DataError
-from model import BOS, EOS, PAD, ModelConfig, MultiHeadAttention, Transformer, autocast, has_bf16, pick_device
+from model import BOS, EOS, PAD, UNK, ModelConfig, MultiHeadAttention, Transformer, autocast, has_bf16, pick_device
 from norms import BATCH_NORMS, timed, use_reference
 
 NEG_INF = float("-inf")
@@ -344,18 +344,18 @@ def perplexity(model, tokenizer, pairs, label_smoothing=0.1, batch_tokens=4096, 
 # (the same NLL; under BPE n counts pieces, so per-word perplexity is the one comparable across vocabularies).
 # ---------------------------------------------------------------------------------------
 def lm_perplexity(model, tokenizer, lines, seq_len, batch_tokens=4096, bf16=True, context=0):
-    """dict(ppl, nll, n_tokens, word_ppl, n_words) of text lines (empty lines skipped, as training does). context N > 0:
-    each token with at least N tokens before it ([2] A.2, as Transformer-XL evaluates), in windows of seq_len tokens
-    that slide by seq_len - N (data.lm_windows). Note: the window stays seq_len, the positions the model trained on
-    (a softmax model scored with longer windows got worse: its positions past seq_len were never trained)."""
-    lines = [line for line in lines if line]
-    if not lines:
-        raise DataError("perplexity: no text (every line is empty)")
+    """dict(ppl, nll, n_tokens, word_ppl, n_words, unk_tokens, unk_share) of text lines (empty lines skipped, as
+    training does). context N > 0: each token with at least N tokens before it ([2] A.2, as Transformer-XL evaluates),
+    in windows of seq_len tokens that slide by seq_len - N (data.lm_windows). Note: the window stays seq_len, the
+    positions the model trained on (a softmax model scored with longer windows got worse: its positions past seq_len
+    were never trained)."""
+    lines = [line for line in lines if line]  # none: DataError (data.lm_windows)
     segments = data.lm_windows(data.lm_stream(tokenizer, lines), seq_len, context)
     _, nll, n = evaluate_loss(model, segments, batch_tokens, 0.0, bf16)
     words = sum(len(line.split()) + 1 for line in lines)  # + EOS each
+    unknown = int(segments.y.eq(UNK).sum())  # papers' OOV rate: scored targets that are UNK (PTB's <unk>, new words)
     return {"ppl": math.exp(nll / n), "nll": nll / n, "n_tokens": n, "word_ppl": math.exp(nll / words),
-            "n_words": words}
+            "n_words": words, "unk_tokens": unknown, "unk_share": unknown / n}
 
 
 @torch.no_grad()
@@ -472,6 +472,9 @@ def read_checkpoint(path, device="cpu"):
         raise DataError(f"{p}: not a checkpoint of this project (no 'model_config' and 'model' entries)")
     if ckpt.get("format") != CHECKPOINT_FORMAT:  # the one check of a checkpoint's format: decode and resume alike
         raise DataError(f"{p}: written by an older train.py (format {ckpt.get('format')}); start a new run")
+    theirs, ours = (ckpt.get("args") or {}).get("run_id"), run_id_of(p.parent / "config.json")  # decode, resume alike
+    if ours is not None and theirs != ours:  # copied in from another run: its model is not this run's
+        raise DataError(f"{p}: refused, a checkpoint of another run (run_id {theirs}) in the folder of run {ours}")
     return ckpt
 
 
@@ -524,8 +527,20 @@ def checkpoints(run_dir, use="any"):
 
 
 def is_run_file(name):
-    """Whether train.py writes a file of this name into a run directory."""
-    return name in RESULT_FILES + CACHE_FILES or bool(CHECKPOINT.fullmatch(name))
+    """Whether train.py writes a file of this name into a run directory (its lock too)."""
+    return name in RESULT_FILES + CACHE_FILES + (".lock",) or bool(CHECKPOINT.fullmatch(name))
+
+
+def run_id_of(path):
+    """The run id a config.json, results.json or checkpoint holds (None if it holds none or is unreadable)."""
+    try:
+        if path.suffix == ".pt":  # memory-mapped: only the few bytes of the id are read; a checkpoint's flags
+            blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("args")
+        else:
+            blob = json.loads(path.read_text())
+    except Exception:  # unreadable, not JSON, not a checkpoint: not known to be this run's
+        return None
+    return blob.get("run_id") if isinstance(blob, dict) and isinstance(blob.get("run_id"), str) else None
 
 
 def load_checkpoint(path, device="cpu", average=0):
@@ -535,11 +550,9 @@ def load_checkpoint(path, device="cpu", average=0):
     checkpoint ("bpe_model_proto"), so a checkpoint file alone can translate. Otherwise DataError naming the path."""
     p = Path(path)
     if average > 0:
-        if not p.is_dir():
-            raise DataError(f"{p}: --average {average} needs a run directory (with epoch checkpoints)")
-        if len(epochs := checkpoints(p, "average")) < average:
-            raise DataError(f"{p}: --average {average} needs {average} epoch checkpoints, "
-                            f"the run directory has {len(epochs)}")
+        if len(epochs := checkpoints(p, "average")) < average:  # a file: none
+            raise DataError(f"{p}: --average {average} needs a run directory with {average} epoch checkpoints; it "
+                            f"has {len(epochs)}")
         ckpt, p = average_checkpoints(epochs[-average:]), epochs[-1]
     else:
         if p.is_dir():
@@ -930,6 +943,7 @@ positive_int, count = ranged(int, lambda v: v >= 1, "at least 1"), ranged(int, l
 positive, non_negative = ranged(float, lambda v: v > 0, "positive"), ranged(float, lambda v: v >= 0, "0 or more")
 fraction = ranged(float, lambda v: 0 <= v < 1, "in [0, 1)")
 alpha_range = ranged(float, lambda v: 0 <= v <= 10, "in [0, 10] (the papers: 0.6, 1.0; a larger one overflows)")
+threads = ranged(int, lambda v: 1 <= v <= 1024, "in [1, 1024]")  # torch crashed at 100,000
 
 
 def build_parser():
@@ -960,9 +974,10 @@ def build_parser():
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="on CUDA: bf16 autocast (default) "
                     "or fp32 throughout; the CPU always computes in fp32")
-    ap.add_argument("--batch-tokens", type=positive_int, help="source tokens per batch (sentences x longest length; "
-                    "default 4096); a language model's tokens per batch (default: its run's)")
+    ap.add_argument("--batch-tokens", type=positive_int, help="source tokens per batch (sentences x longest length), "
+                    "a language model's tokens per batch (default: the run's, as its own dev and test; else 4096)")
     ap.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
+    ap.add_argument("--threads", type=threads, help="CPU threads (torch.set_num_threads; default: torch's)")
     ap.add_argument("--reference", action="store_true",
                     help="run every equation as written, with no fast path anywhere (norms.py section 1)")
     ap.add_argument("--benchmark", action="store_true", help="time greedy (beam 1) and beam search on --input "
@@ -1020,7 +1035,7 @@ def build_parser():
 
 # Which flags each mode reads: decode.py's one table. A mode is chosen by its flag (the first of MODES given), else by
 # the checkpoint (a translator, a language model); a flag given that its mode does not read is refused (idle_flag).
-MODEL = {"checkpoint", "average", "device", "dtype", "reference"}
+MODEL = {"checkpoint", "average", "device", "dtype", "reference", "threads"}
 SEARCH = {"beam", "alpha", "length_penalty", "max_len_b", "max_len", "batch_tokens"}
 LOOK = MODEL | {"g_table", "attention", "attention_target", "layer", "head", "kind", "png"}  # greedy, if at all
 TRANSLATE = MODEL | SEARCH | {"input", "output", "ref", "tokenized", "lowercase", "progress", "ppl", "label_smoothing",
@@ -1071,7 +1086,7 @@ def parse_args(argv=None):
 
 def check_output_file(path, flag, suffix=None):
     """DataError naming the flag unless `path` can be written: not a folder, in a folder that exists and takes a new
-    file (tried, not guessed from permissions), with `suffix` if given."""
+    file (tried, not guessed from permissions), with `suffix` if given, and not a file of any run of train.py."""
     p = Path(path)
     if suffix and p.suffix.lower() != suffix:
         raise DataError(f"{flag} {path}: the file name must end in {suffix}")
@@ -1084,6 +1099,8 @@ def check_output_file(path, flag, suffix=None):
     folder = p.resolve().parent  # a symbolic link: its file is replaced, not the link
     if not folder.is_dir():
         raise DataError(f"{flag} {path}: its folder {folder} does not exist")
+    if is_run_file(p.resolve().name) and ((folder / "config.json").exists() or checkpoints(folder)):  # a run's
+        raise DataError(f"{flag} {path}: a file of the run directory {folder} (train.py writes it); write elsewhere")
     try:
         tempfile.TemporaryFile(dir=folder).close()  # a file made there and removed
     except OSError as e:
@@ -1103,18 +1120,15 @@ def run(args):
         raise DataError(str(e)) from None
     if device.type == "cuda" and not has_bf16(device):
         args.dtype = "fp32"  # this GPU only emulates bf16, slowly (model.has_bf16)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     # Every input is read and checked before any work; stdin is read last.
     if args.output:  # never what decode.py reads (--input, --ref, the checkpoint), nor a file train.py wrote
-        check_output_file(args.output, "--output")
         out = Path(args.output).resolve()
         for flag, path in (("--input", args.input), ("--ref", args.ref), ("the checkpoint", args.checkpoint)):
             if path and out.exists() and Path(path).exists() and out.samefile(path):
                 raise DataError(f"--output {args.output}: is {flag} {path}; write the translations elsewhere")
-        run_dir = Path(args.checkpoint).resolve() if Path(args.checkpoint).is_dir() else \
-            Path(args.checkpoint).resolve().parent
-        if out.parent == run_dir and out.exists() and (out.suffix not in (".hyp", ".txt") or is_run_file(out.name)):
-            raise DataError(f"--output {args.output}: a file of the run directory {run_dir} (train.py's, or not a "
-                            f".hyp or .txt file); write the translations elsewhere")
+        check_output_file(args.output, "--output")
     if args.png:
         pyplot(args.png, "--png")
     lines, refs = (data.read_lines(path) if path else None for path in (args.input, args.ref))
@@ -1128,19 +1142,18 @@ def run(args):
         return language_model(args, model, tokenizer, lines)
     if args.ppl and not args.ref:
         raise DataError("--ppl of a translator needs --ref (and the sources in --input or on stdin)")
-    args.batch_tokens = args.batch_tokens or 4096  # a translator's default (a language model's: its run's)
     return translate_and_score(args, model, tokenizer, ckpt, read_stdin() if lines is None else lines, refs)
 
 
 def run_defaults(args, ckpt, lm):
     """The flags not given that default to the run's own: its checkpoint's value, checked by the flag's own type (not
-    trusted), else TwT's beam 4, alpha 0.6, gnmt and label smoothing 0.1; a language model's segment length and
-    batches (the NLL is summed in the same order, so --ppl prints results.json's number), else 32 and 4096."""
+    trusted), else TwT's beam 4, alpha 0.6, gnmt and label smoothing 0.1; a language model's segment length, else 32;
+    the batches of the run's dev and test, else 4096 (a language model's NLL in the same order: results.json's ppl)."""
     saved = ckpt.get("args") if isinstance(ckpt.get("args"), dict) else {}
-    flags = (("seq_len", 32, positive_int), ("batch_tokens", 4096, positive_int)) if lm else \
+    flags = (("seq_len", 32, positive_int),) if lm else \
         (("beam", 4, positive_int), ("alpha", 0.6, alpha_range), ("label_smoothing", 0.1, fraction),
          ("length_penalty", "gnmt", lambda v: PENALTIES[PENALTIES.index(v)]))
-    for flag, default, convert in flags:
+    for flag, default, convert in flags + (("batch_tokens", 4096, positive_int),):
         if getattr(args, flag) is None:
             v = saved.get(flag, default)
             try:  # the flag's own type, on the value as the command line would give it
@@ -1154,8 +1167,9 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
     """A translator: translate the lines (to --output or stdout), and score them against refs."""
     if refs is not None and len(refs) != len(lines):
         raise DataError(f"{args.ref}: {len(refs)} lines, but {args.input or 'stdin'} has {len(lines)}")
-    if refs is not None and not lines:
-        raise DataError(f"--ref {args.ref}: nothing to score, {args.input or 'stdin'} has no lines")
+    if (refs is not None or args.benchmark) and not any(line.strip() for line in lines):  # nothing to score or time
+        what = "--ppl" if args.ppl else f"--ref {args.ref}" if refs is not None else "--benchmark"
+        raise DataError(f"{what}: nothing to score, {args.input or 'stdin'} has no non-empty source line")
     if n_long := count_long(tokenizer, lines, args.max_len):
         print(f"note: {n_long} source lines longer than --max-len {args.max_len} BPE tokens are cut to it",
               file=sys.stderr)
@@ -1164,12 +1178,8 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
     print(f"loaded {args.checkpoint} (step {state.get('step')}, dev BLEU {(state.get('history') or [None])[-1]}, "
           f"{ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')}{avg}); beam {args.beam}, "
           f"{args.length_penalty} length penalty alpha {args.alpha}", file=sys.stderr)
-    if args.ppl and not any(line.strip() for line in lines):
-        raise DataError(f"--ppl: {args.input or 'stdin'} has no non-empty source line to score")
     search = Search(args.beam, args.alpha, args.max_len_b, args.max_len, args.dtype == "bf16", args.length_penalty)
     if args.benchmark:
-        if not any(lines):
-            raise DataError(f"--benchmark: {args.input or 'stdin'} has no sentence to translate")
         return benchmark(model, tokenizer, lines, refs, args, search)
     hyps = translate(model, tokenizer, lines, search, args.batch_tokens, args.progress)
     text = "".join(h + "\n" for h in hyps)
@@ -1210,17 +1220,18 @@ def read_stdin():
 
 def language_model(args, model, tokenizer, lines):
     """--ppl, --leak and --generate of a language model (section 8; data.py section 8)."""
-    if args.generate is None and not args.ppl and not args.leak:
-        raise DataError(f"{args.checkpoint}: a language model: give --ppl or --leak (with --input), "
-                        f"or --generate PREFIX")
-    if args.input and not (args.ppl or args.leak):
-        raise DataError("--input does nothing with --generate (its text is for --ppl and --leak)")
     seq_len, batch_tokens = args.seq_len, args.batch_tokens  # the run's own unless given (run_defaults)
     if model.cfg.attention == "multilinear" and seq_len > model.cfg.seq_len:
         raise DataError(f"--seq-len {seq_len}: {args.checkpoint} has a multi-linear attention built for segments of "
                         f"{model.cfg.seq_len} tokens; give --seq-len {model.cfg.seq_len} or less")
+    if args.ppl or args.leak:  # their text (--input or stdin), read once; its empty lines skipped, as training does
+        if not (text := [line for line in (read_stdin() if lines is None else lines) if line]):
+            raise DataError(f"{args.input or 'stdin'}: no text to score (every line is empty)")
+    elif args.generate is None:
+        raise DataError(f"{args.checkpoint}: a language model: give --ppl, --leak (with --input) or --generate PREFIX")
+    elif args.input:
+        raise DataError("--input does nothing with --generate (its text is for --ppl and --leak)")
     if args.leak:
-        text = [line for line in (read_stdin() if lines is None else lines) if line]
         if seq_len < 2:
             raise DataError(f"--leak: --seq-len {seq_len}: a segment needs a token after its middle to change")
         segs = data.lm_segments(data.lm_stream(tokenizer, text), seq_len)
@@ -1234,11 +1245,10 @@ def language_model(args, model, tokenizer, lines):
               f"log p(next token) at positions 1..{r['positions']} by {r['mean_abs_change']:.4f} nats on average; "
               f"their perplexity {r['ppl_before']:.2f} -> {r['ppl_after']:.2f}")
     if args.ppl:
-        ppl = lm_perplexity(model, tokenizer, read_stdin() if lines is None else lines, seq_len, batch_tokens,
-                            args.dtype == "bf16", args.context)
+        ppl = lm_perplexity(model, tokenizer, text, seq_len, batch_tokens, args.dtype == "bf16", args.context)
         how = f"at least {args.context} tokens of context" if args.context else f"segments of {seq_len}"
-        print(f"perplexity {ppl['ppl']:.2f} over {ppl['n_tokens']} tokens ({how}); per word "
-              f"{ppl['word_ppl']:.2f} over {ppl['n_words']} words and EOS")
+        print(f"perplexity {ppl['ppl']:.2f} over {ppl['n_tokens']} tokens ({how}); per word {ppl['word_ppl']:.2f} over "
+              f"{ppl['n_words']} words and EOS; unknown (<unk>) tokens: {ppl['unk_tokens']} ({ppl['unk_share']:.2%})")
     if args.generate is not None:
         prefix, more = generate(model, tokenizer, args.generate, seq_len, args.max_tokens,
                                 args.temperature if args.sample else 0.0, args.seed)

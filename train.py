@@ -59,7 +59,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import data
 import decode
-from decode import alpha_range, count, fraction, non_negative, positive, positive_int, ranged
+from decode import alpha_range, count, fraction, non_negative, positive, positive_int, ranged, run_id_of, threads
 from model import ModelConfig, Transformer, autocast, count_parameters, has_bf16, pick_device, qk_g0
 from norms import BATCH_NORMS, NORMS, fast_paths, use_reference
 
@@ -411,14 +411,17 @@ def finish(run):
     decode.print_g_table(run.model)  # [1] Figures 3-4: learned g versus depth
     write_file(run.dir / "g_values.json", json.dumps(decode.g_values(run.model), indent=2) + "\n")  # before the test
     if args.task == "lm":  # the field's test perplexity: every target token, EOS included, no smoothing
-        ppl = decode.lm_perplexity(run.model, run.tokenizer, run.pairs["test"], args.seq_len, args.batch_tokens,
-                                   run.step_options.bf16)
+        both = {s: decode.lm_perplexity(run.model, run.tokenizer, run.pairs[s], args.seq_len, args.batch_tokens,
+                                        run.step_options.bf16) for s in ("dev", "test")}  # dev: for its <unk> count
+        ppl = both["test"]
         result.update(test_ppl=ppl["ppl"], test_tokens=ppl["n_tokens"])
         if args.bpe_size:  # BPE: per word too (the same NLL over the text's words and EOS)
             result.update(test_word_ppl=ppl["word_ppl"], test_words=ppl["n_words"])
         per_word = f" ({ppl['word_ppl']:.2f} per word, {ppl['n_words']} words and EOS)" if args.bpe_size else ""
+        result.update({f"{s}_{k}": p[k] for s, p in both.items() for k in ("unk_tokens", "unk_share")})  # OOV rate
+        unknown = ", ".join(f"{s} {p['unk_tokens']} ({p['unk_share']:.2%})" for s, p in both.items())
         run.log(f"test perplexity (best checkpoint, step {best['step']}): {ppl['ppl']:.2f} over {ppl['n_tokens']} "
-                f"tokens{per_word}")
+                f"tokens{per_word}; unknown (<unk>) tokens: {unknown}")
     elif run.pairs["test"]:
         hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["test"]],
                                 decode.Search(args.beam, args.alpha, max_src_len=args.max_len,
@@ -462,7 +465,6 @@ percent = ranged(float, lambda v: 0 < v <= 100, "in (0, 100]")
 length = ranged(float, lambda v: 2 <= v <= 1e6, "in [2, 1e6] (g0 = log2(L^2 - L) in [1, 40])")
 seed = ranged(int, lambda v: 0 <= v < 2 ** 63 - 64, "in [0, 2^63 - 64) (torch's generators take 64 bits)")
 rate = ranged(float, lambda v: 0 < v <= 100, "in (0, 100]")  # a larger LR overflows at the first step
-threads = ranged(int, lambda v: 1 <= v <= 1024, "in [1, 1024]")  # torch crashed at 100,000
 
 
 def build_parser():
@@ -1373,18 +1375,6 @@ def may_resume(run_dir, args, ckpt, given, hashes):
     # killed in its final test, still stopped, goes straight to the test).
     if state["stopped"] and state["stopped"][0] != "diverged" and not why:
         state["stopped"] = None
-
-
-def run_id_of(path):
-    """The run id a config.json, results.json or checkpoint holds (None if it holds none or is unreadable)."""
-    try:
-        if path.suffix == ".pt":  # memory-mapped: only the few bytes of the id are read; a checkpoint's flags
-            blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("args")
-        else:
-            blob = json.loads(path.read_text())
-    except Exception:  # unreadable, not JSON, not a checkpoint: not known to be this run's
-        return None
-    return blob.get("run_id") if isinstance(blob, dict) and isinstance(blob.get("run_id"), str) else None
 
 
 def open_run_dir(args, pairs, log, stack, master, resumed=None):

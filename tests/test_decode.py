@@ -317,3 +317,87 @@ def test_bad_inputs_give_one_line_errors_naming_the_file(run_dir, tmp_path, case
         decode.main(argv)
     msg = str(e.value.code)
     assert named in msg and "\n" not in msg and msg.startswith("decode.py: error:")
+
+
+# -- issue 30: a run's files, a run's checkpoints, --threads, the batch default --------------------------------
+def _one_line_exit(argv, *words):
+    """decode.main(argv) stops with one line (non-zero) holding every one of words."""
+    with pytest.raises(SystemExit) as e:
+        decode.main(argv)
+    msg = str(e.value.code)
+    assert e.value.code != 0 and "\n" not in msg and all(w in msg for w in words), msg
+    return msg
+
+
+def _files(folder):
+    return {p: p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def test_output_never_replaces_a_file_any_run_wrote(run_dir, tmp_path):
+    """Issue 30: --output RUN_B/checkpoint_best.pt replaced run B's checkpoint (only the decoded run's files were
+    protected). A run's folder (config.json or a checkpoint) keeps every name a run writes; other names, and a
+    folder with no run in it, take the translations."""
+    root = run_dir[0]
+    b, c, mine = tmp_path / "b", tmp_path / "c", tmp_path / "mine"
+    for d in (b, c, mine):
+        d.mkdir()
+    (b / "checkpoint_best.pt").write_bytes((root / "checkpoint_best.pt").read_bytes())  # a run: its checkpoint
+    (b / "results.json").write_text("{}\n")
+    (c / "config.json").write_text('{"run_id": "c"}\n')  # a run: its config.json
+    (tmp_path / "link.hyp").symlink_to(b / "checkpoint_best.pt")  # written through: its file would be replaced
+    before = _files(tmp_path)
+    src = [str(root), "--input", str(root / "dev.src"), "--max-len-b", str(B_), "--output"]
+    for out in (b / "checkpoint_best.pt", b / "results.json", b / "test.hyp", b / "checkpoint_epoch3.pt",
+                c / "bpe.model", c / ".lock", tmp_path / "link.hyp"):
+        _one_line_exit(src + [str(out)], f"--output {out}", "a file of the run directory")
+    assert _files(tmp_path) == before  # nothing written, nothing replaced
+    for out in (b / "b.hyp", mine / "results.json"):
+        assert decode.main(src + [str(out)]) == 0 and out.read_text().count("\n") == 12
+
+
+def test_a_checkpoint_of_another_run_is_refused_by_decode_and_resume(run_dir, tmp_path):
+    """Issue 30: a language model's checkpoint copied into a translation run's folder made decode.py take the whole
+    run for a language model. A checkpoint whose run_id is not its folder's run's (config.json) is refused."""
+    import train
+    ckpt = torch.load(run_dir[0] / "checkpoint_best.pt", weights_only=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"run_id": "ours"}\n')
+    torch.save(dict(ckpt, args={"run_id": "theirs"}), run / "checkpoint_best.pt")
+    before = _files(tmp_path)
+    for model in (run, run / "checkpoint_best.pt"):
+        _one_line_exit([str(model), "--input", str(run_dir[0] / "dev.src")], str(run / "checkpoint_best.pt"),
+                       "another run (run_id theirs)", "run ours")
+    with pytest.raises(SystemExit) as e:  # a resume skips it: nothing of this run to resume from
+        train.main(["--resume", str(run)])
+    assert "nothing to resume" in str(e.value.code) and "another run" in str(e.value.code), e.value.code
+    assert _files(tmp_path) == before
+    torch.save(dict(ckpt, args={"run_id": "ours"}), run / "checkpoint_best.pt")  # its own run's: read
+    assert decode.load_checkpoint(run)[2]["args"]["run_id"] == "ours"
+
+
+def test_threads_is_range_checked_and_set(run_dir, monkeypatch, capsys):
+    """Issue 30: decode.py had no --threads (train.py's: [1, 1024]; torch crashed at 100,000)."""
+    root = run_dir[0]
+    argv = [str(root), "--input", str(root / "dev.src"), "--max-len-b", str(B_)]
+    for n in ("0", "100000"):
+        with pytest.raises(SystemExit):
+            decode.main(argv + ["--threads", n])
+        assert f"argument --threads: must be in [1, 1024] (got {n})" in capsys.readouterr().err
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    assert decode.main(argv + ["--threads", "3"]) == 0 and set_to == [3]
+
+
+def test_a_translators_batches_are_the_runs_else_4096(run_dir, tmp_path, monkeypatch):
+    """One owner of the default (run_defaults): the batches the run's own dev and test used, else 4096; given wins."""
+    root, model, tok, lines = run_dir
+    ckpt = torch.load(root / "checkpoint_best.pt", weights_only=True)
+    used = []
+    monkeypatch.setattr(decode, "translate", lambda m, t, src, search, batch_tokens, *a: used.append(batch_tokens)
+                        or [""] * len(src))
+    for saved, given, want in (({"batch_tokens": 123}, [], 123), ({}, [], 4096), ({"batch_tokens": 123}, ["50"], 50)):
+        torch.save(dict(ckpt, args=saved), tmp_path / "c.pt")
+        flags = ["--batch-tokens", *given] if given else []
+        assert decode.main([str(tmp_path / "c.pt"), "--input", str(root / "dev.src"), *flags]) == 0
+        assert used.pop() == want

@@ -1,5 +1,6 @@
 """A language model evaluated as PowerNorm's Table 2 was ([2] A.2: Transformer-XL's scheme, each token with the text
 before it), and the baseline's unmasked model seen at evaluation: decode.py --ppl --context N, --leak --leak-mode eval."""
+import json
 import random
 
 import pytest
@@ -94,3 +95,55 @@ def test_generate_with_no_tokens_to_make_is_refused(learned, n, capsys):
     with pytest.raises(SystemExit):
         decode.main([str(learned[1]), "--generate", "k1", "--max-tokens", n])
     assert f"argument --max-tokens: must be at least 1 (got {n})" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def unknown_words(tmp_path_factory):
+    """A word model whose dev and test hold words its training text lacks: dev 'a x b' (1 of 4 tokens with EOS
+    unknown), test PTB's own '<unk>' and unseen words (3 of 4), its blank lines skipped."""
+    d = tmp_path_factory.mktemp("unk")
+    for split, text in (("train", "a b c\n" * 40), ("dev", "a x b\n" * 10), ("test", "<unk> y z\n\n" * 5)):
+        (d / f"{split}.txt").write_text(text)
+    run = tmp_path_factory.mktemp("runs") / "unk"
+    train.main(LM + ["--data", str(d), "--seq-len", "4", "--max-steps", "2", "--epoch-size", "2", "--out", str(run)])
+    return d, run
+
+
+def test_a_language_model_reports_its_unknown_tokens(unknown_words, capsys):
+    """Issue 30: results.json, the log and --ppl gave a perplexity over a text whose every word may be <unk>; they
+    give the count and share of unknown tokens (of the tokens perplexity is over), dev and test, as papers do."""
+    d, run = unknown_words
+    r = json.loads((run / "results.json").read_text())
+    assert (r["dev_unk_tokens"], r["dev_unk_share"], r["test_unk_tokens"], r["test_unk_share"]) == (10, 0.25, 15, 0.75)
+    assert r["test_tokens"] == 20  # the share is of these
+    model, tok, _ = decode.load_checkpoint(run)
+    small = decode.lm_perplexity(model, tok, ["a b", "", "q"], 4, bf16=False)  # a b EOS q EOS: q unknown
+    assert (small["unk_tokens"], small["unk_share"], small["n_tokens"]) == (1, 0.2, 5)
+    lines = (d / "test.txt").read_text().splitlines()
+    assert decode.lm_perplexity(model, tok, lines, 4, bf16=False, context=2)["unk_tokens"] == 15  # each scored once
+    capsys.readouterr()
+    assert decode.main([str(run), "--ppl", "--input", str(d / "test.txt")]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("unknown (<unk>) tokens: 15 (75.00%)")
+
+
+def test_the_log_says_how_many_tokens_were_unknown(tmp_path, capsys):
+    d = tmp_path / "text"
+    d.mkdir()
+    for split, text in (("train", "a b c\n" * 40), ("dev", "a x b\n" * 10), ("test", "a b c\n" * 5)):
+        (d / f"{split}.txt").write_text(text)
+    train.main(LM + ["--data", str(d), "--seq-len", "4", "--max-steps", "2", "--epoch-size", "2",
+                     "--out", str(tmp_path / "run")])
+    assert "unknown (<unk>) tokens: dev 10 (25.00%), test 0 (0.00%)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--ppl", "--leak"])
+@pytest.mark.parametrize("text", ["", "\n\n"])
+def test_no_text_to_score_names_the_file(unknown_words, tmp_path, flag, text):
+    """Issue 30: --leak --input empty.txt and --ppl on an empty file said 'no text to predict' without the file."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        decode.main([str(unknown_words[1]), flag, "--input", str(empty)])
+    msg = str(e.value.code)
+    assert e.value.code != 0 and "\n" not in msg and msg.startswith(f"decode.py: error: {empty}: no text"), msg
+    assert empty.read_text() == text
