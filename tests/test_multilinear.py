@@ -10,6 +10,7 @@ import torch
 
 import data
 import decode
+import train
 from model import ModelConfig, MultiLinearAttention, Transformer, sinusoidal_positions
 
 D, H, L = 6, 2, 4
@@ -140,7 +141,6 @@ def test_the_leak_probe_sees_an_unmasked_model_use_later_tokens(mask, leaks):
 def test_a_multilinear_attention_too_large_for_memory_is_refused_in_one_line_with_its_size(tmp_path):
     """Issue 30: --seq-len 4096 built W^O's H L^2 x D weights (and T's H L^2 numbers a token) and failed to allocate:
     refused before anything is written, with the size it would need; the PTB preset's segments of 32 pass."""
-    import train
     with pytest.raises(SystemExit) as e:
         train.main(["--task", "lm", "--attention", "multilinear", "--seq-len", "4096", "--out", str(tmp_path / "r")])
     msg = str(e.value.code)
