@@ -568,21 +568,6 @@ def benchmark(batch=64, length=64, d=512, heads=8, repeats=30, rounds=5, device=
 #   - during warmup (t < W) phi first becomes the cumulative mean of the psi_B^2 so far, then
 #     takes the EMA step (paper: the EMA of eq. 10 at every step).
 # =======================================================================================
-class _PowerNormCodeFunction(_PowerNormFunction):
-    """_PowerNormFunction as the released code runs it: the backward (inherited, eqs. 11-13) divides by bwd_psi2."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, psi2, nu, real, alpha_bkw, eps, bwd_psi2):
-        z = x / torch.sqrt(psi2 + eps)  # (B, T, D)  X^ = X / psi_{t-1}
-        ctx.save_for_backward(z, weight, bwd_psi2, real)
-        ctx.nu, ctx.alpha, ctx.eps = nu, alpha_bkw, eps
-        return weight * z + bias
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _PowerNormFunction.backward(ctx, dy) + (None,)  # no gradient for bwd_psi2
-
-
 class PowerNormCode(PowerNorm):
     def forward(self, x, pad_mask=None):
         if not self.training:  # inference as the paper's
@@ -596,9 +581,12 @@ class PowerNormCode(PowerNorm):
             phi = self.running_phi.clone()  # (D,)  psi_{t-1}^2
         fwd_psi2 = torch.where(t <= self.warmup, psi2, phi)  # the forward as the paper's
         self.stats = powernorm_diagnostics(self, xs, real, psi2, phi, fwd_psi2, psi2) if self.track else self.stats
-        # Code: dL/dX = X^' / psi_B at every step; every position, padding included, is "real" in the backward.
-        y = _PowerNormCodeFunction.apply(xs, self.weight, self.bias, fwd_psi2, self.running_nu, torch.ones_like(real),
-                                         self.alpha_bkw, self.eps, psi2)
+        # Code: dL/dX = X^' / psi_B at every step: eq. 12's X^' / psi_{t-1} times psi_{t-1} / psi_B, so the paper's
+        # function runs on xs with its gradient scaled by that ratio (1 in the warmup; the value stays xs exactly).
+        xs = xs.detach() + (xs - xs.detach()) * torch.sqrt((fwd_psi2 + self.eps) / (psi2 + self.eps))
+        # Code: every position, padding included, is "real" in the backward (Gamma, Lambda and the gradient).
+        y = _PowerNormFunction.apply(xs, self.weight, self.bias, fwd_psi2, self.running_nu, torch.ones_like(real),
+                                     self.alpha_bkw, self.eps)
         with torch.no_grad():
             # Code: phi <- (t-1)/t phi + 1/t psi_B^2 (a cumulative mean) for t < W, before the EMA step.
             phi = torch.where(t < self.warmup, phi * (t - 1) / t + psi2 / t, phi)

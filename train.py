@@ -684,7 +684,16 @@ def refuse_idle_flags(args, given):
 
 def validate_args(args):
     """What no flag's type= can check alone, before any work: each failure one line naming the flag."""
+    # The multi-linear attention holds H L^2 x D weights in W^O and H L^2 x (B L) numbers in its tensor T, a layer: at
+    # most 2^31 in all (8.6 GB in fp32), as training keeps T several times over (PTB's preset at --seq-len 512: 23 GB).
+    wo, t = (args.heads * args.seq_len ** 2 * n * (args.dec_layers or args.layers)
+             for n in (args.d_model, max(args.batch_tokens, args.seq_len)))
     for flag, wrong, why in (
+            ("seq_len", args.attention == "multilinear" and wo + t > 2 ** 31, f"the multi-linear attention would "
+             f"need {wo:,} weights in W^O and {t:,} numbers in T ({4 * (wo + t) / 1e9:,.1f} GB in fp32), at most "
+             f"2^31 = {2 ** 31:,} in all: give a smaller --seq-len (or --batch-tokens)"),
+            ("seq_len", args.task == "lm" and args.qknorm and args.qk_length is None and args.seq_len < 2, "is the "
+             "language model's QKNorm L (give --qk-length), and g0 = log2(L^2 - L) needs L >= 2"),
             ("bpe_size", args.bpe_size < 1 and args.task == "mt", "must be at least 1 (0, whitespace words, is for "
              "--task lm)"),
             ("qknorm", args.attention == "multilinear" and args.qknorm, "normalises the queries and keys of a "

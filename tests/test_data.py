@@ -7,6 +7,7 @@ import torch
 
 import data
 import model
+from conftest import tiny_model
 from data import BOS, EOS, PAD, UNK, DataError
 
 
@@ -232,6 +233,20 @@ def test_an_overlong_pair_gets_its_own_batch():
     enc = [([4] * 3, [4] * 3), ([4] * 50, [4] * 2), ([4] * 3, [4] * 4)]
     batches = data.make_batches(enc, 20, shuffle=False)
     assert [1] in batches and sorted(i for b in batches for i in b) == [0, 1, 2]
+
+
+def test_a_training_batch_never_holds_one_real_token_on_a_side():
+    """Issue 30: a one-token source sentence alone in its batch (--batch-tokens 4) crashed BatchNorm, whose
+    statistics need two tokens. In training it joins a neighbour; evaluation's batches are as cut."""
+    enc = [([4], [5, 6]), ([4, 5], [6, 7]), ([4, 5, 6], [7]), ([4, 5], [6, 7, 8])]  # (S, T): (1, 3) (2, 3) (3, 2)...
+    assert data.make_batches(enc, 4, shuffle=False) == [[0], [1], [2], [3]]
+    m = tiny_model(norm="batch").train()
+    for seed in range(5):
+        batches = data.make_batches(enc, 4, shuffle=True, seed=seed)
+        assert sorted(i for b in batches for i in b) == [0, 1, 2, 3] and [0] not in batches
+        for b in batches:
+            x = data.collate(enc, b)
+            assert min(x.n_src, x.n_tgt) >= 2 and m(x.src, x.tgt_in, x.tgt_out)[0].isfinite()
 
 
 def test_batches_are_reproducible_from_seed_and_epoch(toy):

@@ -118,6 +118,9 @@ def test_every_token_of_the_text_is_predicted_once_from_the_ones_before_it():
     assert segs.x.shape == (3, 4) and int(real.sum()) == stream.numel() - 1  # 9 targets: 7 words + 3 EOS - 1 + 1
     batches = data.make_batches(segs, 8, True, seed=1)
     assert sorted(i for b in batches for i in b) == [0, 1, 2] and all(len(b) <= 2 for b in batches)
+    # One segment a batch: in training the one-token last segment never makes a batch alone (BatchNorm needs two)
+    assert data.make_batches(segs, 4, False) == [[2], [0], [1]]
+    assert all(len(b) == 1 + (2 in b) for seed in range(4) for b in data.make_batches(segs, 4, True, seed=seed))
     assert data.collate(segs, [2]).n_tgt == 1
 
 
@@ -193,6 +196,26 @@ def test_a_killed_language_model_resumes_to_the_same_metrics(text, tmp_path, kil
     assert a["test_ppl"] == b["test_ppl"] and a["best_dev_ppl"] == b["best_dev_ppl"]
 
 
+def test_a_batchnorm_language_model_whose_text_ends_in_a_one_token_segment_trains_and_resumes(tmp_path):
+    """Issue 30: --norm batch --seq-len 8 --batch-tokens 8 on a text of 8k + 1 targets made a batch of the last
+    segment alone, one real token: a traceback when it came, and again at each --resume."""
+    d = tmp_path / "text"
+    d.mkdir()
+    (d / "train.txt").write_text("a b c\n" * 4 + "d e f g h i j k\n")  # 4 x 4 + 9 = 25 targets: 3 x 8 + 1
+    for split in ("dev", "test"):
+        (d / f"{split}.txt").write_text("a b c d e f g h\n")
+    segs = data.lm_segments(data.lm_stream(data.WordVocab.build(["a"]), ["a b c"] * 4 + ["d e f g h i j k"]), 8)
+    assert segs.x.ne(PAD).sum(1).tolist() == [8, 8, 8, 1]
+    for epoch in range(20):  # in training, never a batch of fewer than 2 real tokens
+        assert all(segs.x[b].ne(PAD).sum() >= 2 for b in data.make_batches(segs, 8, True, seed=0, epoch=epoch))
+    argv = ["--task", "lm", "--data", str(d), "--bpe-size", "0", "--norm", "batch", "--seq-len", "8",
+            "--batch-tokens", "8", "--d-model", "16", "--ff", "32", "--heads", "2", "--layers", "1", "--threads", "1",
+            "--epoch-size", "6"]
+    train.main(argv + ["--max-steps", "12", "--out", str(tmp_path / "run")])  # 4 passes over the text
+    train.main(["--resume", str(tmp_path / "run"), "--max-steps", "18"])
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["steps"] == 18
+
+
 def _one_line_error(fn):
     with pytest.raises(SystemExit) as e:
         fn()
@@ -218,6 +241,14 @@ def test_bad_language_model_input_is_one_line(text, tmp_path):
                        (["--task", "lm", "--attention", "multilinear", "--qknorm"], "--qknorm"),
                        (["--bpe-size", "0"], "--bpe-size")):
         assert flag in _one_line_error(lambda: train.main(argv + ["--out", str(tmp_path / "r3")]))
+
+
+def test_qknorm_on_segments_of_one_token_is_one_line(tmp_path):
+    """Issue 30: a language model's QKNorm L is --seq-len, and g0 = log2(L^2 - L) needs L >= 2 (a traceback)."""
+    argv = ["--task", "lm", "--qknorm", "--seq-len", "1"]
+    msg = _one_line_error(lambda: train.main(argv + ["--out", str(tmp_path / "r")]))
+    assert "--seq-len" in msg and "L >= 2" in msg and not (tmp_path / "r").exists()
+    train.validate_args(train.resolve_flags(argv + ["--qk-length", "8"])[0])  # L given: fine
 
 
 def test_decoding_a_multilinear_model_with_a_longer_segment_is_one_line(text, tmp_path, capsys):

@@ -10,6 +10,7 @@ import torch
 
 import data
 import decode
+import train
 from model import ModelConfig, MultiLinearAttention, Transformer, sinusoidal_positions
 
 D, H, L = 6, 2, 4
@@ -135,3 +136,16 @@ def test_the_leak_probe_sees_an_unmasked_model_use_later_tokens(mask, leaks):
     segs = data.Segments(torch.randint(4, 40, (6, 8)), torch.randint(4, 40, (6, 8)))
     r = decode.future_leak(m, segs, t=3)
     assert (r["mean_abs_change"] > 1e-4) == leaks, r
+
+
+def test_a_multilinear_attention_too_large_for_memory_is_refused_in_one_line_with_its_size(tmp_path):
+    """Issue 30: --seq-len 4096 built W^O's H L^2 x D weights (and T's H L^2 numbers a token) and failed to allocate:
+    refused before anything is written, with the size it would need; the PTB preset's segments of 32 pass."""
+    with pytest.raises(SystemExit) as e:
+        train.main(["--task", "lm", "--attention", "multilinear", "--seq-len", "4096", "--out", str(tmp_path / "r")])
+    msg = str(e.value.code)
+    assert "\n" not in msg and "--seq-len" in msg and "GB" in msg, msg
+    assert f"{4 * 4096 ** 2 * 128 * 2:,} weights in W^O" in msg  # H L^2 D in each of the 2 layers, at the defaults
+    assert not (tmp_path / "r").exists()
+    for preset, seq_len in (("pn2-layernorm", "32"), ("pn2-layernorm", "384")):
+        train.validate_args(train.resolve_flags(["--preset", preset, "--seq-len", seq_len])[0])  # no error
