@@ -1407,7 +1407,7 @@ def open_run_dir(args, pairs, log, stack, master, resumed=None):
         raise data.DataError(f"--out {run_dir}: a symbolic link to {os.readlink(run_dir)}, which does not exist")
     if run_dir.exists() and not run_dir.is_dir():
         raise data.DataError(f"--out {run_dir}: a file, not a folder")
-    held = ""  # the files in run_dir that a run writes; rank 0 checks (the other ranks come after its commit)
+    held = ""  # the files a run writes in run_dir, but a lock; rank 0 checks (the other ranks come after its commit)
     if run_dir.is_dir() and master and not args.resume:  # --resume: its checkpoint is the run
         held = ", ".join(sorted(p.name for p in run_dir.iterdir() if decode.is_run_file(p.name) and p.name != ".lock"))
     if held and run_id_of(run_dir / "config.json") is None:  # train.py never replaces a file it did not write
