@@ -1175,8 +1175,8 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
               file=sys.stderr)
     avg = f", average of {len(ckpt['averaged_from'])} epochs" if "averaged_from" in ckpt else ""
     state = ckpt.get("train_state") or {}
-    print(f"loaded {args.checkpoint} (step {state.get('step')}, dev BLEU {(state.get('history') or [None])[-1]}, "
-          f"{ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')}{avg}); beam {args.beam}, "
+    print(f"loaded {args.checkpoint} (step {state.get('step')}, dev BLEU {(state.get('history') or [math.nan])[-1]:.2f}"
+          f", {ckpt.get('src_lang', '?')}->{ckpt.get('tgt_lang', '?')}{avg}); beam {args.beam}, "
           f"{args.length_penalty} length penalty alpha {args.alpha}", file=sys.stderr)
     search = Search(args.beam, args.alpha, args.max_len_b, args.max_len, args.dtype == "bf16", args.length_penalty)
     if args.benchmark:

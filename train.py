@@ -37,11 +37,12 @@ import os
 import random
 import resource
 import shutil
+import signal
 import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -245,7 +246,7 @@ def setup(args, stack, resumed=None):
     """Everything before the first step, in order: this process, the corpus, the run directory, the data, the model
     and its optimizer, the checkpoint a resumed run starts from. Every input (flags, corpus, the run directory and
     what it holds) is read and checked before anything is written; the run directory's lock is held in ``stack``
-    until training ends (Appendix E). resumed: --resume's (checkpoint, flags given), from resume_flags."""
+    until training ends (Appendix E). resumed: --resume's (checkpoint, flags that differ), from resume_flags."""
     rank, world, device, bf16, console = start_process(args)  # Appendix D: threads, seeds, torchrun's ranks
     log = console.print
     pairs, langs = read_corpus(args, log)  # Appendix F
@@ -316,8 +317,7 @@ def train_loop(run):
             if not s.stopped and (s.step % args.epoch_size == 0 or s.step == total):
                 end_of_epoch(run)
                 step_log.evaluated()
-    if not s.stopped:  # the budget, recorded in results.json
-        stop(run, limit)
+    s.stopped = s.stopped or stopping(args, limit)  # else the budget, recorded in results.json
     if s.stopped[0] != "diverged":
         run.log(f"stopping: {s.stopped[1]}")
     result = finish(run)
@@ -371,24 +371,19 @@ def end_of_epoch(run):
     # Validation decay ([1] 2.4), for the schedules that have it: "we still perform a linear warmup
     # but then multiply by a scale alpha_decay < 1"; Code: no decay while still in the warmup.
     up = [task.sign * x for x in s.history]  # higher is better, as validation_decay reads them
-    if run.schedule.decays and s.step >= run.schedule.warmup and validation_decay(up, args.patience):
+    decayed = run.schedule.decays and s.step >= run.schedule.warmup and validation_decay(up, args.patience)
+    if decayed:
         s.lr_decay *= args.decay_factor
-        worse = "below" if task.sign > 0 else "above"
-        run.log(f"{task.name} {worse} each of the previous {args.patience}: LR x {args.decay_factor}")
-    next_lr = run.schedule(s.step + 1, s.lr_decay)
-    # Stopping ([1] appendix A): the LR too small, or no dev improvement for a while.
-    if next_lr < args.stop_lr and s.step >= run.schedule.warmup:
-        stop(run, "stop_lr", lr=next_lr)
-    elif args.early_stop and task.since_best(s.history) >= args.early_stop:
-        stop(run, "early_stop")
+    s.stopped = stop_reason(args, s.step, s.lr_decay, s.history)  # [1] appendix A: the LR too small, or no progress
     if not run.master:
         return
-    run.log(f"epoch {s.epoch:3d} | step {s.step:6d} | {task.scores(score, dev_ppl, s.history)} (step {s.best_step}) "
-            f"| eval {time.time() - t0:.1f}s")
     # [1] Figure 1 (dev BLEU per epoch) and Figures 3-4 (learned g's) come from these records.
-    append_metrics(run, {"step": s.step, "epoch": s.epoch, f"dev_{task.key}": score, "dev_loss": dev_loss,
-                         "dev_ppl": dev_ppl, "lr": next_lr, "g": run.model.learned_scales()})
-    save_checkpoints(run, improved)  # Appendix E: best, last (the resume point), per epoch (--keep-checkpoints)
+    append_metrics(run, {"step": s.step, "epoch": s.epoch, f"dev_{task.key}": score, "dev_loss": dev_loss, "dev_ppl":
+                         dev_ppl, "lr": run.schedule(s.step + 1, s.lr_decay), "g": run.model.learned_scales()})
+    save_checkpoints(run, improved)  # Appendix E; before the epoch's line: no log reports an epoch a resume lacks
+    run.log(f"epoch {s.epoch:3d} | step {s.step:6d} | {task.scores(score, dev_ppl, s.history)} (step {s.best_step}) "
+            f"| eval {time.time() - t0:.1f}s" + (f" | LR x {args.decay_factor} ({task.name} worse than each of the "
+                                                 f"previous {args.patience})" if decayed else ""))
 
 
 def finish(run):
@@ -449,13 +444,18 @@ def main(argv=None):
         args, resumed = resume_flags(args, given) if args.resume else (args, None)
         refuse_idle_flags(args, given)
         validate_args(args)
+        if given.get("show"):  # --show: every flag's value in this run (those given marked); no run, no --out
+            for k in DEFAULTS:
+                print(f"--{k.replace('_', '-'):17s} {getattr(args, k)!s:22s} {'given' if k in given else ''}".rstrip())
+            return None
         return train(args, resumed)
     except WriteFailed as e:  # a full disk: what was written before is intact
         sys.exit(f"error: {e}: make room, then {what_next(args)}")
     except data.DataError as e:
         sys.exit(f"error: {e}")
-    except KeyboardInterrupt:  # under torchrun, rank 0 alone says what to do
-        sys.exit(f"interrupted: {what_next(args)}" if os.environ.get("RANK", "0") == "0" else "interrupted")
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (see the end); under torchrun, rank 0 alone says what to do
+        print("interrupted" + (f": {what_next(args)}" if os.environ.get("RANK", "0") == "0" else ""), file=sys.stderr)
+        sys.exit(128 + (e.args[0] if e.args else signal.SIGINT))  # 130 (Ctrl-C) or 143 (SIGTERM), as shells expect
 
 
 DEFAULTS = {}  # every flag's default
@@ -487,6 +487,7 @@ def build_parser():
         "with it override it; 'list' prints them all")
     add(g, "--pair", metavar="NAME", choices=list(PAIRS), help="use this language pair's corpus and per-pair flags "
         "instead of the preset's (" + ", ".join(PAIRS) + ")")
+    add(g, "--show", action="store_true", default=False, help="print each flag's value in this run, then exit")
     g = p.add_argument_group("data")
     add(g, "--task", choices=["mt", "lm"], default="mt", help="mt: a translator; lm: a language model, the decoder "
         "alone ([2] Table 2), on DIR/{train,dev,test}.txt")
@@ -715,17 +716,14 @@ def budget(args):
 
 
 def model_config_from_args(args, vocab_size, qk_g0=1.0):
+    """The ModelConfig of the flags: a field named as a flag takes its value (d_model: --d-model); the others here."""
+    named = {f.name: getattr(args, f.name) for f in fields(ModelConfig) if hasattr(args, f.name)}
     power = {"warmup": args.pn_warmup, "variant": args.pn_variant, "alpha_fwd": args.pn_alpha_fwd,
              "alpha_bkw": args.pn_alpha_bkw}
-    return ModelConfig(
-        vocab_size=vocab_size, d_model=args.d_model, heads=args.heads, ff=args.ff,
-        enc_layers=args.enc_layers or args.layers, dec_layers=args.dec_layers or args.layers,
-        dropout=args.dropout, attn_dropout=args.attn_dropout, relu_dropout=args.relu_dropout,
-        norm=args.norm, encoder_norm=args.encoder_norm, decoder_norm=args.decoder_norm, norm_options=power,
-        prenorm=args.prenorm, fixnorm=args.fixnorm, init=args.init, qknorm=args.qknorm, qk_g0=qk_g0,
-        qk_learn_g=not args.qk_no_g, qk_norm_v=args.qk_norm_v, sdpa=args.sdpa, lm=args.task == "lm",
-        attention=args.attention, seq_len=args.seq_len if args.attention == "multilinear" else 0, mask=args.mask,
-        positions=args.positions)
+    return ModelConfig(**dict(
+        named, vocab_size=vocab_size, enc_layers=args.enc_layers or args.layers, norm_options=power, qk_g0=qk_g0,
+        dec_layers=args.dec_layers or args.layers, qk_learn_g=not args.qk_no_g, lm=args.task == "lm",
+        seq_len=args.seq_len if args.attention == "multilinear" else 0))
 
 
 # =======================================================================================
@@ -1060,15 +1058,24 @@ STOPS = {  # why a run stops: the code TrainState.stopped keeps, and its message
     "diverged": "diverged: {what} (try a smaller --lr, --prenorm, --init small or more --warmup); {last}"}
 
 
-def stop(run, code, **values):
-    run.state.stopped = (code, STOPS[code].format(args=run.args, task=TASKS[run.args.task], **values))
+def stopping(args, code, **values):  # (code, message) of a stop in STOPS, as TrainState.stopped keeps it
+    return code, STOPS[code].format(args=args, task=TASKS[args.task], **values)
+
+
+def stop_reason(args, step, lr_decay, history):
+    """The stop rules of [1] appendix A, one owner (end_of_epoch, may_resume): why a run stops after its evaluation at
+    `step`, or None: the LR of its next step below --stop-lr after the warmup, else no dev gain for --early-stop."""
+    schedule = Schedule.from_args(args)
+    if (lr := schedule(step + 1, lr_decay)) < args.stop_lr and step >= schedule.warmup:
+        return stopping(args, "stop_lr", lr=lr)
+    return stopping(args, "early_stop") if 0 < args.early_stop <= TASKS[args.task].since_best(history) else None
 
 
 def diverged(run, what):
     """Stop the run as diverged: one line saying what and where the last good checkpoint is."""
     last = decode.checkpoint_file(run.dir, "last")
-    stop(run, "diverged", what=what, last=f"the last good checkpoint is {last}" if last.exists() else
-         "no checkpoint was written")
+    run.state.stopped = stopping(run.args, "diverged", what=what, last=f"the last good checkpoint is {last}"
+                                 if last.exists() else "no checkpoint was written")
     run.log("error: " + run.state.stopped[1])
 
 
@@ -1325,8 +1332,8 @@ def restore(run, ckpt):
 
 def resume_flags(args, given):
     """--resume RUN: (the flags of RUN's newest checkpoint that reads back, with the given ones that may change, (that
-    checkpoint, the flags given)); DataError if none reads back, or an older train.py wrote it. Any other flag given
-    with another value is refused by may_resume, before any change."""
+    checkpoint, {a flag given that differs from its: (its value, the one given)})); DataError if none reads back, or an
+    older train.py wrote it. may_resume refuses the other flags that differ, before any change."""
     run_dir = Path(args.resume)
     log = Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0", highlight=False, markup=False).print
     why = "the run may have stopped before its first evaluation"
@@ -1343,25 +1350,23 @@ def resume_flags(args, given):
     fallback = "" if i == 0 and path == decode.checkpoint_file(run_dir, "last") else " (the newest that reads back)"
     log(f"resume: {path} at step {ckpt['train_state']['step']}{fallback}")
     saved = ckpt["args"]
-    given = {k: v for k, v in given.items() if k != "resume" and not (k == "out" and Path(v) == run_dir)}
-    changed = {k: v for k, v in given.items() if k in RESUME_MAY_CHANGE and v != saved.get(k)}
+    diff = {k: (saved.get(k, DEFAULTS.get(k)), v) for k, v in given.items() if k != "resume"  # the one comparison
+            and not (k == "out" and Path(v) == run_dir) and v != saved.get(k, DEFAULTS.get(k))}
+    changed = {k: v for k, (_, v) in diff.items() if k in RESUME_MAY_CHANGE}
     return argparse.Namespace(**{**DEFAULTS, **saved, **changed, "resume": str(run_dir), "out": str(run_dir),
                                  "overwrite": False,  # an action of the run's first start, not one of its flags
-                                 "changed_on_resume": {**saved.get("changed_on_resume", {}), **changed}}), (ckpt, given)
+                                 "changed_on_resume": {**saved.get("changed_on_resume", {}), **changed}}), (ckpt, diff)
 
 
-def may_resume(run_dir, args, ckpt, given, hashes):
+def may_resume(run_dir, args, ckpt, diff, hashes):
     """Whether the run in run_dir may go on from ckpt: DataError naming what stops it, a flag given that a continued
     run keeps, its corpus changed, its budget spent (--max-steps, --max-epochs), or a stop that would come again at
     once (--stop-lr, --early-stop); each says which flag would let it go on."""
-    saved = ckpt["args"]
-    refused = [f"--{k.replace('_', '-')} ({saved.get(k, DEFAULTS.get(k))!r} -> {v!r})" for k, v in given.items()
-               if k not in RESUME_MAY_CHANGE and v != saved.get(k, DEFAULTS.get(k))]
-    if refused:
+    if refused := [f"--{k.replace('_', '-')} ({old!r} -> {v!r})" for k, (old, v) in diff.items()
+                   if k not in RESUME_MAY_CHANGE]:
         raise data.DataError(f"--resume {run_dir}: a continued run keeps its flags, and these differ from its "
                              f"checkpoint's: {', '.join(refused)} (start a new run with another --out)")
-    changed = [s for s, h in hashes.items() if h != args.corpus_sha256.get(s)]
-    if changed:
+    if changed := [s for s, h in hashes.items() if h != args.corpus_sha256.get(s)]:
         raise data.DataError(f"--resume {run_dir}: the corpus changed since the run started "
                              f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''})")
     last, code = budget(args)  # train_loop's last step
@@ -1376,14 +1381,14 @@ def may_resume(run_dir, args, ckpt, given, hashes):
                              f"{'past' if done > last else 'all'} that {flag} allows: nothing to train; give a "
                              f"larger {flag.split()[0]} to continue")
     state = ckpt["train_state"]
-    if (why := still_stopped(args, state)) and finished:
-        fix = "a smaller --stop-lr" if why[0] == "stop_lr" else "a larger --early-stop (0: off)"
-        raise data.DataError(f"--resume {run_dir}: the run stopped ({why[1]}) and would stop again at once: "
-                             f"nothing to train; give {fix} to continue")
-    # A budget (--max-*), --stop-lr or --early-stop: the resumed run's own flags decide whether its stop holds (one
-    # killed in its final test, still stopped, goes straight to the test).
-    if state["stopped"] and state["stopped"][0] != "diverged" and not why:
-        state["stopped"] = None
+    # A checkpoint's stop is --stop-lr's or --early-stop's (a budget's comes after the last checkpoint): the stop rules
+    # under the resumed run's flags decide whether it holds (one killed in its final test goes straight to the test).
+    if state["stopped"]:
+        state["stopped"] = stop_reason(args, state["step"], state["lr_decay"], state["history"])
+    if state["stopped"] and finished:
+        fix = "a smaller --stop-lr" if state["stopped"][0] == "stop_lr" else "a larger --early-stop (0: off)"
+        raise data.DataError(f"--resume {run_dir}: the run stopped ({state['stopped'][1]}) and would stop again at "
+                             f"once: nothing to train; give {fix} to continue")
 
 
 def open_run_dir(args, pairs, log, stack, master, resumed=None):
@@ -1401,20 +1406,19 @@ def open_run_dir(args, pairs, log, stack, master, resumed=None):
         raise data.DataError(f"--out {run_dir}: a symbolic link to {os.readlink(run_dir)}, which does not exist")
     if run_dir.exists() and not run_dir.is_dir():
         raise data.DataError(f"--out {run_dir}: a file, not a folder")
-    held = ""  # what in run_dir makes it a run directory; rank 0 checks (the others come after its commit)
-    if run_dir.is_dir() and master:
-        found = [n for n in ("config.json", "metrics.jsonl") if (run_dir / n).exists()]
-        held = ", ".join(found + sorted(p.name for p in decode.checkpoints(run_dir))[:2])
-    if held and not (args.resume or args.overwrite):
+    held = ""  # the files a run writes in run_dir, but a lock; rank 0 checks (the other ranks come after its commit)
+    if run_dir.is_dir() and master and not args.resume:  # --resume: its checkpoint is the run
+        held = ", ".join(sorted(p.name for p in run_dir.iterdir() if decode.is_run_file(p.name) and p.name != ".lock"))
+    if held and run_id_of(run_dir / "config.json") is None:  # train.py never replaces a file it did not write
+        raise data.DataError(f"--out {run_dir}: not a run directory of train.py (no config.json with a run_id), yet it "
+                             f"holds files a run writes ({held}), so none is replaced; choose another --out")
+    if held and not args.overwrite:  # commit_run_dir removes that run id's files
         raise data.DataError(f"{run_dir} already holds a run ({held}): continue it with --resume {run_dir}, "
                              f"or replace it with --overwrite")
-    if held and args.overwrite and run_id_of(run_dir / "config.json") is None:  # commit_run_dir removes that run id's
-        raise data.DataError(f"--overwrite {run_dir}: not a run directory of train.py (no config.json with a "
-                             f"run_id; it holds {held}), so none of its files are removed; choose another --out")
     hashes = {split: data.pairs_sha256(split_pairs) for split, split_pairs in pairs.items()}  # the corpus's
     if args.resume:
-        ckpt, given = resumed
-        may_resume(run_dir, args, ckpt, given, hashes)
+        may_resume(run_dir, args, *resumed, hashes)
+        ckpt = resumed[0]
         for k, v in args.changed_on_resume.items():
             log(f"resume: --{k.replace('_', '-')} {v} (changed on resume)")
     else:
@@ -1460,15 +1464,16 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
         if temporary or (p.name.startswith(".staging-") and p != stage):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     replaces = run_id_of(run_dir / "config.json") if args.overwrite else None  # the run --overwrite replaces
-    for f in stage.iterdir():
-        os.replace(f, run_dir / f.name)
-    if replaces:  # the old run's results, and its checkpoints (by their run id)
-        gone = [run_dir / n for n in decode.RESULT_FILES if (run_dir / n).exists()]
+    if replaces:  # the old run's results but its config.json (replaced next), and its checkpoints (by their run id)
+        gone = [run_dir / n for n in decode.RESULT_FILES if n != "config.json" and (run_dir / n).exists()]
         gone += [p for p in decode.checkpoints(run_dir) if run_id_of(p) == replaces]
         for f in gone:
             f.unlink()
         log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
+    # config.json before the staged files: a kill at any point leaves a folder that holds a run (Ctrl-C's advice holds)
     write_file(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
+    for f in stage.iterdir():
+        os.replace(f, run_dir / f.name)
     if ckpt is not None and (run_dir / "metrics.jsonl").exists():  # what a killed run logged after its checkpoint goes
         rows = decode.read_metrics(run_dir)  # (and a half-written last line)
         write_file(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows
@@ -1485,15 +1490,6 @@ def write_file(path, content):
         data.atomic_write(path, content)
     except OSError as e:
         raise WriteFailed(f"{path}: cannot write it ({e.strerror}); the files written before it are intact") from None
-
-
-def still_stopped(args, state):
-    """state["stopped"] if the run stopped by --stop-lr or --early-stop and would stop again at its next step under
-    the flags it resumes with (args), else None: changing either flag lets it go on."""
-    code = (state.get("stopped") or (None,))[0]
-    low_lr = code == "stop_lr" and Schedule.from_args(args)(state["step"] + 1, state["lr_decay"]) < args.stop_lr
-    stalled = code == "early_stop" and 0 < args.early_stop <= TASKS[args.task].since_best(state["history"])
-    return state["stopped"] if low_lr or stalled else None
 
 
 def what_next(args):
@@ -1646,4 +1642,7 @@ def qknorm_g0(args, train, log):
 
 
 if __name__ == "__main__":
+    def interrupt(signum, frame):  # SIGTERM (SLURM's, before its kill) stops a run as Ctrl-C does: main() says how
+        raise KeyboardInterrupt(signum)
+    signal.signal(signal.SIGTERM, interrupt)
     main()

@@ -76,9 +76,9 @@ def gloo_unusable_reason():
 
 
 @pytest.fixture
-def killed_run(monkeypatch):
+def killed_run(monkeypatch, capsys):
     """killed_run(argv, n): train.main(argv) interrupted (Ctrl-C) at its n-th training step; it
-    exits as train.py does on Ctrl-C (its message is returned), and train_step is restored for the resume."""
+    exits as train.py does on Ctrl-C, status 130 (its message is returned); train_step is restored for the resume."""
     import train
 
     def run(argv, n):
@@ -94,7 +94,8 @@ def killed_run(monkeypatch):
         with pytest.raises(SystemExit) as e:
             train.main(argv)
         monkeypatch.setattr(train, "train_step", real_step)
-        return str(e.value.code)
+        assert e.value.code == 130
+        return capsys.readouterr().err.strip().splitlines()[-1]
 
     return run
 

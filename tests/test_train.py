@@ -178,17 +178,17 @@ def test_every_norm_and_placement_trains_with_finite_loss(extra, tmp_path, small
 
 
 def test_a_stale_bpe_model_of_another_size_is_not_reused(tmp_path, small_corpus):
-    """A run killed while preparing its data leaves bpe.model (and no config.json) behind; a new run
-    with another --bpe-size in that directory trains a new BPE instead of reusing the stale one."""
+    """A run directory keeps its bpe.model and caches (keyed by their content); a new run with another --bpe-size
+    there (--overwrite) trains a new BPE instead of reusing the stale one."""
     import sentencepiece as spm
     run = tmp_path / "run"
     base = SMALL[:SMALL.index("--bpe-size")] + small_corpus + ["--max-steps", "1", "--out", str(run)]
     train.main(base + ["--bpe-size", "300"])
     assert spm.SentencePieceProcessor(model_file=str(run / "bpe.model")).get_piece_size() == 300
     for f in run.iterdir():
-        if not f.name.startswith(("bpe.", "train.enc", "dev.enc")):
-            f.unlink()  # what a kill during data preparation leaves
-    train.main(base + ["--bpe-size", "400"])
+        if not f.name.startswith(("bpe.", "train.enc", "dev.enc", "config.json")):
+            f.unlink()  # the run's own config.json (a folder with run files and none is refused), BPE and caches
+    train.main(base + ["--bpe-size", "400", "--overwrite"])
     assert spm.SentencePieceProcessor(model_file=str(run / "bpe.model")).get_piece_size() == 400
 
 

@@ -11,9 +11,11 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -586,7 +588,7 @@ def test_decode_never_overwrites_what_it_reads_or_what_train_wrote(finished, tmp
     assert decode.main([str(run), "--input", str(tmp_path / "x.en"), "--output", str(run / "x.hyp")]) == 0
 
 
-def test_ctrl_c_says_what_can_be_done(tmp_path, corpus, killed_run, finished, monkeypatch):
+def test_ctrl_c_says_what_can_be_done(tmp_path, corpus, killed_run, finished, monkeypatch, capsys):
     run = tmp_path / "run"
     msg = killed_run(TINY + corpus + ["--max-steps", "20", "--out", str(run)], 3)  # before the first checkpoint
     assert "nothing to resume" in msg and "--overwrite" in msg and "--resume" not in msg, msg
@@ -606,7 +608,10 @@ def test_ctrl_c_says_what_can_be_done(tmp_path, corpus, killed_run, finished, mo
         raise KeyboardInterrupt
     monkeypatch.setattr(train, "build_model", killed)
     for argv in (["--overwrite", "--out", str(old)], ["--out", str(tmp_path / "never")]):
-        msg = one_line_error(lambda: train.main(TINY + corpus + ["--max-steps", "20", *argv]), "the same command")
+        with pytest.raises(SystemExit) as e:
+            train.main(TINY + corpus + ["--max-steps", "20", *argv])
+        msg = capsys.readouterr().err.strip().splitlines()[-1]
+        assert e.value.code == 130 and "the same command" in msg, msg
         assert "had not started" in msg and "--resume" not in msg, msg
     assert snapshot(old) == before and not (tmp_path / "never").exists()
 
@@ -674,10 +679,10 @@ def test_a_run_stopped_by_stop_lr_or_early_stop_resumes_when_the_flag_changes(tm
     assert torch.load(run / "checkpoint_last.pt", weights_only=True)["train_state"]["step"] == 10
     assert json.loads((run / "results.json").read_text())["stopped"] == "--max-steps 10 reached"
     args = train.resolve_flags(["--early-stop", "3"])[0]
-    state = {"stopped": ("early_stop", "dev BLEU has not improved for 3 evaluations"), "history": [5.0, 4.0, 5.0, 3.0]}
-    assert train.still_stopped(args, state) == state["stopped"]  # 3 evaluations since the best (the first 5.0)
+    stopped, history = ("early_stop", "dev BLEU has not improved for 3 evaluations"), [5.0, 4.0, 5.0, 3.0]
+    assert train.stop_reason(args, 20, 1.0, history) == stopped  # 3 evaluations since the best (the first 5.0)
     for flags in (["--early-stop", "4"], ["--early-stop", "0"]):
-        assert train.still_stopped(train.resolve_flags(flags)[0], state) is None
+        assert train.stop_reason(train.resolve_flags(flags)[0], 20, 1.0, history) is None
 
 
 def test_a_damaged_bpe_model_with_a_valid_key_is_made_again(finished, tmp_path, corpus, capsys):
@@ -872,3 +877,141 @@ def test_decode_refuses_what_would_silently_do_nothing_or_mislead(finished, tmp_
     with caplog.at_level("WARNING"):
         decode.score_report(["a b ."] * 120, ["a b ."] * 120)
     assert "detokenize" not in caplog.text.lower() and "tokenized period" not in caplog.text.lower(), caplog.text
+
+
+# --- 12. issue 30, round 3: a user's files, stops, signals, --show -----------------------------
+def test_a_folder_with_files_a_run_writes_but_no_run_is_refused_and_other_files_stay_usable(tmp_path, corpus):
+    """train.py never replaces a file it did not write: a folder holding files a run would write (a user's test.hyp,
+    results.json, g_values.json, bpe.model) and no run of train.py (no config.json with a run id) is refused in one
+    line, with --overwrite too, and nothing in it changes; a folder with unrelated files stays usable."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    for name in ("test.hyp", "results.json", "g_values.json", "bpe.model"):
+        (theirs / name).write_text(f"the user's own {name}\n")
+    before = snapshot(theirs)
+    for extra in ([], ["--overwrite"]):
+        one_line_error(lambda: train.main(TINY + corpus + ["--max-steps", "5", *extra, "--out", str(theirs)]),
+                       f"--out {theirs}", "not a run directory of train.py", "bpe.model", "test.hyp")
+        assert snapshot(theirs) == before and sorted(p.name for p in theirs.iterdir()) == sorted(before)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("seed 1 looked good\n")
+    (mine / "model.pt").write_bytes(b"not a checkpoint of train.py")
+    train.main(TINY + corpus + ["--max-steps", "5", "--out", str(mine)])
+    assert (mine / "notes.txt").read_text() == "seed 1 looked good\n" and (mine / "results.json").exists()
+    assert (mine / "model.pt").read_bytes() == b"not a checkpoint of train.py"
+
+
+def test_every_budget_stop_says_stopping_and_one_rule_owner_decides_a_resume(tmp_path, corpus, monkeypatch, capsys):
+    """--max-steps and --max-epochs each print their `stopping:` line. The stop rules have one owner (stop_reason):
+    a run stopped by --stop-lr at an evaluation where --early-stop holds too is resumed with --stop-lr 0 only to stop
+    again at once, so that resume is refused naming --early-stop (it trained another epoch before)."""
+    for flags, line in ((["--max-steps", "7"], "stopping: --max-steps 7 reached"),
+                        (["--max-epochs", "1"], "stopping: --max-epochs 1 reached")):
+        train.main(TINY + corpus + [*flags, "--out", str(tmp_path / flags[0])])
+        assert line in capsys.readouterr().out
+    scores = iter([5.0, 4.0, 4.0, 4.0])  # dev BLEU: the second evaluation is worse than the first
+    monkeypatch.setattr(train, "dev_score", lambda run: (next(scores), 1.0, 2.7))
+    run = tmp_path / "both"
+    train.main(TINY + corpus + ["--warmup", "6", "--stop-lr", "10", "--early-stop", "1", "--max-steps", "20",
+                                "--out", str(run)])
+    stopped = json.loads((run / "results.json").read_text())["stopped"]
+    assert "--stop-lr" in stopped
+    assert torch.load(run / "checkpoint_last.pt", weights_only=True)["train_state"]["step"] == 10
+    before = snapshot(run)
+    one_line_error(lambda: train.main(["--resume", str(run), "--stop-lr", "0"]), "would stop again at once",
+                   "has not improved for 1 evaluations", "--early-stop")
+    assert snapshot(run) == before
+    args = train.resolve_flags(["--warmup", "2", "--stop-lr", "10", "--early-stop", "1"])[0]
+    assert train.stop_reason(args, 10, 1.0, [5.0, 4.0])[0] == "stop_lr"  # both hold: the first rule names it
+    args.stop_lr = 0.0
+    assert train.stop_reason(args, 10, 1.0, [5.0, 4.0])[0] == "early_stop"
+    assert train.stop_reason(args, 10, 1.0, [4.0, 5.0]) is None
+
+
+def test_decode_prints_a_checkpoints_dev_bleu_as_a_score(finished, tmp_path, capsys):
+    """The dev BLEU decode.py reports of a checkpoint prints with two decimals (it printed 100.00000000000004)."""
+    ckpt = torch.load(finished / "checkpoint_best.pt", weights_only=True)
+    ckpt["train_state"]["history"][-1] = 100.00000000000004
+    torch.save(ckpt, tmp_path / "perfect.pt")
+    (tmp_path / "in.txt").write_text("the dog sees a cat .\n")
+    assert decode.main([str(tmp_path / "perfect.pt"), "--input", str(tmp_path / "in.txt")]) == 0
+    err = capsys.readouterr().err
+    assert "dev BLEU 100.00," in err and "100.0000" not in err, err
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does_and_it_resumes_from_its_last_checkpoint(tmp_path, corpus):
+    """SIGTERM (what SLURM sends) mid-run, to a real process: exit status 143 (Ctrl-C's is 130, killed_run checks
+    it), Ctrl-C's advice in one line, every checkpoint written reads back, no temporary left, and the run resumes."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *TINY, *corpus, "--max-epochs", "1000",
+                             "--out", str(run)], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 120
+    while not (run / "checkpoint_last.pt").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == f"interrupted: continue with python train.py --resume {run}", err
+    assert not [p.name for p in run.iterdir() if p.name.endswith(".tmp")]
+    step = max(decode.read_checkpoint(p)["train_state"]["step"] for p in decode.checkpoints(run))
+    assert decode.read_checkpoint(run / "checkpoint_last.pt")["train_state"]["step"] == step >= 5
+    result = train.main(["--resume", str(run), "--max-steps", str(step + 5)])
+    assert result["steps"] == step + 5
+
+
+def test_show_prints_every_resolved_flag_for_any_preset_and_touches_nothing(finished, tmp_path, capsys):
+    def shown():  # {flag: [value, "given"?]} of what --show printed
+        return {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line[:2] == "--"}
+    out = tmp_path / "never"
+    assert train.main(["--preset", "twt3-scalenorm", "--d-model", "64", "--show", "--out", str(out)]) is None
+    flags = shown()
+    assert set(flags) == {"--" + k.replace("_", "-") for k in train.DEFAULTS}  # every flag
+    assert flags["--d-model"] == ["64", "given"] and flags["--ff"] == ["2048"] and flags["--layers"] == ["6"]  # preset
+    assert flags["--lr-scale"] == ["1.0"] and flags["--warmup"] == ["8000"] and flags["--beta1"] == ["0.9"]
+    assert not out.exists()
+    for name in train.PRESETS:  # every preset, a language model's too: the idle-flag rules let --show through
+        train.main(["--preset", name, "--show", "--out", str(out)])
+        assert shown()["--preset"] == [name, "given"] and not out.exists()
+    train.main(["--preset", "pn2-powernorm", "--show", "--seq-len", "64"])  # a flag given over a preset's
+    assert shown()["--seq-len"] == ["64", "given"]
+    before = snapshot(finished)
+    train.main(["--resume", str(finished), "--show"])  # a resumed run's flags: its checkpoint's
+    assert shown()["--d-model"] == ["32"] and snapshot(finished) == before
+
+
+def test_the_checkpoint_is_written_before_the_line_that_reports_its_epoch(tmp_path, corpus, monkeypatch, capsys):
+    """Killed between an epoch's checkpoint and its report: the log never says an epoch was reached that a resume
+    does not start from."""
+    run, real = tmp_path / "run", train.save_checkpoints
+
+    def killed(r, improved):
+        if r.state.epoch == 2:
+            raise KeyboardInterrupt
+        return real(r, improved)
+    monkeypatch.setattr(train, "save_checkpoints", killed)
+    with pytest.raises(SystemExit) as e:
+        train.main(TINY + corpus + ["--max-steps", "15", "--out", str(run)])
+    out = capsys.readouterr().out
+    assert e.value.code == 130 and "epoch   1 | step      5" in out and "epoch   2" not in out, out
+    monkeypatch.setattr(train, "save_checkpoints", real)
+    train.main(["--resume", str(run)])
+    assert "at step 5" in capsys.readouterr().out
+
+
+def test_a_flag_given_on_resume_is_compared_with_the_checkpoints_once(finished, tmp_path, capsys):
+    """What a resume applies and what it refuses come from one comparison with the checkpoint's flags (a flag the
+    checkpoint lacks counts as its default): the default given again is no change, another value of a flag that may
+    change is applied, any other is refused with both values."""
+    run = copy_run(finished, tmp_path)
+    ckpt = torch.load(run / "checkpoint_last.pt", weights_only=True)
+    del ckpt["args"]["log_interval"]  # as a checkpoint of a train.py without the flag would be
+    torch.save(ckpt, run / "checkpoint_last.pt")
+    before = snapshot(run)
+    one_line_error(lambda: train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10", "--seed", "2",
+                                       "--log-interval", "50"]), "a continued run keeps its flags", "--seed (1 -> 2)")
+    assert snapshot(run) == before
+    train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10", "--log-interval", "50"])
+    out = capsys.readouterr().out
+    assert "--max-steps 20 (changed on resume)" in out and "--log-interval 50 (changed" not in out, out
