@@ -921,10 +921,9 @@ def count_long(tokenizer, lines, max_src_len):
 def score_report(hyps, refs, already_tokenized=False, lowercase=False):
     """One line: tokenized BLEU (multi-bleu.perl style), SacreBLEU with its signature, chrF."""
     tb, sb = tokenized_bleu(hyps, refs, already_tokenized, lowercase), bleu(hyps, refs, lowercase)
-    cs = chrf(hyps, refs, lowercase)
     how = "as given" if already_tokenized else "13a-tokenized"
     return (f"tokenized BLEU = {tb.score:.2f} ({how}, tok:none, as multi-bleu.perl) | "
-            f"SacreBLEU {sb} | {sb.signature} | chrF2 = {cs.score:.2f}")
+            f"SacreBLEU {sb} | {sb.signature} | chrF2 = {chrf(hyps, refs, lowercase).score:.2f}")
 
 
 def ranged(kind, ok, why):

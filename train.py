@@ -286,9 +286,8 @@ def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
         f"threads={torch.get_num_threads()}" + (f", {dist.get_world_size()} ranks" if dist.is_initialized() else "")
         + (", --reference" if args.reference else ""))
     adam = torch.optim.AdamW if args.weight_decay > 0 else torch.optim.Adam
-    optimizer = adam(model.parameters(), lr=0.0, betas=(args.beta1, args.beta2), eps=args.adam_eps,
-                     weight_decay=args.weight_decay, fused=True if device.type == "cuda" else None)
-    return model, optimizer
+    return model, adam(model.parameters(), lr=0.0, betas=(args.beta1, args.beta2), eps=args.adam_eps,
+                       weight_decay=args.weight_decay, fused=True if device.type == "cuda" else None)
 
 
 # ---------------------------------------------------------------------------------------
