@@ -938,6 +938,17 @@ def ranged(kind, ok, why):
     return convert
 
 
+def start_device(args):
+    """Both files' --threads, --reference and --device, set once: the device to run on (DataError if it is not here)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    use_reference(args.reference)
+    try:
+        return pick_device(args.device)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+
+
 positive_int, count = ranged(int, lambda v: v >= 1, "at least 1"), ranged(int, lambda v: v >= 0, "0 or more")
 positive, non_negative = ranged(float, lambda v: v > 0, "positive"), ranged(float, lambda v: v >= 0, "0 or more")
 fraction = ranged(float, lambda v: 0 <= v < 1, "in [0, 1)")
@@ -1112,15 +1123,9 @@ def run(args):
         return compare(args)
     if args.plot:
         return plot_runs(args.plot, args.out)
-    use_reference(args.reference)
-    try:
-        device = pick_device(args.device)
-    except ValueError as e:
-        raise DataError(str(e)) from None
+    device = start_device(args)
     if device.type == "cuda" and not has_bf16(device):
         args.dtype = "fp32"  # this GPU only emulates bf16, slowly (model.has_bf16)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     # Every input is read and checked before any work; stdin is read last.
     if args.output:  # never what decode.py reads (--input, --ref, the checkpoint), nor a file train.py wrote
         out = Path(args.output).resolve()

@@ -61,8 +61,8 @@ from torch.profiler import ProfilerActivity, profile
 import data
 import decode
 from decode import alpha_range, count, fraction, non_negative, positive, positive_int, ranged, run_id_of, threads
-from model import ModelConfig, Transformer, autocast, count_parameters, has_bf16, pick_device, qk_g0
-from norms import BATCH_NORMS, NORMS, fast_paths, use_reference
+from model import ModelConfig, Transformer, autocast, count_parameters, has_bf16, qk_g0
+from norms import BATCH_NORMS, NORMS, fast_paths
 
 # ---------------------------------------------------------------------------------------
 # 1. The learning rate [1, section 2.4].
@@ -1178,14 +1178,8 @@ class StepLog:
 def start_process(args):
     """(rank, world size, device, bf16, console) of this process: --threads, --reference, the
     seeds, torchrun's ranks (one GPU each), bf16 where the GPU has it, rank 0's console."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    use_reference(args.reference)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        device = pick_device(args.device)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    device = decode.start_device(args)  # --device cuda without a GPU: DataError, main()'s one line
     if world > 1 and device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if local >= torch.cuda.device_count():  # one GPU per process
