@@ -26,6 +26,7 @@ Shapes: B sentences in a batch, S source length, T target length (after the BOS/
   [11] Sennrich, Haddow & Birch 2016, Edinburgh Neural Machine Translation Systems for WMT 16.
 """
 import argparse
+import contextlib
 import gzip
 import hashlib
 import http.client
@@ -533,11 +534,9 @@ def make_toy_corpus(out_dir, seed=1, n_train=20000, n_dev=500, n_test=500):
     out_dir = Path(out_dir)
     stamp = {"version": TOY_VERSION, "seed": seed, "n_train": n_train, "n_dev": n_dev, "n_test": n_test}
     stamp_path, files = out_dir / "toy_corpus.json", [out_dir / f"{s}.{l}" for s in SPLITS for l in ("src", "tgt")]
-    try:
+    with contextlib.suppress(FileNotFoundError, ValueError):  # no stamp, or a damaged one: rebuild
         if json.loads(stamp_path.read_text()) == stamp and all(f.exists() for f in files):
             return out_dir
-    except (FileNotFoundError, ValueError):
-        pass  # no stamp, or a damaged one: rebuild
     grammar, seen, pairs = _ToyGrammar(random.Random(seed)), set(), []
     while len(pairs) < n_train + n_dev + n_test:
         src, tgt = grammar.sentence()
@@ -1010,13 +1009,11 @@ def load_or_encode(tok, pairs, cache_path, write_path=None):
     resumed run loads the ids; anything different encodes again and writes the cache to
     write_path (default: cache_path; False: nowhere)."""
     key, cache_path = pairs_sha256(pairs, tok.proto), Path(cache_path)
-    try:
+    with contextlib.suppress(Exception):  # no cache, an unreadable or an old one: encode again
         blob = torch.load(cache_path, weights_only=True)
         if blob["key"] == key:
             split = lambda side: [t.tolist() for t in torch.split(blob[side], blob[side + "_len"].tolist())]
             return list(zip(split("src"), split("tgt")))
-    except Exception:  # no cache, an unreadable or an old one: encode again
-        pass
     enc = encode_pairs(tok, pairs)
     blob = {"key": key}
     for side, seqs in (("src", [e[0] for e in enc]), ("tgt", [e[1] for e in enc])):  # ragged -> flat + lengths
