@@ -867,8 +867,7 @@ def plot_series(run_dirs):
         first = "encoder.0.norm_attn" if any("encoder.0.norm_attn" in r.get("batch_norm_stats", {}) for r in rows) \
             else "decoder.0.norm_self"  # a language model has no encoder
         stats = [(r["step"], s) for r in rows for n, s in r.get("batch_norm_stats", {}).items() if n == first]
-        key = next((k for k in ("dist_sigma2", "dist_psi2") if stats and k in stats[0][1]), None)
-        if key:
+        if key := next((k for k in ("dist_sigma2", "dist_psi2") if stats and k in stats[0][1]), None):
             panels["batch vs running statistic, first norm"].append(
                 curve(f"{name} ({key})", [(x, s[key]) for x, s in stats]))
         # the finished run's embedding ([2] Figure 6), from results.json; none while not finished (no results.json yet)

@@ -717,8 +717,7 @@ def budget(args):
 def model_config_from_args(args, vocab_size, qk_g0=1.0):
     """The ModelConfig of the flags: a field named as a flag takes its value (d_model: --d-model); the others here."""
     named = {f.name: getattr(args, f.name) for f in fields(ModelConfig) if hasattr(args, f.name)}
-    power = {"warmup": args.pn_warmup, "variant": args.pn_variant, "alpha_fwd": args.pn_alpha_fwd,
-             "alpha_bkw": args.pn_alpha_bkw}
+    power = {k: getattr(args, f"pn_{k}") for k in ("warmup", "variant", "alpha_fwd", "alpha_bkw")}  # --pn-K: option K
     return ModelConfig(**dict(
         named, vocab_size=vocab_size, enc_layers=args.enc_layers or args.layers, norm_options=power, qk_g0=qk_g0,
         dec_layers=args.dec_layers or args.layers, qk_learn_g=not args.qk_no_g, lm=args.task == "lm",
