@@ -1105,10 +1105,8 @@ def atomic_write_all(contents):
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
             staged.append((tmp, path))
             with os.fdopen(fd, "wb") as f:
-                if isinstance(content, str):
-                    f.write(content.encode("utf-8"))
-                elif isinstance(content, (bytes, bytearray)):
-                    f.write(content)
+                if isinstance(content, (str, bytes, bytearray)):
+                    f.write(content.encode("utf-8") if isinstance(content, str) else content)
                 else:
                     try:
                         torch.save(content, f)
