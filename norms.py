@@ -519,8 +519,8 @@ def powernorm_diagnostics(norm, xs, real, psi2, phi, fwd_psi2, bwd_psi2=None):
 # =======================================================================================
 # Appendix C: the timing harness, and python norms.py --benchmark.
 #
-# norms.py and decode.py time with timed() below (train.py's --benchmark synchronises once around
-# all its timed steps, as training does).
+# norms.py, decode.py and train.py's warm-up time with timed() below (train.py's --benchmark synchronises once
+# around all its timed steps, as training does).
 # Figures are printed, never asserted: these machines are shared and noisy, so compare ratios
 # measured in one run, with the candidates interleaved (round robin) so noise hits them alike.
 # =======================================================================================

@@ -62,7 +62,7 @@ import data
 import decode
 from decode import alpha_range, count, fraction, non_negative, positive, positive_int, ranged, run_id_of, threads
 from model import ModelConfig, Transformer, autocast, count_parameters, has_bf16, qk_g0
-from norms import BATCH_NORMS, NORMS, fast_paths
+from norms import BATCH_NORMS, NORMS, fast_paths, timed
 
 # ---------------------------------------------------------------------------------------
 # 1. The learning rate [1, section 2.4].
@@ -976,11 +976,8 @@ def benchmark(run):
         batches = run.next_batches()
         loss, _, _, n_tgt = train_step(run.net, run.optimizer, batches, run.schedule(i + 1), run.step_options)
         return batches, loss / n_tgt, n_tgt
-    t0 = time.perf_counter()
-    losses = [step(i)[1] for i in range(warm)]
-    sync(dev)
-    run.log(f"benchmark: {warm} warm-up steps{' (and compilation)' if args.compile else ''} took "
-            f"{time.perf_counter() - t0:.1f}s")
+    losses, warm_secs = timed(lambda: [step(i)[1] for i in range(warm)], dev)  # norms.py Appendix C
+    run.log(f"benchmark: {warm} warm-up steps{' (and compilation)' if args.compile else ''} took {warm_secs:.1f}s")
     t0 = time.perf_counter()
     for i in range(warm, warm + args.benchmark):
         batches, loss, n_tgt = step(i)
