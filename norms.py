@@ -524,13 +524,17 @@ def powernorm_diagnostics(norm, xs, real, psi2, phi, fwd_psi2, bwd_psi2=None):
 # Figures are printed, never asserted: these machines are shared and noisy, so compare ratios
 # measured in one run, with the candidates interleaved (round robin) so noise hits them alike.
 # =======================================================================================
+def sync(device):  # waits for the work queued on a CUDA device (the CPU's is done when it returns)
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def timed(fn, device=None):
     """(the result of fn(), its wall seconds), the device synchronised before and after."""
-    sync = torch.cuda.synchronize if device is not None and torch.device(device).type == "cuda" else (lambda: None)
-    sync()
+    sync(device)
     t0 = time.perf_counter()
     out = fn()
-    sync()
+    sync(device)
     return out, time.perf_counter() - t0
 
 

@@ -62,7 +62,7 @@ import data
 import decode
 from decode import alpha_range, count, fraction, non_negative, positive, positive_int, ranged, run_id_of, threads
 from model import ModelConfig, Transformer, autocast, count_parameters, has_bf16, qk_g0
-from norms import BATCH_NORMS, NORMS, fast_paths, timed
+from norms import BATCH_NORMS, NORMS, fast_paths, sync, timed
 
 # ---------------------------------------------------------------------------------------
 # 1. The learning rate [1, section 2.4].
@@ -953,11 +953,6 @@ def matmul_flops(run, tokens=4096, seconds=1.0):
             n += reps
         best = max(best, 2 * tokens * d * ff * n / (time.perf_counter() - t0))
     return best
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def benchmark(run):
