@@ -56,6 +56,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from model import BOS, EOS, PAD, UNK, qk_g0
+from norms import timed
 
 SPLITS = ("train", "dev", "test")
 
@@ -563,9 +564,7 @@ def ensure_toy_corpus():
 
 def summary():
     """python data.py: build the built-in corpus and print what it is like."""
-    t0 = time.time()
-    d = ensure_toy_corpus()
-    t_make = time.time() - t0
+    d, t_make = timed(ensure_toy_corpus)  # norms.py Appendix C
     splits = {s: read_parallel(*p)[0] for s, p in corpus_paths(d, "src", "tgt").items()}
     print(f"toy corpus in {d} ({t_make:.1f}s): " + ", ".join(f"{s} {len(p)} pairs" for s, p in splits.items()))
     train = splits["train"]
