@@ -878,18 +878,15 @@ def _prepare_text(name, c, out, url):
         path = download(url, out / "orig" / base, f"/path/to/{base}") if "://" in url else Path(url)
         if not path.is_file():
             raise DataError(f"{path}: not found")
-        _check_md5(path, path.read_bytes(), c["md5"]["archive"], name)
+        _read_checked(path, c["md5"]["archive"], name)
         open_member = _opener(path)
         texts = {split: split_lines(open_member(f, raw=True), f"{path}: {f}") for split, f in c["splits"].items()}
-    for split in () if c["archive"] else SPLITS:  # one file a split (PTB), each with its md5
-        f = c["splits"][split]
+    for split, f in () if c["archive"] else c["splits"].items():  # one file a split (PTB), each with its md5
         if "://" in url:
             path = download(f"{url.rstrip('/')}/{f}", out / "orig" / f, "/path/to/folder/with/the/files")
         elif not (path := Path(url) / f).is_file():
             raise DataError(f"{path}: not found")
-        raw = path.read_bytes()
-        _check_md5(path, raw, c["md5"][split], name)
-        texts[split] = split_lines(raw, path)
+        texts[split] = split_lines(_read_checked(path, c["md5"][split], name), path)
     counts = {split: len(lines) for split, lines in texts.items()}
     atomic_write_all({out / f"{split}.txt": "".join(line + "\n" for line in lines) for split, lines in texts.items()})
     atomic_write(out / "prepared.json", json.dumps({"name": name, "source": url, "counts": counts}) + "\n")
@@ -897,10 +894,11 @@ def _prepare_text(name, c, out, url):
     return out
 
 
-def _check_md5(path, raw, expected, name):
-    if (md5 := hashlib.md5(raw).hexdigest()) != expected:
+def _read_checked(path, expected, name):  # path's bytes; DataError unless their md5 is `expected`
+    if (md5 := hashlib.md5(raw := path.read_bytes()).hexdigest()) != expected:
         raise DataError(f"{path}: md5 {md5}, expected {expected}: not the {name} file, or damaged (delete it and run "
                         f"again)")
+    return raw
 
 
 def prepare_main(argv=None):
