@@ -739,8 +739,7 @@ def _opener(root):
         names, open_ = tar.getnames(), tar.extractfile
 
     def open_text(name, raw=False):
-        hits = [n for n in names if n == name or n.endswith("/" + name)]
-        if not hits:
+        if not (hits := [n for n in names if n == name or n.endswith("/" + name)]):
             raise DataError(f"{root}: no file {name} in it (is it the right archive?)")
         stream = open_(min(hits, key=len))
         if raw:

@@ -329,8 +329,7 @@ def evaluate_loss(model, encoded, batch_tokens, smoothing, bf16=True):
 def perplexity(model, tokenizer, pairs, label_smoothing=0.1, batch_tokens=4096, bf16=True):
     """pairs [(src, tgt)] of raw text -> dict(smoothed_ppl, ppl, smoothed_loss, nll, n_tokens),
     the losses per target token (EOS included). Pairs with an empty source are skipped."""
-    encoded = [e for e in data.encode_pairs(tokenizer, list(pairs)) if e[0]]
-    if not encoded:
+    if not (encoded := [e for e in data.encode_pairs(tokenizer, list(pairs)) if e[0]]):
         raise DataError("perplexity: no pair with a non-empty source")
     total, nll_total, n = evaluate_loss(model, encoded, batch_tokens, label_smoothing, bf16)
     return {"smoothed_ppl": math.exp(total / n), "ppl": math.exp(nll_total / n),
@@ -756,8 +755,7 @@ def pyplot(path, flag=None):
 
 def save_heatmap_png(weights, rows, cols, path, title=None):
     """Saves the map as a PNG with matplotlib; True if written, False (and a note) without it."""
-    plt = pyplot(path)
-    if plt is None:
+    if (plt := pyplot(path)) is None:  # no matplotlib: pyplot's note said so
         return False
     fig, ax = plt.subplots(figsize=(max(4, 0.4 * len(cols) + 2), max(3, 0.4 * len(rows) + 1.5)))
     im = ax.imshow(torch.as_tensor(weights).float().numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
