@@ -36,6 +36,7 @@ import json
 import os
 import random
 import re
+import signal
 import sys
 import tarfile
 import tempfile
@@ -821,6 +822,8 @@ def prepare(name, out_dir=None, url=None, expected=None):
         raise DataError(f"unknown corpus {name!r}; choose from {', '.join(CORPORA)}")
     c = CORPORA[name]
     out = Path(out_dir) if out_dir else Path("data") / c.get("dir", name)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--dir {out}: a file, not a folder")
     if c.get("lm"):
         return _prepare_text(name, c, out, url)
     files, stamp = corpus_paths(out, c["src"], c["tgt"]), out / "prepared.json"
@@ -918,9 +921,9 @@ def prepare_main(argv=None):
     except DataError as e:
         print(f"data.py: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (interrupt_on_sigterm)
         print("data.py: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
+        return interrupted_status(e)
     return 0
 
 
@@ -1119,7 +1122,19 @@ def atomic_write_all(contents):
         raise
 
 
+def interrupt_on_sigterm():
+    """SIGTERM (SLURM's, before its kill) raises KeyboardInterrupt(15): each command stops as Ctrl-C stops it."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signum)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def interrupted_status(e):  # the exit status after a KeyboardInterrupt: 128 + its signal, 130 (Ctrl-C) or 143 (SIGTERM)
+    return 128 + (e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT)
+
+
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     if sys.argv[1:2] == ["prepare"]:
         sys.exit(prepare_main(sys.argv[2:]))
     if sys.argv[1:] in (["--help"], ["-h"]):

@@ -1263,10 +1263,10 @@ def main(argv=None):
         return run(args)
     except DataError as e:
         sys.exit(f"decode.py: error: {e}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (data.interrupt_on_sigterm)
         unwritten = args.output and not getattr(args, "output_written", False)
         print("decode.py: interrupted" + (f" ({args.output} was not written)" if unwritten else ""), file=sys.stderr)
-        return 130
+        return data.interrupted_status(e)
 
 
 # =======================================================================================
@@ -1307,4 +1307,5 @@ def _score(metric, hyps, refs):
 
 
 if __name__ == "__main__":
+    data.interrupt_on_sigterm()  # SIGTERM stops decoding as Ctrl-C does (exit status 143)
     sys.exit(main())

@@ -37,7 +37,6 @@ import os
 import random
 import resource
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -452,9 +451,9 @@ def main(argv=None):
         sys.exit(f"error: {e}: make room, then {what_next(args)}")
     except data.DataError as e:
         sys.exit(f"error: {e}")
-    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (see the end); under torchrun, rank 0 alone says what to do
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM (data.interrupt_on_sigterm); under torchrun rank 0 advises
         print("interrupted" + (f": {what_next(args)}" if os.environ.get("RANK", "0") == "0" else ""), file=sys.stderr)
-        sys.exit(128 + (e.args[0] if e.args else signal.SIGINT))  # 130 (Ctrl-C) or 143 (SIGTERM), as shells expect
+        sys.exit(data.interrupted_status(e))  # 130 (Ctrl-C) or 143 (SIGTERM), as shells expect
 
 
 DEFAULTS = {}  # every flag's default
@@ -1346,6 +1345,9 @@ def may_resume(run_dir, args, ckpt, diff, hashes):
     """Whether the run in run_dir may go on from ckpt: DataError naming what stops it, a flag given that a continued
     run keeps, its corpus changed, its budget spent (--max-steps, --max-epochs), or a stop that would come again at
     once (--stop-lr, --early-stop); each says which flag would let it go on."""
+    if run_id_of(run_dir / "config.json") is None:  # a run's first file: a checkpoint copied in alone is no run
+        raise data.DataError(f"--resume {run_dir}: not a run directory of train.py (no config.json with a run_id); "
+                             f"start a new run with --out")
     if refused := [f"--{k.replace('_', '-')} ({old!r} -> {v!r})" for k, (old, v) in diff.items()
                    if k not in RESUME_MAY_CHANGE]:
         raise data.DataError(f"--resume {run_dir}: a continued run keeps its flags, and these differ from its "
@@ -1626,7 +1628,5 @@ def qknorm_g0(args, train, log):
 
 
 if __name__ == "__main__":
-    def interrupt(signum, frame):  # SIGTERM (SLURM's, before its kill) stops a run as Ctrl-C does: main() says how
-        raise KeyboardInterrupt(signum)
-    signal.signal(signal.SIGTERM, interrupt)
+    data.interrupt_on_sigterm()  # SIGTERM (SLURM's, before its kill) stops a run as Ctrl-C does: main() says how
     main()

@@ -350,3 +350,28 @@ def test_a_wikitext_zip_missing_a_file_names_it(tmp_path, monkeypatch):
     monkeypatch.setitem(data.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()})
     with pytest.raises(DataError, match="no file wiki.valid.tokens in it"):
         data.prepare("wikitext-103", tmp_path / "wt", str(src))
+
+
+@pytest.mark.parametrize("name", ["en-vi", "ptb"])
+def test_a_dir_that_is_a_file_is_one_line_and_the_file_is_kept(name, tmp_path, capsys):
+    """Issue 30's probe: --dir naming an existing file was a FileExistsError traceback after reading every source."""
+    (tmp_path / "mine").write_text("the user's file\n")
+    src = _stanford_en_vi(tmp_path / "src")
+    assert data.prepare_main([name, "--dir", str(tmp_path / "mine"), "--url", str(src)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"data.py: --dir {tmp_path / 'mine'}: a file, not a folder", err
+    assert (tmp_path / "mine").read_text() == "the user's file\n"
+
+
+def test_sigterm_stops_prepare_as_ctrl_c_does(tmp_path, monkeypatch, capsys):
+    """SIGTERM (data.interrupt_on_sigterm) raises KeyboardInterrupt(15): prepare says how to resume and exits 143;
+    Ctrl-C's KeyboardInterrupt exits 130."""
+    def killed(signum):
+        def opener(*a, **k):
+            raise KeyboardInterrupt(signum) if signum else KeyboardInterrupt
+        return opener
+    src = _stanford_en_vi(tmp_path / "src")
+    for signum, status in ((15, 143), (None, 130)):
+        monkeypatch.setattr(data, "_opener", killed(signum))
+        assert data.prepare_main(["en-vi", "--dir", str(tmp_path / "out"), "--url", str(src)]) == status
+        assert "interrupted; run the same command again to resume" in capsys.readouterr().err

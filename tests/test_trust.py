@@ -1015,3 +1015,30 @@ def test_a_flag_given_on_resume_is_compared_with_the_checkpoints_once(finished, 
     train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10", "--log-interval", "50"])
     out = capsys.readouterr().out
     assert "--max-steps 20 (changed on resume)" in out and "--log-interval 50 (changed" not in out, out
+
+
+def test_a_checkpoint_copied_alone_into_a_folder_is_not_resumed(finished, tmp_path):
+    """Issue 30's probe: --resume on a folder holding only a checkpoint copied from another run (no config.json)
+    trained on from it, wrote a new run around it and ended "no checkpoint was written". config.json is a run's first
+    file, so a folder without one holds no run: one line, nothing written."""
+    folder = tmp_path / "copied"
+    folder.mkdir()
+    shutil.copy(finished / "checkpoint_last.pt", folder / "checkpoint_last.pt")
+    before = snapshot(folder)
+    one_line_error(lambda: train.main(["--resume", str(folder), "--max-steps", "30"]), folder, "not a run directory",
+                   "config.json")
+    assert snapshot(folder) == before and sorted(p.name for p in folder.iterdir()) == ["checkpoint_last.pt"]
+
+
+def test_sigterm_stops_decode_as_ctrl_c_does(finished, tmp_path):
+    """SIGTERM to decode.py while it translates to --output: exit 143, Ctrl-C's line, the output not written."""
+    (tmp_path / "in.txt").write_text("the dog sees a cat .\n" * 20000)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "decode.py"), str(finished), "--input",
+                             str(tmp_path / "in.txt"), "--output", str(tmp_path / "out.hyp"), "--beam", "4"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert "loaded" in proc.stderr.readline()  # the model is loaded: it translates now
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == f"decode.py: interrupted ({tmp_path / 'out.hyp'} was not written)", err
+    assert not (tmp_path / "out.hyp").exists()
