@@ -1345,9 +1345,10 @@ def may_resume(run_dir, args, ckpt, diff, hashes):
     """Whether the run in run_dir may go on from ckpt: DataError naming what stops it, a flag given that a continued
     run keeps, its corpus changed, its budget spent (--max-steps, --max-epochs), or a stop that would come again at
     once (--stop-lr, --early-stop); each says which flag would let it go on."""
-    if run_id_of(run_dir / "config.json") is None:  # a run's first file: a checkpoint copied in alone is no run
-        raise data.DataError(f"--resume {run_dir}: not a run directory of train.py (no config.json with a run_id); "
-                             f"start a new run with --out")
+    # config.json is a run's first file (on resume, read for nothing else): a checkpoint copied in alone is no run
+    if not (run_dir / "config.json").exists():
+        raise data.DataError(f"--resume {run_dir}: not a run directory of train.py (no config.json); start a new run "
+                             f"with --out")
     if refused := [f"--{k.replace('_', '-')} ({old!r} -> {v!r})" for k, (old, v) in diff.items()
                    if k not in RESUME_MAY_CHANGE]:
         raise data.DataError(f"--resume {run_dir}: a continued run keeps its flags, and these differ from its "
