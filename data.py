@@ -202,9 +202,10 @@ def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
     (source, target): padding falls from 6.0% to 3.9% at 4096 tokens on the built-in corpus. With shuffle, equal
     lengths are tie-broken at random and the batch order is shuffled, both from (seed, epoch) only, so an epoch can be
     replayed exactly; without, the sorted order (for evaluation and translation: pairs with an empty target batch by
-    source length alone). A language model's segments (section 8), all L long, make batches of batch_tokens // L. A
-    training batch holds 2 or more real tokens a side, as BatchNorm needs (norms.refuse_one_token): one of fewer (a
-    one-token source alone, a text's one-token last segment) takes the next example in; the last, the one before.
+    source length alone). A language model's segments (section 8), all L long, make batches of batch_tokens // L (or
+    one). A training batch holds 2 or more real tokens a side, as BatchNorm needs (norms.refuse_one_token): one of
+    fewer (a one-token source alone, a text's one-token last segment) takes the next example in; the last, the one
+    before.
     """
     lens = _lengths(encoded_pairs)  # [(S, T)], T = len(y) + 1: the decoder reads BOS + y; a language model's [(L,)]
     rng = random.Random(seed * 1000003 + epoch)
@@ -1134,8 +1135,8 @@ def interrupted_status(e):  # the exit status after a KeyboardInterrupt: 128 + i
 
 
 if __name__ == "__main__":
-    interrupt_on_sigterm()
     if sys.argv[1:2] == ["prepare"]:
+        interrupt_on_sigterm()  # prepare_main stops as on Ctrl-C (the built-in corpus's summary: killed, as before)
         sys.exit(prepare_main(sys.argv[2:]))
     if sys.argv[1:] in (["--help"], ["-h"]):
         print(f"python data.py                builds the built-in corpus (data/toy) and describes it\n"

@@ -446,6 +446,10 @@ def compare(args):
 # PowerNorm's num_batches_tracked (a long) decides whether the layer still uses batch statistics, and a mean of
 # counters is not a count (Code: fairseq's averaging crashes on it); the target-vocabulary mask `allowed` is a bool.
 # =======================================================================================
+class OtherRunsCheckpoint(DataError):  # read_checkpoint: a checkpoint in the folder of another run than its own
+    pass
+
+
 def read_checkpoint(path, device="cpu"):
     """torch.load(weights_only=True) of one checkpoint file, with its checks; DataError naming it. A checkpoint
     holds only tensors and plain Python values: unpickling anything else could run code, so such a file is
@@ -473,7 +477,8 @@ def read_checkpoint(path, device="cpu"):
         raise DataError(f"{p}: written by an older train.py (format {ckpt.get('format')}); start a new run")
     theirs, ours = (ckpt.get("args") or {}).get("run_id"), run_id_of(p.parent / "config.json")  # decode, resume alike
     if ours is not None and theirs != ours:  # copied in from another run: its model is not this run's
-        raise DataError(f"{p}: refused, a checkpoint of another run (run_id {theirs}) in the folder of run {ours}")
+        raise OtherRunsCheckpoint(f"{p}: refused, a checkpoint of another run (run_id {theirs}) in the folder of run "
+                                  f"{ours}")
     return ckpt
 
 
@@ -1106,7 +1111,7 @@ def check_output_file(path, flag, suffix=None):
     folder = p.resolve().parent  # a symbolic link: its file is replaced, not the link
     if not folder.is_dir():
         raise DataError(f"{flag} {path}: its folder {folder} does not exist")
-    if is_run_file(p.resolve().name) and ((folder / "config.json").exists() or checkpoints(folder)):  # a run's
+    if is_run_file(p.resolve().name) and (run_id_of(folder / "config.json") or checkpoints(folder)):  # a run's
         raise DataError(f"{flag} {path}: a file of the run directory {folder} (train.py writes it); write elsewhere")
     try:
         tempfile.TemporaryFile(dir=folder).close()  # a file made there and removed

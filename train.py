@@ -1324,6 +1324,8 @@ def resume_flags(args, given):
         try:
             ckpt = decode.read_checkpoint(path)  # which also refuses an older train.py's checkpoint
             break
+        except decode.OtherRunsCheckpoint as e:  # not damage: a file train.py did not write, never replaced
+            raise data.DataError(f"--resume {run_dir}: {e}; move it out of the folder first") from None
         except data.DataError as e:
             log(f"resume: skipped: {e}")
             why = f"the last: {e}"
@@ -1444,7 +1446,7 @@ def staging(run_dir):
 
 def commit_run_dir(args, run_dir, stage, ckpt, log):
     """The run directory's first change, once every input has been checked: the leftovers of killed
-    runs go, the staged files move in, an overwritten run's files go, config.json is written."""
+    runs go, an overwritten run's files go, config.json is written, then the staged files move in."""
     for p in run_dir.iterdir():  # atomic_write's temporaries (.NAME.xxxx.tmp) and staging folders of killed runs
         written = p.name[1:].rsplit(".", 2)[0]  # .NAME.xxxx.tmp: a temporary of NAME
         temporary = p.name.startswith(".") and p.name.endswith(".tmp") and decode.is_run_file(written)

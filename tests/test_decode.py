@@ -368,9 +368,9 @@ def test_a_checkpoint_of_another_run_is_refused_by_decode_and_resume(run_dir, tm
     for model in (run, run / "checkpoint_best.pt"):
         _one_line_exit([str(model), "--input", str(run_dir[0] / "dev.src")], str(run / "checkpoint_best.pt"),
                        "another run (run_id theirs)", "run ours")
-    with pytest.raises(SystemExit) as e:  # a resume skips it: nothing of this run to resume from
+    with pytest.raises(SystemExit) as e:  # a resume refuses it (a file train.py did not write, never replaced)
         train.main(["--resume", str(run)])
-    assert "nothing to resume" in str(e.value.code) and "another run" in str(e.value.code), e.value.code
+    assert "another run" in str(e.value.code) and "move it out" in str(e.value.code), e.value.code
     assert _files(tmp_path) == before
     torch.save(dict(ckpt, args={"run_id": "ours"}), run / "checkpoint_best.pt")  # its own run's: read
     assert decode.load_checkpoint(run)[2]["args"]["run_id"] == "ours"

@@ -1042,3 +1042,23 @@ def test_sigterm_stops_decode_as_ctrl_c_does(finished, tmp_path):
     assert proc.returncode == 143, err
     assert err.strip().splitlines()[-1] == f"decode.py: interrupted ({tmp_path / 'out.hyp'} was not written)", err
     assert not (tmp_path / "out.hyp").exists()
+
+
+def test_a_checkpoint_of_another_run_under_a_runs_own_name_stops_the_resume_and_is_kept(finished, tmp_path):
+    """Issue 30's probe: another run's checkpoint copied over a run's checkpoint_last.pt was skipped by --resume, which
+    went on from the run's best and then wrote its own checkpoint_last.pt over the copied file. Refused now, in one
+    line; nothing changes. A folder with someone else's config.json (no run id) is no run's: --output may write there."""
+    run = copy_run(finished, tmp_path)
+    other = torch.load(run / "checkpoint_last.pt", weights_only=True)
+    other["args"]["run_id"] = "another run"
+    torch.save(other, run / "checkpoint_last.pt")
+    before = snapshot(run)
+    one_line_error(lambda: train.main(["--resume", str(run), "--max-steps", "30"]), "checkpoint_last.pt",
+                   "another run", "move it out")
+    assert snapshot(run) == before
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "config.json").write_text('{"model_type": "bert"}\n')
+    (tmp_path / "in.txt").write_text("the dog sees a cat .\n")
+    assert decode.main([str(finished), "--input", str(tmp_path / "in.txt"), "--output", str(theirs / "test.hyp")]) == 0
+    assert (theirs / "test.hyp").read_text().count("\n") == 1
