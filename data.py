@@ -57,7 +57,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from model import BOS, EOS, PAD, UNK, qk_g0
-from norms import timed
+from norms import MIN_REAL_TOKENS, timed
 
 SPLITS = ("train", "dev", "test")
 
@@ -211,7 +211,7 @@ def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
     rng = random.Random(seed * 1000003 + epoch)
     tie = [rng.random() for _ in lens] if shuffle else list(range(len(lens)))
     order = sorted(range(len(lens)), key=lambda i: (max(lens[i]), *lens[i], tie[i]))
-    lone = lambda b: shuffle and min(map(sum, zip(*(lens[i] for i in b)))) < 2  # fewer than 2 real tokens a side
+    lone = lambda b: shuffle and min(map(sum, zip(*(lens[i] for i in b)))) < MIN_REAL_TOKENS  # on a side
     batches = []
     for i in order:  # the longer sides ascending: a batch's cost is its size x its newest pair's longer side
         if batches and ((len(batches[-1]) + 1) * max(lens[i]) <= batch_tokens or lone(batches[-1])):

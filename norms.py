@@ -459,9 +459,12 @@ def real_tokens(x, pad_mask):
     return real
 
 
+MIN_REAL_TOKENS = 2  # BatchNorm in training; data.make_batches never forms a training batch with fewer
+
+
 def refuse_one_token(n):
     """BatchNorm in training: the unbiased running variance N/(N-1) needs N >= 2 real tokens (torch raises too)."""
-    if n.device.type == "cpu" and n < 2:
+    if n.device.type == "cpu" and n < MIN_REAL_TOKENS:
         raise ValueError(f"BatchNorm in training needs more than 1 real token, got {int(n)}")
 
 
