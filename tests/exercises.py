@@ -109,6 +109,21 @@ def _tokens(d):
     return x
 
 
+def _wide_tokens(d):
+    """x (2, 3, 8): another width than _tokens' 6 (where a hard-coded D shows), one token all zero (only the eps
+    keeps its output finite) and one channel at 300, whose square (90,000) is past float16's largest number
+    (65,504): in float16 the statistics must be taken in float32 (at_least_fp32), as the project's norms do."""
+    x = d.randn(2, 3, 8)
+    x[0, 0] = 0.0
+    x[1, 1, 2] = 300.0
+    return x
+
+
+def _affine(d, n=6):
+    """A norm's gamma and beta away from their initial 1 and 0 (where a misplaced gamma or beta shows)."""
+    return {"gamma": 0.5 + d.randn(n).abs(), "beta": d.randn(n)}
+
+
 def _pad_mask():  # (2, 5) True at padding: the second sentence has 3 real tokens
     return torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
 
@@ -125,18 +140,26 @@ def _forward_backward(module, x, pad_mask=None, r_seed=1):
 
 
 # --- each exercise: what the project's code gives on the inputs ---------------------------------
+def _wide_and_half(module, x):
+    """A norm of width 8 on _wide_tokens: in float64 (y8, dx8, d<parameter>8), and in float16 with float32
+    parameters (y16: the output's dtype is the input's, the statistics are not)."""
+    out = {f"{k}8": v for k, v in _forward_backward(module.double(), x).items()}
+    out["y16"] = module.float()(x.half()).detach()
+    return out
+
+
 def _scalenorm(i):
     m = norms.ScaleNorm(6).double()
     with torch.no_grad():
         m.g.fill_(i["g"])
-    return _forward_backward(m, i["x"])
+    return {**_forward_backward(m, i["x"]), **_wide_and_half(norms.ScaleNorm(8), i["x8"])}
 
 
 def _rmsnorm(i):
     m = norms.RMSNorm(6).double()
     with torch.no_grad():
         m.weight.copy_(i["gain"])
-    return _forward_backward(m, i["x"])
+    return {**_forward_backward(m, i["x"]), **_wide_and_half(norms.RMSNorm(8), i["x8"])}
 
 
 def _fixnorm(i):
@@ -146,8 +169,15 @@ def _fixnorm(i):
     return {"y": y.detach(), "dw": w.grad}
 
 
+def _set_affine(m, i):
+    with torch.no_grad():
+        m.weight.copy_(i["gamma"])
+        m.bias.copy_(i["beta"])
+    return m
+
+
 def _batch_norm(cls, i):
-    m = cls(6).double().train()
+    m = _set_affine(cls(6).double().train(), i)
     out = {}
     for step in range(2):  # twice: the running statistics after each
         got = _forward_backward(m, i["x"] * (1 + step), _pad_mask(), r_seed=1 + step)
@@ -159,7 +189,7 @@ def _batch_norm(cls, i):
 
 
 def _powernorm_backward(i):
-    m = norms.PowerNorm(6, groups=2, warmup=1, alpha_fwd=0.9, alpha_bkw=0.9).double().train()
+    m = _set_affine(norms.PowerNorm(6, groups=2, warmup=1, alpha_fwd=0.9, alpha_bkw=0.9).double().train(), i)
     out = {}
     for step in range(3):  # the first inside the warmup, then the running statistic
         got = _forward_backward(m, i["x"][step], _pad_mask(), r_seed=10 + step)
@@ -171,26 +201,33 @@ def _powernorm_backward(i):
 def _attention(i):
     out = {}
     cases = {"causal": dict(key_mask=i["key_mask"], causal=True),  # self-attention, scale None, no dropout
-             "cross": dict(key_mask=i["cross_mask"], scale=i["scale"], dropout_p=0.25)}  # Tq != Tk, dropout
+             "cross": dict(key_mask=i["cross_mask"], scale=i["scale"], dropout_p=0.25),  # Tq != Tk, dropout
+             "big": dict(causal=True),  # logits in the hundreds: exp() alone overflows float32 (max 3.4e38 = e^88.7)
+             "bf16": dict(key_mask=i["key_mask"], causal=True)}  # bfloat16 q, k, v: the weights in q's dtype
     for case, kw in cases.items():
         q, k, v = (i[f"{n}_{case}"].clone().requires_grad_(True) for n in "qkv")
         torch.manual_seed(i["seed"])  # dropout's mask
         o, w = model.attention_math(q, k, v, **kw)
-        (o * i[f"r_{case}"]).sum().backward()
-        out.update({f"o_{case}": o.detach(), f"w_{case}": w.detach(), f"dq_{case}": q.grad, f"dk_{case}": k.grad,
-                    f"dv_{case}": v.grad})
+        out.update({f"o_{case}": o.detach(), f"w_{case}": w.detach()})
+        if case != "bf16":  # (bfloat16's gradients: rounding, not the equation)
+            (o * i[f"r_{case}"]).sum().backward()
+            out.update({f"dq_{case}": q.grad, f"dk_{case}": k.grad, f"dv_{case}": v.grad})
     return out
 
 
 def _residual(i):
     out = {}
     f = lambda h: torch.tanh(h @ i["w"])  # a sublayer
-    norm = lambda h, pad_mask: h / (1 + h.pow(2).sum(-1, keepdim=True))  # a norm
+
+    def norm(h, pad_mask):  # a norm that reads the padding mask, as BatchNorm and PowerNorm do: padding halved
+        pad = torch.zeros(h.shape[:-1], dtype=torch.bool) if pad_mask is None else pad_mask
+        return h / (1 + h.pow(2).sum(-1, keepdim=True)) * (1 - 0.5 * pad[..., None])
+    pad_mask = torch.tensor([[False] * 3, [False, True, True]])
     for prenorm in (True, False):
         cfg = model.ModelConfig(vocab_size=8, dropout=0.3, prenorm=prenorm)
         for training in (True, False):
             torch.manual_seed(i["seed"])  # dropout's mask
-            y = model.residual(i["x"], f, norm, None, cfg, training=training)
+            y = model.residual(i["x"], f, norm, pad_mask, cfg, training=training)
             out[f"{'pre' if prenorm else 'post'}_{'train' if training else 'eval'}"] = y
     return out
 
@@ -224,15 +261,19 @@ def _label_smoothing(i):
     loss, nll = model.SmoothedCrossEntropy.apply(z, i["target"].flatten(), i["real"].flatten(), i["eps"])
     (loss + 0.5 * nll).backward()
     out.update(fast_loss=loss.detach(), fast_nll=nll.detach(), fast_dz=z.grad)
+    loss, nll = model.label_smoothed_loss(i["logits_bf16"], i["target"], i["eps"], i["real"])  # log p in float32
+    out.update(loss_bf16=loss.detach(), nll_bf16=nll.detach())
     return out
 
 
 def _multilinear(i):
-    cfg = model.ModelConfig(vocab_size=8, d_model=6, heads=2, seq_len=4, attention="multilinear", lm=True)
-    torch.manual_seed(i["seed"])
-    att = model.MultiLinearAttention(cfg).double()
-    out = _forward_backward(att, i["x"])
-    out["y_short"] = att(i["x"][:, :3]).detach()  # a segment shorter than the L it is built for
+    out = {}
+    for name, kw in (("", {}), ("_unmasked", dict(mask="none")), ("_relative", dict(positions="relative"))):
+        cfg = model.ModelConfig(vocab_size=8, d_model=6, heads=2, seq_len=4, attention="multilinear", lm=True, **kw)
+        torch.manual_seed(i["seed"])
+        att = model.MultiLinearAttention(cfg).double()
+        out.update({f"{k}{name}": v for k, v in _forward_backward(att, i["x"]).items()})
+        out[f"y_short{name}"] = att(i["x"][:, :3]).detach()  # a segment shorter than the L it is built for
     return out
 
 
@@ -244,6 +285,9 @@ def _word_dropout(i):
     for name, p, seed in (("a", 0.3, 1), ("a_again", 0.3, 1), ("b", 0.3, 2), ("c", 0.1, 3)):
         out[name] = data.word_dropout(x, p, torch.Generator().manual_seed(i["seed"] + seed))
     out["after"] = x
+    out["short"] = data.word_dropout(i["short"], 0.3, torch.Generator().manual_seed(i["seed"] + 4))
+    g = torch.Generator().manual_seed(i["seed"] + 5)
+    out["first"], out["second"] = data.word_dropout(x, 0.3, g), data.word_dropout(x, 0.3, g)  # one generator, twice
     return out
 
 
@@ -281,6 +325,14 @@ def _word_dropout_claims(i, got):
         return "two generators with the same seed gave different masks: draw from the generator given"
     if torch.equal(got["a"], got["b"]):
         return "two generators with different seeds gave the same mask: it must be random"
+    if torch.equal(got["first"], got["second"]):
+        return "two calls with one generator gave the same mask: draw from it (each batch its own mask)"
+    short = i["short"] != PAD  # sentences of 1, 2 and 3 tokens, 1,000 each: each token dropped alike
+    for n in (1, 2, 3):
+        rows = short.sum(1) == n
+        rate = ((got["short"] != i["short"]) & short)[rows].sum().item() / (n * rows.sum().item())
+        if abs(rate - 0.3) > 0.07:  # 4.8 standard deviations at n = 1
+            return f"{100 * rate:.1f}% of the tokens of {n}-token sentences were dropped, not 30% (independently)"
     return None
 
 
@@ -322,52 +374,59 @@ def exercises():
     return [
         Exercise("scalenorm", "norms.py", "ScaleNorm.forward", "TwT eq. 5: g x / ||x||",
                  "the norm of each token and the scaled output",
-                 "eps clamps the norm from below (max(||x||, eps)); it is not added to it",
-                 lambda d: {"x": _tokens(d), "g": d.uniform(0.5, 3)}, _scalenorm),
+                 "eps clamps the norm from below (max(||x||, eps)), not added to it; xf (at least float32) for "
+                 "the norm, the output in x's dtype",
+                 lambda d: {"x": _tokens(d), "g": d.uniform(0.5, 3), "x8": _wide_tokens(d)}, _scalenorm),
         Exercise("fixnorm", "norms.py", "fixnorm", "TwT section 2.3 (eq. 6): w / ||w|| per embedding row",
                  "each row divided by its l2 norm", "one norm per row (dim=-1), eps clamps it from below",
-                 lambda d: {"w": d.randn(7, 5), "r": d.randn(7, 5)}, _fixnorm),
+                 lambda d: {"w": d.randn(7, 5) * (torch.arange(7) != 3)[:, None], "r": d.randn(7, 5)},  # row 3: 0
+                 _fixnorm),
         Exercise("rmsnorm", "norms.py", "RMSNorm.forward", "Zhang & Sennrich 2019: g_i x_i / RMS(x)",
-                 "1 / RMS(x) and the output", "RMS(x) = sqrt(mean_i x_i^2 + eps): eps inside the root",
-                 lambda d: {"x": _tokens(d), "gain": d.randn(6)}, _rmsnorm),
+                 "1 / RMS(x) and the output",
+                 "RMS(x) = sqrt(mean_i x_i^2 + eps): eps inside the root; xf (at least float32) for the "
+                 "statistics, the output in x's dtype",
+                 lambda d: {"x": _tokens(d), "gain": d.randn(6), "x8": _wide_tokens(d)}, _rmsnorm),
         Exercise("batchnorm", "norms.py", "BatchNorm.forward", "PowerNorm Alg. 1: mu_B, sigma_B^2 over the real tokens",
                  "the batch mean and variance over real tokens and the normalized output",
                  "batch_mean(v, real) averages over the real tokens only; sigma_B^2 is the biased variance (1/N)",
-                 lambda d: {"x": _tokens(d)}, lambda i: _batch_norm(norms.BatchNorm, i)),
+                 lambda d: {"x": _tokens(d), **_affine(d)}, lambda i: _batch_norm(norms.BatchNorm, i)),
         Exercise("pnv", "norms.py", "PNV.forward", "PowerNorm Def. 1: psi_B^2 = mean x^2, y = gamma x / psi_B + beta",
                  "the quadratic mean over real tokens and the output",
                  "batch_mean(v, real) averages over the real tokens only; no centring; eps inside the root",
-                 lambda d: {"x": _tokens(d)}, lambda i: _batch_norm(norms.PNV, i)),
+                 lambda d: {"x": _tokens(d), **_affine(d)}, lambda i: _batch_norm(norms.PNV, i)),
         Exercise("powernorm_backward", "norms.py", "_PowerNormFunction.backward",
                  "PowerNorm Alg. 2 / eqs. 11-13: X^' = dL/dX^ - nu X^, dL/dX = X^' / psi, the update of nu",
                  "the approximate backward and the running nu",
                  "nu is updated in place (nu.copy_) from nu_{t-1}; Gamma and Lambda are means over the real tokens",
-                 lambda d: {"x": d.randn(3, 2, 5, 6)}, _powernorm_backward),
+                 lambda d: {"x": d.randn(3, 2, 5, 6), **_affine(d)}, _powernorm_backward),
         Exercise("attention", "model.py", "attention_math", "Vaswani eq. 1: softmax(Q K^T / sqrt(Dh) + mask) V",
                  "the scores, the causal and key masks, the softmax, the output",
                  "scale is 1/sqrt(Dh) only when the caller gives None; dropout(weights, dropout_p) (weights in q's "
                  "dtype) before @ V; the weights handed back are before dropout",
                  lambda d: _attention_inputs(d), _attention, dtype=torch.float32),
         Exercise("residual", "model.py", "residual", "TwT eqs. 2-3: PostNorm norm(x + F(x)), PreNorm x + F(norm(x))",
-                 "both residual placements", "dropout(F(...), cfg.dropout, training) on the sublayer's output",
+                 "both residual placements",
+                 "dropout(F(...), cfg.dropout, training) on the sublayer's output; the norm gets pad_mask",
                  lambda d: {"x": d.randn(2, 3, 4), "w": d.randn(4, 4), "seed": d.seed()}, _residual),
         Exercise("smallinit", "model.py", "Transformer.reset_parameters",
                  "TwT eq. 4 and section 2.2: Xavier std sqrt(2/(d_in + d_out)), SmallInit sqrt(2/5d)",
                  "the attention and feed-forward standard deviations",
                  "the std, not the variance; the feed-forward's fans are d_model and ff",
-                 lambda d: {"seed": d.seed(), "ff": 16 * d.integer(2, 6)}, _smallinit),
+                 lambda d: {"seed": d.seed(), "ff": 16 * (2, 3, 5, 6)[d.integer(0, 4)]}, _smallinit),  # not 4d
         Exercise("label_smoothing", "model.py", "label_smoothed_loss",
                  "TwT appendix A: (1 - eps) NLL + eps mean over the allowed words of -log p",
                  "log p, the NLL, the smoothed loss over real positions (in both regions: the fast path too)",
-                 "two regions: label_smoothed_loss and SmoothedCrossEntropy.forward (its backward reads logp and w)",
+                 "two regions: label_smoothed_loss and SmoothedCrossEntropy.forward (its backward reads logp and "
+                 "w); log p in at least float32 (at_least_fp32)",
                  lambda d: _label_smoothing_inputs(d), _label_smoothing),
         Exercise("multilinear", "model.py", "MultiLinearAttention.forward",
                  "Ma et al. 2019 core-1: T[i,j,k] = sum_r c_r Q[i,r] K[j,r] V[k,r], zero unless j, k <= i",
-                 "the causal tensor T", "self.causal[:t, :t, :t] is the mask [j <= i and k <= i]",
+                 "the causal tensor T",
+                 "self.mask[:t, :t, :t] is the mask: [j <= i and k <= i], all ones under --mask none",
                  lambda d: {"x": d.randn(2, 4, 6), "seed": d.seed()}, _multilinear),
         Exercise("word_dropout", "data.py", "word_dropout", "TwT appendix A: a token becomes UNK with probability p",
                  "the random replacement, PAD untouched",
-                 "draw from the generator given, one draw per position; return a new tensor",
+                 "draw from the generator given, one draw per position, each token independently; return a new tensor",
                  lambda d: _word_dropout_inputs(d), _word_dropout, claims=_word_dropout_claims),
         Exercise("qk_g0", "model.py", "qk_g0", "QKNorm eq. 3: g0 = log2(L^2 - L)", "g0 from L",
                  "log2, not the natural log",
@@ -410,19 +469,23 @@ def _attention_inputs(d):
               "r_cross": d.randn(2, 2, 3, 5, **f32), "scale": d.uniform(0.2, 0.9), "seed": d.seed()})
     i["key_mask"] = torch.tensor([[True] * 4, [True, True, True, False]])[:, None, None, :]
     i["cross_mask"] = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])[:, None, None, :]
+    i.update({f"{n}_big": 12 * d.randn(1, 2, 4, 3, **f32) for n in "qkvr"})  # logits of 144 x N(0, 3): hundreds
+    i.update({f"{n}_bf16": d.randn(2, 2, 4, 3, dtype=torch.bfloat16) for n in "qkv"})
     return i
 
 
 def _label_smoothing_inputs(d):
     return {"logits": d.randn(2, 3, 6), "target": torch.tensor([[1, 2, 0], [4, 1, 2]]),
             "real": torch.tensor([[True, True, False], [True, True, True]]), "eps": d.uniform(0.05, 0.3),
-            "allowed": torch.tensor([True, True, True, False, True, True])}
+            "allowed": torch.tensor([True, True, True, False, True, True]), "logits_bf16": d.randn(2, 3, 6).bfloat16()}
 
 
 def _word_dropout_inputs(d):
     x = torch.randint(4, 50, (400, 100), generator=d.g)
     x[:, 80:] = data.PAD
-    return {"x": x, "seed": d.seed(), "pad": data.PAD, "unk": data.UNK}
+    short = torch.randint(4, 50, (3000, 3), generator=d.g)  # sentences of 1, 2, 3 tokens, 1,000 each
+    short[torch.arange(3) >= (torch.arange(3000) % 3 + 1)[:, None]] = data.PAD
+    return {"x": x, "seed": d.seed(), "pad": data.PAD, "unk": data.UNK, "short": short}
 
 
 def by_name():
@@ -442,14 +505,16 @@ def run(ex, seed):
 
 
 def tolerance(dtype):
-    return (1e-6, 1e-8) if dtype == torch.float64 else (1e-5, 1e-6)
+    """(rtol, atol) of a comparison in dtype; float16 and bfloat16 (2 to 5 units of their last place): an output the
+    equation computes in float32 and rounds to them, where one rounding step more or less is no mistake."""
+    low = dtype in (torch.float16, torch.bfloat16)
+    return (1e-6, 1e-8) if dtype == torch.float64 else (2e-2, 2e-2) if low else (1e-5, 1e-6)
 
 
 def compare(ex, got, want, seed):
     """None if the outputs `got` are right, else the first difference, in words (one line)."""
     if ex.claims is not None:
         return ex.claims(ex.inputs(Draw(seed, ex.name)), got)
-    rtol, atol = tolerance(ex.dtype)
     for key, expected in want.items():
         value = got.get(key)
         if value is None:
@@ -458,9 +523,13 @@ def compare(ex, got, want, seed):
             return f"{key} is a {type(value).__name__}, not a tensor"
         if value.shape != expected.shape:
             return f"{key} has shape {tuple(value.shape)}, expected {tuple(expected.shape)}"
+        if value.dtype != expected.dtype:  # e.g. float32 out of a float64 input, token ids as floats
+            return f"{key} is {str(value.dtype)[6:]}, expected {str(expected.dtype)[6:]}"
         if not expected.is_floating_point():
             bad = value != expected
         else:
+            low = expected.dtype in (torch.float16, torch.bfloat16)  # compared at their own precision
+            rtol, atol = tolerance(expected.dtype if low else ex.dtype)
             value, expected = value.to(ex.dtype), expected.to(ex.dtype)
             bad = ~torch.isclose(value, expected, rtol=rtol, atol=atol)
         if bad.any():

@@ -128,6 +128,65 @@ FLOAT64_SOFTMAX = ("scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else sc
                    "weights = torch.softmax(scores.double(), dim=-1).to(q.dtype)  # float64: more exact than fp32\n"
                    "return dropout(weights, dropout_p) @ v, weights")
 
+# Wrong code a red-team review found passing the grade (2026-11-26), each in a submission of its own: (exercise,
+# region code, what its FAIL line must say). Each is wrong against its equation or the project's contract; the
+# inputs that catch it: a width of 8 with an all-zero token and a float16 pass (norms), gamma and beta away from 1
+# and 0, logits in the hundreds and bfloat16 (attention), a padding mask the norm reads, --mask none, sentences of
+# 1-3 tokens and one generator used twice (word dropout), ff != 4d, and dtypes compared.
+NORM = "norm = {}\nreturn ({}).to(x.dtype)"
+SOFTMAX = ("scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale\n"
+           "scores = (q @ k.transpose(-2, -1)) * scale\nif causal:\n    tq, tk = scores.shape[-2:]\n"
+           "    scores = scores.masked_fill(torch.ones(tq, tk, dtype=torch.bool).triu(tk - tq + 1), float('-inf'))\n"
+           "if key_mask is not None:\n    scores = scores.masked_fill(~key_mask, float('-inf'))\n{}\n"
+           "return dropout(weights, dropout_p) @ v, weights")
+SMOOTHED = ("logp = torch.log_softmax(logits, dim=-1)  # in the logits' dtype\n"
+            "nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)\n"
+            "smooth = -logp.mean(-1) if allowed is None else -torch.where(allowed, logp, 0.0).sum(-1) / allowed.sum()\n"
+            "loss = (1 - eps) * nll + eps * smooth\nif real is None:\n    return loss.sum(), nll.sum()\n"
+            "return torch.where(real, loss, 0.0).sum(), torch.where(real, nll, 0.0).sum()")
+WRONG = {
+    "float32_out": ("scalenorm", "norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)\n"
+                                 "return (xf * (self.g / norm.clamp_min(self.eps))).float()",
+                    "y is float32, expected float64"),
+    "no_clamp": ("scalenorm", NORM.format("xf.norm(dim=-1, keepdim=True)", "self.g * xf / norm"), "y8[0, 0, 0] = nan"),
+    "no_clamp_row": ("fixnorm", "return weight / weight.norm(dim=-1, keepdim=True)", "y[3, 0] = nan"),
+    "half_statistics": ("rmsnorm", "inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)\n"
+                                   "return (self.weight * (x * inv_rms)).to(x.dtype)", "y16["),
+    "width_6": ("rmsnorm", "inv_rms = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) / 6 + self.eps)\n"
+                           "return (self.weight * (xf * inv_rms)).to(x.dtype)", "y8["),
+    "gamma_times_beta": ("batchnorm", "mu, n = batch_mean(xf, real)\nvar, _ = batch_mean((xf - mu).pow(2), real)\n"
+                                      "y = self.weight * ((xf - mu) / torch.sqrt(var + self.eps) + self.bias)", "y0["),
+    "pnv_gamma_times_beta": ("pnv", "psi2, _ = batch_mean(xf.pow(2), real)\n"
+                                    "y = self.weight * (xf / torch.sqrt(psi2 + self.eps) + self.bias)", "y0["),
+    "no_gamma": ("powernorm_backward", "g = dy\ng_tilde = g - nu * z\ndx = g_tilde / torch.sqrt(psi2 + ctx.eps)\n"
+                                       "Gamma_t, _ = batch_mean(z * z, real)\nLambda_t, _ = batch_mean(g * z, real)\n"
+                                       "nu.copy_(nu * (1 - (1 - a) * Gamma_t) + (1 - a) * Lambda_t)", "dx0["),
+    "exp_unshifted": ("attention", SOFTMAX.format("e = scores.float().exp()\n"
+                                                  "weights = (e / e.sum(-1, keepdim=True)).to(q.dtype)"), "_big["),
+    "weights_not_cast": ("attention", SOFTMAX.format("weights = torch.softmax(scores.float(), dim=-1)"),
+                         "RuntimeError"),
+    "mask_not_passed": ("residual", "if cfg.prenorm:\n    return x + dropout(f(norm(x, None)), cfg.dropout, training)\n"
+                                    "return norm(x + dropout(f(x), cfg.dropout, training), None)", "pre_train["),
+    "own_causal_mask": ("multilinear", "qk = (q * self.core)[:, :, :, None, :] * k[:, :, None, :, :]\n"
+                                       "T = (qk.flatten(2, 3) @ v.transpose(-1, -2)).view(b, self.heads, t, t, t)\n"
+                                       "i = torch.arange(t)\n"
+                                       "T = T * ((i[None, :, None] <= i[:, None, None])\n"
+                                       "         & (i[None, None, :] <= i[:, None, None]))",
+                        "_unmasked["),
+    "exact_count": ("word_dropout", "real = x != PAD\nk = (real.sum(1, keepdim=True) * p).round().long()\n"
+                                    "r = torch.rand(x.shape, generator=generator).masked_fill(~real, 2.0)\n"
+                                    "return x.masked_fill(r.argsort(1).argsort(1) < k, UNK)", "of 1-token sentences"),
+    "reseeded": ("word_dropout", "g = torch.Generator().manual_seed(generator.initial_seed())\n"
+                                 "return x.masked_fill((torch.rand(x.shape, generator=g) < p) & (x != PAD), UNK)",
+                 "two calls with one generator gave the same mask"),
+    "ff_as_4d": ("smallinit", "attn_std = math.sqrt(2 / (5 * c.d_model)) if c.init == 'small' else "
+                              "math.sqrt(2 / (2 * c.d_model))\nff_std = math.sqrt(2 / (5 * c.d_model))", "_w1["),
+    "float_ids": ("lm_segments", "rows = -(-n // seq_len)\n"
+                                 "x, y = torch.zeros(rows * seq_len), torch.zeros(rows * seq_len)\n"
+                                 "x[:n], y[:n] = stream[:-1], stream[1:]", "x0 is float32, expected int64"),
+    "bf16_log_p": ("label_smoothing", SMOOTHED, "loss_bf16 is bfloat16, expected float32"),
+}
+
 
 @pytest.fixture(scope="module")
 def kits(tmp_path_factory):
@@ -159,7 +218,11 @@ def kits(tmp_path_factory):
     (damaged / "data.py").unlink()
     text = (damaged / "model.py").read_text()
     (damaged / "model.py").write_text(text.replace("# Exercise qk_g0: begin", "# (removed)"))
-    subs = [made[n][0] for n in NAMES] + [made[None][0], cheats, float64, damaged]
+    wrong = []
+    for name, (ex, body, _) in WRONG.items():
+        wrong.append(_solution_copy(tmp / f"wrong_{name}"))
+        _set_region(wrong[-1], ex, body)
+    subs = [made[n][0] for n in NAMES] + [made[None][0], cheats, float64, damaged] + wrong
     graded = _kit("grade", *map(str, subs), "--timeout", str(TIMEOUT), "--points", "2,batchnorm=3",
                   "--csv", str(tmp / "g.csv"), "--json", str(tmp / "g.json"))
     print(graded.stderr)  # the timing line: N submissions x 17 exercises in S s
@@ -219,6 +282,15 @@ def test_a_hint_is_shown_only_for_the_mistake_the_code_makes(kits):
     assert "Hint: the sublayer's output goes through dropout" in verdicts["residual"]
     assert "Hint" not in verdicts["attention"]  # scale and dropout both ignored: no recorded mistake gives that
     assert verdicts["attention"].count("\n") == 0 and "(the first of" in verdicts["attention"]
+
+
+@original_only
+@pytest.mark.parametrize("name", list(WRONG))
+def test_wrong_code_the_red_team_found_fails_its_exercise_alone(kits, name):
+    ex, _, words = WRONG[name]
+    verdicts = kits["verdicts"][str(kits["tmp"] / f"wrong_{name}")]
+    assert [n for n, line in verdicts.items() if line.startswith("FAIL")] == [ex], verdicts
+    assert words in verdicts[ex] and "\n" not in verdicts[ex], verdicts[ex]
 
 
 @original_only
