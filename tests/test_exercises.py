@@ -312,7 +312,7 @@ def test_a_deleted_file_or_a_missing_region_fails_its_exercises_only(kits):
 def test_the_gradebook_has_one_row_per_submission_and_exercise_with_points(kits):
     graded, tmp = kits["graded"], kits["tmp"]
     assert graded.returncode == 1
-    n_subs = len(NAMES) + 4
+    n_subs = len(NAMES) + 4 + len(WRONG)
     rows = list(csv.DictReader(open(tmp / "g.csv")))
     assert len(rows) == n_subs * len(NAMES) == len(json.loads((tmp / "g.json").read_text()))
     row = next(r for r in rows if r["submission"].endswith("cheats") and r["exercise"] == "batchnorm")
