@@ -298,12 +298,16 @@ def _word_dropout_claims(i, got):
     PAD, UNK = i["pad"], i["unk"]
     before = i["x"]
     real = before != PAD
+    for name, y in got.items():  # before any claim reads them (a list or a wrong shape would stop the grader)
+        x = i["short"] if name == "short" else before
+        if not isinstance(y, torch.Tensor):
+            return f"the output is a {type(y).__name__}, not a tensor"
+        if y.shape != x.shape or y.dtype != x.dtype:
+            return f"the output has shape {tuple(y.shape)} and {y.dtype}, expected {tuple(x.shape)} and {x.dtype}"
     if not torch.equal(got["after"], before):
         return "word_dropout wrote into its input (it must return a new tensor)"
     for name, p in (("a", 0.3), ("b", 0.3), ("c", 0.1)):
         y = got[name]
-        if y.shape != before.shape:
-            return f"the output has shape {tuple(y.shape)}, expected {tuple(before.shape)}"
         if not torch.equal(y[~real], before[~real]):
             return "a PAD token was changed"
         changed = (y != before) & real

@@ -179,6 +179,9 @@ WRONG = {
     "reseeded": ("word_dropout", "g = torch.Generator().manual_seed(generator.initial_seed())\n"
                                  "return x.masked_fill((torch.rand(x.shape, generator=g) < p) & (x != PAD), UNK)",
                  "two calls with one generator gave the same mask"),
+    "float_tokens": ("word_dropout", "drop = torch.rand(x.shape, generator=generator) < p\n"
+                                     "return x.masked_fill(drop & (x != PAD), UNK).float()",
+                     "and torch.float32, expected (400, 100) and torch.int64"),
     "ff_as_4d": ("smallinit", "attn_std = math.sqrt(2 / (5 * c.d_model)) if c.init == 'small' else "
                               "math.sqrt(2 / (2 * c.d_model))\nff_std = math.sqrt(2 / (5 * c.d_model))", "_w1["),
     "float_ids": ("lm_segments", "rows = -(-n // seq_len)\n"
