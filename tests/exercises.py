@@ -508,11 +508,14 @@ def run(ex, seed):
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in got.items()}
 
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)  # an output in these is compared at its own precision
+
+
 def tolerance(dtype):
-    """(rtol, atol) of a comparison in dtype; float16 and bfloat16 (2 to 5 units of their last place): an output the
-    equation computes in float32 and rounds to them, where one rounding step more or less is no mistake."""
-    low = dtype in (torch.float16, torch.bfloat16)
-    return (1e-6, 1e-8) if dtype == torch.float64 else (2e-2, 2e-2) if low else (1e-5, 1e-6)
+    """(rtol, atol) of a comparison in dtype; float16 and bfloat16 (about 2.5 units of bfloat16's last place, 20 of
+    float16's): an output the equation computes in float32 and rounds to them, where one rounding step more or less
+    is no mistake."""
+    return (1e-6, 1e-8) if dtype == torch.float64 else (2e-2, 2e-2) if dtype in LOW_PRECISION else (1e-5, 1e-6)
 
 
 def compare(ex, got, want, seed):
@@ -532,8 +535,7 @@ def compare(ex, got, want, seed):
         if not expected.is_floating_point():
             bad = value != expected
         else:
-            low = expected.dtype in (torch.float16, torch.bfloat16)  # compared at their own precision
-            rtol, atol = tolerance(expected.dtype if low else ex.dtype)
+            rtol, atol = tolerance(expected.dtype if expected.dtype in LOW_PRECISION else ex.dtype)
             value, expected = value.to(ex.dtype), expected.to(ex.dtype)
             bad = ~torch.isclose(value, expected, rtol=rtol, atol=atol)
         if bad.any():
