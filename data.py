@@ -107,8 +107,8 @@ def train_bpe(src_lines, tgt_lines, vocab_size, model_prefix):
     """Trains one BPE model on source + target training text; returns the .model path.
     Paper: [1] uses joint BPE (fastBPE, 8000 merges); one vocabulary lets the source embedding, target embedding and
     output layer be one matrix. Note: we use sentencepiece BPE with vocab_size pieces instead of a number of merges,
-    and the "identity" normalization, so decode(encode(s)) == s and BLEU compares the output with the untouched
-    reference text. A corpus too small for vocab_size gets the largest possible size, with a message on stderr.
+    and the "identity" normalization, so decode(encode(s)) == s (bar runs of spaces, unseen characters) and BLEU
+    compares the output with the untouched reference text. A too-small corpus gets the largest size, said on stderr.
     """
     model_prefix = Path(model_prefix)
     model_prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -263,7 +263,7 @@ def word_dropout(x, p, generator=None):
     Paper: [1] appendix A: "we also do word dropout (Sennrich et al., 2016a) with probability 0.1. However, instead
     of zeroing the word embeddings, we randomly replace tokens with UNK." Training only, on src and tgt_in, never on
     tgt_out (the labels). Note: like the authors' code, BOS in tgt_in can be dropped too. Unlike it, we never write
-    into x: their in-place version corrupted cached batches (the UNK rate grew every epoch).
+    into x: on the CPU their in-place version corrupts the cached batches (the UNK rate grows every epoch).
     """
     if p <= 0:
         return x.clone()

@@ -277,13 +277,13 @@ def translate(model, tokenizer, lines, search=Search(), batch_tokens=4096, progr
 # ---------------------------------------------------------------------------------------
 # 6. Scoring [8, 9]: the same outputs, three numbers.
 #   tokenized BLEU  what the papers report. Paper [1] appendix A: "We report tokenized BLEU with multi-bleu.perl";
-#                   [3] and [2] do the same. multi-bleu.perl splits on whitespace only, so the number depends on
-#                   the tokenization before scoring; SacreBLEU with tokenize="none" on the same text reproduces it
-#                   exactly (Code: 32.49 and 33.24 on the tst2013 outputs the TwT and QKNorm authors ship).
+#                   [2] too; [3] for en-vi only (its 4 TED pairs: multi-bleu-detok.perl). multi-bleu.perl splits on
+#                   whitespace, so the number depends on the tokenization before scoring; SacreBLEU, tokenize="none",
+#                   on the same text reproduces it exactly (Code: 32.49, 33.24 on the TwT and QKNorm tst2013 outputs).
 #   SacreBLEU       BLEU on detokenized text with SacreBLEU's 13a tokenizer, with its signature.
 #   chrF            character n-gram F-score [9] (beta 2): no tokenization at all.
 # Note: our corpora are raw text and the model writes raw text: for a multi-bleu.perl-style number both sides
-# are 13a-tokenized first, then scored with tokenize="none" (on raw text that equals SacreBLEU's 13a BLEU).
+# are 13a-tokenized first, then scored with tokenize="none" (on raw text: SacreBLEU's 13a BLEU, unsmoothed).
 # Corpora tokenized beforehand (IWSLT'15 en-vi as the TwT authors ship it): already_tokenized=True (--tokenized).
 # ---------------------------------------------------------------------------------------
 def bleu(hyps, refs, lowercase=False):

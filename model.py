@@ -106,7 +106,7 @@ def dropout(x, p, training=True):
 # Why: [3] section 3: softmax sees only differences, and dot products are unbounded, so a few large logits can
 # silence every other key (a saturated, "winner-take-all" softmax). Cosines are bounded, |Q^ K^T| <= 1, but too
 # flat for a softmax to ignore a key, so a learned g scales them: logits in [-g, g], one key outweighs another
-# at most e^(2g) times. g0 = log2(L^2 - L) sets that bound from the L^2 - L off-diagonal entries of QK^T.
+# at most e^(2g) times. g0 = log2(L^2 - L), a rule of thumb found empirically ([3] App. B), grows with QK^T's size.
 # QKNorm's g is one scalar per attention module, shared by its heads (Code: 18 in a 6+6 model).
 # ---------------------------------------------------------------------------------------
 def attention_math(q, k, v, key_mask=None, causal=False, scale=None, dropout_p=0.0):
@@ -201,8 +201,8 @@ class FeedForward(nn.Module):
 #   PostNorm (eq. 2):  x_{l+1} = norm(x_l + F_l(x_l))
 #   PreNorm  (eq. 3):  x_{l+1} = x_l + F_l(norm(x_l))     (+ one final norm per stack)
 # Why: [1] section 2.1: a residual network trains deep because its identity path carries the gradient from the top
-# back to every layer unchanged. PostNorm puts a norm on that path after every sublayer, like scaling x_l by some
-# lambda_l != 1: products of the lambdas explode or vanish, and warmup is needed while the norms settle. PreNorm
+# back to every layer unchanged. PostNorm puts a norm on that path after every sublayer: [1] conjectures it acts like
+# scaling x_l by some lambda_l != 1, whose products explode or vanish, so warmup is needed while they settle. PreNorm
 # keeps the path an identity: it trains without warmup, at large learning rates, with steadier gradient norms.
 # ---------------------------------------------------------------------------------------
 def residual(x, f, norm, pad_mask, cfg: ModelConfig, training):
@@ -296,9 +296,9 @@ class Transformer(nn.Module):
         index_target_words(self)  # Appendix A (and again whenever a checkpoint's mask is loaded)
         self.reset_parameters()
 
-    # Why: [1] section 2.2: Xavier normal starts attention too large: embeddings are scaled by sqrt(d), and in the
-    # early steps residual sums and the products q.k compound any excess, so PostNorm can fail to converge whatever
-    # the warmup ([1] Table 2). SmallInit's factor sqrt(2/5) ~ 0.63 on attention lets it train (PreNorm trains anyway).
+    # Why, as [1] section 2.2 explains it: Xavier normal starts attention too large: embeddings are scaled by sqrt(d),
+    # and in the early steps residual sums and products q.k compound any excess, so PostNorm can fail to converge
+    # whatever the warmup ([1] Table 2). SmallInit (sqrt(2/5) ~ 0.63 on attention) trains it (PreNorm trains anyway).
     def reset_parameters(self):
         """Initialisation [1, sections 2.2 and 3.2]. Xavier normal (eq. 4): W ~ N(0, sqrt(2 / (d_in + d_out)));
         attention D x D gives sqrt(2/(2D)). SmallInit (section 2.2): attention weights N(0, sqrt(2/(D + 4D))).

@@ -6,7 +6,7 @@ the ones before it). Run ``python norms.py --benchmark`` to time every norm agai
 Contents
   1. Conventions: shapes, the padding mask, fp32 statistics, --reference
   2. LayerNorm [5]
-  3. ScaleNorm [1, eq. 5] and FixNorm [1, eq. 6]
+  3. ScaleNorm [1, eq. 5] and FixNorm [1, section 2.3; with ScaleNorm, eq. 6]
   4. RMSNorm [4]
   5. The batch-statistics norms of PowerNorm [2]: BatchNorm (Algorithm 1), PN-V (Definition 1),
      GroupScaling, PowerNorm (Definition 3, Algorithm 2, the approximate backward)
@@ -72,7 +72,7 @@ def at_least_fp32(x):
 # 2. LayerNorm [5]:  y = gamma * (x - mu) / sqrt(sigma^2 + eps) + beta
 #      mu = mean_i x_i,  sigma^2 = mean_i (x_i - mu)^2       (over the D features of one token)
 # Why: each token is centred and scaled by its own statistics, so its output never depends on the other
-# sentences of the batch (BatchNorm's does): the Transformer's norm, the baseline of all three papers.
+# sentences of the batch (BatchNorm's does): the Transformer's norm, the baseline of [1] and [2], and kept by [3].
 # ---------------------------------------------------------------------------------------
 class LayerNorm(nn.Module):
     def __init__(self, d, eps=1e-5):  # Code: eps 1e-5, as in TwT
@@ -126,7 +126,7 @@ class ScaleNorm(nn.Module):
 #     g * (w . x) / (||w|| ||x||)     (cosine normalization with a learned scale g).
 # Code: FixNorm has no g of its own: each row of the embedding matrix (V, D) is l2-normalised on every
 # forward (w / ||w||, below: ||fixnorm(w)_v|| = 1), and the decoder's final PreNorm ScaleNorm makes ||x|| = g,
-# so logit_w = g cos(x, w) + b_w: the final ScaleNorm's g *is* eq. 6's g (a softmax temperature).
+# so logit_w = g cos(x, w) + b_w: the final ScaleNorm's g *is* eq. 6's g (an inverse softmax temperature).
 def fixnorm(weight, eps=1e-12):
     # Exercise fixnorm: begin
     return weight / torch.linalg.vector_norm(weight, dim=-1, keepdim=True).clamp_min(eps)

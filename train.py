@@ -67,16 +67,16 @@ from norms import BATCH_NORMS, NORMS, fast_paths, sync, timed
 # 1. The learning rate [1, section 2.4].
 #   INVSQRTDECAY (eq. 7):  LR(n) = lambda / sqrt(d) * min(1/sqrt(n), n / n_warmup^1.5)
 #     a linear warmup to lambda / sqrt(d * n_warmup) at n = n_warmup, then the inverse square root;
-#   VALDECAY:  eq. 7's warmup, then flat at its peak, times alpha_decay each time dev BLEU stalls;
+#   VALDECAY:  eq. 7's warmup, then flat at its peak, times alpha_decay when dev BLEU falls below the last `patience`;
 #   NOWARMUP:  a constant LR (3e-4 in [1]), with the same validation decay.
 #   cosine (the tensorized Transformer's PTB script, for [2]'s language models): eq. 7's linear
 #     warmup to the peak, then peak * (1 + cos(pi (n - n_warmup) / (N - n_warmup))) / 2, to 0 at
 #     the run's last step N (--max-steps, else --max-epochs x --epoch-size).
-# Why: warmup exists because a PostNorm model's early updates pass through LayerNorm on the residual path and
-#   can blow up or vanish before its scales settle; PreNorm keeps a clean residual path, so the model can start
-#   at a large, constant LR with no warmup at all. Validation-based decay then trains at that LR as long as dev
-#   BLEU still improves, and cuts it by alpha_decay only when BLEU stalls for `patience` evaluations: the data,
-#   not a fixed formula, decides when the LR comes down.
+# Why ([1] 2.4 conjectures it): warmup lets a PostNorm model's LayerNorms on the residual path adjust their scale
+#   early without gradients exploding or vanishing; PreNorm keeps a clean residual path, so [1] trained it with no
+#   warmup at a constant 3e-4 ([1] Table 4; warmup still helped gl-en). Validation-based decay then trains at that LR
+#   while dev BLEU holds up, and cuts it by alpha_decay when a dev BLEU falls below each of the previous `patience`
+#   ones (Code; a plateau never decays): the data, not a fixed formula, decides when the LR comes down.
 # ---------------------------------------------------------------------------------------
 def inverse_sqrt_lr(step, d_model, warmup, lr_scale):
     n = max(step, 1)
@@ -133,7 +133,7 @@ def validation_decay(history, patience):
 # ---------------------------------------------------------------------------------------
 @dataclass
 class StepOptions:
-    word_dropout: float  # [1] appendix A: 0.1, on the source and target *inputs*
+    word_dropout: float  # [1] appendix A: 0.1, tokens -> UNK; Code: on the source and target *inputs*
     smoothing: float  # label smoothing epsilon
     clip: float  # clip the global gradient norm at this (0: off)
     rng: Optional[torch.Generator] = None  # word dropout's own random generator
@@ -158,7 +158,7 @@ def train_step(net, optimizer, batches, lr, opts: StepOptions):
     for i, b in enumerate(batches):
         last = i == len(batches) - 1  # DDP all-reduces the gradients after the last micro-batch only
         with contextlib.nullcontext() if last or world == 1 else net.no_sync():
-            # Paper (appendix A): word dropout on source and target inputs, never on the targets.
+            # Code: word dropout on source and target inputs, never on the targets ([1] appendix A: p 0.1, UNK).
             src = data.word_dropout(b.src, opts.word_dropout, opts.rng) if opts.word_dropout and b.src is not None \
                 else b.src  # None: a language model
             tgt_in = data.word_dropout(b.tgt_in, opts.word_dropout, opts.rng) if opts.word_dropout else b.tgt_in

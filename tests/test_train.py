@@ -227,7 +227,7 @@ def _lr_by_step(run_dir):
 
 
 def test_validation_decay_never_fires_inside_the_warmup(tmp_path, monkeypatch, small_corpus):
-    """[1] 2.4: VALDECAY is a linear warmup, *then* x alpha_decay when dev BLEU stalls (Code:
+    """[1] 2.4: VALDECAY is a linear warmup, *then* x alpha_decay when dev BLEU falls (Code:
     eval_and_decay skips annealing during warmup). Dev BLEU is driven down at every evaluation,
     inside the warmup too: the LR stays on eq. 7's warmup line until n_warmup, and only then decays."""
     bleus = iter(range(100, 0, -1))  # strictly falling: every evaluation after the first is worse
