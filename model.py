@@ -506,27 +506,27 @@ def index_target_words(model, hook=True):
 
 # =======================================================================================
 # Appendix B: the multi-linear attention of the tensorized Transformer [7], "core-1" (one block),
-# the attention of PowerNorm's language models ([2] appendix A.2: "there exists only one linear
-# projection in multi-linear attention"; "with masking"). Per head, on a segment of L positions:
+# the attention of PowerNorm's language models ([2] A.2: "there exists only one linear projection in
+# multi-linear attention"; [2] section 5.1: "with masking"). Per head, on a segment of L positions:
 #   [Q; K; V] = x [W^Q; W^K; W^V]                       (one projection, split in three), each (L, R)
 #   T[i, j, k] = sum_r c_r Q[i, r] K[j, r] V[k, r]      c: the core, one vector of R = D / H numbers
 #   causal:  T[i, j, k] = 0 unless j <= i and k <= i    (position i sees no later token)
 #   out_i = W^O [vec T_1[i, :, :]; ...; vec T_H[i, :, :]] + b     (H L^2 numbers -> D, one linear layer)
 # No softmax: position i's output is a learned linear map of the (L, L) slice of the tensor.
 # W^O has L^2 inputs per head: the model is built for segments of cfg.seq_len positions; shorter
-# ones are the first positions of a full one (the causal mask makes the rest zero).
+# ones are zero-padded to L: under --mask causal, exactly the first positions of a full one.
 # Code (szhangtju/The-compression-of-Transformer, BTD-Transformer/transformer_upload.py, the baseline PowerNorm points
-# to; its BlockTensorAttn): the same tensor and output layer, the core softmax-initialised; but it builds a mask and
-# never applies it, and it has no positions at the input. Both are choices here, so that its runs can be redone:
+# to; its BlockTensorAttn): the same tensor, the core softmax-initialised, but qkv_net and o_net without biases; it
+# builds a mask and never applies it, and it has no positions at the input. Both are choices here, to redo its runs:
 #   --mask causal (default; [2] says its runs were "with masking") | none (the code: every position sees the whole
 #     segment, future included);
 #   --positions sinusoidal (default: added to the input, as everywhere in this project) | relative (the code's
 #     Transformer-XL term, the second of two tensors added before W^O):
 #   T[i, j, k] = sum_r c_r (Q[i, r] + u_r) K[j, r] V[k, r]  +  sum_r c_r (Q[i, r] + v_r) P[j, r] V[k, r]
-#   P = dropout(PE(L-1), ..., PE(0)) W^R       the sinusoids of the distances L-1..0, projected (W^R: r_net, no bias)
+#   P = dropout(PE(L-1), ..., PE(0)) W^R   row j is PE(L-1-j) for every i: no relative shift (W^R: r_net, no bias)
 #   u, v: r_w_bias and r_r_bias, learned, one pair shared by every layer (Transformer-XL's default; the code's too).
-# Note: the code takes the distances t-1..0 for a segment of t positions; for a full one (every segment of training
-# and of evaluation on segments) that is the same; a shorter one is the first positions of a full one, as above, so
+# Note: the code takes PE(t-1), ..., PE(0) for a segment of t positions; for a full one (every segment of training
+# and of evaluation on segments) that is the same; a shorter one takes a full one's first t rows of P, as above, so
 # that position i does not learn how many tokens follow it. The code's sinusoids are [sin; cos] halves, ours
 # interleaved (a permutation that W^R absorbs). Unmasked and relative, the model is position-blind at the input: two
 # equal tokens of one segment get equal outputs (a test checks it).
@@ -550,7 +550,7 @@ class MultiLinearAttention(nn.Module):
         self.register_buffer("mask", mask, persistent=False)  # (L, L, L)
         self.relative, self.p = cfg.positions == "relative", cfg.dropout
         if self.relative:
-            self.register_buffer("distances", sinusoidal_positions(self.L, d).flip(0), persistent=False)  # (L, D)
+            self.register_buffer("pe_reversed", sinusoidal_positions(self.L, d).flip(0), persistent=False)  # (L, D)
             self.r_net = nn.Linear(d, d, bias=False)  # W^R; Xavier, as W^O
             nn.init.normal_(self.r_net.weight, 0.0, math.sqrt(1 / d))
             self.r_w_bias, self.r_r_bias = (nn.Parameter(torch.randn(self.heads, 1, d // self.heads) * 0.02)
@@ -579,7 +579,7 @@ class MultiLinearAttention(nn.Module):
             raise ValueError(f"a multi-linear attention built for --seq-len {self.L} got {t} positions")
         q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))  # (B, H, t, R)
         if self.relative:  # the content term and the position term, each query with its bias
-            P = self.r_net(dropout(self.distances[:t], self.p, self.training))  # (t, D)
+            P = self.r_net(dropout(self.pe_reversed[:t], self.p, self.training))  # (t, D)
             P = P.to(q.dtype).view(1, t, self.heads, -1).transpose(1, 2)  # (1, H, t, R)
             T = self.tensor(q + self.r_w_bias, k, v) + self.tensor(q + self.r_r_bias, P, v)
         else:

@@ -817,9 +817,9 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
     **{f"pn2-released-{key}": ("ptb", f"PowerNorm Table 2: PTB, {name}, the baseline's code as it ran (unmasked, "
                                f"relative positions)", row(PN2, norm=norm, mask="none", positions="relative"))
        for key, name, norm in PN2_NORMS if key in ("layernorm", "powernorm")},
-    # [2] A.2: WikiText-103, 6 layers, the rest as PTB's; an epoch: 103,227,021 words + 1,801,350 EOS, 27,352 batches
+    # [2] A.2: WikiText-103, 6 layers, the rest as PTB's; an epoch: 101,425,671 words + 1,165,029 EOS, 26,717 batches
     **{f"pn2-wt103-{key}": ("wikitext-103", f"PowerNorm Table 2: WikiText-103, 6-layer tensorized Transformer {name}",
-                            row(PN2, layers=6, epoch_size=27352, norm=norm))
+                            row(PN2, layers=6, epoch_size=26717, norm=norm))
        for key, name, norm in PN2_NORMS},
     "pn1-layernorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer LN", PN),
     "pn1-batchnorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer BN", row(PN, encoder_norm="batch")),

@@ -32,7 +32,7 @@ def by_loops(att, x, mask, positions):
     qkv = x @ att.qkv.weight.T + att.qkv.bias
     if positions == "relative":
         pe = sinusoidal_positions(L, D).double()
-        P = torch.stack([pe[L - 1 - j] for j in range(L)]) @ att.r_net.weight.T  # the distances L-1, ..., 0
+        P = torch.stack([pe[L - 1 - j] for j in range(L)]) @ att.r_net.weight.T  # row j: PE(L-1-j), no relative shift
     out = torch.zeros(B, t, D, dtype=torch.float64)
     for b in range(B):
         for i in range(t):
