@@ -825,17 +825,18 @@ def prepare(name, out_dir=None, url=None, expected=None):
     out = Path(out_dir) if out_dir else Path("data") / c.get("dir", name)
     if out.exists() and not out.is_dir():
         raise DataError(f"--dir {out}: a file, not a folder")
-    if c.get("lm"):
-        return _prepare_text(name, c, out, url)
-    files, stamp = corpus_paths(out, c["src"], c["tgt"]), out / "prepared.json"
-    command = (f"python train.py --data {out} --src {c['src']} --tgt {c['tgt']} "
-               f"--bpe-size {c['bpe']} {c['args']} --out runs/{name}").replace("  ", " ")
+    lm, stamp = c.get("lm"), out / "prepared.json"  # a language model's text: DIR/split.txt
+    files = {s: (out / f"{s}.txt",) for s in SPLITS} if lm else corpus_paths(out, c["src"], c["tgt"])
+    command = (f"python train.py --data {out} " + ("" if lm else f"--src {c['src']} --tgt {c['tgt']} --bpe-size "
+               f"{c['bpe']} ") + f"{c['args']} --out runs/{name}").replace("  ", " ")
     if stamp.exists() and all(p.exists() for s in SPLITS for p in files[s]) \
             and json.loads(stamp.read_text()).get("name") == name:
         print(f"{out}: {name} already prepared ({stamp.name}); delete it to redo\n{command}")
         return out
     base, mirror = c["url"].rstrip("/").rsplit("/", 1)[-1], os.environ.get("NMT_DATA_MIRROR")
     url = url or (f"{mirror.rstrip('/')}/{base}" if mirror else c["url"])
+    if lm:
+        return _prepare_text(name, c, out, url, command)
     hint = "/path/to/" + (base if c["archive"] else "folder/with/the/files")
     if "://" not in url:  # a local archive or folder: read in place
         if not (root := Path(url)).exists():
@@ -855,7 +856,7 @@ def prepare(name, out_dir=None, url=None, expected=None):
     for split, w in want.items():
         n = counts[split]
         if split in exact and n != w:
-            raise DataError(f"{files[split][0]}: {n:,} lines, expected {w:,} for {name}; "
+            raise DataError(f"{root}: {split} has {n:,} pairs, expected {w:,} for {name}; "
                             f"the download may be damaged or changed (delete {out} and retry)")
         if split not in exact and abs(n - w) >= 0.02 * w:
             print(f"warning: {name} {split}: {n:,} pairs where the papers give about {w:,}; "
@@ -868,13 +869,8 @@ def prepare(name, out_dir=None, url=None, expected=None):
     return out
 
 
-def _prepare_text(name, c, out, url):
-    """A language model's corpus: each split's file fetched, its md5 checked, written as DIR/split.txt."""
-    command = f"python train.py --data {out} {c['args']} --out runs/{name}"
-    if (out / "prepared.json").exists() and all((out / f"{s}.txt").exists() for s in SPLITS):
-        print(f"{out}: {name} already prepared (prepared.json); delete it to redo\n{command}")
-        return out
-    url = url or c["url"]
+def _prepare_text(name, c, out, url, command):
+    """A language model's corpus (prepare's): each split's file fetched, its md5 checked, written as DIR/split.txt."""
     texts = {}
     if c["archive"]:  # one archive holding the three files (WikiText-103): the archive's md5 is checked, as torchtext's
         base = c["url"].rsplit("/", 1)[-1]
@@ -913,7 +909,7 @@ def prepare_main(argv=None):
     p = argparse.ArgumentParser(prog="data.py prepare", formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Download, check and lay out a corpus of the papers.", epilog=epilog)
     p.add_argument("name", metavar="NAME", choices=list(CORPORA), help=", ".join(CORPORA))
-    p.add_argument("--dir", default=None, help="output folder (default data/NAME)")
+    p.add_argument("--dir", default=None, help="output folder (default data/NAME; multi30k: data/multi30k-en-de)")
     p.add_argument("--url", default=None, help="source: http(s)://, file:// or a local path "
                    "(default $NMT_DATA_MIRROR/<file name>, else the original source)")
     a = p.parse_args(argv)

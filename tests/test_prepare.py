@@ -1,6 +1,7 @@
 """Tests for `python data.py prepare NAME`: offline, on small fake archives laid out like the real ones."""
 import http.server
 import io
+import json
 import os
 import socket
 import subprocess
@@ -58,7 +59,7 @@ def test_en_vi_from_a_file_url_writes_the_split_files_and_the_command(tmp_path, 
 
 def test_en_vi_papers_counts_are_checked_exactly(tmp_path):
     src = _stanford_en_vi(tmp_path / "iwslt15.en-vi")
-    with pytest.raises(DataError, match="5 lines, expected 133,317"):
+    with pytest.raises(DataError, match=r"iwslt15.en-vi: train has 5 pairs, expected 133,317"):  # the source read
         data.prepare("en-vi", tmp_path / "out", str(src))  # a local folder, read in place
     assert not (tmp_path / "out" / "prepared.json").exists()
 
@@ -339,6 +340,26 @@ def test_prepare_wikitext_103_from_a_zip_checks_its_md5_offline(tmp_path, monkey
     with pytest.raises(DataError, match=r"wikitext-103-v1.zip: md5 [0-9a-f]{32}, expected 0{32}: not the wikitext-103"):
         data.prepare("wikitext-103", tmp_path / "wt3", str(src))
     assert not (tmp_path / "wt3").exists()
+
+
+def test_a_language_models_corpus_reads_the_mirror_and_its_stamp_names_the_corpus(tmp_path, monkeypatch, capsys):
+    """$NMT_DATA_MIRROR serves PTB and WikiText-103 as it serves the translation corpora (it was ignored for them), and
+    a folder whose prepared.json names another corpus is prepared again, not reported as done (it was)."""
+    import hashlib
+    (tmp_path / "mirror").mkdir()
+    src = _wikitext_zip(tmp_path / "mirror" / "wikitext-103-v1.zip")
+    monkeypatch.setitem(data.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()})
+    monkeypatch.setenv("NMT_DATA_MIRROR", (tmp_path / "mirror").as_uri())
+    out = data.prepare("wikitext-103", tmp_path / "wt")  # no --url: the mirror's copy, fetched into DIR/orig
+    assert (out / "orig" / "wikitext-103-v1.zip").read_bytes() == src.read_bytes()
+    assert json.loads((out / "prepared.json").read_text())["source"] == f"{(tmp_path / 'mirror').as_uri()}/{src.name}"
+    (out / "prepared.json").write_text(json.dumps({"name": "ptb"}))  # as if PTB had been prepared into this folder
+    (out / "train.txt").write_text("PTB's text\n")
+    capsys.readouterr()
+    data.prepare("wikitext-103", out)
+    assert "already prepared" not in capsys.readouterr().out
+    assert (out / "train.txt").read_text() == "\n= Title =\n\nthe cat sat .\n"
+    assert json.loads((out / "prepared.json").read_text())["name"] == "wikitext-103"
 
 
 def test_a_wikitext_zip_missing_a_file_names_it(tmp_path, monkeypatch):
