@@ -485,7 +485,7 @@ def read_checkpoint(path, device="cpu"):
 def average_checkpoints(paths):
     """Checkpoint files (oldest first) -> one checkpoint dict whose "model" is their average; the rest is the last
     file's, less "optimizer" and "rng" (they belong to its weights: do not resume from it); "averaged_from" lists the
-    files. Sums in float64, one file in memory at a time. DataError if the models or runs (their run_id) differ."""
+    files. Sums in float64, the first file kept beside the one added. DataError if models or runs (run_id) differ."""
     paths = [Path(x) for x in paths]
     if not paths:
         raise DataError("average_checkpoints: no checkpoint files given")
@@ -506,7 +506,7 @@ def average_checkpoints(paths):
     return dict(kept, model=averaged, averaged_from=[str(p) for p in paths])
 
 
-# A run directory's files are named here alone: train.py writes them, both files read them through these.
+# A run directory's file names, listed for decode.py and train.py's checks (train.py writes each by its own literal).
 CHECKPOINT_FORMAT = 2  # train.py's checkpoints since the checkpoint became the resume record (older: refused)
 CHECKPOINT = re.compile(r"checkpoint_(best|last|epoch(\d+))\.pt")  # the best dev score | the resume point | epoch N
 RESULT_FILES = ("config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json")  # --overwrite removes

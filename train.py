@@ -675,6 +675,8 @@ def refuse_idle_flags(args, given):
             (("src", "tgt"), args.data is not None, "the name of a corpus's files in --data DIR; without --data the "
              "built-in corpus is used"),
             (("profile",), args.benchmark, "for the steps of --benchmark N: give --benchmark too"),
+            (("patience", "decay_factor"), Schedule.from_args(args).decays, "for validation-based decay (--schedule "
+             f"valdecay, warmupflat or nowarmup), not --schedule {args.schedule}"),
             (("benchmark", "overwrite"), not args.resume, "an action of a new run; --resume continues one")):
         for name in names:
             if name in given and not active:
@@ -727,7 +729,7 @@ def model_config_from_args(args, vocab_size, qk_g0=1.0):
 # Appendix B: presets. Each is one row of a paper's table as a set of flags, applied after the defaults and before the
 # flags of the command line (which override it): --preset NAME. A row names its language pair (PAIRS); --pair NAME
 # swaps in another pair's corpus and per-pair flags ([1] Table 1 and appendix A; the TwT code's per-pair configs).
-# `python data.py prepare NAME` lays each corpus out under data/NAME.
+# `python data.py prepare NAME` lays each corpus out under data/NAME (multi30k: data/multi30k-en-de).
 # =======================================================================================
 _TWT_PAIR = dict(bpe_size=8000, layers=6, heads=8, dropout=0.3, max_epochs=200, early_stop=20)
 PAIRS = {
@@ -930,7 +932,7 @@ def output_columns(model):
 
 
 def matmul_flops(run, tokens=4096, seconds=1.0):
-    """FLOP/s of a dense (tokens x d) @ (d x ff) GEMM, the model's largest matmul, in the step's matmul dtype (bf16
+    """FLOP/s of a dense (tokens x d) @ (d x ff) GEMM, the FFN's first matmul, in the step's matmul dtype (bf16
     under CUDA autocast, else fp32), in this process: MFU's denominator. The best of 5 short windows: a busy moment on
     a shared machine would otherwise understate the peak (and inflate MFU). On a GPU, 20 products per sync."""
     device, d, ff = run.device, run.args.d_model, run.args.ff
@@ -1257,12 +1259,12 @@ def wrap_model(model, args, world, device):
 # written before every input is checked, and a lock keeps a second process out. A resumed run keeps its flags (those
 # in RESUME_MAY_CHANGE may be given again), its corpus and its BPE model, and starts from the newest checkpoint that
 # reads back (torch.load weights_only). Checkpoints hold only tensors and plain Python values. The checkpoint is the
-# resume record (the run's flags, state and generators); config.json is for people, and a resume does not read it.
+# resume record (the run's flags, state and generators); config.json is for people: a resume reads only its run_id.
 # =======================================================================================
 RESUME_MAY_CHANGE = {"max_steps", "max_epochs", "early_stop", "stop_lr", "patience", "log_interval", "device",
                      "dtype", "threads", "compile", "dev_beam", "beam", "alpha", "length_penalty", "keep_checkpoints",
                      "data"}  # a moved corpus: its hashes are checked
-# The files train.py writes into a run directory are named by decode.py's Appendix B (decode.RESULT_FILES,
+# The files train.py writes into a run directory are listed in decode.py's Appendix B (decode.RESULT_FILES,
 # CACHE_FILES, checkpoints). --overwrite removes the old run's results (the checkpoints only if they hold its run
 # id); the BPE model and the encoded caches are keyed by their content and are reused or replaced, never trusted.
 
@@ -1347,7 +1349,7 @@ def may_resume(run_dir, args, ckpt, diff, hashes):
     """Whether the run in run_dir may go on from ckpt: DataError naming what stops it, a flag given that a continued
     run keeps, its corpus changed, its budget spent (--max-steps, --max-epochs), or a stop that would come again at
     once (--stop-lr, --early-stop); each says which flag would let it go on."""
-    # config.json is a run's first file (on resume, read for nothing else): a checkpoint copied in alone is no run
+    # config.json is a run's first file (on resume, read for its run_id alone): a checkpoint copied in alone is no run
     if not (run_dir / "config.json").exists():
         raise data.DataError(f"--resume {run_dir}: not a run directory of train.py (no config.json); start a new run "
                              f"with --out")
@@ -1502,6 +1504,10 @@ def what_next(args):
 # into the run directory (reused by a later run only for the same training text and size),
 # encode (cached there too); a language model's text is cut into segments (data.py section 8).
 # =======================================================================================
+def lm_text_file(args, split):  # a language model's text: --data DIR's split.txt; the built-in corpus's target side
+    return Path(args.data) / f"{split}.txt" if args.data is not None else data.toy_corpus_dir() / f"{split}.tgt"
+
+
 def read_corpus(args, log):
     """{split: [(src, tgt)]} of raw text, and the language suffixes; a language model's: {split: [line]}."""
     if args.data is None:
@@ -1519,7 +1525,7 @@ def read_corpus(args, log):
     if args.task == "lm":  # DIR/{train,dev,test}.txt, one sentence a line (the built-in corpus: its target side)
         if args.data is None:
             log("data: the target side of the built-in synthetic corpus, as a language model's text")
-        text = {split: data_dir / f"{split}.{'tgt' if args.data is None else 'txt'}" for split in data.SPLITS}
+        text = {split: lm_text_file(args, split) for split in data.SPLITS}
         for split, path in text.items():
             if not path.is_file():
                 raise data.DataError(f"{path}: file not found (a language model's corpus folder holds train.txt, "
@@ -1603,7 +1609,7 @@ def lm_data(args, tok, text, log):
     """A language model's training and dev segments (data.py section 8), and the training ones again."""
     streams = {split: data.lm_stream(tok, text[split]) for split in data.SPLITS}
     if streams["dev"].numel() - 1 < args.seq_len:
-        raise data.DataError(f"{Path(args.data or data.toy_corpus_dir()) / 'dev.txt'}: {streams['dev'].numel() - 1} "
+        raise data.DataError(f"{lm_text_file(args, 'dev')}: {streams['dev'].numel() - 1} "
                              f"tokens, shorter than one segment of --seq-len {args.seq_len}")
     train, dev = data.lm_segments(streams["train"], args.seq_len), data.lm_segments(streams["dev"], args.seq_len)
     log("data: " + " / ".join(f"{streams[s].numel() - 1} {s}" for s in data.SPLITS) + f" tokens to predict, "

@@ -210,7 +210,7 @@ def test_resume_survives_a_half_written_metrics_line_and_a_damaged_newest_checkp
     (["--beta2", "1.5"], "--beta2"), (["--attn-dropout", "-0.5"], "--attn-dropout"),
     (["--enc-layers", "-1"], "--enc-layers"), (["--qk-length", "1.5"], "--qk-length"), (["--lr", "0"], "--lr"),
     (["--src", "en", "--tgt", "de"], "--src"), (["--accumulate", "0"], "--accumulate"),
-    (["--decay-factor", "1.5"], "--decay-factor"), (["--clip", "-1"], "--clip"),
+    (["--schedule", "valdecay", "--decay-factor", "1.5"], "--decay-factor"), (["--clip", "-1"], "--clip"),
     # Issue 30: each was a traceback or a crash after the run directory was made (g0 infinite, Adam's first step
     # overflowing, torch segfaulting on 100,000 threads).
     (["--lr", "1e300"], "--lr"), (["--lr-scale", "1e300"], "--lr-scale"),
@@ -711,6 +711,8 @@ def test_a_read_only_run_directory_is_one_line(finished, tmp_path, monkeypatch):
     (["--qk-no-g"], ["--qk-no-g", "--qknorm"]), (["--qk-length", "30"], ["--qk-length", "--qknorm"]),
     (["--pn-variant", "code"], ["--pn-variant", "power"]), (["--pn-alpha-fwd", "0.5"], ["--pn-alpha-fwd", "power"]),
     (["--schedule", "nowarmup", "--warmup", "50"], ["--warmup", "nowarmup"]),
+    (["--patience", "5"], ["--patience", "validation-based decay", "not --schedule invsqrt"]),  # read by decay alone
+    (["--schedule", "cosine", "--decay-factor", "0.5"], ["--decay-factor", "not --schedule cosine"]),
 ])
 def test_a_flag_that_would_do_nothing_is_refused(argv, names, tmp_path):
     one_line_error(lambda: train.main(TINY + argv + ["--out", str(tmp_path / "run")]), *names)
