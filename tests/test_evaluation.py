@@ -228,6 +228,19 @@ def test_smoothed_loss_lower_bound(toy):
     n_allowed = int(model.allowed.sum())
     assert out["smoothed_loss"] >= (1 - eps) * out["nll"] + eps * math.log(n_allowed) - 1e-6
     assert out["ppl"] == pytest.approx(decode.perplexity(model, tok, pairs, 0.0)["ppl"], rel=1e-6)
+    # The value itself, one pair at a time, by torch's label-smoothed cross-entropy over the target words A (the bound
+    # above is slack for an untrained model: a smoothed loss equal to the NLL passed it).
+    total, n = 0.0, 0
+    with torch.no_grad():
+        model.eval()
+        for src_text, tgt_text in pairs:
+            x, y = tok.encode(src_text), tok.encode(tgt_text)
+            logits = model(torch.tensor([x]), torch.tensor([[BOS] + y]))[0][:, model.allowed]  # (T, |A|)
+            column = model.allowed.cumsum(0) - 1  # a target word's column among A
+            total += F.cross_entropy(logits, column[torch.tensor(y + [EOS])], label_smoothing=eps,
+                                     reduction="sum").item()
+            n += len(y) + 1
+    assert out["smoothed_loss"] == pytest.approx(total / n, rel=1e-4)
 
 
 # -- attention maps -----------------------------------------------------------------------

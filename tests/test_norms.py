@@ -246,8 +246,8 @@ def test_every_norm_accepts_pad_mask_and_keeps_shape(name, training):
 
 @pytest.mark.parametrize("name", sorted(NORMS))
 def test_every_norm_is_finite_under_bf16_autocast(name):
-    """Statistics in fp32 under autocast: bf16 activations of size ~300 give finite outputs
-    that agree with the fp32 computation to bf16 precision."""
+    """Under bf16 autocast, bf16 activations of size ~300 give finite outputs that agree with the fp32
+    computation to bf16 precision (whether the statistics are fp32: the fp16 test below)."""
     torch.manual_seed(8)
     norm = build_norm(name, D, heads=4).eval()  # eval: batch norms use fixed statistics
     x = rand(B, T, D, scale=300.0, dtype=torch.float32).bfloat16()
@@ -256,6 +256,19 @@ def test_every_norm_is_finite_under_bf16_autocast(name):
     assert y.shape == x.shape and torch.isfinite(y).all()
     ref = norm(x.float(), pad_mask())
     torch.testing.assert_close(y.float(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("name", sorted(NORMS))
+def test_every_norm_keeps_fp32_statistics_on_fp16_activations(name, training):
+    """fp16 activations of size ~300 (x^2 overflows fp16 past 256): each norm's output, in fp16, agrees with the same
+    norm on the fp32 copy, in training (batch statistics) and evaluation. A norm computing its statistics in fp16
+    (at_least_fp32 forgotten) returns zeros or NaN here; bf16, with fp32's range, would not show it."""
+    a, b = (build_norm(name, D, heads=4).train(training) for _ in range(2))
+    x = rand(B, T, D, seed=5, scale=300.0, dtype=torch.float16)
+    y16, y32 = a(x, pad_mask()), b(x.float(), pad_mask())
+    assert y16.dtype == torch.float16
+    torch.testing.assert_close(y16.float(), y32, rtol=1e-2, atol=1e-2 * y32.abs().max().item())
 
 
 def test_build_norm_unknown_name_raises_value_error_naming_choices():

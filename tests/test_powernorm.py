@@ -320,11 +320,8 @@ def test_powernorm_under_bf16_autocast_keeps_fp32_statistics():
             if name != "num_batches_tracked":
                 assert buf.dtype == torch.float32 and torch.isfinite(buf).all(), name
     assert norm.num_batches_tracked.dtype == torch.int64
-    # fp16 activations with |x| > 256: x^2 would overflow fp16; the statistics are fp32.
-    for name in BATCH:
-        x = (torch.full((2, 3, 8), 300.0) + torch.arange(8.0)).half()
-        y = build_norm(name, 8, 2)(x, None)
-        assert torch.isfinite(y).all(), name
+    # fp16 activations with |x| > 256, where x^2 overflows fp16: test_norms.py's
+    # test_every_norm_keeps_fp32_statistics_on_fp16_activations compares every norm with its fp32 result.
 
 
 def test_powernorm_counter_counts_training_forwards_only():
