@@ -84,16 +84,10 @@ def read_parallel(src_path, tgt_path, max_len=None, drop_empty=True):
     if len(src_lines) != len(tgt_lines):
         raise DataError(f"{src_path} has {len(src_lines)} lines but {tgt_path} has {len(tgt_lines)}; "
                         f"the two sides must be aligned line by line")
-    pairs, n_empty, n_long = [], 0, 0
-    for s, t in zip(src_lines, tgt_lines):
-        if not s or not t:
-            n_empty += 1
-            if drop_empty:
-                continue
-        if max_len is not None and max(len(s.split()), len(t.split())) > max_len:
-            n_long += 1
-            continue
-        pairs.append((s, t))
+    n_empty = sum(not s or not t for s, t in zip(src_lines, tgt_lines))
+    kept = [(s, t) for s, t in zip(src_lines, tgt_lines) if (s and t) or not drop_empty]
+    pairs = [(s, t) for s, t in kept if max_len is None or max(len(s.split()), len(t.split())) <= max_len]
+    n_long = len(kept) - len(pairs)
     if not pairs:
         raise DataError(f"{src_path} / {tgt_path}: no usable sentence pairs ({len(src_lines)} lines, "
                         f"{n_empty} with an empty side, {n_long} longer than max_len={max_len})")
@@ -167,9 +161,7 @@ def encode_pairs(tok, pairs):
 def filter_long(encoded_pairs, max_len):
     """Drops pairs with more than max_len BPE tokens on either side: (kept, n_dropped).
     Note: for training data only; dropping dev or test sentences would change what BLEU is on."""
-    if max_len is None:
-        return list(encoded_pairs), 0
-    kept = [(x, y) for x, y in encoded_pairs if len(x) <= max_len and len(y) <= max_len]
+    kept = [(x, y) for x, y in encoded_pairs if max_len is None or (len(x) <= max_len and len(y) <= max_len)]
     return kept, len(encoded_pairs) - len(kept)
 
 
@@ -183,8 +175,7 @@ def target_vocab_mask(encoded_tgt_seqs, vocab_size):
     target vocabulary is UNK, EOS and every id seen in the BPE'd target training data; PAD and BOS are never outputs.
     """
     mask = torch.zeros(vocab_size, dtype=torch.bool)  # (V,)
-    for seq in encoded_tgt_seqs:
-        mask[torch.as_tensor(seq, dtype=torch.long)] = True
+    mask[torch.tensor([i for seq in encoded_tgt_seqs for i in seq], dtype=torch.long)] = True
     mask[UNK] = mask[EOS] = True
     mask[PAD] = mask[BOS] = False
     return mask
@@ -966,18 +957,15 @@ def split_lines(raw, name):
     if raw.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16's byte-order mark: latin1 would make garbage of it
         raise DataError(f"{name}: UTF-16 text, not UTF-8 (convert it with iconv -f utf-16 -t utf-8)")
     bom = 3 if raw.startswith(b"\xef\xbb\xbf") else 0  # a UTF-8 byte-order mark (Windows editors) is
-    lines, offset = raw[bom:].split(b"\n"), bom  # not text: it would become a BPE piece of the first line
-    if lines and lines[-1] == b"":
-        lines.pop()  # the final newline does not start another line
-    out = []
-    for i, line in enumerate(lines):
-        try:
-            out.append(line.decode("utf-8").strip())
-        except UnicodeDecodeError as e:
-            raise DataError(f"{name}: line {i + 1}: invalid UTF-8 byte 0x{line[e.start]:02x} at byte offset "
-                            f"{offset + e.start} (convert it with iconv -f ENCODING -t utf-8, e.g. latin1)") from None
-        offset += len(line) + 1
-    return out
+    try:  # not text: it would become a BPE piece of the first line
+        text = raw[bom:].decode("utf-8")  # "\n" is never part of a longer character: decode, then split, is the same
+    except UnicodeDecodeError as e:
+        at = bom + e.start  # the bad byte, and its line: 1 + the newlines before it
+        line = raw.count(b"\n", bom, at) + 1
+        raise DataError(f"{name}: line {line}: invalid UTF-8 byte 0x{raw[at]:02x} at byte offset {at} "
+                        f"(convert it with iconv -f ENCODING -t utf-8, e.g. latin1)") from None
+    lines = text.removesuffix("\n").split("\n") if text else []  # the final newline does not start another line
+    return [line.strip() for line in lines]
 
 
 def read_lines(path):
