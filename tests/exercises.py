@@ -545,8 +545,29 @@ def compare(ex, got, want, seed):
             allowed = f"; allowed {atol:g} + {rtol:g} x |expected|" if expected.is_floating_point() else ""
             first = f"the first of {int(bad.sum())} elements that differ, " if bad.sum() > 1 else ""
             return (f"{key}{index} = {value[at].item():.10g} where {expected[at].item():.10g} is expected "
-                    f"({first}in {str(ex.dtype)[6:]}{allowed})")
+                    f"({first}in {str(ex.dtype)[6:]}{allowed}); {case_of(ex.inputs(Draw(seed, ex.name)), key, at)}")
     return None
+
+
+def case_of(inputs, key, at):
+    """The inputs of an output that differs, in words: for an exercise of cases (its outputs values[i], or x{i} and
+    y{i}), that case's arguments; else the inputs named with the output's suffix (o_causal: q_causal, k_causal...;
+    y8: x8), and every scalar; else every input. Tensors by shape and dtype."""
+    def words(v):
+        if isinstance(v, torch.Tensor):
+            return f"{tuple(v.shape)} {str(v.dtype)[6:]}" if v.dim() else f"{v.item():.6g}"
+        if isinstance(v, (tuple, list)):
+            return "(" + ", ".join(words(x) for x in v) + ")"
+        return f"{v:.6g}" if isinstance(v, float) else repr(v)
+    cases = next((v for v in inputs.values() if isinstance(v, list)), None)
+    digits = re.search(r"(\d+)$", key)
+    n = at[0] if key == "values" and at else int(digits.group(1)) if digits else None
+    if cases is not None and n is not None and n < len(cases):
+        return f"the case: {words(cases[n])}"
+    suffix = re.search(r"(_[a-z0-9]+|\d+)$", key)
+    named = {k: v for k, v in inputs.items() if suffix and k.endswith(suffix.group(1)) and k != key}
+    chosen = {**named, **{k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}} if named else inputs
+    return "the inputs: " + ", ".join(f"{k} {words(v)}" for k, v in chosen.items())
 
 
 def hint_for(ex, got, mistakes, seed):
@@ -891,9 +912,13 @@ def grade_submissions(folders, names, a):
     every = by_name()
     chosen = names or (assigned_of(a.kit) if a.kit else list(every))
     points = parse_points(a.points, chosen)
-    for flag, path in (("--csv", a.csv), ("--json", a.json)):
+    for flag, path in (("--csv", a.csv), ("--json", a.json), ("--feedback", a.feedback)):
         if path and not Path(path).resolve().parent.is_dir():
             sys.exit(f"exercises.py grade: {flag} {path}: its folder does not exist")
+    if a.wide and not a.csv:
+        sys.exit("exercises.py grade: --wide is a layout of --csv: give --csv FILE too")
+    if a.feedback and Path(a.feedback).exists() and not Path(a.feedback).is_dir():
+        sys.exit(f"exercises.py grade: --feedback {a.feedback}: a file, not a folder")
     started = time.time()
     grader = Grader(a.seed, a.timeout, a.jobs)
     files = {n: solution_files(n) for n in chosen}
@@ -919,12 +944,15 @@ def grade_submissions(folders, names, a):
     print(f"graded {len(folders)} submission{'s' if len(folders) != 1 else ''} x {len(chosen)} exercises in "
           f"{time.time() - started:.1f} s ({len(grader.cache)} distinct codes run, seed {a.seed})", file=sys.stderr)
     if a.csv:
+        table = wide_rows(rows, chosen, points) if a.wide else rows
         with open(a.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w = csv.DictWriter(f, fieldnames=list(table[0]))
             w.writeheader()
-            w.writerows(rows)
+            w.writerows(table)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    if a.feedback:
+        write_feedback(rows, Path(a.feedback), points)
     return 0 if all(r["result"] == "PASS" for r in rows) else 1
 
 
@@ -949,9 +977,48 @@ def report(plans, grader, points):
     return rows
 
 
+def wide_rows(rows, names, points):
+    """The gradebook with a row per submission: each exercise's points (0 for a FAIL), the total, the maximum."""
+    table = {}
+    for r in rows:
+        table.setdefault(r["submission"], {"submission": r["submission"]})[r["exercise"]] = r["points"]
+    for row in table.values():
+        row.update(total=sum(row[n] for n in names), max_total=sum(points[n] for n in names))
+    return list(table.values())
+
+
+def feedback_names(submissions):
+    """A file name per submission: its folder's name, with the folders above it where two would be alike."""
+    parts = {s: Path(s).resolve().parts for s in submissions}
+    depth = 1
+    while depth < max(map(len, parts.values())) and \
+            len({"_".join(p[-depth:]) for p in parts.values()}) < len(parts):
+        depth += 1
+    return {s: re.sub(r"[^\w.-]", "_", "_".join(p[-depth:])) + ".md" for s, p in parts.items()}
+
+
+def write_feedback(rows, folder, points):
+    """--feedback DIR: one Markdown file per submission, to hand back: its score, then each exercise's verdict."""
+    folder.mkdir(exist_ok=True)
+    subs = list(dict.fromkeys(r["submission"] for r in rows))
+    for sub, name in feedback_names(subs).items():
+        mine = [r for r in rows if r["submission"] == sub]
+        got, most = sum(r["points"] for r in mine), sum(r["max_points"] for r in mine)
+        lines = [f"# Feedback: {Path(sub).name}", "",
+                 f"{sum(r['result'] == 'PASS' for r in mine)} of {len(mine)} exercises pass: {got:g} of {most:g} "
+                 f"points.", "", "| exercise | result | points |", "|---|---|---|"]
+        lines += [f"| {r['exercise']} | {r['result']} | {r['points']:g} of {r['max_points']:g} |" for r in mine]
+        for r in (r for r in mine if r["result"] == "FAIL"):
+            lines += ["", f"## {r['exercise']}: FAIL", "", r["reason"]]
+        (folder / name).write_text("\n".join(lines) + "\n")
+    print(f"feedback: {len(subs)} files in {folder}", file=sys.stderr)
+
+
 def assigned_of(kit):
     """The exercises a kit made by `make` (kept by the instructor) blanked."""
     path = Path(kit) / "tests" / "exercise_values.pt"
+    if not Path(kit).is_dir():
+        sys.exit(f"exercises.py grade: --kit {kit}: no such folder")
     try:
         stored = torch.load(path, weights_only=True)
         return list(stored["assigned"])
@@ -983,6 +1050,10 @@ def cmd_grade(argv):
     p.add_argument("--points", help="points per exercise: 2, or batchnorm=3,pnv=2 (default 1 each)")
     p.add_argument("--csv", help="write the gradebook: one row per submission and exercise")
     p.add_argument("--json", help="the gradebook as JSON")
+    p.add_argument("--wide", action="store_true", help="with --csv: one row per submission, a column per exercise "
+                   "(its points, 0 for a FAIL) and the total, instead of a row per submission and exercise")
+    p.add_argument("--feedback", metavar="DIR", help="write one Markdown file per submission into DIR, to hand back: "
+                   "each exercise's verdict, with its hint and, for a FAIL, the failing case")
     p.add_argument("--kit", help="the copy `make` wrote: grade the exercises it blanked")
     a = p.parse_args(argv)
     names = [x for x in a.items if x in by_name()]
@@ -991,7 +1062,7 @@ def cmd_grade(argv):
         if not f.is_dir():
             sys.exit(f"exercises.py grade: {f} is neither an exercise (python tests/exercises.py list) nor a folder")
     if not folders:
-        given = [f for f in ("--seed", "--jobs", "--points", "--csv", "--json", "--kit")
+        given = [f for f in ("--seed", "--jobs", "--points", "--csv", "--json", "--kit", "--wide", "--feedback")
                  if any(x == f or x.startswith(f + "=") for x in argv)]
         if given:
             sys.exit(f"exercises.py grade: {given[0]} is for grading students' copies: give their folders")

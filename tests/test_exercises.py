@@ -338,8 +338,27 @@ def test_grading_two_passing_submissions_exits_0_and_writes_their_rows(tmp_path)
     assert [(Path(r["submission"]).name, r["exercise"], r["result"]) for r in rows] == [
         ("a", "qk_g0", "PASS"), ("a", "invsqrt", "PASS"), ("b", "qk_g0", "PASS"), ("b", "invsqrt", "PASS")]
     _set_region(b, "qk_g0", "return math.log(L * L - L)")  # natural log: b fails, so the exit status is 1
-    out = _kit("grade", str(a), str(b), "qk_g0")
+    out = _kit("grade", str(a), str(b), "qk_g0", "--points", "2", "--csv", str(tmp_path / "w.csv"), "--wide",
+               "--feedback", str(tmp_path / "back"))
     assert out.returncode == 1 and "FAIL qk_g0: values[0] = " in out.stdout and "Hint: log2" in out.stdout
+    L = exercises.by_name()["qk_g0"].inputs(exercises.Draw(exercises.GRADE_SEED, "qk_g0"))["L"]
+    assert f"; the case: {L[0]:.6g}. Hint" in out.stdout, out.stdout  # which L of the eight values[0] was
+    wide = list(csv.DictReader(open(tmp_path / "w.csv")))  # a row per student, a column per exercise, the total
+    assert [(Path(r["submission"]).name, r["qk_g0"], r["total"], r["max_total"]) for r in wide] == [
+        ("a", "2.0", "2.0", "2.0"), ("b", "0.0", "0.0", "2.0")]
+    back = {f.name: f.read_text() for f in (tmp_path / "back").iterdir()}  # one file per student, to hand back
+    assert sorted(back) == ["a.md", "b.md"] and "1 of 1 exercises pass: 2 of 2 points" in back["a.md"]
+    assert "## qk_g0: FAIL" in back["b.md"] and "; the case: " in back["b.md"] and "Hint: log2" in back["b.md"]
+    for argv, words in (([str(a), "--kit", str(tmp_path / "nowhere")], f"--kit {tmp_path / 'nowhere'}: no such folder"),
+                        ([str(a), "--wide"], "--wide is a layout of --csv: give --csv FILE too")):
+        out = _kit("grade", *argv)
+        assert out.returncode != 0 and out.stderr.strip() == f"exercises.py grade: {words}", out.stderr
+
+
+def test_feedback_files_are_named_by_folder_and_told_apart_by_the_folders_above():
+    names = exercises.feedback_names(["x/a/ann", "y/b/ann", "y/b/bob lee"])
+    assert names == {"x/a/ann": "a_ann.md", "y/b/ann": "b_ann.md", "y/b/bob lee": "b_bob_lee.md"}
+    assert exercises.feedback_names(["x/ann", "x/bob"]) == {"x/ann": "ann.md", "x/bob": "bob.md"}
 
 
 @original_only
