@@ -42,6 +42,7 @@ import hashlib
 import json
 import os
 import re
+import resource
 import select
 import shutil
 import signal
@@ -789,8 +790,9 @@ def build_sandbox(folder, ex_name, texts):
 LIVE = set()  # the grading processes running now (killed on Ctrl-C)
 
 
-def run_isolated(ex_name, texts, seed, timeout):
-    """One exercise with `texts` as its regions, in a fresh process with a time limit. Returns
+def run_isolated(ex_name, texts, seed, timeout, memory=2048):
+    """One exercise with `texts` as its regions, in a fresh process with a time limit and a memory limit (`memory`
+    MB of data: what the process allocates, beyond Python's and torch's code; cmd_run sets it). Returns
     (outputs, None, spans), or (None, how it ended, spans): a line, or (how, file, line) to be mapped
     to the submission's lines through spans (build_sandbox)."""
     with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
@@ -799,7 +801,8 @@ def run_isolated(ex_name, texts, seed, timeout):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
         env.pop("PYTHONPATH", None)
         with open(Path(tmp) / "log", "w+") as log:
-            proc = subprocess.Popen([sys.executable, "tests/exercises.py", "_run", ex_name, str(seed), str(result)],
+            proc = subprocess.Popen([sys.executable, "tests/exercises.py", "_run", ex_name, str(seed), str(result),
+                                     str(memory)],
                                     cwd=box, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                     start_new_session=True)
             LIVE.add(proc)
@@ -830,7 +833,12 @@ def run_isolated(ex_name, texts, seed, timeout):
         return None, (f"the process ended (exit status {proc.returncode}) before handing back its outputs: the code "
                       f"exits or kills it{' (its last words: ' + last + ')' if last else ''}"), spans
     if isinstance(got, dict) and set(got) == {"error"} and isinstance(got["error"], tuple) and len(got["error"]) == 3:
-        return None, got["error"], spans
+        how, rel, line = got["error"]
+        if isinstance(how, str) and ("can't allocate memory" in how or how.startswith("MemoryError")):
+            tried = re.search(r"you tried to allocate (\d+) bytes", how)  # torch's allocator says how much
+            what = f"allocating {int(tried.group(1)) / 2 ** 20:,.0f} MB failed" if tried else how.split(":")[0]
+            how = f"{what}: past the memory limit of one exercise's process, --memory {memory} MB"
+        return None, (how, rel, line), spans
     if not (isinstance(got, dict) and set(got) == {"outputs"} and isinstance(got["outputs"], dict)
             and all(isinstance(k, str) and (v is None or isinstance(v, torch.Tensor))
                     for k, v in got["outputs"].items())):
@@ -838,8 +846,10 @@ def run_isolated(ex_name, texts, seed, timeout):
     return got["outputs"], None, spans
 
 
-def cmd_run(name, seed, out):
-    """(in a grading process) one exercise's outputs, or how its code failed, written to `out`."""
+def cmd_run(name, seed, out, memory):
+    """(in a grading process) one exercise's outputs, or how its code failed, written to `out`; allocations past
+    `memory` MB of data fail (RLIMIT_DATA, soft and hard: a process without root's rights cannot lift it)."""
+    resource.setrlimit(resource.RLIMIT_DATA, (int(memory) << 20, int(memory) << 20))
     try:
         load_project()
         result = {"outputs": run(by_name()[name], int(seed))}
@@ -853,15 +863,15 @@ def cmd_run(name, seed, out):
 class Grader:
     """The instructor's grade: results cached by (exercise, the code of its regions), the reference run once."""
 
-    def __init__(self, seed, timeout, jobs):
-        self.seed, self.timeout = seed, timeout
+    def __init__(self, seed, timeout, jobs, memory):
+        self.seed, self.timeout, self.memory = seed, timeout, memory
         self.pool = ThreadPoolExecutor(max(1, jobs))
         self.cache, self.expected, self.mistake_runs = {}, {}, {}
 
     def submit(self, ex_name, texts):
         key = (ex_name, hashlib.sha256("\0".join(texts).encode()).hexdigest())
         if key not in self.cache:
-            self.cache[key] = self.pool.submit(run_isolated, ex_name, texts, self.seed, self.timeout)
+            self.cache[key] = self.pool.submit(run_isolated, ex_name, texts, self.seed, self.timeout, self.memory)
         return self.cache[key]
 
     def reference(self, ex):
@@ -920,7 +930,7 @@ def grade_submissions(folders, names, a):
     if a.feedback and Path(a.feedback).exists() and not Path(a.feedback).is_dir():
         sys.exit(f"exercises.py grade: --feedback {a.feedback}: a file, not a folder")
     started = time.time()
-    grader = Grader(a.seed, a.timeout, a.jobs)
+    grader = Grader(a.seed, a.timeout, a.jobs, a.memory)
     files = {n: solution_files(n) for n in chosen}
     plans = []
     for folder in folders:  # every job first, so that the pool is kept busy
@@ -1045,6 +1055,9 @@ def cmd_grade(argv):
     p.add_argument("--seed", type=int, default=GRADE_SEED, help="the inputs drawn (instructor's grade)")
     p.add_argument("--timeout", type=positive("--timeout", float), default=120.0,
                    help="seconds one exercise may run (default 120)")
+    p.add_argument("--memory", type=positive("--memory", int), default=2048, metavar="MB",
+                   help="megabytes of data one exercise's process may allocate; past it that exercise FAILs, saying "
+                   "so (default 2048: with --jobs 4, 8 GB at most)")
     p.add_argument("--jobs", type=positive("--jobs", int), default=min(4, os.cpu_count() or 1),
                    help="exercises graded at once (default: the CPU count, at most 4)")
     p.add_argument("--points", help="points per exercise: 2, or batchnorm=3,pnv=2 (default 1 each)")
@@ -1062,7 +1075,8 @@ def cmd_grade(argv):
         if not f.is_dir():
             sys.exit(f"exercises.py grade: {f} is neither an exercise (python tests/exercises.py list) nor a folder")
     if not folders:
-        given = [f for f in ("--seed", "--jobs", "--points", "--csv", "--json", "--kit", "--wide", "--feedback")
+        given = [f for f in ("--seed", "--jobs", "--points", "--csv", "--json", "--kit", "--wide", "--feedback",
+                             "--memory")
                  if any(x == f or x.startswith(f + "=") for x in argv)]
         if given:
             sys.exit(f"exercises.py grade: {given[0]} is for grading students' copies: give their folders")
@@ -1235,7 +1249,7 @@ def chosen_exercises(names):
 
 
 def main(argv):
-    if argv[:1] == ["_run"] and len(argv) == 4:
+    if argv[:1] == ["_run"] and len(argv) == 5:
         return cmd_run(*argv[1:])
     if argv[:1] == ["_check"] and len(argv) > 2:
         return cmd_check(argv[1], argv[2:])

@@ -355,6 +355,23 @@ def test_grading_two_passing_submissions_exits_0_and_writes_their_rows(tmp_path)
         assert out.returncode != 0 and out.stderr.strip() == f"exercises.py grade: {words}", out.stderr
 
 
+@original_only
+def test_an_answer_that_allocates_past_the_memory_limit_fails_that_exercise_alone(tmp_path):
+    sub = _solution_copy(tmp_path / "sub")
+    _set_region(sub, "qk_g0", "big = torch.ones(1500 << 20, dtype=torch.uint8)  # 1.5 GB\nreturn math.log2(L * L - L)")
+    _set_region(sub, "invsqrt", "big = bytearray(1500 << 20)\n"
+                                "return lr_scale / math.sqrt(d_model) * min(n ** -0.5, n * warmup ** -1.5)")
+    out = _kit("grade", str(sub), "qk_g0", "invsqrt", "length_penalty", "--memory", "1000")
+    lines = {line.split(":")[0]: line for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL"))}
+    limit = "past the memory limit of one exercise's process, --memory 1000 MB at "
+    assert out.returncode == 1 and lines["FAIL qk_g0"].startswith("FAIL qk_g0: allocating 1,500 MB failed: ") and \
+        limit + "model.py:" in lines["FAIL qk_g0"], out.stdout + out.stderr
+    assert lines["FAIL invsqrt"].startswith("FAIL invsqrt: MemoryError") and limit + "train.py:" in lines["FAIL invsqrt"]
+    assert "PASS length_penalty" in lines  # the others are graded as ever
+    out = _kit("grade", str(sub), "qk_g0", "--memory", "0")
+    assert out.returncode == 2 and "--memory" in out.stderr
+
+
 def test_feedback_files_are_named_by_folder_and_told_apart_by_the_folders_above():
     names = exercises.feedback_names(["x/a/ann", "y/b/ann", "y/b/bob lee"])
     assert names == {"x/a/ann": "a_ann.md", "y/b/ann": "b_ann.md", "y/b/bob lee": "b_bob_lee.md"}
