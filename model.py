@@ -422,6 +422,10 @@ def label_smoothed_loss(logits, target, eps, real=None, allowed=None):
 # (Multi30k, 3+3 layers, d 256, 4096-token batches, 2 CPU threads, 2026-11-23). --reference
 # turns them off.
 # =======================================================================================
+FAST_PATHS = {"norms.LayerNorm.forward": "F.layer_norm", "model.dropout": "fast_dropout", "model.attention_math":
+              "F.scaled_dot_product_attention", "model.label_smoothed_loss": "target_words_loss"}  # what runs instead
+
+
 def fast_dropout(x, p):
     """dropout(x, p) in training: the same distribution with p rounded to 1/65536, drawn from other
     random numbers. On CUDA and under --compile, F.dropout, which the GPU and the compiler fuse.

@@ -30,7 +30,7 @@ authors' released code does: tnq177/transformers_without_tears (TwT), sIncerass/
 import argparse
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
 
@@ -394,9 +394,10 @@ NORMS = {
     "batch": Norm(BatchNorm, "y = gamma (x - mu_B) / sqrt(sigma_B^2 + eps) + beta", "PowerNorm Alg. 1", True),
     "pnv": Norm(PNV, "y = gamma x / sqrt(psi_B^2 + eps) + beta, psi_B^2 = mean x^2", "PowerNorm Def. 1", True),
     "power": Norm(PowerNorm, "y = gamma x / psi + beta, running psi^2, approximate backward with nu",
-                  "PowerNorm Def. 3, Alg. 2", True, options=("groups", "warmup", "alpha_fwd", "alpha_bkw")),
+                  "PowerNorm Def. 3, Alg. 2", True, options=("groups", "warmup", "alpha_fwd", "alpha_bkw", "variant"),
+                  make=lambda d, **options: power_norm(d, **options)),  # Appendix D: --pn-variant paper or code
     "none": Norm(NoNorm, "y = x", "QKNorm Table 6"),
-}  # (Appendix D adds "power"'s option "variant": --pn-variant code)
+}
 BATCH_NORMS = tuple(dict.fromkeys(e.cls for e in NORMS.values() if e.batch_stats))  # (PowerNormCode is a PowerNorm)
 
 
@@ -606,9 +607,6 @@ def power_norm(d, variant="paper", **options):
     if variant not in ("paper", "code"):
         raise ValueError(f"PowerNorm's variant must be 'paper' or 'code', got {variant!r}")
     return (PowerNormCode if variant == "code" else PowerNorm)(d, **options)
-
-
-NORMS["power"] = replace(NORMS["power"], make=power_norm, options=NORMS["power"].options + ("variant",))
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ from torch.profiler import ProfilerActivity, profile
 import data
 import decode
 from decode import alpha_range, count, fraction, non_negative, positive, positive_int, ranged, run_id_of, threads
-from model import ModelConfig, Transformer, autocast, count_parameters, has_bf16, qk_g0
+from model import FAST_PATHS, ModelConfig, Transformer, autocast, count_parameters, has_bf16, qk_g0
 from norms import BATCH_NORMS, NORMS, fast_paths, sync, timed
 
 # ---------------------------------------------------------------------------------------
@@ -284,6 +284,9 @@ def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
         f"init={cfg.init}, qknorm={cfg.qknorm}, device={device}{' bf16' if bf16 else ''}, "
         f"threads={torch.get_num_threads()}" + (f", {dist.get_world_size()} ranks" if dist.is_initialized() else "")
         + (", --reference" if args.reference else ""))
+    if not args.reference:  # an edit to one of these main-text functions shows only with --reference
+        log("fast paths, where they apply: " + ", ".join(f"{k} -> {v}" for k, v in FAST_PATHS.items())
+            + "; an edit to one of these functions runs only with --reference")
     adam = torch.optim.AdamW if args.weight_decay > 0 else torch.optim.Adam
     return model, adam(model.parameters(), lr=0.0, betas=(args.beta1, args.beta2), eps=args.adam_eps,
                        weight_decay=args.weight_decay, fused=True if device.type == "cuda" else None)

@@ -1,6 +1,10 @@
 """Claims of train.py: eq. 7, the label-smoothed loss, validation decay, flags, resume, learning."""
 import json
 import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +13,7 @@ import torch.nn.functional as F
 import data
 import norms
 import train
-from conftest import SMALL  # a small, fast configuration (d 64, two layers)
+from conftest import SMALL, TINY  # a small (d 64, two layers) and a tiny configuration
 from model import ModelConfig, Transformer, label_smoothed_loss
 
 # --- eq. 7 --------------------------------------------------------------------------------
@@ -157,6 +161,25 @@ def test_a_run_killed_mid_epoch_resumes_to_the_same_metrics(tmp_path, killed_run
     a = json.loads((whole / "results.json").read_text())
     b = json.loads((killed / "results.json").read_text())
     assert a["best_dev_bleu"] == b["best_dev_bleu"] and a["test_bleu"] == b["test_bleu"]
+
+
+def test_an_edit_to_a_main_text_function_a_fast_path_replaces_is_named_and_runs_under_reference(tmp_path, corpus):
+    """A student edits model.attention_math in a copy: the run's first screen names it among the fast paths (which
+    run instead, so the run is unchanged), and with --reference the edited function is what runs."""
+    root = Path(__file__).resolve().parent.parent
+    for name in ("norms.py", "model.py", "data.py", "decode.py", "train.py"):
+        shutil.copyfile(root / name, tmp_path / name)
+    text = (tmp_path / "model.py").read_text()
+    head = "def attention_math(q, k, v, key_mask=None, causal=False, scale=None, dropout_p=0.0):\n"
+    assert head in text
+    (tmp_path / "model.py").write_text(text.replace(head, head + '    raise RuntimeError("the edited attention")\n'))
+    argv = [sys.executable, "train.py", *TINY, *corpus, "--benchmark", "1", "--out", str(tmp_path / "run")]
+    fast = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert fast.returncode == 0 and "model.attention_math -> F.scaled_dot_product_attention" in fast.stdout, fast.stderr
+    assert "an edit to one of these functions runs only with --reference" in fast.stdout
+    written = subprocess.run(argv + ["--reference"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert written.returncode != 0 and "the edited attention" in written.stderr
+    assert "fast paths" not in written.stdout
 
 
 # --- every norm, placement and QKNorm trains a few steps on the built-in corpus -------------
