@@ -23,9 +23,9 @@ PAPERS = "../papers.md"  # where [1], [2], [3] ... point (docs/papers.md: each p
 
 
 def chapter(text):
-    """(intro, sections) of a chapter's source. intro: its docstring's lines; a section: dict(title, prose lines,
-    blocks, appendix, rule lines); a block: (comment lines before the code, code lines). Every line is in exactly one
-    piece, in order: source_of() joins them back."""
+    """(intro, sections) of a chapter's source. intro: its docstring's lines; a section: dict(title, head: its heading's
+    lines from rule to rule, blocks, appendix: whether it is folded); a block: (comment lines before the code, code
+    lines). Every line is in exactly one piece, in order: source_of() joins them back."""
     lines = text.split("\n")
     end = next(i for i in range(1, len(lines)) if lines[i].rstrip().endswith('"""')) + 1  # the module docstring
     intro, sections = lines[:end], [dict(title="", head=[], blocks=[([], [])], appendix=False)]
