@@ -15,8 +15,9 @@ Contents
   Appendix A: the built-in corpus, a synthetic language pair (no download)
   Appendix B: the papers' corpora: python data.py prepare NAME (download, check, lay out)
   Appendix C: files and helpers: the corpus's file names, reading lines exactly (the project's one line reader),
-              writing atomically (its one atomic writer), the encoding cache, a language model's word vocabulary,
-              loading a tokenizer, padding's share
+              the encoding cache, a language model's word vocabulary, loading a tokenizer, padding's share
+  Appendix D: files on disk: writing atomically (the project's one atomic writer), a failed write as one line, a
+              run directory's lock and staging folder, SIGTERM as Ctrl-C
 
 Shapes: B sentences in a batch, S source length, T target length (after the BOS/EOS shift).
 
@@ -50,6 +51,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 from pathlib import Path
+
+try:
+    import fcntl  # a run directory's lock (Appendix D); POSIX only
+except ImportError:  # Windows: no lock
+    fcntl = None
 
 import sentencepiece as spm
 import torch
@@ -537,11 +543,10 @@ def make_toy_corpus(out_dir, seed=1, n_train=20000, n_dev=500, n_test=500):
         if 4 <= len(src.split()) <= 25 and src not in seen:
             seen.add(src)
             pairs.append((src, tgt))
-    stamp_path.unlink(missing_ok=True)  # the stamp is written last
     ends = list(itertools.accumulate((n_train, n_dev, n_test)))
     atomic_write_all({out_dir / f"{split}.{lang}": "".join(p[side] + "\n" for p in pairs[a:b])
-                      for split, a, b in zip(SPLITS, [0] + ends, ends) for side, lang in ((0, "src"), (1, "tgt"))})
-    atomic_write(stamp_path, json.dumps(stamp) + "\n")
+                      for split, a, b in zip(SPLITS, [0] + ends, ends) for side, lang in ((0, "src"), (1, "tgt"))}
+                     | {stamp_path: json.dumps(stamp) + "\n"})  # the stamp last: renamed in after every file
     return out_dir
 
 
@@ -579,9 +584,9 @@ def summary():
 # =======================================================================================
 # Appendix B: the papers' corpora: python data.py prepare NAME
 # =======================================================================================
-# One pipeline for every corpus: download (resumable) -> open the archive or folder -> select and clean each split's
-# lines -> write DIR/split.LANG -> check the line counts -> print the train.py command. BPE is not applied here:
-# train.py trains the joint sentencepiece model itself (--bpe-size).
+# One pipeline for every corpus: download (resumable) -> (a language model's text: its md5s checked) -> open the
+# archive or folder -> select and clean each split's lines -> check the line counts -> write DIR/split.LANG -> print
+# the train.py command. BPE is not applied here: train.py trains the joint sentencepiece model itself (--bpe-size).
 
 _TED_NOTE = ("TED talks of Qi et al. 2018 (github.com/neulab/word-embeddings-for-nmt), read as its ted_reader.py "
              "(used by [1] and [3]) does: a pair with an empty side or 'NULL' is dropped; Moses-tokenized as shipped.  "
@@ -712,13 +717,14 @@ def download(url, dest, hint="/path/to/the/file", timeout=30):
 
 
 def _opener(root):
-    """open_text(name): a text stream of a file in folder root or in the tar(.gz) or zip archive root (raw=True: its
-    bytes, whole).
+    """open_text(name): a text stream of a file in folder root or in the tar(.gz) or zip archive root.
 
     A name also matches a member ending in "/name" (archives that add a top folder or "./"). Nothing is extracted to
     disk. errors="replace": one bad byte must not stop a 336 MB run.
     """
     root = Path(root)
+    if not root.exists():
+        raise DataError(f"{root}: not found")
     if root.is_dir():
         names, open_ = [str(p.relative_to(root)) for p in root.rglob("*")], lambda n: open(root / n, "rb")
     elif zipfile.is_zipfile(root):  # WikiText-103
@@ -731,13 +737,10 @@ def _opener(root):
             raise DataError(f"{root}: not a tar or zip archive ({e}); delete it and run again") from None
         names, open_ = tar.getnames(), tar.extractfile
 
-    def open_text(name, raw=False):
+    def open_text(name):
         if not (hits := [n for n in names if n == name or n.endswith("/" + name)]):
             raise DataError(f"{root}: no file {name} in it (is it the right archive?)")
         stream = open_(min(hits, key=len))
-        if raw:
-            with stream:
-                return stream.read()
         return io.TextIOWrapper(gzip.GzipFile(fileobj=stream) if name.endswith(".gz") else stream, "utf-8", "replace",
                                 newline="\n")
     return open_text
@@ -786,8 +789,11 @@ _PAIR_STEPS = {  # applied in the order a corpus lists them
 }
 
 
-def _split_pairs(c, split, open_text):
-    """One split's pairs of corpus c: its files read, cleaned by its steps, in order."""
+def _split_rows(c, split, open_text):
+    """One split of corpus c as rows, a text for each file that prepare writes: a language model's (line,), or (src,
+    tgt) pairs, its files read and cleaned by its steps, in order."""
+    if c.get("lm"):
+        return [(line,) for line in _lines(open_text, c["splits"][split], ())]
     steps, pairs = c.get("steps", {}).get(split, ()), []
     for spec in c["splits"][split]:
         if c.get("tsv"):
@@ -826,24 +832,23 @@ def prepare(name, out_dir=None, url=None, expected=None):
         return out
     base, mirror = c["url"].rstrip("/").rsplit("/", 1)[-1], os.environ.get("NMT_DATA_MIRROR")
     url = url or (f"{mirror.rstrip('/')}/{base}" if mirror else c["url"])
-    if lm:
-        return _prepare_text(name, c, out, url, command)
     hint = "/path/to/" + (base if c["archive"] else "folder/with/the/files")
     if "://" not in url:  # a local archive or folder: read in place
-        if not (root := Path(url)).exists():
-            raise DataError(f"{url}: not found")
+        root = Path(url)
     elif c["archive"]:
         root = download(url, out / "orig" / base, hint)
-    else:
+    else:  # a folder's files one by one
         root = out / "orig"
-        for f in sorted({f for s in SPLITS for pair in c["splits"][s] for f in pair}):
+        for f in c["splits"].values() if lm else sorted({f for s in SPLITS for pair in c["splits"][s] for f in pair}):
             download(f"{url.rstrip('/')}/{f}", root / f, hint)
+    for key, md5 in c.get("md5", {}).items():  # a language model's md5s, as torchtext checks them: of each split's
+        _check_md5(root if key == "archive" else root / c["splits"][key], md5, name)  # file (PTB) or of the archive
     open_text = _opener(root)
-    splits = {split: _split_pairs(c, split, open_text) for split in SPLITS}  # all read and checked before any write:
-    counts = {split: len(pairs) for split, pairs in splits.items()}          # a failure leaves DIR's files as they were
+    rows = {split: _split_rows(c, split, open_text) for split in SPLITS}  # all read and checked before any write:
+    counts = {split: len(split_rows) for split, split_rows in rows.items()}  # a failure leaves DIR's files as they were
     # Exact counts must match; approximate ones (the papers' rounded numbers, or a pipeline we only approximate) print
-    # a warning when 2% or more off.
-    want, exact = (expected, SPLITS) if expected else (c["counts"], c["exact"])
+    # a warning when 2% or more off. A language model's corpus has none (its md5s are checked).
+    want, exact = (expected, SPLITS) if expected else (c.get("counts", {}), c.get("exact", ()))
     for split, w in want.items():
         n = counts[split]
         if split in exact and n != w:
@@ -852,43 +857,20 @@ def prepare(name, out_dir=None, url=None, expected=None):
         if split not in exact and abs(n - w) >= 0.02 * w:
             print(f"warning: {name} {split}: {n:,} pairs where the papers give about {w:,}; "
                   f"this count is not certain, so it is not an error", file=sys.stderr)
-    atomic_write_all({files[split][side]: "".join(p[side] + "\n" for p in pairs)
-                      for split, pairs in splits.items() for side in (0, 1)})
-    atomic_write(stamp, json.dumps({"name": name, "source": url, "counts": counts}) + "\n")
+    atomic_write_all({path: "".join(row[i] + "\n" for row in rows[split]) for split in SPLITS
+                      for i, path in enumerate(files[split])}  # the stamp last: renamed in after every file
+                     | {stamp: json.dumps({"name": name, "source": url, "counts": counts}) + "\n"})
     print(f"{out}: {name} " + ", ".join(f"{s} {n:,}" for s, n in counts.items())
-          + f" pairs; train.py trains the {c['bpe']}-piece joint BPE\n{command}")
+          + (" sentences" if lm else f" pairs; train.py trains the {c['bpe']}-piece joint BPE") + f"\n{command}")
     return out
 
 
-def _prepare_text(name, c, out, url, command):
-    """A language model's corpus (prepare's): each split's file fetched, its md5 checked, written as DIR/split.txt."""
-    texts = {}
-    if c["archive"]:  # one archive holding the three files (WikiText-103): the archive's md5 is checked, as torchtext's
-        base = c["url"].rsplit("/", 1)[-1]
-        path = download(url, out / "orig" / base, f"/path/to/{base}") if "://" in url else Path(url)
-        if not path.is_file():
-            raise DataError(f"{path}: not found")
-        _read_checked(path, c["md5"]["archive"], name)
-        open_member = _opener(path)
-        texts = {split: split_lines(open_member(f, raw=True), f"{path}: {f}") for split, f in c["splits"].items()}
-    for split, f in () if c["archive"] else c["splits"].items():  # one file a split (PTB), each with its md5
-        if "://" in url:
-            path = download(f"{url.rstrip('/')}/{f}", out / "orig" / f, "/path/to/folder/with/the/files")
-        elif not (path := Path(url) / f).is_file():
-            raise DataError(f"{path}: not found")
-        texts[split] = split_lines(_read_checked(path, c["md5"][split], name), path)
-    counts = {split: len(lines) for split, lines in texts.items()}
-    atomic_write_all({out / f"{split}.txt": "".join(line + "\n" for line in lines) for split, lines in texts.items()})
-    atomic_write(out / "prepared.json", json.dumps({"name": name, "source": url, "counts": counts}) + "\n")
-    print(f"{out}: {name} " + ", ".join(f"{s} {n:,}" for s, n in counts.items()) + f" sentences\n{command}")
-    return out
-
-
-def _read_checked(path, expected, name):  # path's bytes; DataError unless their md5 is `expected`
-    if (md5 := hashlib.md5(raw := path.read_bytes()).hexdigest()) != expected:
+def _check_md5(path, expected, name):  # DataError unless path is a file whose md5 is `expected`
+    if not path.is_file():
+        raise DataError(f"{path}: not found")
+    if (md5 := hashlib.md5(path.read_bytes()).hexdigest()) != expected:
         raise DataError(f"{path}: md5 {md5}, expected {expected}: not the {name} file, or damaged (delete it and run "
                         f"again)")
-    return raw
 
 
 def prepare_main(argv=None):
@@ -917,10 +899,8 @@ def prepare_main(argv=None):
 
 # =======================================================================================
 # Appendix C: files and helpers. A corpus's file names; reading lines exactly (one-line errors naming the file and
-# line); writing atomically (a temporary file with a unique name in the same folder, flushed to disk, then renamed over
-# the target: a kill at any moment leaves the old file or the new one, never half of one, and two processes never
-# share a temporary file); the encoding cache; ids back to text, a language model's word vocabulary, and a run's
-# tokenizer; the share of padding in a set of batches.
+# line); the encoding cache; ids back to text, a language model's word vocabulary, and a run's tokenizer; the share of
+# padding in a set of batches.
 # =======================================================================================
 def lm_windows(stream, length, context):
     """Segments for perplexity with context (decode.py --ppl --context N; [2] A.2 evaluates as Transformer-XL does,
@@ -1004,7 +984,7 @@ def load_or_encode(tok, pairs, cache_path, write_path=None):
         blob[side] = torch.tensor([i for s in seqs for i in s], dtype=torch.int32)
         blob[side + "_len"] = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
     if write_path is not False:
-        atomic_write(write_path or cache_path, blob)
+        write_file(write_path or cache_path, blob)  # a failed write: WriteFailed, one line (Appendix D)
     return enc
 
 
@@ -1073,6 +1053,12 @@ def padding_share(encoded_pairs, batches, multiple=1):
     return 1.0 - real / padded if padded else 0.0
 
 
+# =======================================================================================
+# Appendix D: files on disk, for every program: writing atomically (a temporary file with a unique name in the same
+# folder, flushed to disk, then renamed over the target: a kill at any moment leaves the old file or the new one, never
+# half of one, and two processes never share a temporary file); a failed write (a full disk) as one line; a run
+# directory's lock and staging folder (train.py Appendix E); SIGTERM as Ctrl-C.
+# =======================================================================================
 def atomic_write(path, content):
     """Write content to path atomically: str (UTF-8), bytes, or any object for torch.save."""
     atomic_write_all({path: content})
@@ -1116,6 +1102,47 @@ def interrupt_on_sigterm():
 
 def interrupted_status(e):  # the exit status after a KeyboardInterrupt: 128 + its signal, 130 (Ctrl-C) or 143 (SIGTERM)
     return 128 + (e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT)
+
+
+class WriteFailed(DataError):
+    """A write into the run directory failed (a full disk): train.py's main() says what to do next."""
+
+
+def write_file(path, content):
+    """atomic_write, with a full disk (or any failed write) as one line: the old file is intact."""
+    try:
+        atomic_write(path, content)
+    except OSError as e:
+        raise WriteFailed(f"{path}: cannot write it ({e.strerror}); the files written before it are intact") from None
+
+
+@contextlib.contextmanager
+def staging(run_dir):
+    """A hidden folder inside run_dir (made, with its parents, if missing, and locked) where a run
+    prepares its files. If the run fails before train.py's commit_run_dir, the run directory is as it was: the
+    staging folder goes, and so do the folders made here. The lock is held until the run ends."""
+    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # the deepest first
+    try:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock = open(run_dir / ".lock", "a")  # held while training (flock): a second process is refused
+        except OSError as e:
+            raise DataError(f"--out {run_dir}: cannot make it or write in it ({e.strerror})") from None
+        with lock:  # closing the lock's file releases it
+            if fcntl is not None:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise DataError(f"{run_dir} is in use by another process (it holds {run_dir}/.lock)") from None
+            with tempfile.TemporaryDirectory(prefix=".staging-", dir=run_dir, ignore_cleanup_errors=True) as stage:
+                yield Path(stage)
+    except BaseException:
+        if not (run_dir / "config.json").exists() and made:  # not committed: remove the folders made here,
+            (run_dir / ".lock").unlink(missing_ok=True)  # each only if empty (another run may be in a parent)
+            with contextlib.suppress(OSError):  # the first folder not empty ends it
+                for p in made:
+                    p.rmdir()
+        raise
 
 
 if __name__ == "__main__":

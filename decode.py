@@ -141,24 +141,22 @@ def greedy_search(model, src, max_len=None):
     active = torch.arange(B, device=dev)  # (n,) original index of each row
     y = torch.full((B,), BOS, dtype=torch.long, device=dev)  # (n,) last token
     hist = torch.empty(B, 0, dtype=torch.long, device=dev)  # (n, t) tokens so far
-    ended = torch.zeros(B, dtype=torch.bool, device=dev)  # (n,) emitted EOS
     results, t = [None] * B, 0
     while True:
-        done = ended | (limit[active] <= t)  # (n,) finished or at the length limit
+        done = y.eq(EOS) | (limit[active] <= t)  # (n,) emitted EOS, or at the length limit
         if done.any():
             for i in done.nonzero().flatten().tolist():
                 results[active[i]] = _strip(hist[i].tolist())
             keep = (~done).nonzero().flatten()  # rows still decoding
             if keep.numel() == 0:
                 break
-            active, y, hist, ended = active[keep], y[keep], hist[keep], ended[keep]
+            active, y, hist = active[keep], y[keep], hist[keep]
             cache.select(keep)  # later steps compute less
         logp = decode_step(model, y, cache).float().log_softmax(-1)  # (n, V)  log P(w | y_<t, x)
         if t == 0:
             logp[:, EOS] = NEG_INF  # Code: EOS is never the first token
         y = logp.argmax(-1)  # (n,)  masked words have log P = -inf: never chosen
         hist = torch.cat([hist, y[:, None]], dim=1)
-        ended = y.eq(EOS)
         t += 1
     return results
 
@@ -247,8 +245,9 @@ class Search:
     penalty: str = "gnmt"  # the length penalty (section 2): gnmt (TwT, QKNorm) or fairseq (PowerNorm)
 
 
-def translate_ids(model, tokenizer, lines, search=Search(), batch_tokens=4096, progress=False):
-    """Like translate(), but returns the output token ids (no BOS/EOS) of each line."""
+def translate(model, tokenizer, lines, search=Search(), batch_tokens=4096, progress=False, ids=False):
+    """Source lines -> detokenized outputs in order (empty -> empty), or with ids=True their output token ids (no
+    BOS/EOS); batches of batch_tokens (sentences x longest)."""
     device = next(model.parameters()).device
     encoded = [x[:search.max_src_len] for x in tokenizer.encode(list(lines))] if lines else []  # C++ threads
     outputs = [[] for _ in encoded]  # an empty (or blank) line translates to an empty line
@@ -266,12 +265,7 @@ def translate_ids(model, tokenizer, lines, search=Search(), batch_tokens=4096, p
             for j, h in zip(b, hyps):  # back to the original order
                 outputs[todo[j]] = h
             bar.update(task, advance=len(b))
-    return outputs
-
-
-def translate(model, tokenizer, lines, search=Search(), batch_tokens=4096, progress=False):
-    """Source lines -> detokenized outputs in order (empty -> empty); batches of batch_tokens (sentences x longest)."""
-    return [tokenizer.decode(h) for h in translate_ids(model, tokenizer, lines, search, batch_tokens, progress)]
+    return outputs if ids else [tokenizer.decode(h) for h in outputs]
 
 
 # ---------------------------------------------------------------------------------------
@@ -426,15 +420,13 @@ def compare(args):
     table = Table(title=f"paired bootstrap resampling, {result['n_samples']} samples")
     for col in ("system", "BLEU", "mean +- 95% CI", "p-value"):
         table.add_column(col, justify="left" if col == "system" else "right")
-    for key, name, p in zip(("baseline", "system"), names, ("-", f"{result['p_value']:.4f}")):
-        r = result[key]
+    for name, r, p in zip(names, (result["baseline"], result["system"]), ("-", f"{result['p_value']:.4f}")):
         table.add_row(str(name), f"{r['bleu']:.2f}", f"{r['mean']:.2f} +- {r['ci']:.2f}", p)
     Console().print(table)
     print(result["signature"])
     verdict = (f"not significant: {result['undecidable']}, so there is no difference to test" if result["undecidable"]
                else f"{'' if result['p_value'] < 0.05 else 'not '}significant at 0.05")
     print(f"delta {result['delta']:+.2f} BLEU, p = {result['p_value']:.4f} ({verdict})")
-    return 0
 
 
 # =======================================================================================
@@ -519,14 +511,14 @@ def checkpoint_file(run_dir, which):
 
 def checkpoints(run_dir, use="any"):
     """The checkpoints in run_dir that `use` reads, in the order it tries them: "decode" (a run directory given to
-    decode.py) the best, else the last; "test" (train.py's final test) the best; "resume" the last, the epochs newest
-    first, the best; "average" the epochs, oldest first; "any" every one."""
+    decode.py) the best, else the last; "test" (train.py's final test) the best; "average" the epochs, oldest first;
+    "any" every one (a resume reads the last alone: checkpoint_file(run_dir, "last"))."""
     run_dir = Path(run_dir)
     found = sorted((int(m[2] or -1), m[1], p) for p in (run_dir.iterdir() if run_dir.is_dir() else [])
                    if (m := CHECKPOINT.fullmatch(p.name)))
     named, epochs = {k: p for _, k, p in found}, [p for n, _, p in found if n >= 0]
     order = {"decode": [named.get("best"), named.get("last")], "test": [named.get("best")], "average": epochs,
-             "resume": [named.get("last"), *epochs[::-1], named.get("best")], "any": [p for *_, p in found]}[use]
+             "any": [p for *_, p in found]}[use]
     return [p for p in order if p is not None and p.is_file()]
 
 
@@ -701,16 +693,13 @@ def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0
     if not (x := tokenizer.encode(src_line)):
         raise DataError("--attention: the source sentence is empty")
     src = torch.tensor([x], device=device)  # (1, S)
-    old = (module.keep_weights, module.last_weights)
-    try:
-        with evaluating(model):
-            y = greedy_search(model, src)[0] if tgt_line is None else tokenizer.encode(tgt_line)
-            tgt_in = torch.tensor([[BOS] + y], device=device)  # (1, T)  BOS y_1..y_m
-            module.keep_weights = True  # the written-out attention path, which returns the weights
-            model(src, tgt_in)
-            w = module.last_weights[0, head].float().cpu()  # (Tq, Tk)
-    finally:
-        module.keep_weights, module.last_weights = old
+    with evaluating(model), mock.patch.multiple(module, keep_weights=module.keep_weights,  # both restored after
+                                                last_weights=module.last_weights):
+        y = greedy_search(model, src)[0] if tgt_line is None else tokenizer.encode(tgt_line)
+        tgt_in = torch.tensor([[BOS] + y], device=device)  # (1, T)  BOS y_1..y_m
+        module.keep_weights = True  # the written-out attention path, which returns the weights
+        model(src, tgt_in)
+        w = module.last_weights[0, head].float().cpu()  # (Tq, Tk)
     source, target = ([tokenizer.piece(i) for i in ids] for ids in (x, y))
     return {"enc": (w, source, source), "dec": (w, ["<s>"] + target, ["<s>"] + target),
             "cross": (w, target + ["</s>"], source)}[kind]
@@ -734,25 +723,25 @@ def render_heatmap(weights, rows, cols, max_label=8):
     rw = max([len(r) for r in rlab] + [1])
     lines = [" " * rw + " | " + " ".join(clab)]
     for r, row in zip(rlab, w.tolist()):
-        # each cell the shade, as wide as its column's label
         cells = [SHADES[min(len(SHADES) - 1, max(0, round(v * (len(SHADES) - 1))))] * len(c) for c, v in zip(clab, row)]
         lines.append(r.rjust(rw) + " | " + " ".join(cells))
     lines.append(f"shades: {SHADES!r} for weights 0 .. 1 (absolute scale)")
     return "\n".join(lines)
 
 
-def pyplot(path, flag=None):
-    """matplotlib.pyplot (an optional extra, not in requirements.txt, imported only here) to write the PNG `path`;
+EXTRAS = "pip install matplotlib"  # the optional extra (--plot, --png, --svd), one line
+
+
+def figure(path, flag=None, **size):
+    """A matplotlib Figure (an optional extra, not in requirements.txt, imported only here) to draw the PNG `path`;
     without it None and a line on stderr saying how to install it, or with `flag` (`path` checked first) DataError."""
     if flag:
         check_output_file(path, flag, ".png")
     try:
-        import matplotlib
-        matplotlib.use("Agg")  # no display needed
-        import matplotlib.pyplot as plt
-        return plt
+        from matplotlib import figure as matplotlib_figure  # no pyplot: no display needed, no open figure to close
+        return matplotlib_figure.Figure(**size)
     except ImportError:
-        why = f"{path} needs matplotlib, which is not installed: pip install matplotlib"
+        why = f"{path} needs matplotlib, which is not installed: {EXTRAS}"
         if flag:
             raise DataError(f"{flag} {why}") from None
         print(f"note: {why}", file=sys.stderr)
@@ -760,17 +749,15 @@ def pyplot(path, flag=None):
 
 def save_heatmap_png(weights, rows, cols, path, title=None):
     """Saves the map as a PNG with matplotlib; True if written, False (and a note) without it."""
-    if (plt := pyplot(path)) is None:  # no matplotlib: pyplot's note said so
-        return False
-    fig, ax = plt.subplots(figsize=(max(4, 0.4 * len(cols) + 2), max(3, 0.4 * len(rows) + 1.5)))
+    if (fig := figure(path, figsize=(max(4, 0.4 * len(cols) + 2), max(3, 0.4 * len(rows) + 1.5)))) is None:
+        return False  # no matplotlib: figure's note said so
+    ax = fig.add_subplot(title=title or "")
     im = ax.imshow(torch.as_tensor(weights).float().numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(cols)), cols, rotation=90)
     ax.set_yticks(range(len(rows)), rows)
-    ax.set_title(title or "")
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
-    plt.close(fig)
     return True
 
 
@@ -782,10 +769,9 @@ def analyse(args, model, tokenizer):
         print("singular values of the embedding matrix over the largest ([2] Figure 6): "
               + ", ".join(f"sigma_{i + 1} {sv[i]:.3f}" for i in marks))
         if args.png:
-            plt = pyplot(args.png)
-            fig, ax = plt.subplots(figsize=(5, 3.5))
+            fig = figure(args.png, figsize=(5, 3.5))
+            ax = fig.add_subplot(xlabel="index", ylabel="sigma_i / sigma_1", title="embedding singular values")
             ax.plot(range(1, len(sv) + 1), sv)
-            ax.set(xlabel="index", ylabel="sigma_i / sigma_1", title="embedding singular values")
             fig.tight_layout()
             fig.savefig(args.png, dpi=120)
             print(f"wrote {args.png}")
@@ -801,7 +787,6 @@ def analyse(args, model, tokenizer):
         print(render_heatmap(w, rows, cols))
         if args.png and save_heatmap_png(w, rows, cols, args.png, f"{args.kind} layer {args.layer} head {args.head}"):
             print(f"wrote {args.png}", file=sys.stderr)
-    return 0
 
 
 # =======================================================================================
@@ -812,18 +797,17 @@ def benchmark(model, tokenizer, lines, refs, args, search):
     device = next(model.parameters()).device
     searches = [replace(search, beam=k) for k in (1, search.beam if search.beam > 1 else 4)]  # greedy, and a beam
     for search in searches:  # warm-up
-        translate_ids(model, tokenizer, lines[:32], search, args.batch_tokens)
+        translate(model, tokenizer, lines[:32], search, args.batch_tokens, ids=True)
     print(f"benchmark: {len(lines)} sentences on {device} (torch threads {torch.get_num_threads()}), "
           f"batch_tokens {args.batch_tokens}", file=sys.stderr)
     for search in searches:
-        ids, secs = timed(lambda: translate_ids(model, tokenizer, lines, search, args.batch_tokens), device)
+        ids, secs = timed(lambda: translate(model, tokenizer, lines, search, args.batch_tokens, ids=True), device)
         n_tok = sum(len(h) + 1 for h in ids)  # output tokens, EOS counted (as in training)
         name = "greedy (beam 1)" if search.beam == 1 else f"beam {search.beam}, alpha {args.alpha}"
         line = f"{name:>22}: {len(lines) / secs:8.1f} sentences/s {n_tok / secs:9.0f} target tokens/s ({secs:.2f} s)"
         if refs is not None:
             line += f"  BLEU {bleu([tokenizer.decode(h) for h in ids], refs).score:.2f}"
         print(line, file=sys.stderr)
-    return 0
 
 
 # =======================================================================================
@@ -882,16 +866,15 @@ def plot_series(run_dirs):
 
 def plot_runs(run_dirs, out):
     """--plot: draw plot_series() into out (PNG); DataError (one line) without matplotlib or a place to write."""
-    plt = pyplot(out, "--out")
+    fig = figure(out, "--out")
     panels = {t: c for t, c in plot_series(run_dirs).items() if any(xs for _, xs, _ in c)}  # only panels with data
     rows = -(-max(len(panels), 1) // 3)
-    fig, axes = plt.subplots(rows, 3, figsize=(15, 4 * rows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
-        ax.axis("off")
-    for ax, (title, curves) in zip(axes.flat, panels.items()):
+    fig.set_size_inches(15, 4 * rows)
+    for i, (title, curves) in enumerate(panels.items()):
+        ax = fig.add_subplot(rows, 3, i + 1)
         for name, xs, ys in curves:
             if xs:
-                ax.plot(xs, ys, label=name, marker="o" if "depth" in title else None, lw=1)
+                ax.plot(xs, ys, label=name, marker="o" if "depth" in title or len(xs) == 1 else None, lw=1)  # a point
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("layer (encoder, then decoder)" if "depth" in title else
                       "index" if "singular" in title else "step")
@@ -899,9 +882,7 @@ def plot_runs(run_dirs, out):
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     print(f"wrote {out}", file=sys.stderr)
-    return 0
 
 
 # =======================================================================================
@@ -1022,7 +1003,7 @@ def build_parser():
     ev.add_argument("--plot", nargs="+", metavar="RUN", help="overlay training runs' curves from RUN/metrics.jsonl "
                     "into --out FILE.png: dev BLEU ([1] Fig. 1), dev perplexity, training loss, gradient norm ([1] "
                     "Fig. 2), learned g by depth ([1] Figs. 3-4), QKNorm's g, batch vs running statistics ([2] Figs. "
-                    "2-4), each panel the runs have data for; needs matplotlib (pip install matplotlib)")
+                    "2-4), each panel the runs have data for; needs matplotlib (" + EXTRAS + ")")
     ev.add_argument("--out", metavar="FILE.png", help="the picture --plot writes")
     ev.add_argument("--leak", action="store_true", help="a language model: how much changing the tokens after the "
                     "middle of a segment moves the predictions before it when the batch norms use batch statistics, "
@@ -1059,11 +1040,11 @@ MODES = {"compare": {"compare", "ref", "samples", "seed", "tokenized", "lowercas
          "benchmark": MODEL | SEARCH | {"benchmark", "input", "ref"},
          "a translator": TRANSLATE, "a language model": MODEL - {"average"} | LM}
 # A flag that only works with another ("--sample is for --generate"), checked whatever the mode.
-NEEDS = {"out": "plot", "context": "ppl", "leak_mode": "leak", "sample": "generate", "max_tokens": "generate",
-         "temperature": "sample", "samples": "compare",
-         "seed": ("compare", "sample"), "tokenized": "ref", "lowercase": "ref", "label_smoothing": "ppl",
-         "attention_target": "attention", "png": ("attention", "svd"), "layer": "attention", "head": "attention",
-         "kind": "attention"}
+NEEDS = {"out": ("plot",), "context": ("ppl",), "leak_mode": ("leak",), "sample": ("generate",),
+         "max_tokens": ("generate",), "temperature": ("sample",), "samples": ("compare",),
+         "seed": ("compare", "sample"), "tokenized": ("ref",), "lowercase": ("ref",), "label_smoothing": ("ppl",),
+         "attention_target": ("attention",), "png": ("attention", "svd"), "layer": ("attention",),
+         "head": ("attention",), "kind": ("attention",)}
 
 
 def idle_flag(mode, given):
@@ -1086,7 +1067,6 @@ def parse_args(argv=None):
     if args.compare and args.seed < 1:  # SacreBLEU takes 0 as "no seed": another resampling at every run
         ap.error(f"--seed must be at least 1 for --compare (got {args.seed!r})")
     for flag, needs in NEEDS.items():
-        needs = (needs,) if isinstance(needs, str) else needs
         if flag in args.given and not args.given & set(needs):
             ap.error(f"--{flag.replace('_', '-')} is for " + " or ".join(f"--{n.replace('_', '-')}" for n in needs)
                      + ": give it too" + ("; translations go to --output" if flag == "out" else ""))
@@ -1136,7 +1116,7 @@ def run(args):
                 raise DataError(f"--output {args.output}: is {flag} {path}; write the translations elsewhere")
         check_output_file(args.output, "--output")
     if args.png:
-        pyplot(args.png, "--png")
+        figure(args.png, "--png")
     lines, refs = (data.read_lines(path) if path else None for path in (args.input, args.ref))
     model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
     if args.svd or args.g_table or args.attention is not None:
@@ -1205,7 +1185,6 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
             ppl = perplexity(model, tokenizer, zip(lines, refs), args.label_smoothing, args.batch_tokens, search.bf16)
             print(f"test perplexity: label-smoothed (eps {args.label_smoothing}) {ppl['smoothed_ppl']:.2f}, "
                   f"plain {ppl['ppl']:.2f} over {ppl['n_tokens']} target tokens", file=sys.stderr)
-    return 0
 
 
 def is_stream(path):
@@ -1259,19 +1238,19 @@ def language_model(args, model, tokenizer, lines):
         prefix, more = generate(model, tokenizer, args.generate, seq_len, args.max_tokens,
                                 args.temperature if args.sample else 0.0, args.seed)
         print(f"{prefix} [{more}]" if prefix else more)
-    return 0
 
 
 def main(argv=None):
     args = parse_args(argv)
     try:
-        return run(args)
+        run(args)
     except DataError as e:
         sys.exit(f"decode.py: error: {e}")
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (data.interrupt_on_sigterm)
         unwritten = args.output and not getattr(args, "output_written", False)
         print("decode.py: interrupted" + (f" ({args.output} was not written)" if unwritten else ""), file=sys.stderr)
         return data.interrupted_status(e)
+    return 0  # the exit status of every mode that ends without an error
 
 
 # =======================================================================================
@@ -1284,9 +1263,7 @@ def _max_lengths(src, max_len):
     authors' loop lets it take one more step, in which it may still emit EOS."""
     if max_len is None:
         return src.ne(PAD).sum(1) + 50  # (B,)  |x| + 50
-    if torch.is_tensor(max_len):
-        return max_len.to(device=src.device, dtype=torch.long).reshape(src.size(0))
-    return torch.full((src.size(0),), int(max_len), dtype=torch.long, device=src.device)
+    return torch.as_tensor(max_len, dtype=torch.long, device=src.device).expand(src.size(0))  # an int: B copies
 
 
 def _strip(tokens):
@@ -1298,9 +1275,8 @@ def _strip(tokens):
 def evaluating(model):
     """model.eval() for a while (no dropout, running statistics), then the mode it had."""
     was_training = model.training
-    model.eval()
     try:
-        yield model
+        yield model.eval()
     finally:
         model.train(was_training)
 

@@ -154,8 +154,7 @@ class MultiHeadAttention(nn.Module):  # with optional QKNorm [3]; one module per
         self.keep_weights, self.last_weights = False, None  # for decode.py's attention maps ([3] Figs 1-2)
 
     def split(self, x):  # (B, L, D) -> (B, H, L, Dh)
-        b, l, d = x.shape
-        return x.view(b, l, self.heads, d // self.heads).transpose(1, 2)
+        return x.unflatten(-1, (self.heads, -1)).transpose(1, 2)
 
     def project_kv(self, x):  # (B, L, D) -> k, v each (B, H, L, Dh)
         k, v = self.kv(x).chunk(2, dim=-1)
@@ -173,12 +172,12 @@ class MultiHeadAttention(nn.Module):  # with optional QKNorm [3]; one module per
             scale = 1.0  # Paper [3]: no 1/sqrt(Dh); g is the scale
         p = self.dropout_p if self.training else 0.0
         if self.sdpa and fast_paths() and not self.keep_weights:  # Appendix A: torch's fused attention kernels
-            o = fused_attention(q, k, v, key_mask, causal, scale, p)
+            mask = None if key_mask is None else key_mask.expand(-1, -1, q.size(2), -1)  # (B, 1, Tq, Tk)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale)
         else:
             o, w = attention_math(q, k, v, key_mask, causal, scale, p)
             self.last_weights = w.detach() if self.keep_weights else None
-        b, h, t, dh = o.shape
-        return self.out(o.transpose(1, 2).reshape(b, t, h * dh))  # (B, Tq, D)
+        return self.out(o.transpose(1, 2).flatten(2))  # (B, Tq, D)
 
 
 # ---------------------------------------------------------------------------------------
@@ -314,14 +313,14 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, MultiHeadAttention):
                 # Note: W^K, W^V are one (2D, D) matrix: the std is from each D x D block's fans, not the fused shape.
-                lins, std = (m.q, m.kv, m.out), attn_std
-            elif isinstance(m, MultiLinearAttention):  # W^Q, W^K, W^V as above; W^O: Appendix B
-                lins, std = m.init_output_layer(), attn_std
+                inits = [(m.q, attn_std), (m.kv, attn_std), (m.out, attn_std)]
+            elif isinstance(m, MultiLinearAttention):  # W^O (H L^2 inputs, Appendix B): Xavier normal of its shape
+                inits = [(m.out, math.sqrt(2 / sum(m.out.weight.shape))), (m.qkv, attn_std)]  # W^Q, W^K, W^V as above
             elif isinstance(m, FeedForward):
-                lins, std = (m.w1, m.w2), ff_std
+                inits = [(m.w1, ff_std), (m.w2, ff_std)]
             else:
                 continue
-            for lin in lins:
+            for lin, std in inits:
                 nn.init.normal_(lin.weight, 0.0, std)
                 nn.init.zeros_(lin.bias)
         if c.fixnorm:
@@ -420,7 +419,9 @@ def label_smoothed_loss(logits, target, eps, real=None, allowed=None):
 # Appendix A: fast paths. Each computes the math of the main text (tests check it; dropout's
 # distribution to 1/65536) and is there because a whole training step measured faster with it
 # (Multi30k, 3+3 layers, d 256, 4096-token batches, 2 CPU threads, 2026-11-23). --reference
-# turns them off.
+# turns them off. F.scaled_dot_product_attention (MultiHeadAttention.forward) gives attention_math's
+# output, not its weights; with QKNorm too: g * Q^ is passed as the query with scale 1, since
+# softmax((g Q^) K^T * 1) = softmax(g * Q^ K^T).
 # =======================================================================================
 FAST_PATHS = {"norms.LayerNorm.forward": "F.layer_norm", "model.dropout": "fast_dropout", "model.attention_math":
               "F.scaled_dot_product_attention", "model.label_smoothed_loss": "target_words_loss"}  # what runs instead
@@ -444,13 +445,6 @@ def fast_dropout(x, p):
     keep = u >= drop - 32768  # m: True with probability 1 - p'
     # Note: bool -> float is a slow path on the CPU; the same bytes read as uint8 convert fast.
     return x * keep.view(torch.uint8).to(x.dtype).mul_(65536 / (65536 - drop))  # x * m / (1 - p')
-
-
-def fused_attention(q, k, v, key_mask, causal, scale, dropout_p):
-    """attention_math's output (not its weights) from F.scaled_dot_product_attention, torch's fused kernels. With
-    QKNorm too: g * Q^ is passed as the query with scale 1, since softmax((g Q^) K^T * 1) = softmax(g * Q^ K^T)."""
-    mask = None if key_mask is None else key_mask.expand(-1, -1, q.size(2), -1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale)
 
 
 def target_words_loss(model, h, E, tgt_out, eps):
@@ -569,12 +563,6 @@ class MultiLinearAttention(nn.Module):
         T = T * self.mask[:t, :t, :t]  # T[i, j, k] = 0 unless j, k <= i (--mask none: all kept)
         # Exercise multilinear: end
         return T
-
-    def init_output_layer(self):
-        """W^O (H L^2 inputs): Xavier normal of its own shape, bias 0; returns the layers initialised as attention's."""
-        nn.init.normal_(self.out.weight, 0.0, math.sqrt(2 / sum(self.out.weight.shape)))
-        nn.init.zeros_(self.out.bias)
-        return (self.qkv,)
 
     def forward(self, x):
         """x (B, t, D), t <= L -> (B, t, D)."""

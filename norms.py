@@ -203,7 +203,7 @@ class BatchNorm(nn.Module):
         y = self.weight * (xf - mu) / torch.sqrt(var + self.eps) + self.bias  # (B, T, D)  Paper (eqs. 1-2)
         # Exercise batchnorm: end
         refuse_one_token(n)  # Appendix A: the running variance's N/(N-1) below needs N >= 2
-        self.stats = batchnorm_diagnostics(self, y, xf, real, mu, var) if self.track else self.stats  # Appendix B
+        self.stats = batch_diagnostics(self, y, xf, real, var, mu) if self.track else self.stats  # Appendix B
         with torch.no_grad():
             m = self.momentum  # Paper (Alg. 1): mu = alpha mu + (1 - alpha) mu_B, alpha = 1 - momentum
             self.running_mean.copy_((1 - m) * self.running_mean + m * mu)
@@ -242,7 +242,7 @@ class PNV(nn.Module):
         psi2, _ = batch_mean(xf.pow(2), real)  # (D,)  Paper (Def. 1): psi_B^2 = 1/N sum_i x_i^2
         y = self.weight * xf / torch.sqrt(psi2 + self.eps) + self.bias  # (B, T, D)  Paper (eqs. 4-5)
         # Exercise pnv: end
-        self.stats = pnv_diagnostics(self, y, xf, real, psi2) if self.track else self.stats  # Appendix B
+        self.stats = batch_diagnostics(self, y, xf, real, psi2) if self.track else self.stats  # Appendix B
         with torch.no_grad():  # Note: phi = (1 - momentum) phi + momentum psi_B^2   (eq. 10's EMA)
             self.running_phi.copy_((1 - self.momentum) * self.running_phi + self.momentum * psi2)
         return y.to(x.dtype)
@@ -353,21 +353,21 @@ class PowerNorm(nn.Module):
         # Paper: appendix A names a warmup "for accumulating psi", W = the LR warmup; Algorithm 2 has
         # none. Code: the batch psi_B divides while t <= W (as in PN-V), then eq. 8's psi_{t-1}.
         fwd_psi2 = torch.where(t <= self.warmup, psi2, phi)  # Note: eqs. 11-13 (with nu) run in the warmup too
+        return self.step(xs, real, psi2, phi, fwd_psi2).to(x.dtype)  # PowerNormCode (Appendix D): its own step
+
+    def step(self, xs, real, psi2, phi, fwd_psi2):  # Y (eqs. 8-9; backward: 11-13), then psi_t^2 (eq. 10)
         self.stats = powernorm_diagnostics(self, xs, real, psi2, phi, fwd_psi2) if self.track else self.stats
         y = _PowerNormFunction.apply(xs, self.weight, self.bias, fwd_psi2, self.running_nu, real, self.alpha_bkw,
                                      self.eps)
         with torch.no_grad():  # Paper (eq. 10, as Alg. 2 writes it): psi_t^2 = alpha psi_{t-1}^2 + (1 - alpha) psi_B^2
             self.running_phi.copy_(self.alpha_fwd * phi + (1 - self.alpha_fwd) * psi2)
-        return y.to(x.dtype)
+        return y
 
 
 # ---------------------------------------------------------------------------------------
 # 6. No norm: y = x. [3] Table 6, "Without LayerNorm", taken literally (--norm none).
 # ---------------------------------------------------------------------------------------
-class NoNorm(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-
+class NoNorm(nn.Identity):  # nn.Identity takes the width d and ignores it
     def forward(self, x, pad_mask=None):
         return x
 
@@ -493,28 +493,25 @@ def _on_backward(y, stats, terms):
         y.register_hook(hook)
 
 
-def batchnorm_diagnostics(norm, y, x, real, mu, var):
-    stats = {"dist_mu": dist(mu, norm.running_mean), "dist_sigma2": dist(var, norm.running_var)}
-    sigma = torch.sqrt(var.detach() + norm.eps)
-    x_tilde, scale = ((x.detach() - mu.detach()) / sigma)[real], norm.weight.detach() / sigma  # (N_r, D), (D,)
+def batch_diagnostics(norm, y, x, real, var, mu=None):
+    """BatchNorm's (mu = mu_B, var = sigma_B^2) or, with mu None, PN-V's (var = psi_B^2: no centring, no mu terms)."""
+    sigma = torch.sqrt(var.detach() + norm.eps)  # sigma_B (PN-V: psi_B)
+    x_tilde = ((x.detach() if mu is None else x.detach() - mu.detach()) / sigma)[real]  # (N_r, D)  x~ (PN-V: x^)
+    scale = norm.weight.detach() / sigma  # (D,)
     # Paper (eq. 3): dL/dx_i = gamma/sigma_B dL/dy_i - gamma/(sigma_B N) sum_j (dL/dy_j + dL/dy_j x~_j x~_i)
-    _on_backward(y, stats, [("g_mu", lambda dy: (scale * dy[real].mean(0)).expand_as(x_tilde)),
-                            ("g_sigma2", lambda dy: scale * (dy[real] * x_tilde).mean(0) * x_tilde)])
-    return stats
-
-
-def pnv_diagnostics(norm, y, x, real, psi2):
-    stats = {"dist_psi2": dist(psi2, norm.running_phi)}
-    psi = torch.sqrt(psi2.detach() + norm.eps)
-    x_hat, scale = (x.detach() / psi)[real], norm.weight.detach() / psi  # (N_r, D), (D,)
     # Paper (eq. 6): dL/dx_i = gamma/psi_B dL/dy_i - gamma/(N psi_B) sum_j dL/dy_j x^_j x^_i
-    _on_backward(y, stats, [("g_psi2", lambda dy: scale * (dy[real] * x_hat).mean(0) * x_hat)])
+    var_term = lambda dy: scale * (dy[real] * x_tilde).mean(0) * x_tilde  # the x~_j x~_i (PN-V: x^_j x^_i) term
+    if mu is None:
+        stats, terms = {"dist_psi2": dist(var, norm.running_phi)}, [("g_psi2", var_term)]
+    else:
+        stats = {"dist_mu": dist(mu, norm.running_mean), "dist_sigma2": dist(var, norm.running_var)}
+        terms = [("g_mu", lambda dy: (scale * dy[real].mean(0)).expand_as(x_tilde)), ("g_sigma2", var_term)]
+    _on_backward(y, stats, terms)
     return stats
 
 
 def powernorm_diagnostics(norm, xs, real, psi2, phi, fwd_psi2, bwd_psi2=None):
-    # The nu X^ term of eqs. 11-12 does not depend on dL/dY: nu_{t-1} is known in the forward. bwd_psi2: what the
-    # backward divides by, if not fwd_psi2 (PowerNormCode's psi_B^2).
+    # bwd_psi2: what the backward divides by, if not fwd_psi2 (PowerNormCode's psi_B^2).
     z = xs.detach() / torch.sqrt(fwd_psi2 + norm.eps)  # X^
     g_nu = norm.running_nu * z[real] / torch.sqrt((fwd_psi2 if bwd_psi2 is None else bwd_psi2) + norm.eps)  # (N_r, D)
     return {"dist_psi2": dist(psi2, phi), "g_nu": torch.linalg.vector_norm(g_nu, dim=-1).mean().item()}
@@ -577,29 +574,18 @@ def benchmark(batch=64, length=64, d=512, heads=8, repeats=30, rounds=5, device=
 #     takes the EMA step (paper: the EMA of eq. 10 at every step).
 # =======================================================================================
 class PowerNormCode(PowerNorm):
-    def forward(self, x, pad_mask=None):
-        if not self.training:  # inference as the paper's
-            return super().forward(x, pad_mask)
-        xs = self.group_scaling(at_least_fp32(x))  # (B, T, D)
-        real = real_tokens(xs, pad_mask)  # (B, T)
-        self.num_batches_tracked += 1
-        t = self.num_batches_tracked
-        with torch.no_grad():
-            psi2, _ = batch_mean(xs.pow(2), real)  # (D,)  psi_B^2 over the real tokens
-            phi = self.running_phi.clone()  # (D,)  psi_{t-1}^2
-        fwd_psi2 = torch.where(t <= self.warmup, psi2, phi)  # the forward as the paper's
+    def step(self, xs, real, psi2, phi, fwd_psi2):  # the forward (psi_B^2 over the real tokens) and inference as PN's
         self.stats = powernorm_diagnostics(self, xs, real, psi2, phi, fwd_psi2, psi2) if self.track else self.stats
         # Code: dL/dX = X^' / psi_B at every step: eq. 12's X^' / psi_{t-1} times psi_{t-1} / psi_B, so the paper's
         # function runs on xs with its gradient scaled by that ratio (1 in the warmup; the value stays xs exactly).
         xs = xs.detach() + (xs - xs.detach()) * torch.sqrt((fwd_psi2 + self.eps) / (psi2 + self.eps))
-        # Code: every position, padding included, is "real" in the backward (Gamma, Lambda and the gradient).
         y = _PowerNormFunction.apply(xs, self.weight, self.bias, fwd_psi2, self.running_nu, torch.ones_like(real),
-                                     self.alpha_bkw, self.eps)
-        with torch.no_grad():
-            # Code: phi <- (t-1)/t phi + 1/t psi_B^2 (a cumulative mean) for t < W, before the EMA step.
+                                     self.alpha_bkw, self.eps)  # Code: padding too is "real" in the backward
+        t = self.num_batches_tracked  # this step, counted from 1
+        with torch.no_grad():  # Code: phi <- (t-1)/t phi + 1/t psi_B^2 (a cumulative mean) for t < W, then eq. 10
             phi = torch.where(t < self.warmup, phi * (t - 1) / t + psi2 / t, phi)
             self.running_phi.copy_(self.alpha_fwd * phi + (1 - self.alpha_fwd) * psi2)  # eq. 10
-        return y.to(x.dtype)
+        return y
 
 
 def power_norm(d, variant="paper", **options):

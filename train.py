@@ -37,6 +37,7 @@ import os
 import random
 import resource
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -45,11 +46,6 @@ from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
 from typing import Optional
-
-try:
-    import fcntl  # the run directory's lock (Appendix E); POSIX only
-except ImportError:  # Windows: no lock
-    fcntl = None
 
 import torch
 import torch.distributed as dist
@@ -193,6 +189,7 @@ class TrainState:
     lr_decay: float = 1.0  # the product of the validation decays so far
     stopped: Optional[tuple] = None  # why training stopped: (code, message) of STOPS
     train_seconds: float = 0.0  # training time so far, over every start of the run (evaluation not counted)
+    window: dict = field(default_factory=dict)  # the sums of the steps since the last log line (StepLog)
 
 
 @dataclass
@@ -203,7 +200,7 @@ class Run:
     device: torch.device
     rank: int  # this process's rank and the number of processes (Appendix D)
     world: int
-    console: Console  # rank 0's log lines; the other ranks' console is quiet
+    log: "RunLog"  # log(line): rank 0's console (Appendix C)
     tokenizer: data.Tokenizer
     langs: tuple  # the source and target language suffixes
     pairs: dict  # raw text pairs per split: dev and test BLEU
@@ -222,9 +219,6 @@ class Run:
     def master(self):  # rank 0 alone logs and writes files
         return self.rank == 0
 
-    def log(self, msg):
-        self.console.print(msg)
-
     def next_batches(self):
         """This rank's micro-batches of the next step: each step takes world x accumulate
         consecutive batches of the shuffled order; rank r trains on every world-th from the r-th."""
@@ -241,13 +235,12 @@ class Run:
         return 8 if self.args.compile else 1
 
 
-def setup(args, stack, resumed=None):
+def setup(args, stack, log, resumed=None):
     """Everything before the first step, in order: this process, the corpus, the run directory, the data, the model
     and its optimizer, the checkpoint a resumed run starts from. Every input (flags, corpus, the run directory and
     what it holds) is read and checked before anything is written; the run directory's lock is held in ``stack``
     until training ends (Appendix E). resumed: --resume's (checkpoint, flags that differ), from resume_flags."""
-    rank, world, device, bf16, console = start_process(args)  # Appendix D: threads, seeds, torchrun's ranks
-    log = console.print
+    rank, world, device, bf16 = start_process(args, log)  # Appendix D: threads, seeds, torchrun's ranks
     pairs, langs = read_corpus(args, log)  # Appendix F
     with rank0_first(rank, world):  # Appendix D: the other ranks read what rank 0 checks, prepares and commits
         run_dir, ckpt, stage = open_run_dir(args, pairs, log, stack, rank == 0, resumed)  # Appendix E: checked
@@ -256,7 +249,7 @@ def setup(args, stack, resumed=None):
         # Word dropout draws from its own generator, on the device the batches live on.
         options = StepOptions(args.word_dropout, args.label_smoothing, args.clip,
                               torch.Generator(device=device).manual_seed(args.seed + rank), bf16)
-        run = Run(args, run_dir, device, rank, world, console, tokenizer, langs, pairs, train, dev, model, model,
+        run = Run(args, run_dir, device, rank, world, log, tokenizer, langs, pairs, train, dev, model, model,
                   optimizer, Schedule.from_args(args), options)
         if ckpt is not None:
             restore(run, ckpt)  # Appendix E
@@ -295,9 +288,9 @@ def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
 # ---------------------------------------------------------------------------------------
 # 4. The loop: one log line per --log-interval steps, dev BLEU every --epoch-size steps.
 # ---------------------------------------------------------------------------------------
-def train(args, resumed=None):  # main() (Appendix A) calls it with the checked flags
+def train(args, log, resumed=None):  # main() (Appendix A) calls it with the checked flags and the run's log
     with contextlib.ExitStack() as stack:  # holds the run directory's lock until the end
-        run = setup(args, stack, resumed)
+        run = setup(args, stack, log, resumed)
         return benchmark(run) if args.benchmark else train_loop(run)
 
 
@@ -305,7 +298,7 @@ def train_loop(run):
     args, s = run.args, run.state
     total, limit = budget(args)
     step_log = StepLog(run, total)  # Appendix C: the progress bar (step_log.bar), log lines, metrics.jsonl, MFU
-    with step_log.bar:
+    with step_log.bar, stop_signals(run) as signals:  # Appendix E: Ctrl-C or SIGTERM stops after the step, saved
         while s.step < total and not s.stopped:
             batches = run.next_batches()
             s.step += 1
@@ -315,9 +308,15 @@ def train_loop(run):
                     m.track, m.stats = s.step % args.log_interval == 0 and not args.compile, {}
             loss, nll, gnorm, n_tgt = train_step(run.net, run.optimizer, batches, lr, run.step_options)
             step_log.step(batches, lr, loss, nll, gnorm, n_tgt)  # may stop the run: a non-finite loss or gradient norm
-            if not s.stopped and (s.step % args.epoch_size == 0 or s.step == total):
-                end_of_epoch(run)
+            end = not s.stopped and (s.step % args.epoch_size == 0 or s.step == total)
+            if end:
+                end_of_epoch(run)  # which writes its checkpoints
                 step_log.evaluated()
+            stop = not s.stopped and stop_requested(run, signals, end or s.step % args.log_interval == 0)
+            if not end and not s.stopped and (stop or args.save_interval and s.step % args.save_interval == 0):
+                save_last(run, step_log)  # Appendix E: a checkpoint of this step
+            if stop:
+                raise KeyboardInterrupt(stop)  # main() says how to continue
     s.stopped = s.stopped or stopping(args, limit)  # else the budget, recorded in results.json
     if s.stopped[0] != "diverged":
         run.log(f"stopping: {s.stopped[1]}")
@@ -404,8 +403,8 @@ def finish(run):
               "train_seconds": run.state.train_seconds, "stopped": run.state.stopped[1],
               # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd)
               "embedding_singular_values": decode.singular_values(run.model)}
-    decode.print_g_table(run.model)  # [1] Figures 3-4: learned g versus depth
-    write_file(run.dir / "g_values.json", json.dumps(decode.g_values(run.model), indent=2) + "\n")  # before the test
+    decode.print_g_table(run.model, run.log)  # [1] Figures 3-4: learned g versus depth
+    data.write_file(run.dir / "g_values.json", json.dumps(decode.g_values(run.model), indent=2) + "\n")  # before test
     if args.task == "lm":  # the field's test perplexity: every target token, EOS included, no smoothing
         both = {s: decode.lm_perplexity(run.model, run.tokenizer, run.pairs[s], args.seq_len, args.batch_tokens,
                                         run.step_options.bf16) for s in ("dev", "test")}  # dev: for its <unk> count
@@ -424,12 +423,12 @@ def finish(run):
                                               bf16=run.step_options.bf16, penalty=args.length_penalty),
                                 args.batch_tokens)
         score = decode.bleu(hyps, [y for _, y in run.pairs["test"]])
-        write_file(run.dir / "test.hyp", "".join(h + "\n" for h in hyps))
+        data.write_file(run.dir / "test.hyp", "".join(h + "\n" for h in hyps))
         result.update(test_bleu=score.score, test_signature=score.signature)
         run.log(f"test BLEU (best checkpoint, step {best['step']}, beam {args.beam}, {args.length_penalty} length "
                 f"penalty alpha {args.alpha}): {score.score:.2f}  {score.signature}")
     append_metrics(run, {"final": result})  # metrics.jsonl's last record
-    write_file(run.dir / "results.json", json.dumps(result, indent=2) + "\n")  # Appendix E: a finished run
+    data.write_file(run.dir / "results.json", json.dumps(result, indent=2) + "\n")  # Appendix E: a finished run
     return result
 
 
@@ -441,16 +440,18 @@ def finish(run):
 # =======================================================================================
 def main(argv=None):
     args, given = resolve_flags(argv)
-    try:  # --resume (Appendix E): the run's own flags, from its newest checkpoint, and what may change
-        args, resumed = resume_flags(args, given) if args.resume else (args, None)
+    log = RunLog()  # Appendix C: the console
+    try:  # --resume (Appendix E): the run's own flags, from its last checkpoint, and what may change
+        args = start_or_resume(args, given) if args.start_or_resume else args
+        args, resumed = resume_flags(args, given, log) if args.resume else (args, None)
         refuse_idle_flags(args, given)
         validate_args(args)
         if given.get("show"):  # --show: every flag's value in this run (those given marked); no run, no --out
             for k in DEFAULTS:
                 print(f"--{k.replace('_', '-'):17s} {getattr(args, k)!s:22s} {'given' if k in given else ''}".rstrip())
             return None
-        return train(args, resumed)
-    except WriteFailed as e:  # a full disk: what was written before is intact
+        return train(args, log, resumed)
+    except data.WriteFailed as e:  # a full disk: what was written before is intact
         sys.exit(f"error: {e}: make room, then {what_next(args)}")
     except data.DataError as e:
         sys.exit(f"error: {e}")
@@ -462,10 +463,9 @@ def main(argv=None):
 DEFAULTS = {}  # every flag's default
 # The range of each number is its type= (decode.py Appendix F): a value out of range is argparse's own error line.
 in_0_1 = ranged(float, lambda v: 0 < v <= 1, "in (0, 1]")
-percent = ranged(float, lambda v: 0 < v <= 100, "in (0, 100]")
+percent = ranged(float, lambda v: 0 < v <= 100, "in (0, 100]")  # and the LR's: a larger one overflows at the first step
 length = ranged(float, lambda v: 2 <= v <= 1e6, "in [2, 1e6] (g0 = log2(L^2 - L) in [1, 40])")
 seed = ranged(int, lambda v: 0 <= v < 2 ** 63 - 64, "in [0, 2^63 - 64) (torch's generators take 64 bits)")
-rate = ranged(float, lambda v: 0 < v <= 100, "in (0, 100]")  # a larger LR overflows at the first step
 
 
 def build_parser():
@@ -534,8 +534,7 @@ def build_parser():
         "[1] section 2.2) or Xavier normal ([1] eq. 4)")
     add(g, "--qknorm", action="store_true", default=False, help="QKNorm attention: softmax(g * q^.k^) with "
         "l2-normalised q, k ([3] eqs. 2-5)")
-    add(g, "--qk-length", type=length, help="L of g0 = log2(L^2 - L) ([3] eq. 3); default: computed from the "
-        "training data")
+    add(g, "--qk-length", type=length, help="L of g0 = log2(L^2 - L) ([3] eq. 3); default: from --qk-percentile")
     add(g, "--qk-percentile", type=percent, default=97.5, help="percentile of training lengths used as L "
         "([3] section 3; Table 5 varies it)")
     add(g, "--qk-no-g", action="store_true", default=False, help="QKNorm ablation: g fixed at 1 ([3] Table 6)")
@@ -563,10 +562,9 @@ def build_parser():
              "configs (Code [3]); cosine: the warmup, then a cosine to 0 at the run's last step (the tensorized "
              "Transformer's PTB script, [2]'s language models)")
     peak = g.add_mutually_exclusive_group()  # both set the peak LR (lr = lr_scale / sqrt(d * warmup)): one of them
-    add(peak, "--lr-scale", type=rate, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
-        "warmup^-1.5) ([1] 3.3: 1, and 2 for 2xLR); when given it overrides --lr, whose value is "
-        "lambda / sqrt(d * warmup)")
-    add(peak, "--lr", type=rate, default=2e-3, help="peak LR (reached at n_warmup), i.e. lambda = lr * "
+    add(peak, "--lr-scale", type=percent, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
+        "warmup^-1.5) ([1] 3.3: 1, and 2 for 2xLR); when given it overrides --lr")
+    add(peak, "--lr", type=percent, default=2e-3, help="peak LR (reached at n_warmup), i.e. lambda = lr * "
         "sqrt(d * warmup) in eq. 7; the constant LR of --schedule nowarmup ([1] 3.3: 3e-4)")
     add(g, "--warmup", type=positive_int, default=200, help="n_warmup of eq. 7 ([1]: 8000)")
     add(g, "--decay-factor", type=in_0_1, default=0.8, help="alpha_decay of validation decay ([1] 2.4; 0.8 in 3.3)")
@@ -591,6 +589,9 @@ def build_parser():
     add(g, "--max-epochs", type=positive_int, default=4, help="stop after this many epochs ([1] Table 1: 200)")
     add(g, "--keep-checkpoints", type=count, default=5, help="keep the last N per-epoch checkpoints, for "
         "checkpoint averaging (Code [2]: the last 5; its paper: 10)")
+    add(g, "--save-interval", type=count, default=0, metavar="N", help="also write the last checkpoint every N "
+        "steps between evaluations: a hard kill (SIGKILL, a lost node) then loses at most N steps (0: at evaluations "
+        "only; Ctrl-C and SIGTERM always save the step they stop at)")
     add(g, "--max-steps", type=positive_int, help="stop after this many steps (quick checks)")
     add(g, "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     add(g, "--dtype", default="bf16", choices=["bf16", "fp32"], help="on CUDA: bf16 autocast (default; fp32 where "
@@ -602,20 +603,23 @@ def build_parser():
         "fast path anywhere (norms.py section 1): slower, for checking an edited equation")
     add(g, "--log-interval", type=positive_int, default=50, help="steps between log lines")
     add(g, "--beam", type=positive_int, default=4, help="beam size for test BLEU (Code: 4)")
-    add(g, "--alpha", type=alpha_range, default=0.6, help="length penalty alpha (TwT Code: 0.6 with gnmt; PowerNorm: "
-        "1.0 with fairseq)")
+    add(g, "--alpha", type=alpha_range, default=0.6, help="length penalty alpha (TwT Code: 0.6; PowerNorm: 1.0)")
     add(g, "--length-penalty", choices=list(decode.PENALTIES), default="gnmt", help="gnmt: score / ((5 + |Y|) / 6)"
         "^alpha (Wu et al. 2016; TwT, QKNorm); fairseq: score / |Y|^alpha (Ott et al. 2019, as PowerNorm decodes)")
     add(g, "--dev-beam", type=positive_int, default=1, help="beam size for the per-epoch dev BLEU (1 = greedy)")
-    add(g, "--benchmark", type=count, default=0, metavar="N", help="time N training steps after a warm-up and "
+    action = g.add_mutually_exclusive_group()  # what the command does: at most one of these four
+    add(action, "--benchmark", type=count, default=0, metavar="N", help="time N training steps after a warm-up and "
         "print tokens/s, FLOPs/token, MFU, padding and peak memory, then exit (writes no run directory)")
     add(g, "--profile", action="store_true", default=False, help="with --benchmark: also print where the time "
         "of a step goes (torch.profiler, by operator)")
-    add(g, "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest good checkpoint, with "
+    add(action, "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint, with "
         "its saved flags (only " + ", ".join("--" + f.replace("_", "-") for f in sorted(RESUME_MAY_CHANGE))
         + " may be given again to change them)")
-    add(g, "--overwrite", action="store_true", default=False, help="train into --out even if it holds a run: "
+    add(action, "--overwrite", action="store_true", default=False, help="train into --out even if it holds a run: "
         "that run's files are removed first (without it such a directory is refused)")
+    add(action, "--start-or-resume", action="store_true", default=False, help="start the run in --out, or continue it "
+        "when --out already holds it: one command for a scheduler's requeue. Every flag of the command is compared "
+        "with the run's; a folder of another run, or a flag that differs, is refused as --resume refuses it")
     return p
 
 
@@ -679,8 +683,7 @@ def refuse_idle_flags(args, given):
              "built-in corpus is used"),
             (("profile",), args.benchmark, "for the steps of --benchmark N: give --benchmark too"),
             (("patience", "decay_factor"), Schedule.from_args(args).decays, "for validation-based decay (--schedule "
-             f"valdecay, warmupflat or nowarmup), not --schedule {args.schedule}"),
-            (("benchmark", "overwrite"), not args.resume, "an action of a new run; --resume continues one")):
+             f"valdecay, warmupflat or nowarmup), not --schedule {args.schedule}")):
         for name in names:
             if name in given and not active:
                 sys.exit(f"error: --{name.replace('_', '-')} is {why}")
@@ -734,14 +737,12 @@ def model_config_from_args(args, vocab_size, qk_g0=1.0):
 # swaps in another pair's corpus and per-pair flags ([1] Table 1 and appendix A; the TwT code's per-pair configs).
 # `python data.py prepare NAME` lays each corpus out under data/NAME (multi30k: data/multi30k-en-de).
 # =======================================================================================
-_TWT_PAIR = dict(bpe_size=8000, layers=6, heads=8, dropout=0.3, max_epochs=200, early_stop=20)
 PAIRS = {
     "gl-en": dict(data="data/gl-en", src="gl", tgt="en", bpe_size=3000, layers=4, heads=4, dropout=0.4,
                   epoch_size=100, max_epochs=1000, early_stop=50),
-    "sk-en": dict(_TWT_PAIR, data="data/sk-en", src="sk", tgt="en", epoch_size=600),
-    "en-vi": dict(_TWT_PAIR, data="data/en-vi", src="en", tgt="vi", epoch_size=1500),
-    "en-he": dict(_TWT_PAIR, data="data/en-he", src="en", tgt="he", epoch_size=2000),
-    "ar-en": dict(_TWT_PAIR, data="data/ar-en", src="ar", tgt="en", epoch_size=2000),
+    **{f"{src}-{tgt}": dict(data=f"data/{src}-{tgt}", src=src, tgt=tgt, bpe_size=8000, layers=6, heads=8, dropout=0.3,
+                            epoch_size=n, max_epochs=200, early_stop=20)
+       for src, tgt, n in (("sk", "en", 600), ("en", "vi", 1500), ("en", "he", 2000), ("ar", "en", 2000))},
     "de-en": dict(data="data/de-en", src="de", tgt="en", bpe_size=10000),  # PowerNorm's IWSLT'14
     "multi30k": dict(data="data/multi30k-en-de", src="en", tgt="de", bpe_size=4000),  # the study (docs/reproduced.md)
     "multi30k-en-cs": dict(data="data/multi30k-en-cs", src="en", tgt="cs", bpe_size=4000),  # its second pair
@@ -780,7 +781,8 @@ PN = dict(layers=6, d_model=512, heads=4, ff=1024, dropout=0.3, attn_dropout=0.1
 PN2 = dict(task="lm", layers=3, d_model=256, heads=1, ff=2100, dropout=0.3, attn_dropout=0.0, relu_dropout=0.3,
            word_dropout=0.0, label_smoothing=0.1, attention="multilinear", seq_len=32, batch_tokens=3840,
            prenorm=False, fixnorm=False, init="xavier", schedule="cosine", lr=2.5e-4, warmup=4000, clip=0.25,
-           epoch_size=243, max_epochs=30, early_stop=0, stop_lr=0.0, keep_checkpoints=0, norm="layer")
+           epoch_size=243, max_epochs=30, early_stop=0, stop_lr=0.0, keep_checkpoints=0, norm="layer",
+           save_interval=100)  # a CPU's epoch is 5-10 minutes: a hard kill loses at most 2-4 (docs/runs.md)
 PN2_NORMS = (("layernorm", "LN", "layer"), ("batchnorm", "BN", "batch"), ("pnv", "PN-V", "pnv"),
              ("powernorm", "PN", "power"))  # its Table 2's norms: (the preset's name, the table's, --norm)
 
@@ -790,6 +792,26 @@ def row(*parts, **flags):
     return {k: v for part in parts + (flags,) for k, v in part.items()}
 
 
+# The study (docs/reproduced.md): the papers' comparisons at laptop scale, on Multi30k
+# en-de (`python data.py prepare multi30k`). One recipe for every row of a comparison, so budgets
+# are equal: d 128, 3+3 layers, 400 updates of 4096-token batches (~13 min on one CPU thread),
+# eq. 7 to a 2e-3 peak at step 200, greedy dev BLEU every 50 steps, beam-4 test BLEU of the best.
+M30K = dict(layers=3, d_model=128, heads=4, ff=512, dropout=0.1, word_dropout=0.1, label_smoothing=0.1,
+            batch_tokens=4096, init="small", schedule="invsqrt", lr=2e-3, warmup=200, max_steps=400, epoch_size=50,
+            max_epochs=1000, early_stop=0, stop_lr=0.0, dev_beam=1, beam=4, alpha=0.6, log_interval=10,
+            keep_checkpoints=0)
+M30K_LN = row(M30K, norm="layer", fixnorm=False)  # [1] Table 3 rows (1)-(2)
+M30K_FINAL = row(M30K, prenorm=True, norm="scale", fixnorm=True)  # [1] Table 3 (4)
+M30K_DEEP = row(M30K_LN, layers=6, schedule="nowarmup", lr=1e-3, max_steps=250)  # [1] Tables 2, 5: no warmup
+# PowerNorm's recipe at this scale, as PN's above: pre-norm, no FixNorm, Xavier, its Adam, weight decay and peak LR.
+M30K_PN = row(M30K, prenorm=True, norm="layer", fixnorm=False, init="xavier", beta2=0.98, weight_decay=1e-4,
+              lr=1.5e-3, clip=0.0, word_dropout=0.0)
+M30K_QK = row(M30K, prenorm=True, norm="layer", fixnorm=True, qknorm=True)  # [3]: QKNorm + LayerNorm
+# PowerNorm's Table 2 at laptop scale, on PTB (`python data.py prepare ptb`): [2]'s recipe (PN2 above) at d 128,
+# FFN 512, dropout 0.1, eq. 7 to a 1e-3 peak at step 200, 3 passes over PTB (729 updates), dev perplexity every pass.
+# Multi-linear attention; --attention softmax gives the other half of the study.
+PTB = row(PN2, d_model=128, ff=512, dropout=0.1, relu_dropout=0.1, schedule="invsqrt", lr=1e-3, warmup=200,
+          epoch_size=243, max_epochs=3, log_interval=27)
 PRESETS = {  # name: (language pair, the paper's row, flags)
     **{f"twt2-{init}-{place}-w{w // 1000}k": ("en-vi", f"TwT Table 2: {init} init, {place}, {w // 1000}k warmup",
                                              row(TWT_LN, INVSQRT, init=init, prenorm=place == "prenorm", warmup=w))
@@ -824,7 +846,7 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
        for key, name, norm in PN2_NORMS if key in ("layernorm", "powernorm")},
     # [2] A.2: WikiText-103, 6 layers, the rest as PTB's; an epoch: 101,425,671 words + 1,165,029 EOS, 26,717 batches
     **{f"pn2-wt103-{key}": ("wikitext-103", f"PowerNorm Table 2: WikiText-103, 6-layer tensorized Transformer {name}",
-                            row(PN2, layers=6, epoch_size=26717, norm=norm))
+                            row(PN2, layers=6, epoch_size=26717, norm=norm, save_interval=5000))
        for key, name, norm in PN2_NORMS},
     "pn1-layernorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer LN", PN),
     "pn1-batchnorm": ("de-en", "PowerNorm Table 1: Pre-Norm Transformer BN", row(PN, encoder_norm="batch")),
@@ -838,65 +860,35 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
     **{f"qk4-heads{h}": ("en-vi", f"QKNorm Table 4: {h} heads", row(QK, heads=h)) for h in (2, 4, 8, 16, 32)},
     **{f"qk5-p{p:g}": ("en-vi", f"QKNorm Table 5: L at the {p:g}th percentile", row(QK, qk_percentile=p))
        for p in (75, 90, 92.5, 95, 97.5, 99, 100)},
-    "qk6-no-g": ("en-vi", "QKNorm Table 6: without g (fixed at 1)", row(QK, qk_no_g=True)),
-    "qk6-scalenorm": ("en-vi", "QKNorm Table 6: without LayerNorm, read as QKNorm + ScaleNorm (the code's "
-                               "other norm)", row(QK, norm="scale")),
-    "qk6-no-norm": ("en-vi", "QKNorm Table 6: without LayerNorm, literally (no norm at all)", row(QK, norm="none")),
-    "qk6-no-fixnorm": ("en-vi", "QKNorm Table 6: without FixNorm", row(QK, fixnorm=False)),
-    "qk6-no-fixnorm-postnorm": ("en-vi", "QKNorm Table 6: without FixNorm or PreNorm",
-                                row(QK, fixnorm=False, prenorm=False)),
-    "qk6-norm-v": ("en-vi", "QKNorm Table 6: l2-normalizing V along with Q and K", row(QK, qk_norm_v=True)),
-}
-
-
-# The study (docs/reproduced.md): the papers' comparisons at laptop scale, on Multi30k
-# en-de (`python data.py prepare multi30k`). One recipe for every row of a comparison, so budgets
-# are equal: d 128, 3+3 layers, 400 updates of 4096-token batches (~13 min on one CPU thread),
-# eq. 7 to a 2e-3 peak at step 200, greedy dev BLEU every 50 steps, beam-4 test BLEU of the best.
-M30K = dict(layers=3, d_model=128, heads=4, ff=512, dropout=0.1, word_dropout=0.1, label_smoothing=0.1,
-            batch_tokens=4096, init="small", schedule="invsqrt", lr=2e-3, warmup=200, max_steps=400, epoch_size=50,
-            max_epochs=1000, early_stop=0, stop_lr=0.0, dev_beam=1, beam=4, alpha=0.6, log_interval=10,
-            keep_checkpoints=0)
-M30K_LN = row(M30K, norm="layer", fixnorm=False)  # [1] Table 3 rows (1)-(2)
-M30K_FINAL = row(M30K, prenorm=True, norm="scale", fixnorm=True)  # [1] Table 3 (4)
-M30K_DEEP = row(M30K_LN, layers=6, schedule="nowarmup", lr=1e-3, max_steps=250)  # [1] Tables 2, 5: no warmup
-# PowerNorm's recipe at this scale: pre-norm, no FixNorm, Xavier, Adam beta2 0.98, decoupled weight
-# decay 1e-4, peak LR 1.5e-3, no clipping, no word dropout; the batch norms in the encoder only.
-M30K_PN = row(M30K, prenorm=True, norm="layer", fixnorm=False, init="xavier", beta2=0.98, weight_decay=1e-4,
-              lr=1.5e-3, clip=0.0, word_dropout=0.0)
-M30K_QK = row(M30K, prenorm=True, norm="layer", fixnorm=True, qknorm=True)  # [3]: QKNorm + LayerNorm
-# PowerNorm's Table 2 at laptop scale, on PTB (`python data.py prepare ptb`): [2]'s recipe (post-norm, tied embeddings
-# without FixNorm, Xavier, 1 head, segments of 32, 3,840-token batches, label smoothing 0.1, clip 0.25, no word
-# dropout) at d 128, FFN 512, dropout 0.1, eq. 7 to a 1e-3 peak at step 200, 3 passes over PTB (729 updates), dev
-# perplexity every pass. Multi-linear attention; --attention softmax gives the other half of the study.
-PTB = row(PN2, d_model=128, ff=512, dropout=0.1, relu_dropout=0.1, schedule="invsqrt", lr=1e-3, warmup=200,
-          epoch_size=243, max_epochs=3, log_interval=27)
-PRESETS.update({
+    **{f"qk6-{key}": ("en-vi", f"QKNorm Table 6: {what}", row(QK, flags)) for key, what, flags in (
+        ("no-g", "without g (fixed at 1)", dict(qk_no_g=True)),
+        ("scalenorm", "without LayerNorm, read as QKNorm + ScaleNorm (the code's other norm)", dict(norm="scale")),
+        ("no-norm", "without LayerNorm, literally (no norm at all)", dict(norm="none")),
+        ("no-fixnorm", "without FixNorm", dict(fixnorm=False)),
+        ("no-fixnorm-postnorm", "without FixNorm or PreNorm", dict(fixnorm=False, prenorm=False)),
+        ("norm-v", "l2-normalizing V along with Q and K", dict(qk_norm_v=True)))},
     **{f"ptb-{key}": ("ptb", f"study, PowerNorm Table 2: {name}", row(PTB, norm=norm))
        for key, name, norm in PN2_NORMS},
-    "m30k-postnorm": ("multi30k", "study, TwT Table 3 (1): PostNorm + LayerNorm", row(M30K_LN, prenorm=False)),
-    "m30k-prenorm": ("multi30k", "study, TwT Table 3 (2): PreNorm + LayerNorm", row(M30K_LN, prenorm=True)),
-    "m30k-prenorm-fixnorm": ("multi30k", "study, TwT Table 3 (3): PreNorm + FixNorm + LayerNorm (QKNorm's model "
-                             "without QKNorm)", row(M30K_LN, prenorm=True, fixnorm=True)),
-    "m30k-scalenorm": ("multi30k", "study, TwT Table 3 (4): PreNorm + FixNorm + ScaleNorm", M30K_FINAL),
-    "m30k-postnorm-xavier": ("multi30k", "study, TwT Table 2: PostNorm + LayerNorm, Xavier normal",
-                             row(M30K_LN, prenorm=False, init="xavier")),
-    "m30k-deep-postnorm": ("multi30k", "study, TwT Table 5: 6+6 layers, PostNorm, no warmup (constant 1e-3)",
-                           row(M30K_DEEP, prenorm=False)),
-    "m30k-deep-prenorm": ("multi30k", "study, TwT Table 5: 6+6 layers, PreNorm, no warmup (constant 1e-3)",
-                          row(M30K_DEEP, prenorm=True)),
-    "m30k-rmsnorm": ("multi30k", "study, TwT Table 7: RMSNorm + FixNorm", row(M30K_FINAL, norm="rms")),
-    "m30k-fixed-g": ("multi30k", "study, TwT Table 7: ScaleNorm (g = sqrt d) + FixNorm (learned)",
-                     row(M30K_FINAL, norm="scale_fixed")),
-    "m30k-pn-layernorm": ("multi30k", "study, PowerNorm Table 1: LN", M30K_PN),
-    "m30k-pn-batchnorm": ("multi30k", "study, PowerNorm Table 1: BN in the encoder",
-                          row(M30K_PN, encoder_norm="batch")),
-    "m30k-pn-pnv": ("multi30k", "study, PowerNorm Table 1: PN-V in the encoder", row(M30K_PN, encoder_norm="pnv")),
-    "m30k-pn-powernorm": ("multi30k", "study, PowerNorm Table 1: PN in the encoder (Algorithm 2)",
-                          row(M30K_PN, encoder_norm="power")),
-    "m30k-qknorm": ("multi30k", "study, QKNorm Table 2: QKNorm + LayerNorm", M30K_QK),
-    "m30k-qknorm-no-g": ("multi30k", "study, QKNorm Table 6: without g", row(M30K_QK, qk_no_g=True)),
-})
+    **{f"m30k-{key}": ("multi30k", f"study, {what}", flags) for key, what, flags in (
+        ("postnorm", "TwT Table 3 (1): PostNorm + LayerNorm", row(M30K_LN, prenorm=False)),
+        ("prenorm", "TwT Table 3 (2): PreNorm + LayerNorm", row(M30K_LN, prenorm=True)),
+        ("prenorm-fixnorm", "TwT Table 3 (3): PreNorm + FixNorm + LayerNorm (QKNorm's model without QKNorm)",
+         row(M30K_LN, prenorm=True, fixnorm=True)),
+        ("scalenorm", "TwT Table 3 (4): PreNorm + FixNorm + ScaleNorm", M30K_FINAL),
+        ("postnorm-xavier", "TwT Table 2: PostNorm + LayerNorm, Xavier normal",
+         row(M30K_LN, prenorm=False, init="xavier")),
+        ("deep-postnorm", "TwT Table 5: 6+6 layers, PostNorm, no warmup (constant 1e-3)",
+         row(M30K_DEEP, prenorm=False)),
+        ("deep-prenorm", "TwT Table 5: 6+6 layers, PreNorm, no warmup (constant 1e-3)", row(M30K_DEEP, prenorm=True)),
+        ("rmsnorm", "TwT Table 7: RMSNorm + FixNorm", row(M30K_FINAL, norm="rms")),
+        ("fixed-g", "TwT Table 7: ScaleNorm (g = sqrt d) + FixNorm (learned)", row(M30K_FINAL, norm="scale_fixed")),
+        ("pn-layernorm", "PowerNorm Table 1: LN", M30K_PN),
+        ("pn-batchnorm", "PowerNorm Table 1: BN in the encoder", row(M30K_PN, encoder_norm="batch")),
+        ("pn-pnv", "PowerNorm Table 1: PN-V in the encoder", row(M30K_PN, encoder_norm="pnv")),
+        ("pn-powernorm", "PowerNorm Table 1: PN in the encoder (Algorithm 2)", row(M30K_PN, encoder_norm="power")),
+        ("qknorm", "QKNorm Table 2: QKNorm + LayerNorm", M30K_QK),
+        ("qknorm-no-g", "QKNorm Table 6: without g", row(M30K_QK, qk_no_g=True)))},
+}
 
 
 # =======================================================================================
@@ -1084,7 +1076,19 @@ def append_metrics(run, record):
             with open(run.dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
         except OSError as e:
-            raise WriteFailed(f"{run.dir / 'metrics.jsonl'}: cannot append to it ({e.strerror})") from None
+            raise data.WriteFailed(f"{run.dir / 'metrics.jsonl'}: cannot append to it ({e.strerror})") from None
+
+
+class RunLog:
+    """The run's log: log(line) prints the line on rank 0's console (the other ranks' is quiet)."""
+
+    def __init__(self):
+        self.console = Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0", highlight=False, markup=False)
+
+    def __call__(self, line):  # a string, or what rich prints (decode.print_g_table's table: print is this)
+        self.console.print(line)
+
+    print = __call__
 
 
 class StepLog:
@@ -1102,9 +1106,9 @@ class StepLog:
         self.bar = Progress(TextColumn("[bold]train[/]"), BarColumn(),
                             TextColumn("{task.completed}/{task.total} steps"),
                             TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                            console=run.console, disable=not run.console.is_terminal)
+                            console=run.log.console, disable=not run.log.console.is_terminal)
         self.task = self.bar.add_task("train", total=total, completed=run.state.step, info="")
-        self.win = dict.fromkeys(("loss", "nll", "tok", "flops", "t", "gnorm", "n"), 0.0)
+        run.state.window = run.state.window or dict.fromkeys(("loss", "nll", "tok", "flops", "t", "gnorm", "n"), 0.0)
         self.pending, self.t0 = [], time.perf_counter()  # the steps since the last host sync, and when it was
 
     def step(self, batches, lr, loss, nll, gnorm, n_tgt):
@@ -1117,29 +1121,36 @@ class StepLog:
         numbers = [loss, nll, gnorm] + ([n_tgt] if torch.is_tensor(n_tgt) else [])  # n_tgt: under DDP
         self.pending.append((s.step, lr, n_tgt, flops, torch.stack([x.double() for x in numbers])))
         log_now = s.step % args.log_interval == 0 or s.step == self.total
-        if log_now or s.step % args.epoch_size == 0:
-            values = torch.stack([p[-1] for p in self.pending]).tolist()  # the one host sync
-            dt, self.t0 = time.perf_counter() - self.t0, time.perf_counter()
-            s.train_seconds += dt
-            self.win["t"] += dt
-            for (step, step_lr, n, f, _), (l, ll, g, *n_read) in zip(self.pending, values):  # into the window
-                n = n_read[0] if n_read else n
-                for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
-                    self.win[k] += v
-                append_metrics(run, {"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
-                # A non-finite gradient norm with a finite loss would still make the weights NaN.
-                for what, v in (("the training loss", l), ("the gradient norm", g)):
-                    if not math.isfinite(v):
-                        return diverged(run, f"{what} became {v} at step {step}")
-            self.pending = []
-            if log_now:
-                self.log_window(lr)
-                self.bar.update(self.task, info=f"loss {values[-1][0] / n:.3f}")
+        if (log_now or s.step % args.epoch_size == 0) and self.flush() and log_now:
+            self.log_window(lr)
         self.bar.update(self.task, completed=s.step)
+
+    def flush(self):
+        """The steps since the last host sync into the window and metrics.jsonl: at log lines, evaluations and
+        checkpoints. False when one of them diverged (the run stops)."""
+        run, s, win = self.run, self.run.state, self.run.state.window
+        values = torch.stack([p[-1] for p in self.pending]).tolist() if self.pending else []  # the one host sync
+        dt, self.t0 = time.perf_counter() - self.t0, time.perf_counter()
+        s.train_seconds += dt
+        win["t"] += dt
+        for (step, step_lr, n, f, _), (l, ll, g, *n_read) in zip(self.pending, values):  # into the window
+            n = n_read[0] if n_read else n
+            for k, v in (("loss", l), ("nll", ll), ("tok", n), ("gnorm", g), ("n", 1), ("flops", f)):
+                win[k] += v
+            append_metrics(run, {"step": step, "loss": l / n, "gnorm": g, "lr": step_lr, "tokens": n})  # [1] Fig. 2
+            # A non-finite gradient norm with a finite loss would still make the weights NaN.
+            for what, v in (("the training loss", l), ("the gradient norm", g)):
+                if not math.isfinite(v):
+                    diverged(run, f"{what} became {v} at step {step}")
+                    return False
+        self.pending = []
+        if values:
+            self.bar.update(self.task, info=f"loss {values[-1][0] / n:.3f}")
+        return True
 
     def log_window(self, lr):
         """One log line (and metrics record) for the steps since the last one; the window starts again."""
-        run, win = self.run, self.win
+        run, win = self.run, self.run.state.window
         tl, nll = win["loss"] / max(win["tok"], 1), win["nll"] / max(win["tok"], 1)
         tps, mfu = win["tok"] / win["t"], win["flops"] / win["t"] / (self.matmul_peak * run.world)
         run.log(f"step {run.state.step:6d} | loss {tl:6.3f} | ppl {math.exp(min(nll, 50)):8.2f} | lr {lr:.2e} | "
@@ -1155,7 +1166,7 @@ class StepLog:
         stats = {name: m.stats for name, m in run.model.named_modules() if isinstance(m, BATCH_NORMS) and m.stats}
         if stats:  # [2] Figures 2-4: batch vs running statistics, and the batch statistics' gradient terms
             append_metrics(run, {"step": run.state.step, "batch_norm_stats": stats})
-        self.win = dict.fromkeys(self.win, 0.0)
+        run.state.window = dict.fromkeys(win, 0.0)
 
     def evaluated(self):
         """After an evaluation: MFU's denominator again, the larger kept (a busy moment at the start, another process
@@ -1170,10 +1181,10 @@ class StepLog:
 # Each step's batches are sharded by rank (Run.next_batches); the batch norms sum their statistics
 # over the ranks (norms.py Appendix A); rank 0 alone evaluates, logs and writes, and shares its dev score.
 # =======================================================================================
-def start_process(args):
-    """(rank, world size, device, bf16, console) of this process: --threads, --reference, the
-    seeds, torchrun's ranks (one GPU each), bf16 where the GPU has it, rank 0's console."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def start_process(args, log):
+    """(rank, world size, device, bf16) of this process: --threads, --reference, the seeds, torchrun's ranks (one GPU
+    each), bf16 where the GPU has it."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))  # torchrun's
     device = decode.start_device(args)  # --device cuda without a GPU: DataError, main()'s one line
     if world > 1 and device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -1184,7 +1195,6 @@ def start_process(args):
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    rank = dist.get_rank() if world > 1 else 0
     if device.type == "cpu" and not args.reference:  # glibc's malloc keeps freed memory for reuse: +10-15% tokens/s
         # By default a block over 32 MiB (a batch's logits, an FFN activation) is mmap'ed fresh at every allocation and
         # unmapped when freed, so each training step faults every page of it in again, zero-filled by the kernel (system
@@ -1196,14 +1206,13 @@ def start_process(args):
             libc.mallopt(m_mmap_threshold, 1 << 30)  # blocks up to 1 GiB come from the heap
             libc.mallopt(m_trim_threshold, 1 << 30)  # and freed heap memory is not trimmed back
             libc.mallopt(m_top_pad, 64 << 20)
-    console = Console(soft_wrap=True, quiet=rank != 0, highlight=False, markup=False)  # log lines never wrap
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     bf16 = device.type == "cuda" and args.dtype == "bf16"
     if bf16 and not has_bf16(device):
-        console.print(f"note: {torch.cuda.get_device_name(device)} has no bf16: training in fp32 (--dtype fp32)")
+        log(f"note: {torch.cuda.get_device_name(device)} has no bf16: training in fp32 (--dtype fp32)")
         bf16 = False
-    return rank, world, device, bf16, console
+    return rank, world, device, bf16
 
 
 @contextlib.contextmanager
@@ -1225,13 +1234,16 @@ def rank0_first(rank, world):
 
 
 def share_epoch(run, score):
-    """At each evaluation: rank 0's dev score and stop, so that every rank decides alike; and every rank's random
-    generators into run.rank_rngs, which rank 0's checkpoint keeps, so that each rank resumes its own streams."""
+    """At each evaluation: rank 0's dev score and stop, so that every rank decides alike; and gather_rngs."""
     box = [score, run.state.stopped]
     dist.broadcast_object_list(box, src=0)
+    gather_rngs(run)
+    return box
+
+
+def gather_rngs(run):  # each rank's generators in run.rank_rngs, which rank 0's checkpoint keeps: each resumes its own
     run.rank_rngs = [None] * run.world
     dist.all_gather_object(run.rank_rngs, rng_state(run))
-    return box
 
 
 def wrap_model(model, args, world, device):
@@ -1260,16 +1272,16 @@ def wrap_model(model, args, world, device):
 # Appendix E: the run directory, checkpoints and --resume. A run directory holds one run. Training into one that
 # already holds a run is refused unless --resume (continue it) or --overwrite (replace it). Nothing is deleted or
 # written before every input is checked, and a lock keeps a second process out. A resumed run keeps its flags (those
-# in RESUME_MAY_CHANGE may be given again), its corpus and its BPE model, and starts from the newest checkpoint that
-# reads back (torch.load weights_only). Checkpoints hold only tensors and plain Python values. The checkpoint is the
+# in RESUME_MAY_CHANGE may be given again), its corpus and its BPE model, and starts from its last checkpoint, read
+# with torch.load(weights_only=True). Checkpoints hold only tensors and plain Python values. The last checkpoint is the
 # resume record (the run's flags, state and generators); config.json is for people: a resume reads only its run_id.
 # =======================================================================================
 RESUME_MAY_CHANGE = {"max_steps", "max_epochs", "early_stop", "stop_lr", "patience", "log_interval", "device",
                      "dtype", "threads", "compile", "dev_beam", "beam", "alpha", "length_penalty", "keep_checkpoints",
-                     "data"}  # a moved corpus: its hashes are checked
-# The files train.py writes into a run directory are listed in decode.py's Appendix B (decode.RESULT_FILES,
-# CACHE_FILES, checkpoints). --overwrite removes the old run's results (the checkpoints only if they hold its run
-# id); the BPE model and the encoded caches are keyed by their content and are reused or replaced, never trusted.
+                     "save_interval", "data"}  # a moved corpus: its hashes are checked
+ACTIONS = ("resume", "overwrite", "start_or_resume")  # what a command does, not a flag of its run: never compared
+# A run directory's files and what --overwrite removes: decode.py's Appendix B (RESULT_FILES, CACHE_FILES, checkpoints);
+# the BPE model and the encoded caches are keyed by their content and are reused or replaced, never trusted.
 
 
 def rng_state(run):
@@ -1279,9 +1291,10 @@ def rng_state(run):
             "word_dropout": run.step_options.rng.get_state()}
 
 
-def save_checkpoints(run, improved):
-    """The best checkpoint when dev improved, epoch N's under --keep-checkpoints (for averaging; Code [2]: the
-    last 5), and the last, written last: the resume point."""
+def save_checkpoints(run, improved, epoch_end=True):
+    """At an epoch's end, the best checkpoint when dev improved, epoch N's under --keep-checkpoints (for averaging;
+    Code [2]: the last 5); at every save, the last, written last: the resume point, the one file with the optimizer's
+    state and the random generators (twice the model's size): the best and epoch files hold what decoding reads."""
     s, keep, name = run.state, run.args.keep_checkpoints, partial(decode.checkpoint_file, run.dir)
     # Only tensors and plain Python values: read back with torch.load(weights_only=True). The run's flags (args: its
     # run id and corpus hashes too) and its state (the step, the dev scores) are what a resume reads.
@@ -1290,12 +1303,53 @@ def save_checkpoints(run, improved):
             "bpe_model_proto": (run.dir / "bpe.model").read_bytes(), "src_lang": run.langs[0], "tgt_lang": run.langs[1],
             "train_state": asdict(run.state), "args": vars(run.args), "world": run.world,
             "rng": dict(rng_state(run), **({"ranks": run.rank_rngs} if run.world > 1 else {}))}
+    weights = {k: v for k, v in ckpt.items() if k not in ("optimizer", "rng")}
     if improved:
-        write_file(name("best"), ckpt)
-    if keep > 0:
-        write_file(name(s.epoch), ckpt)
+        data.write_file(name("best"), weights)
+    if keep > 0 and epoch_end:
+        data.write_file(name(s.epoch), weights)
         name(s.epoch - keep).unlink(missing_ok=True)
-    write_file(name("last"), ckpt)
+    data.write_file(name("last"), ckpt)
+
+
+def save_last(run, step_log):
+    """The last checkpoint at a step between evaluations (a stop, --save-interval): the steps' records first, then
+    every rank's generators; none if a step diverged (the last good checkpoint stays)."""
+    if step_log.flush() and run.world > 1:
+        gather_rngs(run)
+    if run.master and not run.state.stopped:
+        save_checkpoints(run, improved=False, epoch_end=False)
+
+
+@contextlib.contextmanager
+def stop_signals(run):
+    """While training: Ctrl-C (SIGINT) or SIGTERM (a scheduler's, before its kill) stops the run after the step in
+    progress, with a checkpoint of that step (train_loop asks stop_requested); a second one stops it at once, from the
+    last checkpoint. Yields the box that holds the first signal's number."""
+    box, signals = [0], (signal.SIGINT, signal.SIGTERM)
+
+    def handler(signum, frame):
+        if box[0]:
+            raise KeyboardInterrupt(signum)
+        box[0] = signum
+        run.log(f"{signal.Signals(signum).name}: stopping after this step, with a checkpoint of it (again: at once)")
+    before = [signal.signal(sig, handler) for sig in signals]  # signal.signal returns the handler it replaces
+    try:
+        yield box
+    finally:
+        for sig, old in zip(signals, before):
+            signal.signal(sig, old)
+
+
+def stop_requested(run, box, synced):
+    """The signal that stops the run after this step (0: none). Under torchrun every rank must stop at the same step:
+    the ranks agree (the largest of their signals), at every step on the CPU, at host syncs (synced) on a GPU, where
+    reading the answer would otherwise wait for the GPU at every step."""
+    if run.world > 1 and (run.device.type == "cpu" or synced):
+        agreed = torch.tensor([box[0]], device=run.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return int(agreed)
+    return box[0] if run.world == 1 else 0
 
 
 def restore(run, ckpt):
@@ -1318,34 +1372,52 @@ def restore(run, ckpt):
     run.step_options.rng.set_state(rng["word_dropout"])
 
 
-def resume_flags(args, given):
-    """--resume RUN: (the flags of RUN's newest checkpoint that reads back, with the given ones that may change, (that
-    checkpoint, {a flag given that differs from its: (its value, the one given)})); DataError if none reads back, or an
+def resume_flags(args, given, log):
+    """--resume RUN: (the flags of RUN's last checkpoint, with the given ones that may change, (that checkpoint, {a flag
+    given that differs from its: (its value, the one given)})); DataError if it is missing, does not read back, or an
     older train.py wrote it. may_resume refuses the other flags that differ, before any change."""
     run_dir = Path(args.resume)
-    log = Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0", highlight=False, markup=False).print
-    why = "the run may have stopped before its first evaluation"
-    for i, path in enumerate(decode.checkpoints(run_dir, "resume")):  # the newest that reads back safely
-        try:
-            ckpt = decode.read_checkpoint(path)  # which also refuses an older train.py's checkpoint
-            break
-        except decode.OtherRunsCheckpoint as e:  # not damage: a file train.py did not write, never replaced
-            raise data.DataError(f"--resume {run_dir}: {e}; move it out of the folder first") from None
-        except data.DataError as e:
-            log(f"resume: skipped: {e}")
-            why = f"the last: {e}"
-    else:
-        raise data.DataError(f"--resume {run_dir}: nothing to resume from, no readable checkpoint ({why}); start it "
-                             f"again with --overwrite")
-    fallback = "" if i == 0 and path == decode.checkpoint_file(run_dir, "last") else " (the newest that reads back)"
-    log(f"resume: {path} at step {ckpt['train_state']['step']}{fallback}")
+    path = decode.checkpoint_file(run_dir, "last")  # the resume point (save_checkpoints)
+    if not path.exists():
+        raise data.DataError(f"--resume {run_dir}: nothing to resume from, no {path.name} (the run may have stopped "
+                             f"before its first checkpoint); start it again with --overwrite")
+    try:
+        ckpt = decode.read_checkpoint(path)  # which also refuses an older train.py's checkpoint
+    except data.DataError as e:  # damaged, or another run's: never replaced (its best checkpoint still decodes)
+        raise data.DataError(f"--resume {run_dir}: {e}; move it out of the folder (and start again)") from None
+    log(f"resume: {path} at step {ckpt['train_state']['step']}")
     saved = ckpt["args"]
-    diff = {k: (saved.get(k, DEFAULTS.get(k)), v) for k, v in given.items() if k != "resume"  # the one comparison
-            and not (k == "out" and Path(v) == run_dir) and v != saved.get(k, DEFAULTS.get(k))}
+    diff = differing_flags(saved, {k: getattr(args, k) for k in DEFAULTS} if args.start_or_resume else given, run_dir)
     changed = {k: v for k, (_, v) in diff.items() if k in RESUME_MAY_CHANGE}
     return argparse.Namespace(**{**DEFAULTS, **saved, **changed, "resume": str(run_dir), "out": str(run_dir),
                                  "overwrite": False,  # an action of the run's first start, not one of its flags
                                  "changed_on_resume": {**saved.get("changed_on_resume", {}), **changed}}), (ckpt, diff)
+
+
+def differing_flags(saved, flags, run_dir):
+    """{flag: (the run's value, the command's)} of the command's flags that differ from a run's saved ones: the one
+    comparison of a command with a run (resume_flags: its checkpoint's; start_or_resume: a config.json alone)."""
+    return {k: (saved.get(k, DEFAULTS.get(k)), v) for k, v in flags.items() if k not in ACTIONS
+            and not (k == "out" and Path(v) == Path(run_dir)) and v != saved.get(k, DEFAULTS.get(k))}
+
+
+def start_or_resume(args, given):
+    """--start-or-resume: a resume (args.resume set) when --out holds a checkpoint; a new run otherwise, replacing
+    (--overwrite) a folder that holds only a run with the same flags killed before its first checkpoint."""
+    run_dir = Path(args.out)
+    if decode.checkpoint_file(run_dir, "last").exists():
+        args.resume = str(run_dir)
+    elif run_id_of(run_dir / "config.json"):
+        saved = json.loads((run_dir / "config.json").read_text())
+        if diff := differing_flags(saved, {k: getattr(args, k) for k in DEFAULTS}, run_dir):
+            raise data.DataError(f"--start-or-resume: {run_dir} holds a run with other flags: {flag_changes(diff)}; "
+                                 f"choose another --out")
+        args.overwrite = True  # it never wrote a checkpoint: started again
+    return args
+
+
+def flag_changes(diff):  # "--flag (old -> new), ..." of differing_flags' answer
+    return ", ".join(f"--{k.replace('_', '-')} ({old!r} -> {v!r})" for k, (old, v) in diff.items())
 
 
 def may_resume(run_dir, args, ckpt, diff, hashes):
@@ -1356,10 +1428,9 @@ def may_resume(run_dir, args, ckpt, diff, hashes):
     if not (run_dir / "config.json").exists():
         raise data.DataError(f"--resume {run_dir}: not a run directory of train.py (no config.json); start a new run "
                              f"with --out")
-    if refused := [f"--{k.replace('_', '-')} ({old!r} -> {v!r})" for k, (old, v) in diff.items()
-                   if k not in RESUME_MAY_CHANGE]:
+    if refused := {k: d for k, d in diff.items() if k not in RESUME_MAY_CHANGE}:
         raise data.DataError(f"--resume {run_dir}: a continued run keeps its flags, and these differ from its "
-                             f"checkpoint's: {', '.join(refused)} (start a new run with another --out)")
+                             f"checkpoint's: {flag_changes(refused)} (start a new run with another --out)")
     if changed := [s for s, h in hashes.items() if h != args.corpus_sha256.get(s)]:
         raise data.DataError(f"--resume {run_dir}: the corpus changed since the run started "
                              f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''})")
@@ -1417,36 +1488,7 @@ def open_run_dir(args, pairs, log, stack, master, resumed=None):
             log(f"resume: --{k.replace('_', '-')} {v} (changed on resume)")
     else:
         args.run_id, args.corpus_sha256 = uuid.uuid4().hex, hashes  # recorded in config.json, the checkpoints
-    return run_dir, ckpt, stack.enter_context(staging(run_dir)) if master else None
-
-
-@contextlib.contextmanager
-def staging(run_dir):
-    """A hidden folder inside run_dir (made, with its parents, if missing, and locked) where a run
-    prepares its files. If the run fails before commit_run_dir, the run directory is as it was: the
-    staging folder goes, and so do the folders made here. The lock is held until the run ends."""
-    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # the deepest first
-    try:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            lock = open(run_dir / ".lock", "a")  # held while training (flock): a second process is refused
-        except OSError as e:
-            raise data.DataError(f"--out {run_dir}: cannot make it or write in it ({e.strerror})") from None
-        with lock:  # closing the lock's file releases it
-            if fcntl is not None:
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    raise data.DataError(f"{run_dir} is in use by another process (it holds {run_dir}/.lock)") from None
-            with tempfile.TemporaryDirectory(prefix=".staging-", dir=run_dir, ignore_cleanup_errors=True) as stage:
-                yield Path(stage)
-    except BaseException:
-        if not (run_dir / "config.json").exists() and made:  # not committed: remove the folders made here,
-            (run_dir / ".lock").unlink(missing_ok=True)  # each only if empty (another run may be in a parent)
-            with contextlib.suppress(OSError):  # the first folder not empty ends it
-                for p in made:
-                    p.rmdir()
-        raise
+    return run_dir, ckpt, stack.enter_context(data.staging(run_dir)) if master else None
 
 
 def commit_run_dir(args, run_dir, stage, ckpt, log):
@@ -1465,25 +1507,13 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
             f.unlink()
         log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
     # config.json before the staged files: a kill at any point leaves a folder that holds a run (Ctrl-C's advice holds)
-    write_file(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
+    data.write_file(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
     for f in stage.iterdir():
         os.replace(f, run_dir / f.name)
     if ckpt is not None and (run_dir / "metrics.jsonl").exists():  # what a killed run logged after its checkpoint goes
         rows = decode.read_metrics(run_dir)  # (and a half-written last line)
-        write_file(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows
+        data.write_file(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows
                                                       if r.get("step", 1 << 62) <= ckpt["train_state"]["step"]))
-
-
-class WriteFailed(data.DataError):
-    """A write into the run directory failed (a full disk): main() says what to do next (what_next)."""
-
-
-def write_file(path, content):
-    """data.atomic_write, with a full disk (or any failed write) as one line: the old file is intact."""
-    try:
-        data.atomic_write(path, content)
-    except OSError as e:
-        raise WriteFailed(f"{path}: cannot write it ({e.strerror}); the files written before it are intact") from None
 
 
 def what_next(args):
@@ -1494,12 +1524,13 @@ def what_next(args):
         return "run the benchmark again (it writes no run directory)"
     if getattr(args, "run_id", None) is None or run_id_of(run_dir / "config.json") != args.run_id:
         return f"the run had not started in {run_dir}: start it again with the same command"
-    if any(run_id_of(p) == args.run_id for p in decode.checkpoints(run_dir)):
+    if run_id_of(decode.checkpoint_file(run_dir, "last")) == args.run_id:  # the resume point (save_checkpoints)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         how = "python train.py" if world == 1 else f"torchrun (as many processes as before, {world}) train.py"
         return f"continue with {how} --resume {run_dir}"
-    return (f"nothing to resume (the first checkpoint comes after --epoch-size {args.epoch_size} steps): start it "
-            f"again with the same command and --overwrite")
+    first = min(args.epoch_size, args.save_interval or args.epoch_size)  # an evaluation's, or --save-interval's
+    return (f"nothing to resume (the first checkpoint comes at step {first}): start it again with the same command "
+            f"and --overwrite")
 
 
 # =======================================================================================
@@ -1557,8 +1588,7 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
     for QKNorm's L). Reads run_dir; writes only into `stage`, whose files the run directory takes once every input is
     checked (Appendix E; None: write nothing). ckpt: a resumed run's checkpoint, whose BPE model it keeps."""
     proto = ckpt and ckpt["bpe_model_proto"]
-    # The BPE model depends on the training text and --bpe-size: bpe.key holds their hash and the model's
-    # own, so a bpe.model is reused only for the same text and size, never a stale or damaged one.
+    # bpe.key holds the hash of the training text and --bpe-size, and the model's own: never a stale or damaged one.
     key = data.pairs_sha256(pairs["train"], f"{args.bpe_size}\n".encode())
     model_sha256 = lambda proto: hashlib.sha256(proto).hexdigest()
     old, old_key = run_dir / "bpe.model", run_dir / "bpe.key"
@@ -1579,17 +1609,14 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
             f"trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested)"
         log(f"data: {made} in {time.time() - t0:.1f}s")
     if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list
-        write_file(stage / "bpe.model", proto)
-        write_file(stage / "bpe.key", f"{key}\n{model_sha256(proto)}")
+        data.write_file(stage / "bpe.model", proto)
+        data.write_file(stage / "bpe.key", f"{key}\n{model_sha256(proto)}")
     tok = data.load_tokenizer(proto, old)
     if args.task == "lm":
         return (tok, *lm_data(args, tok, pairs, log))
     def encode(split):  # from the run directory's cache, or encoded and cached in the staging folder
-        try:
-            return data.load_or_encode(tok, pairs[split], run_dir / f"{split}.enc.pt",
-                                       stage / f"{split}.enc.pt" if stage is not None else False)
-        except OSError as e:
-            raise WriteFailed(f"{stage / f'{split}.enc.pt'}: cannot write it ({e.strerror})") from None
+        return data.load_or_encode(tok, pairs[split], run_dir / f"{split}.enc.pt",
+                                   stage / f"{split}.enc.pt" if stage is not None else False)
     everything = encode("train")
     train, dropped = data.filter_long(everything, args.max_len)
     if dropped:

@@ -4,6 +4,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import signal
 import socket
 
 import pytest
@@ -77,24 +78,28 @@ def gloo_unusable_reason():
 
 @pytest.fixture
 def killed_run(monkeypatch, capsys):
-    """killed_run(argv, n): train.main(argv) interrupted (Ctrl-C) at its n-th training step; it
-    exits as train.py does on Ctrl-C, status 130 (its message is returned); train_step is restored for the resume."""
+    """killed_run(argv, n, sig=None): train.main(argv) interrupted at its n-th training step. sig None: inside the
+    step, as a second Ctrl-C does (the run resumes from its last checkpoint before); a signal (SIGINT, SIGTERM): sent
+    to this process as the step starts, which stops the run after that step, with its checkpoint. It exits as train.py
+    does, status 128 + the signal (its message is returned); train_step is restored for the resume."""
     import train
 
-    def run(argv, n):
+    def run(argv, n, sig=None):
         real_step, calls = train.train_step, {"n": 0}
 
         def dying_step(*a, **k):
             calls["n"] += 1
-            if calls["n"] == n:
+            if calls["n"] == n and sig is None:
                 raise KeyboardInterrupt
+            if calls["n"] == n:
+                signal.raise_signal(sig)  # the handler runs here, in the main thread
             return real_step(*a, **k)
 
         monkeypatch.setattr(train, "train_step", dying_step)
         with pytest.raises(SystemExit) as e:
             train.main(argv)
         monkeypatch.setattr(train, "train_step", real_step)
-        assert e.value.code == 130
+        assert e.value.code == 128 + (sig or signal.SIGINT)
         return capsys.readouterr().err.strip().splitlines()[-1]
 
     return run

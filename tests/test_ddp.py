@@ -20,6 +20,7 @@ whole-batch value and later gradients differed. train_step now sums the ranks' g
 import datetime
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -305,31 +306,43 @@ def test_train_py_under_torchrun_with_two_processes(tmp_path):
     assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before
 
 
-def test_a_torchrun_run_resumes_exactly_and_only_with_as_many_processes(tmp_path):
-    """Each rank's random generators (dropout, word dropout) are in the checkpoint, so a 2-rank run stopped at step 3
-    and resumed to step 6 logs the same steps as one run to step 6; a resume with 1 process is refused."""
+def test_a_torchrun_run_stopped_by_sigterm_resumes_exactly_and_only_with_as_many_processes(tmp_path):
+    """SIGTERM to torchrun (which passes it to its workers) mid-run: the two ranks agree on the step to stop after,
+    rank 0 saves it with each rank's random generators (dropout, word dropout), and the resumed 2-rank run logs the
+    same steps as one run never stopped; a resume with 1 process is refused."""
     reason = gloo_unusable_reason()
     if reason:
         pytest.skip(reason)
     corpus = data.make_toy_corpus(tmp_path / "corpus", n_train=300, n_dev=10, n_test=10)
 
-    def torchrun(*argv):
+    def torchrun(*argv, wait=True):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), str(ROOT / "train.py"), *argv]
+        if not wait:
+            return subprocess.Popen(cmd, cwd=ROOT, env=dist_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True)
         p = subprocess.run(cmd, cwd=ROOT, env=dist_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
         assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
 
     flags = ["--d-model", "32", "--ff", "64", "--layers", "1", "--heads", "2", "--batch-tokens", "512",
-             "--epoch-size", "3", "--threads", "1", "--bpe-size", "300", "--device", "cpu", "--data", str(corpus),
-             "--src", "src", "--tgt", "tgt"]
-    torchrun(*flags, "--max-steps", "6", "--out", str(tmp_path / "whole"))
-    torchrun(*flags, "--max-steps", "3", "--out", str(tmp_path / "part"))
-    torchrun("--resume", str(tmp_path / "part"), "--max-steps", "6")
+             "--epoch-size", "7", "--log-interval", "2", "--threads", "1", "--bpe-size", "300", "--device", "cpu",
+             "--data", str(corpus), "--src", "src", "--tgt", "tgt", "--max-steps", "60", "--max-epochs", "99"]
+    torchrun(*flags, "--out", str(tmp_path / "whole"))
+    part = tmp_path / "part"
+    proc, deadline = torchrun(*flags, "--out", str(part), wait=False), time.time() + TIMEOUT_S
     steps = lambda d: [(r["step"], r["loss"], r["gnorm"]) for r in map(json.loads, (tmp_path / d / "metrics.jsonl")
                        .read_text().splitlines()) if "loss" in r]
-    assert steps("part") == steps("whole") and len(steps("whole")) == 6
+    while proc.poll() is None and time.time() < deadline and len(steps("part") if (part / "metrics.jsonl").exists()
+                                                                 else []) < 4:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=TIMEOUT_S)[0]
+    stopped = torch.load(part / "checkpoint_last.pt", map_location="cpu", weights_only=True)["train_state"]["step"]
+    assert 4 <= stopped < 60 and "interrupted: continue with torchrun" in out, out[-4000:]
+    torchrun("--resume", str(part))
+    assert steps("part") == steps("whole") and len(steps("whole")) == 60
     with pytest.raises(SystemExit) as e:
-        train.main(["--resume", str(tmp_path / "part"), "--max-steps", "9"])
+        train.main(["--resume", str(part), "--max-steps", "70"])
     assert "trained on 2 processes and this is 1" in str(e.value.code)
 
 

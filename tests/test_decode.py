@@ -363,7 +363,8 @@ def test_a_checkpoint_of_another_run_is_refused_by_decode_and_resume(run_dir, tm
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text('{"run_id": "ours"}\n')
-    torch.save(dict(ckpt, args={"run_id": "theirs"}), run / "checkpoint_best.pt")
+    for name in ("best", "last"):  # decode.py reads the best, a resume the last
+        torch.save(dict(ckpt, args={"run_id": "theirs"}), run / f"checkpoint_{name}.pt")
     before = _files(tmp_path)
     for model in (run, run / "checkpoint_best.pt"):
         _one_line_exit([str(model), "--input", str(run_dir[0] / "dev.src")], str(run / "checkpoint_best.pt"),

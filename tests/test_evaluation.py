@@ -397,6 +397,21 @@ def test_plot_writes_a_png_when_matplotlib_is_there(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_draws_a_run_with_one_evaluation_as_a_point(tmp_path, monkeypatch):
+    """A curve of one point has no line to draw: it gets a marker (it was in the legend and invisible)."""
+    pytest.importorskip("matplotlib", reason="matplotlib is an optional extra (pip install matplotlib)")
+    from matplotlib.axes import Axes
+    run, drawn, real_plot = _fake_run(tmp_path, "one", 3.0, 7.0), [], Axes.plot
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[:-1]]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= 10))  # one epoch
+    monkeypatch.setattr(Axes, "plot", lambda ax, xs, ys, **k: drawn.append((ax, len(xs), k.get("marker")))
+                        or real_plot(ax, xs, ys, **k))
+    decode.main(["--plot", str(run), "--out", str(tmp_path / "p.png")])
+    drawn = [(ax.get_title(), n, marker) for ax, n, marker in drawn]  # each panel's title is set after its curves
+    assert ("dev BLEU", 1, "o") in drawn and ("training loss", 1, "o") in drawn, drawn
+    assert all(marker for _, n, marker in drawn if n == 1) and ("gradient norm (before clipping)", 10, None) in drawn
+
+
 def test_tokenized_bleu_on_raw_text_is_noticed():
     """--tokenized scores the text as it is: right for Moses-tokenized references (en-vi as the TwT
     authors ship it), wrong for raw text such as prepare de-en writes, where "dog." is one word."""

@@ -8,6 +8,7 @@ perplexity is decode.py's; a killed language model resumes exactly; bad input is
 """
 import hashlib
 import json
+import signal
 
 import pytest
 import torch
@@ -182,15 +183,17 @@ def test_a_bpe_language_model_reports_perplexity_per_word_too(text, tmp_path, ca
         assert words in _one_line_error(lambda: decode.main([str(run), "--leak", *extra]))
 
 
-def test_a_killed_language_model_resumes_to_the_same_metrics(text, tmp_path, killed_run):
+def test_a_stopped_language_model_resumes_to_the_same_metrics(text, tmp_path, killed_run):
+    """Ctrl-C mid-epoch and mid-log-window: the run stops after that step, with a checkpoint of it, and resumes."""
     argv = LM + ["--data", str(text), "--norm", "pnv", "--max-steps", "24", "--epoch-size", "8", "--seed", "4"]
     train.main(argv + ["--out", str(tmp_path / "whole")])
-    killed_run(argv + ["--out", str(tmp_path / "killed")], 20)
+    killed_run(argv + ["--out", str(tmp_path / "killed")], 19, signal.SIGINT)
+    assert decode.read_checkpoint(tmp_path / "killed" / "checkpoint_last.pt")["train_state"]["step"] == 19
     train.main(["--resume", str(tmp_path / "killed")])
-    # Every step's and epoch's record; not the log windows' (timings, and a window cut by the kill
-    # averages fewer steps) nor the final one (the run's own train_seconds).
-    rows = lambda d: [r for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())
-                      if "final" not in r and "tok_per_s" not in r]
+    # Every step's, log window's and epoch's record, but their timings and the final record (train_seconds).
+    timings = ("tok_per_s", "mfu")
+    rows = lambda d: [{k: v for k, v in r.items() if k not in timings} for r in
+                      map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines()) if "final" not in r]
     assert rows("killed") == rows("whole")
     a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("whole", "killed"))
     assert a["test_ppl"] == b["test_ppl"] and a["best_dev_ppl"] == b["best_dev_ppl"]

@@ -2,6 +2,7 @@
 import json
 import math
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import data
+import decode
 import norms
 import train
 from conftest import SMALL, TINY  # a small (d 64, two layers) and a tiny configuration
@@ -138,11 +140,13 @@ def test_missing_corpus_file_is_a_one_line_error(tmp_path):
 
 
 # --- resume: a killed run continues exactly ------------------------------------------------
-def _records(run_dir):
+def _records(run_dir, windows=False):
+    """Every step's (loss, gnorm) and every evaluation's dev BLEU in metrics.jsonl; windows: the log lines' training
+    loss too (a window cut by a kill mid-step averages fewer steps; one cut by a saved stop does not)."""
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [(r["step"], round(r["loss"], 6), round(r["gnorm"], 5)) for r in rows if "gnorm" in r]
     bleus = [(r["step"], r["dev_bleu"]) for r in rows if "dev_bleu" in r]
-    return steps, bleus
+    return steps, bleus, [(r["step"], round(r["train_loss"], 6)) for r in rows if "train_loss" in r and windows]
 
 
 def test_a_run_killed_mid_epoch_resumes_to_the_same_metrics(tmp_path, killed_run, small_corpus):
@@ -182,6 +186,64 @@ def test_an_edit_to_a_main_text_function_a_fast_path_replaces_is_named_and_runs_
     assert "fast paths" not in written.stdout
 
 
+def test_sigterm_at_any_step_saves_that_step_and_the_resume_reaches_the_same_metrics(tmp_path, killed_run, corpus):
+    """SIGTERM mid-epoch and mid-log-window, with --accumulate 2: the run stops after the step in progress with a
+    checkpoint of it (not of the epoch before), and the resumed run's every record equals the run never stopped."""
+    argv = TINY + corpus + ["--max-steps", "14", "--log-interval", "3", "--accumulate", "2", "--seed", "5",
+                            "--norm", "power", "--pn-warmup", "4"]  # evaluations at 5, 10, 14; log lines every 3
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    train.main(argv + ["--out", str(whole)])
+    msg = killed_run(argv + ["--out", str(stopped)], 8, signal.SIGTERM)
+    assert msg == f"interrupted: continue with python train.py --resume {stopped}", msg
+    assert decode.read_checkpoint(stopped / "checkpoint_last.pt")["train_state"]["step"] == 8
+    train.main(["--resume", str(stopped)])
+    assert _records(stopped, windows=True) == _records(whole, windows=True)
+    a, b = (json.loads((d / "results.json").read_text()) for d in (whole, stopped))
+    assert a["best_dev_bleu"] == b["best_dev_bleu"] and a["test_bleu"] == b["test_bleu"]
+
+
+def test_a_hard_kill_loses_at_most_save_interval_steps(tmp_path, killed_run, corpus):
+    """A kill inside a step (a second Ctrl-C; SIGKILL writes nothing at all) resumes from the last checkpoint, which
+    --save-interval 3 wrote at step 6, between evaluations; the resumed run equals the run never killed."""
+    argv = TINY + corpus + ["--max-steps", "12", "--epoch-size", "12", "--save-interval", "3", "--seed", "6"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    train.main(argv + ["--out", str(whole)])
+    killed_run(argv + ["--out", str(killed)], 8)
+    assert decode.read_checkpoint(killed / "checkpoint_last.pt")["train_state"]["step"] == 6
+    assert not (killed / "checkpoint_best.pt").exists()  # no evaluation yet: the interval writes the last alone
+    train.main(["--resume", str(killed)])
+    assert _records(killed) == _records(whole)
+
+
+def test_one_command_starts_continues_and_finishes_a_run(tmp_path, killed_run, corpus, capsys):
+    """--start-or-resume: the same command run three times, stopped in between, reaches the same metrics as one run;
+    it refuses a flag that differs from the run's (given or not) and a folder that holds another run."""
+    argv = TINY + corpus + ["--max-steps", "12", "--seed", "7", "--start-or-resume"]
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    train.main(argv + ["--out", str(whole)])
+    killed_run(argv + ["--out", str(run)], 4, signal.SIGTERM)  # the first start, stopped after step 4
+    killed_run(argv + ["--out", str(run)], 4, signal.SIGINT)  # continued from 4, stopped after step 8
+    assert decode.read_checkpoint(run / "checkpoint_last.pt")["train_state"]["step"] == 8
+    train.main(argv + ["--out", str(run)])  # continued to the end
+    assert _records(run, windows=True) == _records(whole, windows=True)
+    assert "resume: " in capsys.readouterr().out
+    for flags, words in ((argv[:-1] + ["--seed", "8", "--start-or-resume"], "--seed (7 -> 8)"),
+                         ([a for a in argv if a not in ("--seed", "7")], "--seed (7 -> 1)"),  # not given: its default
+                         (argv + ["--overwrite"], "--overwrite: not allowed with argument --start-or-resume")):
+        with pytest.raises(SystemExit) as e:
+            train.main(flags + ["--out", str(run)])
+        assert words in str(e.value.code), e.value.code
+    other = tmp_path / "other"  # another run's folder, killed before its first checkpoint: never replaced
+    killed_run(TINY + corpus + ["--max-steps", "12", "--seed", "9", "--out", str(other)], 2)
+    with pytest.raises(SystemExit) as e:
+        train.main(argv + ["--out", str(other)])
+    assert "holds a run with other flags: --seed (9 -> 7)" in str(e.value.code), e.value.code
+    killed_run(argv[:-1] + ["--out", str(other), "--overwrite"], 2)  # now a run of these flags, killed likewise:
+    assert not decode.checkpoints(other)  # --start-or-resume starts it again, from nothing
+    train.main(argv + ["--out", str(other)])
+    assert _records(other) == _records(whole)
+
+
 # --- every norm, placement and QKNorm trains a few steps on the built-in corpus -------------
 @pytest.mark.parametrize("extra", [
     ["--norm", "layer", "--postnorm", "--no-fixnorm", "--init", "xavier"],
@@ -219,7 +281,7 @@ def test_short_runs_log_finite_losses_and_decreasing_loss(tmp_path, small_corpus
     run = tmp_path / "run"
     train.main(SMALL + small_corpus + ["--max-steps", "30", "--epoch-size", "30", "--warmup", "10", "--norm", "power",
                        "--qknorm", "--pn-warmup", "10", "--out", str(run)])
-    steps, bleus = _records(run)
+    steps, bleus, _ = _records(run)
     losses = [l for _, l, _ in steps]
     assert all(math.isfinite(l) for l in losses)
     assert sum(losses[-5:]) < sum(losses[:5])
@@ -236,7 +298,7 @@ def test_a_short_training_run_raises_dev_bleu_well_above_its_start(tmp_path):
                          "--layers", "2", "--heads", "4", "--batch-tokens", "1024", "--threads", "1",
                          "--bpe-size", "1000", "--max-steps", "240", "--epoch-size", "60", "--warmup", "60",
                          "--lr", "3e-3", "--out", str(run), "--log-interval", "60"])
-    _, bleus = _records(run)
+    _, bleus, _ = _records(run)
     first, last = bleus[0][1], bleus[-1][1]
     assert last > 10 and last > first + 8, bleus  # measured: 0.4 -> 23 at 240 steps
     assert result["test_bleu"] > 8

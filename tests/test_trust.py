@@ -85,7 +85,7 @@ def test_an_untrusted_checkpoint_runs_no_code_on_resume(finished, tmp_path, corp
     for f in run.glob("checkpoint_*.pt"):
         torch.save(dict(good, extra=Payload(marker)), f)  # every checkpoint poisoned
     one_line_error(lambda: train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"]),
-                   "nothing to resume")
+                   "checkpoint_last.pt: refused", "could run code")
     assert not marker.exists()
 
 
@@ -188,18 +188,25 @@ def test_resume_says_what_it_cannot_honour(finished, tmp_path, corpus):
     assert snapshot(run) == before
 
 
-def test_resume_survives_a_half_written_metrics_line_and_a_damaged_newest_checkpoint(finished, tmp_path, capsys):
+def test_resume_survives_a_half_written_metrics_line_and_refuses_a_damaged_last_checkpoint(finished, tmp_path,
+                                                                                           capsys):
+    """The last checkpoint is the one resume point (the best and epoch files hold the weights alone, a third of its
+    size): a damaged one is refused in one line that names it, and nothing changes; the best still decodes."""
     run = copy_run(finished, tmp_path)
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 16, "loss": 4.2, "gno')  # the kill came mid-line
-    last = run / "checkpoint_last.pt"
-    last.write_bytes(last.read_bytes()[:1000])  # and mid-checkpoint (no atomic writer, say)
     capsys.readouterr()
     train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])
-    out = capsys.readouterr().out
-    assert "resume: skipped" in out and "checkpoint_epoch3.pt at step 15 (the newest that reads back)" in out
     rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]  # every line is JSON
     assert [r["step"] for r in rows if "gnorm" in r] == list(range(1, 21))
+    last, best = run / "checkpoint_last.pt", run / "checkpoint_best.pt"
+    assert "optimizer" not in torch.load(best, weights_only=True) and best.stat().st_size < last.stat().st_size / 2
+    last.write_bytes(last.read_bytes()[:1000])  # a damaged last checkpoint (no atomic writer, say)
+    before = snapshot(run)
+    one_line_error(lambda: train.main(["--resume", str(run), "--max-steps", "25"]), "checkpoint_last.pt",
+                   "not a readable checkpoint", "move it out")
+    assert snapshot(run) == before
+    decode.load_checkpoint(run)  # the best checkpoint still gives the model
 
 
 # --- 4. bad flags fail early, in one line, before any training ------------------------------
@@ -649,17 +656,17 @@ def test_an_empty_out_is_refused_not_this_folder(tmp_path, corpus, monkeypatch):
 @pytest.mark.parametrize("flags, steps", [([], 10), (["--warmup", "2", "--stop-lr", "10"], 5)])
 def test_a_run_killed_in_its_final_test_resumes_to_finish_it(flags, steps, tmp_path, corpus, monkeypatch):
     """Stopped by its budget or by --stop-lr, then killed before results.json: the resume runs the test alone."""
-    run, real = tmp_path / "run", train.write_file
+    run, real = tmp_path / "run", data.write_file
 
     def killed(path, content):
         if Path(path).name == "results.json":
             raise KeyboardInterrupt
         return real(path, content)
-    monkeypatch.setattr(train, "write_file", killed)  # Ctrl-C just before results.json
+    monkeypatch.setattr(data, "write_file", killed)  # Ctrl-C just before results.json
     with pytest.raises(SystemExit):
         train.main(TINY + corpus + ["--max-steps", "10", *flags, "--out", str(run)])
     assert not (run / "results.json").exists()
-    monkeypatch.setattr(train, "write_file", real)
+    monkeypatch.setattr(data, "write_file", real)
     result = train.main(["--resume", str(run)])  # every step trained: only the test is left
     assert result["steps"] == steps and "test_bleu" in result and (run / "results.json").exists()
     one_line_error(lambda: train.main(["--resume", str(run)]), "nothing to train")  # now it is finished
