@@ -693,13 +693,16 @@ def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0
     if not (x := tokenizer.encode(src_line)):
         raise DataError("--attention: the source sentence is empty")
     src = torch.tensor([x], device=device)  # (1, S)
-    with evaluating(model), mock.patch.multiple(module, keep_weights=module.keep_weights,  # both restored after
-                                                last_weights=module.last_weights):
-        y = greedy_search(model, src)[0] if tgt_line is None else tokenizer.encode(tgt_line)
-        tgt_in = torch.tensor([[BOS] + y], device=device)  # (1, T)  BOS y_1..y_m
-        module.keep_weights = True  # the written-out attention path, which returns the weights
-        model(src, tgt_in)
-        w = module.last_weights[0, head].float().cpu()  # (Tq, Tk)
+    old = (module.keep_weights, module.last_weights)  # both restored after
+    try:
+        with evaluating(model):
+            y = greedy_search(model, src)[0] if tgt_line is None else tokenizer.encode(tgt_line)
+            tgt_in = torch.tensor([[BOS] + y], device=device)  # (1, T)  BOS y_1..y_m
+            module.keep_weights = True  # the written-out attention path, which returns the weights
+            model(src, tgt_in)
+            w = module.last_weights[0, head].float().cpu()  # (Tq, Tk)
+    finally:
+        module.keep_weights, module.last_weights = old
     source, target = ([tokenizer.piece(i) for i in ids] for ids in (x, y))
     return {"enc": (w, source, source), "dec": (w, ["<s>"] + target, ["<s>"] + target),
             "cross": (w, target + ["</s>"], source)}[kind]

@@ -442,7 +442,7 @@ def main(argv=None):
     args, given = resolve_flags(argv)
     log = RunLog()  # Appendix C: the console
     try:  # --resume (Appendix E): the run's own flags, from its last checkpoint, and what may change
-        args = start_or_resume(args, given) if args.start_or_resume else args
+        args = start_or_resume(args) if args.start_or_resume else args
         args, resumed = resume_flags(args, given, log) if args.resume else (args, None)
         refuse_idle_flags(args, given)
         validate_args(args)
@@ -1387,21 +1387,22 @@ def resume_flags(args, given, log):
         raise data.DataError(f"--resume {run_dir}: {e}; move it out of the folder (and start again)") from None
     log(f"resume: {path} at step {ckpt['train_state']['step']}")
     saved = ckpt["args"]
-    diff = differing_flags(saved, {k: getattr(args, k) for k in DEFAULTS} if args.start_or_resume else given, run_dir)
+    diff = differing_flags(saved, args, given, run_dir)
     changed = {k: v for k, (_, v) in diff.items() if k in RESUME_MAY_CHANGE}
     return argparse.Namespace(**{**DEFAULTS, **saved, **changed, "resume": str(run_dir), "out": str(run_dir),
                                  "overwrite": False,  # an action of the run's first start, not one of its flags
                                  "changed_on_resume": {**saved.get("changed_on_resume", {}), **changed}}), (ckpt, diff)
 
 
-def differing_flags(saved, flags, run_dir):
-    """{flag: (the run's value, the command's)} of the command's flags that differ from a run's saved ones: the one
-    comparison of a command with a run (resume_flags: its checkpoint's; start_or_resume: a config.json alone)."""
+def differing_flags(saved, args, given, run_dir):
+    """{flag: (the run's value, the command's)}: the one comparison of a command with a run's saved flags (its
+    checkpoint's, or its config.json alone): the flags given, or under --start-or-resume every flag, given or not."""
+    flags = {k: getattr(args, k) for k in DEFAULTS} if args.start_or_resume else given
     return {k: (saved.get(k, DEFAULTS.get(k)), v) for k, v in flags.items() if k not in ACTIONS
             and not (k == "out" and Path(v) == Path(run_dir)) and v != saved.get(k, DEFAULTS.get(k))}
 
 
-def start_or_resume(args, given):
+def start_or_resume(args):
     """--start-or-resume: a resume (args.resume set) when --out holds a checkpoint; a new run otherwise, replacing
     (--overwrite) a folder that holds only a run with the same flags killed before its first checkpoint."""
     run_dir = Path(args.out)
@@ -1409,7 +1410,7 @@ def start_or_resume(args, given):
         args.resume = str(run_dir)
     elif run_id_of(run_dir / "config.json"):
         saved = json.loads((run_dir / "config.json").read_text())
-        if diff := differing_flags(saved, {k: getattr(args, k) for k in DEFAULTS}, run_dir):
+        if diff := differing_flags(saved, args, {}, run_dir):
             raise data.DataError(f"--start-or-resume: {run_dir} holds a run with other flags: {flag_changes(diff)}; "
                                  f"choose another --out")
         args.overwrite = True  # it never wrote a checkpoint: started again
