@@ -39,16 +39,19 @@ import argparse
 import ast
 import csv
 import hashlib
+import itertools
 import json
 import os
 import re
 import resource
+import runpy
 import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -630,8 +633,13 @@ def self_check(names, timeout):
     todo, failed, total = list(names or assigned), 0, len(names or assigned)
     while todo:
         read_fd, write_fd = os.pipe()
-        proc = subprocess.Popen([sys.executable, str(Path(__file__)), "_check", str(write_fd), *todo],
-                                pass_fds=(write_fd,), stdin=subprocess.DEVNULL, start_new_session=True)
+        sys.stdout.flush()
+        pid = os.fork()  # this process has imported torch and none of the project's files: the child starts fresh
+        if pid == 0:
+            os.close(read_fd)
+            os.setsid()
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            cmd_check(write_fd, todo)  # never returns
         os.close(write_fd)
         done, how, buf = 0, None, b""
         while done < len(todo):
@@ -652,10 +660,10 @@ def self_check(names, timeout):
                 done += 1
         os.close(read_fd)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # a hang, and anything the student's code started
+            os.killpg(pid, signal.SIGKILL)  # a hang, and anything the student's code started
         except ProcessLookupError:
             pass
-        rc = proc.wait()
+        rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         todo = todo[done:]
         if todo:
             how = how or (f"killed by {signal.Signals(-rc).name}" if rc < 0 else
@@ -668,7 +676,7 @@ def self_check(names, timeout):
 
 
 def cmd_check(fd, names):
-    """(the self-check's child) one verdict line per exercise, written to the pipe `fd`."""
+    """(the self-check's forked child) one verdict line per exercise, written to the pipe `fd`. Never returns."""
     out = os.fdopen(int(fd), "w")
     stored = load_values()
     try:
@@ -789,7 +797,114 @@ def build_sandbox(folder, ex_name, texts):
     return spans
 
 
-LIVE = set()  # the grading processes running now (killed on Ctrl-C)
+class ForkServer:
+    """Where the grading processes start: a process that has imported torch once forks each of them (started on first
+    use, one per grade). A fresh interpreter's start is 1.5-2 s of importing torch, 70 of them in a class's grade;
+    a fork is milliseconds, and the child is as fresh for the student's code: its own process group, folder, log,
+    import path and limits, none of the project's files imported yet (cmd_serve, serve_one)."""
+
+    def __init__(self):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), "_serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, text=True, start_new_session=True)
+        self.news, self.jobs, self.gone = threading.Condition(), itertools.count(), False
+        self.started, self.ended = {}, {}  # job number -> pid; pid -> exit status (-N: killed by signal N)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            what, key, value = line.split()
+            with self.news:
+                (self.started if what == "started" else self.ended)[int(key)] = int(value)
+                self.news.notify_all()
+        with self.news:
+            self.gone = True
+            self.news.notify_all()
+
+    def start(self, *argv, cwd, log):
+        """Forks `exercises.py *argv` run in folder cwd (its own copy of this file), output to the file log: its pid."""
+        with self.news:
+            job = next(self.jobs)
+            self.proc.stdin.write(json.dumps({"job": job, "argv": [str(a) for a in argv], "cwd": str(cwd),
+                                              "log": str(log)}) + "\n")
+            self.proc.stdin.flush()
+            self.news.wait_for(lambda: job in self.started or self.gone)
+            if self.gone:
+                raise RuntimeError("exercises.py: the grader's fork server ended")
+            return self.started.pop(job)
+
+    def wait(self, pid, timeout=None):
+        """The exit status of process pid (as Popen's returncode), or None if it still runs after timeout s."""
+        with self.news:
+            if not self.news.wait_for(lambda: pid in self.ended or self.gone, timeout):
+                return None
+            if pid not in self.ended:
+                raise RuntimeError("exercises.py: the grader's fork server ended")
+            return self.ended.pop(pid)
+
+
+SERVER_LOCK, SERVER = threading.Lock(), []
+
+
+def fork_server():
+    with SERVER_LOCK:
+        if not SERVER:
+            SERVER.append(ForkServer())
+        return SERVER[0]
+
+
+def cmd_serve():
+    """(the fork server) one JSON job a line on stdin: fork serve_one; "started JOB PID", then "ended PID STATUS"."""
+    buf = b""
+    while True:
+        while True:  # the children that ended
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            print(f"ended {pid} {os.waitstatus_to_exitcode(status)}", flush=True)
+        if not select.select([0], [], [], 0.02)[0]:
+            continue
+        chunk = os.read(0, 65536)  # not sys.stdin: its buffer would hide a second line from select
+        if not chunk:
+            os._exit(0)  # the grader ended
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            job = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                serve_one(job)
+            print(f"started {job['job']} {pid}", flush=True)
+
+
+def serve_one(job):
+    """(a forked grading process) run the copy's exercises.py with job's argv in its folder, as a fresh process would:
+    a session of its own (killed as a group), stdin empty, stdout and stderr to the log, the copy's folder alone on
+    the import path of the project's files. Never returns."""
+    try:
+        os.setsid()
+        for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+            os.dup2(os.open(path, mode, 0o600), fd)
+        os.dup2(1, 2)
+        os.chdir(job["cwd"])
+        script = str(Path(job["cwd"]) / "tests" / "exercises.py")
+        sys.path[:] = [str(Path(script).parent)] + [p for p in sys.path if p not in (str(ROOT), str(ROOT / "tests"))]
+        sys.argv = [script] + job["argv"]
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        os._exit(0 if e.code is None else e.code if isinstance(e.code, int) else 1)
+    except BaseException:  # noqa: BLE001 -- the copy's harness itself failed: its traceback is in the log
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+LIVE = set()  # the pids of the grading processes running now (killed on Ctrl-C)
 
 
 def run_isolated(ex_name, texts, seed, timeout, memory=2048):
@@ -800,28 +915,21 @@ def run_isolated(ex_name, texts, seed, timeout, memory=2048):
     with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
         box, result = Path(tmp) / "box", Path(tmp) / "box" / "result.pt"
         spans = build_sandbox(box, ex_name, texts)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
-        env.pop("PYTHONPATH", None)
-        with open(Path(tmp) / "log", "w+") as log:
-            proc = subprocess.Popen([sys.executable, "tests/exercises.py", "_run", ex_name, str(seed), str(result),
-                                     str(memory)],
-                                    cwd=box, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                    start_new_session=True)
-            LIVE.add(proc)
-            timed_out = False
+        server = fork_server()
+        pid = server.start("_run", ex_name, seed, result, memory, cwd=box, log=Path(tmp) / "log")
+        LIVE.add(pid)
+        try:
+            returncode = server.wait(pid, timeout)
+            timed_out = returncode is None
+        finally:
+            LIVE.discard(pid)
             try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                proc.kill()
-                proc.wait()
-            finally:
-                LIVE.discard(proc)
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # anything it started
-                except ProcessLookupError:
-                    pass
-            log.seek(0)
+                os.killpg(pid, signal.SIGKILL)  # a hang, and anything it started
+            except ProcessLookupError:
+                pass
+        if timed_out:
+            returncode = server.wait(pid)
+        with open(Path(tmp) / "log", errors="replace") as log:
             last = ([line for line in log.read().splitlines() if line.strip()][-1:] or [""])[0][:160]
         try:
             got = torch.load(result, weights_only=True) if result.is_file() and not timed_out else None
@@ -830,9 +938,9 @@ def run_isolated(ex_name, texts, seed, timeout, memory=2048):
     if timed_out:
         return None, f"did not finish in {timeout:g} s, the time limit (an endless loop?)", spans
     if got is None:
-        if proc.returncode < 0:
-            return None, f"the process was killed by {signal.Signals(-proc.returncode).name}", spans
-        return None, (f"the process ended (exit status {proc.returncode}) before handing back its outputs: the code "
+        if returncode < 0:
+            return None, f"the process was killed by {signal.Signals(-returncode).name}", spans
+        return None, (f"the process ended (exit status {returncode}) before handing back its outputs: the code "
                       f"exits or kills it{' (its last words: ' + last + ')' if last else ''}"), spans
     if isinstance(got, dict) and set(got) == {"error"} and isinstance(got["error"], tuple) and len(got["error"]) == 3:
         how, rel, line = got["error"]
@@ -945,9 +1053,9 @@ def grade_submissions(folders, names, a):
         rows = report(plans, grader, points)
     except KeyboardInterrupt:
         grader.pool.shutdown(wait=False, cancel_futures=True)
-        for proc in list(LIVE):
+        for pid in list(LIVE):
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         print("exercises.py grade: interrupted; no gradebook written", file=sys.stderr)
@@ -1251,10 +1359,10 @@ def chosen_exercises(names):
 
 
 def main(argv):
+    if argv == ["_serve"]:
+        return cmd_serve()
     if argv[:1] == ["_run"] and len(argv) == 5:
         return cmd_run(*argv[1:])
-    if argv[:1] == ["_check"] and len(argv) > 2:
-        return cmd_check(argv[1], argv[2:])
     if not argv or argv[0] not in ("list", "make", "grade", "record"):
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
