@@ -984,7 +984,7 @@ def load_or_encode(tok, pairs, cache_path, write_path=None):
         blob[side] = torch.tensor([i for s in seqs for i in s], dtype=torch.int32)
         blob[side + "_len"] = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
     if write_path is not False:
-        write_file(write_path or cache_path, blob)  # a failed write: WriteFailed, one line (Appendix D)
+        atomic_write(write_path or cache_path, blob)  # a failed write: WriteFailed, one line (Appendix D)
     return enc
 
 
@@ -1059,6 +1059,11 @@ def padding_share(encoded_pairs, batches, multiple=1):
 # half of one, and two processes never share a temporary file); a failed write (a full disk) as one line; a run
 # directory's lock and staging folder (train.py Appendix E); SIGTERM as Ctrl-C.
 # =======================================================================================
+class WriteFailed(DataError):
+    """A write failed (a full disk): one line that names the file; the old file is intact (train.py's main() says
+    what to do next)."""
+
+
 def atomic_write(path, content):
     """Write content to path atomically: str (UTF-8), bytes, or any object for torch.save."""
     atomic_write_all({path: content})
@@ -1066,7 +1071,8 @@ def atomic_write(path, content):
 
 def atomic_write_all(contents):
     """Write {path: content} so that no path is replaced until every content is written: each goes to a temporary
-    file beside its path (flushed to disk), then all are moved in by renames: a failure before those replaces none."""
+    file beside its path (flushed to disk), then all are moved in by renames: a failure before those replaces none.
+    A failed write (a full disk, any OSError): WriteFailed, one line."""
     staged = []
     try:
         for path, content in contents.items():
@@ -1087,9 +1093,11 @@ def atomic_write_all(contents):
             os.chmod(tmp, 0o644)
         for tmp, path in staged:
             os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         for tmp, _ in staged:
             Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise WriteFailed(f"{path}: cannot write it ({e.strerror}); what was written before it is intact") from None
         raise
 
 
@@ -1102,18 +1110,6 @@ def interrupt_on_sigterm():
 
 def interrupted_status(e):  # the exit status after a KeyboardInterrupt: 128 + its signal, 130 (Ctrl-C) or 143 (SIGTERM)
     return 128 + (e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT)
-
-
-class WriteFailed(DataError):
-    """A write into the run directory failed (a full disk): train.py's main() says what to do next."""
-
-
-def write_file(path, content):
-    """atomic_write, with a full disk (or any failed write) as one line: the old file is intact."""
-    try:
-        atomic_write(path, content)
-    except OSError as e:
-        raise WriteFailed(f"{path}: cannot write it ({e.strerror}); the files written before it are intact") from None
 
 
 @contextlib.contextmanager

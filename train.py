@@ -404,7 +404,7 @@ def finish(run):
               # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd)
               "embedding_singular_values": decode.singular_values(run.model)}
     decode.print_g_table(run.model, run.log)  # [1] Figures 3-4: learned g versus depth
-    data.write_file(run.dir / "g_values.json", json.dumps(decode.g_values(run.model), indent=2) + "\n")  # before test
+    data.atomic_write(run.dir / "g_values.json", json.dumps(decode.g_values(run.model), indent=2) + "\n")  # before test
     if args.task == "lm":  # the field's test perplexity: every target token, EOS included, no smoothing
         both = {s: decode.lm_perplexity(run.model, run.tokenizer, run.pairs[s], args.seq_len, args.batch_tokens,
                                         run.step_options.bf16) for s in ("dev", "test")}  # dev: for its <unk> count
@@ -423,12 +423,12 @@ def finish(run):
                                               bf16=run.step_options.bf16, penalty=args.length_penalty),
                                 args.batch_tokens)
         score = decode.bleu(hyps, [y for _, y in run.pairs["test"]])
-        data.write_file(run.dir / "test.hyp", "".join(h + "\n" for h in hyps))
+        data.atomic_write(run.dir / "test.hyp", "".join(h + "\n" for h in hyps))
         result.update(test_bleu=score.score, test_signature=score.signature)
         run.log(f"test BLEU (best checkpoint, step {best['step']}, beam {args.beam}, {args.length_penalty} length "
                 f"penalty alpha {args.alpha}): {score.score:.2f}  {score.signature}")
     append_metrics(run, {"final": result})  # metrics.jsonl's last record
-    data.write_file(run.dir / "results.json", json.dumps(result, indent=2) + "\n")  # Appendix E: a finished run
+    data.atomic_write(run.dir / "results.json", json.dumps(result, indent=2) + "\n")  # Appendix E: a finished run
     return result
 
 
@@ -1305,11 +1305,11 @@ def save_checkpoints(run, improved, epoch_end=True):
             "rng": dict(rng_state(run), **({"ranks": run.rank_rngs} if run.world > 1 else {}))}
     weights = {k: v for k, v in ckpt.items() if k not in ("optimizer", "rng")}
     if improved:
-        data.write_file(name("best"), weights)
+        data.atomic_write(name("best"), weights)
     if keep > 0 and epoch_end:
-        data.write_file(name(s.epoch), weights)
+        data.atomic_write(name(s.epoch), weights)
         name(s.epoch - keep).unlink(missing_ok=True)
-    data.write_file(name("last"), ckpt)
+    data.atomic_write(name("last"), ckpt)
 
 
 def save_last(run, step_log):
@@ -1508,12 +1508,12 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
             f.unlink()
         log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
     # config.json before the staged files: a kill at any point leaves a folder that holds a run (Ctrl-C's advice holds)
-    data.write_file(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
+    data.atomic_write(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
     for f in stage.iterdir():
         os.replace(f, run_dir / f.name)
     if ckpt is not None and (run_dir / "metrics.jsonl").exists():  # what a killed run logged after its checkpoint goes
         rows = decode.read_metrics(run_dir)  # (and a half-written last line)
-        data.write_file(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows
+        data.atomic_write(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows
                                                       if r.get("step", 1 << 62) <= ckpt["train_state"]["step"]))
 
 
@@ -1610,8 +1610,8 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
             f"trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested)"
         log(f"data: {made} in {time.time() - t0:.1f}s")
     if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list
-        data.write_file(stage / "bpe.model", proto)
-        data.write_file(stage / "bpe.key", f"{key}\n{model_sha256(proto)}")
+        data.atomic_write(stage / "bpe.model", proto)
+        data.atomic_write(stage / "bpe.key", f"{key}\n{model_sha256(proto)}")
     tok = data.load_tokenizer(proto, old)
     if args.task == "lm":
         return (tok, *lm_data(args, tok, pairs, log))

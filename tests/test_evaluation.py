@@ -21,6 +21,7 @@ import builtins
 import io
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -129,6 +130,9 @@ def test_paired_bootstrap_references_beat_corrupted_baseline():
     assert r["baseline"]["ci"] > 0  # a corrupted system's BLEU varies over resamples
     again = decode.paired_bootstrap(corrupt(refs), refs, refs, n_samples=200)
     assert again == r  # seeded: reproducible
+    other = decode.paired_bootstrap(corrupt(refs), refs, refs, n_samples=200, seed=7)
+    assert other["baseline"]["ci"] != r["baseline"]["ci"] and "seed:7" in other["signature"]  # the seed is SacreBLEU's
+    assert os.environ.get("SACREBLEU_SEED") is None  # SacreBLEU's seed is taken from the environment; ours is put back
     with pytest.raises(DecodeError, match="line counts differ"):
         decode.paired_bootstrap(refs[:-1], refs, refs)
 

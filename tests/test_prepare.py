@@ -299,7 +299,7 @@ def test_a_failed_write_replaces_no_file(tmp_path, monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(os, "fdopen", failing_fdopen)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(data.WriteFailed, match="No space"):
         data.atomic_write_all({p: "new\n" for p in paths})
     assert [p.read_text() for p in paths] == ["old\n"] * 3
     assert sorted(q.name for q in tmp_path.iterdir()) == ["dev.txt", "test.txt", "train.txt"]  # no temporary left

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -534,14 +535,14 @@ def test_a_resume_reads_its_checkpoint_not_an_edited_config_json(edit, names, fi
 
 
 def test_a_full_disk_while_checkpointing_is_one_line_and_the_old_checkpoints_survive(tmp_path, corpus, monkeypatch):
-    real_write = data.atomic_write
+    real_save = torch.save
 
-    def full_disk(path, content):
-        if Path(path).name.startswith("checkpoint_") and content["train_state"]["step"] == 10:
-            raise OSError(28, "No space left on device", str(path))
-        return real_write(path, content)
+    def full_disk(obj, f):  # the disk fills while atomic_write writes step 10's checkpoint
+        if isinstance(obj, dict) and obj.get("train_state", {}).get("step") == 10:
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f)
 
-    monkeypatch.setattr(data, "atomic_write", full_disk)
+    monkeypatch.setattr(data.torch, "save", full_disk)
     run = tmp_path / "run"
     one_line_error(lambda: train.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
                    "No space left on device", "intact", f"make room, then continue with python train.py --resume {run}")
@@ -551,18 +552,18 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_old_checkpoints_sur
 @pytest.mark.parametrize("full", ["metrics.jsonl", "bpe.model", "config.json"])
 def test_a_full_disk_before_the_first_checkpoint_never_advises_resume(full, tmp_path, corpus, monkeypatch):
     """The advice follows what the run directory holds: no checkpoint yet, nothing to resume."""
-    real_write, real_open = data.atomic_write, open
+    real_mkstemp, real_open = tempfile.mkstemp, open
 
-    def full_disk(path, content):
-        if Path(path).name == full:
-            raise OSError(28, "No space left on device", str(path))
-        return real_write(path, content)
+    def full_disk(*a, prefix, **k):  # atomic_write's temporary file beside the file it replaces
+        if prefix == f".{full}.":
+            raise OSError(28, "No space left on device")
+        return real_mkstemp(*a, prefix=prefix, **k)
 
     def full_append(path, *a, **k):
         if Path(path).name == full:
             raise OSError(28, "No space left on device", str(path))
         return real_open(path, *a, **k)
-    monkeypatch.setattr(data, "atomic_write", full_disk)
+    monkeypatch.setattr(data.tempfile, "mkstemp", full_disk)
     monkeypatch.setattr(train, "open", full_append, raising=False)  # metrics.jsonl is appended to, not replaced
     run = tmp_path / "run"
     msg = one_line_error(lambda: train.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
@@ -656,17 +657,17 @@ def test_an_empty_out_is_refused_not_this_folder(tmp_path, corpus, monkeypatch):
 @pytest.mark.parametrize("flags, steps", [([], 10), (["--warmup", "2", "--stop-lr", "10"], 5)])
 def test_a_run_killed_in_its_final_test_resumes_to_finish_it(flags, steps, tmp_path, corpus, monkeypatch):
     """Stopped by its budget or by --stop-lr, then killed before results.json: the resume runs the test alone."""
-    run, real = tmp_path / "run", data.write_file
+    run, real = tmp_path / "run", data.atomic_write
 
     def killed(path, content):
         if Path(path).name == "results.json":
             raise KeyboardInterrupt
         return real(path, content)
-    monkeypatch.setattr(data, "write_file", killed)  # Ctrl-C just before results.json
+    monkeypatch.setattr(data, "atomic_write", killed)  # Ctrl-C just before results.json
     with pytest.raises(SystemExit):
         train.main(TINY + corpus + ["--max-steps", "10", *flags, "--out", str(run)])
     assert not (run / "results.json").exists()
-    monkeypatch.setattr(data, "write_file", real)
+    monkeypatch.setattr(data, "atomic_write", real)
     result = train.main(["--resume", str(run)])  # every step trained: only the test is left
     assert result["steps"] == steps and "test_bleu" in result and (run / "results.json").exists()
     one_line_error(lambda: train.main(["--resume", str(run)]), "nothing to train")  # now it is finished
@@ -818,7 +819,7 @@ def test_decode_writes_through_a_link_and_into_a_pipe(finished, tmp_path, monkey
 
 
 def test_a_full_disk_inside_torch_save_is_the_os_error(tmp_path, monkeypatch):
-    """torch's zip writer reports a failed write as a RuntimeError; atomic_write says the OSError (ENOSPC)."""
+    """torch's zip writer reports a failed write as a RuntimeError; atomic_write says the OSError's words (ENOSPC)."""
     real_fdopen = os.fdopen
 
     class Full(io.RawIOBase):
@@ -838,9 +839,9 @@ def test_a_full_disk_inside_torch_save_is_the_os_error(tmp_path, monkeypatch):
             real_fdopen(self.fd, "wb").close()
             super().close()
     monkeypatch.setattr(data.os, "fdopen", lambda fd, mode: io.BufferedWriter(Full(fd)))
-    with pytest.raises(OSError) as e:
+    with pytest.raises(data.WriteFailed, match=f"{tmp_path / 'c.pt'}: cannot write it .No space left on device.; "):
         data.atomic_write(tmp_path / "c.pt", {"x": torch.zeros(100000)})
-    assert e.value.errno == 28 and list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_decode_refuses_what_would_silently_do_nothing_or_mislead(finished, tmp_path, caplog, capsys):
