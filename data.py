@@ -16,8 +16,8 @@ Contents
   Appendix B: the papers' corpora: python data.py prepare NAME (download, check, lay out)
   Appendix C: files and helpers: the corpus's file names, reading lines exactly (the project's one line reader),
               the encoding cache, a language model's word vocabulary, loading a tokenizer, padding's share
-  Appendix D: files on disk: writing atomically (the project's one atomic writer), a failed write as one line, a
-              run directory's lock and staging folder, SIGTERM as Ctrl-C
+  Appendix D: what every program shares: files written atomically (the project's one writer), a run directory's
+              lock, files and checkpoints (read safely), SIGTERM as Ctrl-C, the flags' range types, the device
 
 Shapes: B sentences in a batch, S source length, T target length (after the BOS/EOS shift).
 
@@ -34,6 +34,7 @@ import http.client
 import io
 import itertools
 import json
+import math
 import os
 import random
 import re
@@ -62,8 +63,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from model import BOS, EOS, PAD, UNK, qk_g0
-from norms import MIN_REAL_TOKENS, timed
+from model import BOS, EOS, PAD, UNK, pick_device, qk_g0
+from norms import MIN_REAL_TOKENS, timed, use_reference
 
 SPLITS = ("train", "dev", "test")
 
@@ -1054,10 +1055,10 @@ def padding_share(encoded_pairs, batches, multiple=1):
 
 
 # =======================================================================================
-# Appendix D: files on disk, for every program: writing atomically (a temporary file with a unique name in the same
-# folder, flushed to disk, then renamed over the target: a kill at any moment leaves the old file or the new one, never
-# half of one, and two processes never share a temporary file); a failed write (a full disk) as one line; a run
-# directory's lock and staging folder (train.py Appendix E); SIGTERM as Ctrl-C.
+# Appendix D: what every program shares. Writing atomically (a temporary file with a unique name in the same folder,
+# flushed to disk, then renamed over the target: a kill at any moment leaves the old file or the new one, never half
+# of one, and two processes never share a temporary file); a failed write (a full disk) as one line; a run directory's
+# lock, staging folder (train.py Appendix E) and files; SIGTERM as Ctrl-C; the flags' range types; the device.
 # =======================================================================================
 class WriteFailed(DataError):
     """A write failed (a full disk): one line that names the file; the old file is intact (train.py's main() says
@@ -1139,6 +1140,129 @@ def staging(run_dir):
                 for p in made:
                     p.rmdir()
         raise
+
+
+# A run directory's files: their names (train.py writes each by its own literal), its run id, its checkpoints.
+CHECKPOINT_FORMAT = 2  # train.py's checkpoints since the checkpoint became the resume record (older: refused)
+CHECKPOINT = re.compile(r"checkpoint_(best|last|epoch(\d+))\.pt")  # the best dev score | the resume point | epoch N
+RESULT_FILES = ("config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json")  # --overwrite removes
+CACHE_FILES = ("bpe.model", "bpe.key", "train.enc.pt", "dev.enc.pt")  # kept by their content's key (train.py F)
+
+
+def checkpoint_file(run_dir, which):
+    return Path(run_dir) / f"checkpoint_{which if isinstance(which, str) else f'epoch{which}'}.pt"
+
+
+def checkpoints(run_dir, use="any"):
+    """The checkpoints in run_dir that `use` reads, in the order it tries them: "decode" (a run directory given to
+    decode.py) the best, else the last; "test" (train.py's final test) the best; "average" the epochs, oldest first;
+    "any" every one (a resume reads the last alone: checkpoint_file(run_dir, "last"))."""
+    run_dir = Path(run_dir)
+    found = sorted((int(m[2] or -1), m[1], p) for p in (run_dir.iterdir() if run_dir.is_dir() else [])
+                   if (m := CHECKPOINT.fullmatch(p.name)))
+    named, epochs = {k: p for _, k, p in found}, [p for n, _, p in found if n >= 0]
+    order = {"decode": [named.get("best"), named.get("last")], "test": [named.get("best")], "average": epochs,
+             "any": [p for *_, p in found]}[use]
+    return [p for p in order if p is not None and p.is_file()]
+
+
+def is_run_file(name):
+    """Whether train.py writes a file of this name into a run directory (its lock too)."""
+    return name in RESULT_FILES + CACHE_FILES + (".lock",) or bool(CHECKPOINT.fullmatch(name))
+
+
+def run_id_of(path):
+    """The run id a config.json, results.json or checkpoint holds (None if it holds none or is unreadable)."""
+    try:
+        if path.suffix == ".pt":  # memory-mapped: only the few bytes of the id are read; a checkpoint's flags
+            blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("args")
+        else:
+            blob = json.loads(path.read_text())
+    except Exception:  # unreadable, not JSON, not a checkpoint: not known to be this run's
+        return None
+    return blob.get("run_id") if isinstance(blob, dict) and isinstance(blob.get("run_id"), str) else None
+
+
+class OtherRunsCheckpoint(DataError):  # read_checkpoint: a checkpoint in the folder of another run than its own
+    pass
+
+
+def read_checkpoint(path, device="cpu"):
+    """torch.load(weights_only=True) of one checkpoint file, with its checks; DataError naming it. A checkpoint
+    holds only tensors and plain Python values: unpickling anything else could run code, so such a file is
+    refused, never retried with the full unpickler."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: no such checkpoint file")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(2)
+    except OSError as e:
+        raise DataError(f"{p}: cannot read it ({e.strerror})") from None
+    if not head.startswith(b"PK"):  # torch.save writes a zip
+        raise DataError(f"{p}: refused, not a checkpoint (not a file torch.save writes)")
+    try:
+        ckpt = torch.load(p, map_location=device, weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- any failure is the file's; say which, in one line
+        why = "it holds objects other than tensors and plain values, and loading those could run code" \
+            if "Weights only load failed" in str(e) else \
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise DataError(f"{p}: refused, not a readable checkpoint ({why})") from None
+    if not isinstance(ckpt, dict) or not all(isinstance(ckpt.get(k), dict) for k in ("model_config", "model")):
+        raise DataError(f"{p}: not a checkpoint of this project (no 'model_config' and 'model' entries)")
+    if ckpt.get("format") != CHECKPOINT_FORMAT:  # the one check of a checkpoint's format: decode and resume alike
+        raise DataError(f"{p}: written by an older train.py (format {ckpt.get('format')}); start a new run")
+    theirs, ours = (ckpt.get("args") or {}).get("run_id"), run_id_of(p.parent / "config.json")  # decode, resume alike
+    if ours is not None and theirs != ours:  # copied in from another run: its model is not this run's
+        raise OtherRunsCheckpoint(f"{p}: refused, a checkpoint of another run (run_id {theirs}) in the folder of run "
+                                  f"{ours}")
+    return ckpt
+
+
+def read_metrics(run_dir):
+    """The records of RUN/metrics.jsonl; a half-written last line (a killed run) is skipped."""
+    lines, rows = read_lines(Path(run_dir) / "metrics.jsonl"), []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise DataError(f"{run_dir}/metrics.jsonl: line {i + 1} is not JSON") from None
+            continue
+        if not isinstance(rows[-1], dict) or not isinstance(rows[-1].get("step", 0), (int, float)):
+            raise DataError(f"{run_dir}/metrics.jsonl: line {i + 1} is not a record of train.py (a JSON object "
+                            f"with a numeric step)")
+    return rows
+
+
+def ranged(kind, ok, why):
+    """An argparse type= that checks the range too, for both files' flags: a value out of range is argparse's own
+    one-line error naming the flag ("argument --beam: must be at least 1 (got 0)"); a non-finite number never passes."""
+    def convert(text):
+        v = kind(text)
+        if not (math.isfinite(v) and ok(v)):
+            raise argparse.ArgumentTypeError(f"must be {why}{'' if math.isfinite(v) else ', and finite'} (got {text})")
+        return v
+    convert.__name__ = kind.__name__  # argparse's "invalid int value: 'x'" for text that is no number
+    return convert
+
+
+def start_device(args):
+    """Both files' --threads, --reference and --device, set once: the device to run on (DataError if it is not here)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    use_reference(args.reference)
+    try:
+        return pick_device(args.device)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+
+
+positive_int, count = ranged(int, lambda v: v >= 1, "at least 1"), ranged(int, lambda v: v >= 0, "0 or more")
+positive, non_negative = ranged(float, lambda v: v > 0, "positive"), ranged(float, lambda v: v >= 0, "0 or more")
+fraction = ranged(float, lambda v: 0 <= v < 1, "in [0, 1)")
+alpha_range = ranged(float, lambda v: 0 <= v <= 10, "in [0, 10] (the papers: 0.6, 1.0; a larger one overflows)")
+threads = ranged(int, lambda v: 1 <= v <= 1024, "in [1, 1024]")  # torch crashed at 100,000
 
 
 if __name__ == "__main__":

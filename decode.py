@@ -22,7 +22,7 @@ Contents
   7. Held-out loss and perplexity ([1] Table 8)
   8. A language model ([2] Table 2): perplexity of a text, and continuing a prefix
   Appendix A: significance, paired bootstrap resampling [10]
-  Appendix B: checkpoints: reading one safely, a run directory's, and averaging them [2]
+  Appendix B: checkpoints: a run directory's model, and averaging them [2]
   Appendix C: looking inside: the learned g's ([1] Figures 3-4), attention maps ([3] Figures 1-2),
               the embedding's singular values ([2] Figure 6)
   Appendix D: --benchmark, the speed and BLEU of greedy and beam search
@@ -62,9 +62,9 @@ from sacrebleu.significance import PairedTest
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 import data
-from data import DataError
-from model import BOS, EOS, PAD, UNK, ModelConfig, MultiHeadAttention, Transformer, autocast, has_bf16, pick_device
-from norms import BATCH_NORMS, timed, use_reference
+from data import DataError, alpha_range, checkpoints, count, fraction, positive, positive_int, read_checkpoint, threads
+from model import BOS, EOS, PAD, UNK, ModelConfig, MultiHeadAttention, Transformer, autocast, has_bf16
+from norms import BATCH_NORMS, timed
 
 NEG_INF = float("-inf")
 
@@ -433,7 +433,7 @@ def compare(args):
 
 
 # =======================================================================================
-# Appendix B: checkpoints (written by train.py): reading one safely (read_checkpoint), a run directory's
+# Appendix B: checkpoints (written by train.py, read safely by data.read_checkpoint): a run directory's model
 # (load_checkpoint), and their average [2]:   theta_avg = (1/N) sum_{i=1..N} theta_i   over the last N epochs.
 # Paper [2] (section 5.1) averages the last 10 checkpoints; Code [2]: its script averages the last 5 epoch
 # checkpoints (fairseq's average_checkpoints.py). Nearby points of one run averaged act like an ensemble at the cost
@@ -441,42 +441,6 @@ def compare(args):
 # PowerNorm's num_batches_tracked (a long) decides whether the layer still uses batch statistics, and a mean of
 # counters is not a count (Code: fairseq's averaging crashes on it); the target-vocabulary mask `allowed` is a bool.
 # =======================================================================================
-class OtherRunsCheckpoint(DataError):  # read_checkpoint: a checkpoint in the folder of another run than its own
-    pass
-
-
-def read_checkpoint(path, device="cpu"):
-    """torch.load(weights_only=True) of one checkpoint file, with its checks; DataError naming it. A checkpoint
-    holds only tensors and plain Python values: unpickling anything else could run code, so such a file is
-    refused, never retried with the full unpickler."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{p}: no such checkpoint file")
-    try:
-        with open(p, "rb") as f:
-            head = f.read(2)
-    except OSError as e:
-        raise DataError(f"{p}: cannot read it ({e.strerror})") from None
-    if not head.startswith(b"PK"):  # torch.save writes a zip
-        raise DataError(f"{p}: refused, not a checkpoint (not a file torch.save writes)")
-    try:
-        ckpt = torch.load(p, map_location=device, weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- any failure is the file's; say which, in one line
-        why = "it holds objects other than tensors and plain values, and loading those could run code" \
-            if "Weights only load failed" in str(e) else \
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        raise DataError(f"{p}: refused, not a readable checkpoint ({why})") from None
-    if not isinstance(ckpt, dict) or not all(isinstance(ckpt.get(k), dict) for k in ("model_config", "model")):
-        raise DataError(f"{p}: not a checkpoint of this project (no 'model_config' and 'model' entries)")
-    if ckpt.get("format") != CHECKPOINT_FORMAT:  # the one check of a checkpoint's format: decode and resume alike
-        raise DataError(f"{p}: written by an older train.py (format {ckpt.get('format')}); start a new run")
-    theirs, ours = (ckpt.get("args") or {}).get("run_id"), run_id_of(p.parent / "config.json")  # decode, resume alike
-    if ours is not None and theirs != ours:  # copied in from another run: its model is not this run's
-        raise OtherRunsCheckpoint(f"{p}: refused, a checkpoint of another run (run_id {theirs}) in the folder of run "
-                                  f"{ours}")
-    return ckpt
-
-
 def average_checkpoints(paths):
     """Checkpoint files (oldest first) -> one checkpoint dict whose "model" is their average; the rest is the last
     file's, less "optimizer" and "rng" (they belong to its weights: do not resume from it); "averaged_from" lists the
@@ -499,47 +463,6 @@ def average_checkpoints(paths):
     averaged = {k: (total[k] / len(paths)).to(v.dtype) if k in total else v.clone() for k, v in ckpt["model"].items()}
     kept = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "rng")}
     return dict(kept, model=averaged, averaged_from=[str(p) for p in paths])
-
-
-# A run directory's file names, listed for decode.py and train.py's checks (train.py writes each by its own literal).
-CHECKPOINT_FORMAT = 2  # train.py's checkpoints since the checkpoint became the resume record (older: refused)
-CHECKPOINT = re.compile(r"checkpoint_(best|last|epoch(\d+))\.pt")  # the best dev score | the resume point | epoch N
-RESULT_FILES = ("config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json")  # --overwrite removes
-CACHE_FILES = ("bpe.model", "bpe.key", "train.enc.pt", "dev.enc.pt")  # kept by their content's key (train.py F)
-
-
-def checkpoint_file(run_dir, which):
-    return Path(run_dir) / f"checkpoint_{which if isinstance(which, str) else f'epoch{which}'}.pt"
-
-
-def checkpoints(run_dir, use="any"):
-    """The checkpoints in run_dir that `use` reads, in the order it tries them: "decode" (a run directory given to
-    decode.py) the best, else the last; "test" (train.py's final test) the best; "average" the epochs, oldest first;
-    "any" every one (a resume reads the last alone: checkpoint_file(run_dir, "last"))."""
-    run_dir = Path(run_dir)
-    found = sorted((int(m[2] or -1), m[1], p) for p in (run_dir.iterdir() if run_dir.is_dir() else [])
-                   if (m := CHECKPOINT.fullmatch(p.name)))
-    named, epochs = {k: p for _, k, p in found}, [p for n, _, p in found if n >= 0]
-    order = {"decode": [named.get("best"), named.get("last")], "test": [named.get("best")], "average": epochs,
-             "any": [p for *_, p in found]}[use]
-    return [p for p in order if p is not None and p.is_file()]
-
-
-def is_run_file(name):
-    """Whether train.py writes a file of this name into a run directory (its lock too)."""
-    return name in RESULT_FILES + CACHE_FILES + (".lock",) or bool(CHECKPOINT.fullmatch(name))
-
-
-def run_id_of(path):
-    """The run id a config.json, results.json or checkpoint holds (None if it holds none or is unreadable)."""
-    try:
-        if path.suffix == ".pt":  # memory-mapped: only the few bytes of the id are read; a checkpoint's flags
-            blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("args")
-        else:
-            blob = json.loads(path.read_text())
-    except Exception:  # unreadable, not JSON, not a checkpoint: not known to be this run's
-        return None
-    return blob.get("run_id") if isinstance(blob, dict) and isinstance(blob.get("run_id"), str) else None
 
 
 def load_checkpoint(path, device="cpu", average=0):
@@ -820,22 +743,6 @@ def benchmark(model, tokenizer, lines, refs, args, search):
 # Appendix E: pictures. --plot RUN [RUN ...] --out FILE.png overlays runs' metrics.jsonl (from train.py), as in [1]
 # Figs. 1-4, [2] Figs. 2-4. plot_series() picks the curves (tested); plot_runs() draws them (matplotlib, if installed).
 # =======================================================================================
-def read_metrics(run_dir):
-    """The records of RUN/metrics.jsonl; a half-written last line (a killed run) is skipped."""
-    lines, rows = data.read_lines(Path(run_dir) / "metrics.jsonl"), []
-    for i, line in enumerate(lines):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i < len(lines) - 1:
-                raise DataError(f"{run_dir}/metrics.jsonl: line {i + 1} is not JSON") from None
-            continue
-        if not isinstance(rows[-1], dict) or not isinstance(rows[-1].get("step", 0), (int, float)):
-            raise DataError(f"{run_dir}/metrics.jsonl: line {i + 1} is not a record of train.py (a JSON object "
-                            f"with a numeric step)")
-    return rows
-
-
 def plot_series(run_dirs):
     """{panel title: [(run name, xs, ys)]}: the curves of each panel of --plot, one per run."""
     keys = {"dev BLEU": "dev_bleu", "dev perplexity": "dev_ppl",  # perplexity: steadier than a short run's BLEU
@@ -846,7 +753,7 @@ def plot_series(run_dirs):
     qknorm = lambda k: k.endswith(("self_attn.g", "cross_attn.g"))  # an attention module's g (QKNorm), not a norm's
     curve = lambda label, points: (label, [x for x, _ in points], [y for _, y in points])  # [(x, y)] -> one curve
     for run in run_dirs:
-        rows, name = read_metrics(run), Path(run).name
+        rows, name = data.read_metrics(run), Path(run).name
         for title, key in keys.items():
             panels[title].append(curve(name, [(r["step"], r[key]) for r in rows if r.get(key) is not None]))
         if evals := [r for r in rows if r.get("g")]:
@@ -913,36 +820,6 @@ def score_report(hyps, refs, already_tokenized=False, lowercase=False):
     how = "as given" if already_tokenized else "13a-tokenized"
     return (f"tokenized BLEU = {tb.score:.2f} ({how}, tok:none, as multi-bleu.perl) | "
             f"SacreBLEU {sb} | {sb.signature} | chrF2 = {chrf(hyps, refs, lowercase).score:.2f}")
-
-
-def ranged(kind, ok, why):
-    """An argparse type= that checks the range too, for both files' flags: a value out of range is argparse's own
-    one-line error naming the flag ("argument --beam: must be at least 1 (got 0)"); a non-finite number never passes."""
-    def convert(text):
-        v = kind(text)
-        if not (math.isfinite(v) and ok(v)):
-            raise argparse.ArgumentTypeError(f"must be {why}{'' if math.isfinite(v) else ', and finite'} (got {text})")
-        return v
-    convert.__name__ = kind.__name__  # argparse's "invalid int value: 'x'" for text that is no number
-    return convert
-
-
-def start_device(args):
-    """Both files' --threads, --reference and --device, set once: the device to run on (DataError if it is not here)."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    use_reference(args.reference)
-    try:
-        return pick_device(args.device)
-    except ValueError as e:
-        raise DataError(str(e)) from None
-
-
-positive_int, count = ranged(int, lambda v: v >= 1, "at least 1"), ranged(int, lambda v: v >= 0, "0 or more")
-positive, non_negative = ranged(float, lambda v: v > 0, "positive"), ranged(float, lambda v: v >= 0, "0 or more")
-fraction = ranged(float, lambda v: 0 <= v < 1, "in [0, 1)")
-alpha_range = ranged(float, lambda v: 0 <= v <= 10, "in [0, 10] (the papers: 0.6, 1.0; a larger one overflows)")
-threads = ranged(int, lambda v: 1 <= v <= 1024, "in [1, 1024]")  # torch crashed at 100,000
 
 
 def build_parser():
@@ -1097,7 +974,7 @@ def check_output_file(path, flag, suffix=None):
     folder = p.resolve().parent  # a symbolic link: its file is replaced, not the link
     if not folder.is_dir():
         raise DataError(f"{flag} {path}: its folder {folder} does not exist")
-    if is_run_file(p.resolve().name) and (run_id_of(folder / "config.json") or checkpoints(folder)):  # a run's
+    if data.is_run_file(p.resolve().name) and (data.run_id_of(folder / "config.json") or checkpoints(folder)):
         raise DataError(f"{flag} {path}: a file of the run directory {folder} (train.py writes it); write elsewhere")
     try:
         tempfile.TemporaryFile(dir=folder).close()  # a file made there and removed
@@ -1111,7 +988,7 @@ def run(args):
         return compare(args)
     if args.plot:
         return plot_runs(args.plot, args.out)
-    device = start_device(args)
+    device = data.start_device(args)
     if device.type == "cuda" and not has_bf16(device):
         args.dtype = "fp32"  # this GPU only emulates bf16, slowly (model.has_bf16)
     # Every input is read and checked before any work; stdin is read last.

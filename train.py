@@ -55,7 +55,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import data
 import decode
-from decode import alpha_range, count, fraction, non_negative, positive, positive_int, ranged, run_id_of, threads
+from data import alpha_range, count, fraction, non_negative, positive, positive_int, ranged, run_id_of, threads
 from model import FAST_PATHS, ModelConfig, Transformer, autocast, count_parameters, has_bf16, qk_g0
 from norms import BATCH_NORMS, NORMS, fast_paths, sync, timed
 
@@ -391,10 +391,10 @@ def finish(run):
     args = run.args
     if not run.master:
         return None
-    if not (best := decode.checkpoints(run.dir, "test")):
+    if not (best := data.checkpoints(run.dir, "test")):
         run.log("no checkpoint was written (the run ended before its first epoch)")
         return None
-    ckpt = decode.read_checkpoint(best[0], run.device)
+    ckpt = data.read_checkpoint(best[0], run.device)
     run.model.load_state_dict(ckpt["model"])
     run.model.eval()
     best = ckpt["train_state"]
@@ -461,7 +461,7 @@ def main(argv=None):
 
 
 DEFAULTS = {}  # every flag's default
-# The range of each number is its type= (decode.py Appendix F): a value out of range is argparse's own error line.
+# The range of each number is its type= (data.py Appendix D): a value out of range is argparse's own error line.
 in_0_1 = ranged(float, lambda v: 0 < v <= 1, "in (0, 1]")
 percent = ranged(float, lambda v: 0 < v <= 100, "in (0, 100]")  # and the LR's: a larger one overflows at the first step
 length = ranged(float, lambda v: 2 <= v <= 1e6, "in [2, 1e6] (g0 = log2(L^2 - L) in [1, 40])")
@@ -1059,7 +1059,7 @@ def stop_reason(args, step, lr_decay, history):
 
 def diverged(run, what):
     """Stop the run as diverged: one line saying what and where the last good checkpoint is."""
-    last = decode.checkpoint_file(run.dir, "last")
+    last = data.checkpoint_file(run.dir, "last")
     run.state.stopped = stopping(run.args, "diverged", what=what, last=f"the last good checkpoint is {last}"
                                  if last.exists() else "no checkpoint was written")
     run.log("error: " + run.state.stopped[1])
@@ -1185,7 +1185,7 @@ def start_process(args, log):
     """(rank, world size, device, bf16) of this process: --threads, --reference, the seeds, torchrun's ranks (one GPU
     each), bf16 where the GPU has it."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))  # torchrun's
-    device = decode.start_device(args)  # --device cuda without a GPU: DataError, main()'s one line
+    device = data.start_device(args)  # --device cuda without a GPU: DataError, main()'s one line
     if world > 1 and device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if local >= torch.cuda.device_count():  # one GPU per process
@@ -1280,7 +1280,7 @@ RESUME_MAY_CHANGE = {"max_steps", "max_epochs", "early_stop", "stop_lr", "patien
                      "dtype", "threads", "compile", "dev_beam", "beam", "alpha", "length_penalty", "keep_checkpoints",
                      "save_interval", "data"}  # a moved corpus: its hashes are checked
 ACTIONS = ("resume", "overwrite", "start_or_resume")  # what a command does, not a flag of its run: never compared
-# A run directory's files and what --overwrite removes: decode.py's Appendix B (RESULT_FILES, CACHE_FILES, checkpoints);
+# A run directory's files and what --overwrite removes: data.py's Appendix D (RESULT_FILES, CACHE_FILES, checkpoints);
 # the BPE model and the encoded caches are keyed by their content and are reused or replaced, never trusted.
 
 
@@ -1295,10 +1295,10 @@ def save_checkpoints(run, improved, epoch_end=True):
     """At an epoch's end, the best checkpoint when dev improved, epoch N's under --keep-checkpoints (for averaging;
     Code [2]: the last 5); at every save, the last, written last: the resume point, the one file with the optimizer's
     state and the random generators (twice the model's size): the best and epoch files hold what decoding reads."""
-    s, keep, name = run.state, run.args.keep_checkpoints, partial(decode.checkpoint_file, run.dir)
+    s, keep, name = run.state, run.args.keep_checkpoints, partial(data.checkpoint_file, run.dir)
     # Only tensors and plain Python values: read back with torch.load(weights_only=True). The run's flags (args: its
     # run id and corpus hashes too) and its state (the step, the dev scores) are what a resume reads.
-    ckpt = {"format": decode.CHECKPOINT_FORMAT, "model_config": run.model.cfg.to_dict(),
+    ckpt = {"format": data.CHECKPOINT_FORMAT, "model_config": run.model.cfg.to_dict(),
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
             "bpe_model_proto": (run.dir / "bpe.model").read_bytes(), "src_lang": run.langs[0], "tgt_lang": run.langs[1],
             "train_state": asdict(run.state), "args": vars(run.args), "world": run.world,
@@ -1377,12 +1377,12 @@ def resume_flags(args, given, log):
     given that differs from its: (its value, the one given)})); DataError if it is missing, does not read back, or an
     older train.py wrote it. may_resume refuses the other flags that differ, before any change."""
     run_dir = Path(args.resume)
-    path = decode.checkpoint_file(run_dir, "last")  # the resume point (save_checkpoints)
+    path = data.checkpoint_file(run_dir, "last")  # the resume point (save_checkpoints)
     if not path.exists():
         raise data.DataError(f"--resume {run_dir}: nothing to resume from, no {path.name} (the run may have stopped "
                              f"before its first checkpoint); start it again with --overwrite")
     try:
-        ckpt = decode.read_checkpoint(path)  # which also refuses an older train.py's checkpoint
+        ckpt = data.read_checkpoint(path)  # which also refuses an older train.py's checkpoint
     except data.DataError as e:  # damaged, or another run's: never replaced (its best checkpoint still decodes)
         raise data.DataError(f"--resume {run_dir}: {e}; move it out of the folder (and start again)") from None
     log(f"resume: {path} at step {ckpt['train_state']['step']}")
@@ -1406,7 +1406,7 @@ def start_or_resume(args):
     """--start-or-resume: a resume (args.resume set) when --out holds a checkpoint; a new run otherwise, replacing
     (--overwrite) a folder that holds only a run with the same flags killed before its first checkpoint."""
     run_dir = Path(args.out)
-    if decode.checkpoint_file(run_dir, "last").exists():
+    if data.checkpoint_file(run_dir, "last").exists():
         args.resume = str(run_dir)
     elif run_id_of(run_dir / "config.json"):
         saved = json.loads((run_dir / "config.json").read_text())
@@ -1474,7 +1474,7 @@ def open_run_dir(args, pairs, log, stack, master, resumed=None):
         raise data.DataError(f"--out {run_dir}: a file, not a folder")
     held = ""  # the files a run writes in run_dir, but a lock; rank 0 checks (the other ranks come after its commit)
     if run_dir.is_dir() and master and not args.resume:  # --resume: its checkpoint is the run
-        held = ", ".join(sorted(p.name for p in run_dir.iterdir() if decode.is_run_file(p.name) and p.name != ".lock"))
+        held = ", ".join(sorted(p.name for p in run_dir.iterdir() if data.is_run_file(p.name) and p.name != ".lock"))
     if held and run_id_of(run_dir / "config.json") is None:  # train.py never replaces a file it did not write
         raise data.DataError(f"--out {run_dir}: not a run directory of train.py (no config.json with a run_id), yet it "
                              f"holds files a run writes ({held}), so none is replaced; choose another --out")
@@ -1497,13 +1497,13 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
     runs go, an overwritten run's files go, config.json is written, then the staged files move in."""
     for p in run_dir.iterdir():  # atomic_write's temporaries (.NAME.xxxx.tmp) and staging folders of killed runs
         written = p.name[1:].rsplit(".", 2)[0]  # .NAME.xxxx.tmp: a temporary of NAME
-        temporary = p.name.startswith(".") and p.name.endswith(".tmp") and decode.is_run_file(written)
+        temporary = p.name.startswith(".") and p.name.endswith(".tmp") and data.is_run_file(written)
         if temporary or (p.name.startswith(".staging-") and p != stage):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     replaces = run_id_of(run_dir / "config.json") if args.overwrite else None  # the run --overwrite replaces
     if replaces:  # the old run's results but its config.json (replaced next), and its checkpoints (by their run id)
-        gone = [run_dir / n for n in decode.RESULT_FILES if n != "config.json" and (run_dir / n).exists()]
-        gone += [p for p in decode.checkpoints(run_dir) if run_id_of(p) == replaces]
+        gone = [run_dir / n for n in data.RESULT_FILES if n != "config.json" and (run_dir / n).exists()]
+        gone += [p for p in data.checkpoints(run_dir) if run_id_of(p) == replaces]
         for f in gone:
             f.unlink()
         log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
@@ -1512,7 +1512,7 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
     for f in stage.iterdir():
         os.replace(f, run_dir / f.name)
     if ckpt is not None and (run_dir / "metrics.jsonl").exists():  # what a killed run logged after its checkpoint goes
-        rows = decode.read_metrics(run_dir)  # (and a half-written last line)
+        rows = data.read_metrics(run_dir)  # (and a half-written last line)
         data.atomic_write(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows
                                                       if r.get("step", 1 << 62) <= ckpt["train_state"]["step"]))
 
@@ -1525,7 +1525,7 @@ def what_next(args):
         return "run the benchmark again (it writes no run directory)"
     if getattr(args, "run_id", None) is None or run_id_of(run_dir / "config.json") != args.run_id:
         return f"the run had not started in {run_dir}: start it again with the same command"
-    if run_id_of(decode.checkpoint_file(run_dir, "last")) == args.run_id:  # the resume point (save_checkpoints)
+    if run_id_of(data.checkpoint_file(run_dir, "last")) == args.run_id:  # the resume point (save_checkpoints)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         how = "python train.py" if world == 1 else f"torchrun (as many processes as before, {world}) train.py"
         return f"continue with {how} --resume {run_dir}"

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import conftest  # noqa: E402
+import data  # noqa: E402
 import decode  # noqa: E402
 from conftest import WORDS  # noqa: E402
 from decode import Search, beam_search, greedy_search, length_penalty, load_checkpoint, translate  # noqa: E402
@@ -196,7 +197,7 @@ def run_dir(tmp_path_factory):
     model_path = train_bpe(lines[:30], lines[30:], 60, root / "bpe")
     tok = Tokenizer(model_path)
     model = tiny_model(vocab_size=tok.vocab_size)
-    ckpt = {"format": decode.CHECKPOINT_FORMAT, "model_config": model.cfg.to_dict(), "model": model.state_dict(),
+    ckpt = {"format": data.CHECKPOINT_FORMAT, "model_config": model.cfg.to_dict(), "model": model.state_dict(),
             "bpe_model_proto": Path(model_path).read_bytes(), "src_lang": "src", "tgt_lang": "tgt",
             "step": 7, "dev_bleu": 0.0}
     torch.save(ckpt, root / "checkpoint_best.pt")

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import data  # noqa: E402
 import decode  # noqa: E402
 from conftest import WORDS, tiny_model  # noqa: E402
 from data import DataError as DecodeError  # noqa: E402  (decode.py raises data.DataError)
@@ -166,7 +167,7 @@ def test_average_checkpoints_averages_floats_and_copies_int_and_bool(tmp_path):
     paths = []
     for i in range(2):
         paths.append(tmp_path / f"checkpoint_epoch{i + 1}.pt")
-        torch.save({"format": decode.CHECKPOINT_FORMAT, "model_config": {"vocab_size": 6}, "model": fake_state(i), "step": i,
+        torch.save({"format": data.CHECKPOINT_FORMAT, "model_config": {"vocab_size": 6}, "model": fake_state(i), "step": i,
                     "optimizer": {"x": 1}}, paths[-1])
     avg = decode.average_checkpoints(paths)
     a, b = fake_state(0), fake_state(1)
@@ -184,7 +185,7 @@ def test_load_checkpoint_average_of_run_dir(tmp_path, toy):
     models = [tiny_model(tok.vocab_size, seed=s, norm="power", encoder_norm="power") for s in range(3)]
     for epoch, m in enumerate(models, start=1):
         m.encoder[0].norm_attn.num_batches_tracked.fill_(100 * epoch)
-        ckpt = {"format": decode.CHECKPOINT_FORMAT, "model_config": m.cfg.to_dict(), "model": m.state_dict(), "step": epoch,
+        ckpt = {"format": data.CHECKPOINT_FORMAT, "model_config": m.cfg.to_dict(), "model": m.state_dict(), "step": epoch,
                 "bpe_model_proto": model_path.read_bytes()}
         torch.save(ckpt, tmp_path / f"checkpoint_epoch{epoch}.pt")
     (tmp_path / "checkpoint_epoch3.pt.tmp").write_text("an interrupted save")  # ignored
@@ -324,7 +325,7 @@ def test_g_table_for_layernorm_model_is_one_line(tmp_path):
 def test_cli_g_table_and_attention(tmp_path, toy, capsys):
     tok, pairs, model_path = toy
     model = tiny_model(tok.vocab_size, qknorm=True, qk_g0=4.0)
-    torch.save({"format": decode.CHECKPOINT_FORMAT, "model_config": model.cfg.to_dict(), "model": model.state_dict(),
+    torch.save({"format": data.CHECKPOINT_FORMAT, "model_config": model.cfg.to_dict(), "model": model.state_dict(),
                 "bpe_model_proto": model_path.read_bytes()}, tmp_path / "checkpoint_best.pt")
     assert decode.main([str(tmp_path), "--g-table"]) == 0
     assert "decoder.0.cross_attn.g" in capsys.readouterr().out

@@ -188,7 +188,7 @@ def test_a_stopped_language_model_resumes_to_the_same_metrics(text, tmp_path, ki
     argv = LM + ["--data", str(text), "--norm", "pnv", "--max-steps", "24", "--epoch-size", "8", "--seed", "4"]
     train.main(argv + ["--out", str(tmp_path / "whole")])
     killed_run(argv + ["--out", str(tmp_path / "killed")], 19, signal.SIGINT)
-    assert decode.read_checkpoint(tmp_path / "killed" / "checkpoint_last.pt")["train_state"]["step"] == 19
+    assert data.read_checkpoint(tmp_path / "killed" / "checkpoint_last.pt")["train_state"]["step"] == 19
     train.main(["--resume", str(tmp_path / "killed")])
     # Every step's, log window's and epoch's record, but their timings and the final record (train_seconds).
     timings = ("tok_per_s", "mfu")

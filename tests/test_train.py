@@ -195,7 +195,7 @@ def test_sigterm_at_any_step_saves_that_step_and_the_resume_reaches_the_same_met
     train.main(argv + ["--out", str(whole)])
     msg = killed_run(argv + ["--out", str(stopped)], 8, signal.SIGTERM)
     assert msg == f"interrupted: continue with python train.py --resume {stopped}", msg
-    assert decode.read_checkpoint(stopped / "checkpoint_last.pt")["train_state"]["step"] == 8
+    assert data.read_checkpoint(stopped / "checkpoint_last.pt")["train_state"]["step"] == 8
     train.main(["--resume", str(stopped)])
     assert _records(stopped, windows=True) == _records(whole, windows=True)
     a, b = (json.loads((d / "results.json").read_text()) for d in (whole, stopped))
@@ -209,7 +209,7 @@ def test_a_hard_kill_loses_at_most_save_interval_steps(tmp_path, killed_run, cor
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     train.main(argv + ["--out", str(whole)])
     killed_run(argv + ["--out", str(killed)], 8)
-    assert decode.read_checkpoint(killed / "checkpoint_last.pt")["train_state"]["step"] == 6
+    assert data.read_checkpoint(killed / "checkpoint_last.pt")["train_state"]["step"] == 6
     assert not (killed / "checkpoint_best.pt").exists()  # no evaluation yet: the interval writes the last alone
     train.main(["--resume", str(killed)])
     assert _records(killed) == _records(whole)
@@ -223,7 +223,7 @@ def test_one_command_starts_continues_and_finishes_a_run(tmp_path, killed_run, c
     train.main(argv + ["--out", str(whole)])
     killed_run(argv + ["--out", str(run)], 4, signal.SIGTERM)  # the first start, stopped after step 4
     killed_run(argv + ["--out", str(run)], 4, signal.SIGINT)  # continued from 4, stopped after step 8
-    assert decode.read_checkpoint(run / "checkpoint_last.pt")["train_state"]["step"] == 8
+    assert data.read_checkpoint(run / "checkpoint_last.pt")["train_state"]["step"] == 8
     train.main(argv + ["--out", str(run)])  # continued to the end
     assert _records(run, windows=True) == _records(whole, windows=True)
     assert "resume: " in capsys.readouterr().out
@@ -239,7 +239,7 @@ def test_one_command_starts_continues_and_finishes_a_run(tmp_path, killed_run, c
         train.main(argv + ["--out", str(other)])
     assert "holds a run with other flags: --seed (9 -> 7)" in str(e.value.code), e.value.code
     killed_run(argv[:-1] + ["--out", str(other), "--overwrite"], 2)  # now a run of these flags, killed likewise:
-    assert not decode.checkpoints(other)  # --start-or-resume starts it again, from nothing
+    assert not data.checkpoints(other)  # --start-or-resume starts it again, from nothing
     train.main(argv + ["--out", str(other)])
     assert _records(other) == _records(whole)
 

@@ -114,7 +114,7 @@ def test_overwrite_replaces_the_run_and_average_stays_within_one_run(finished, t
     train.main(TINY + corpus + ["--max-steps", "10", "--seed", "2", "--overwrite", "--out", str(run)])
     config = json.loads((run / "config.json").read_text())
     assert config["run_id"] != old_id and config["seed"] == 2
-    assert [p.name for p in decode.checkpoints(run, "average")] == ["checkpoint_epoch1.pt", "checkpoint_epoch2.pt"]
+    assert [p.name for p in data.checkpoints(run, "average")] == ["checkpoint_epoch1.pt", "checkpoint_epoch2.pt"]
     assert all(json.loads(l)["step"] <= 10 for l in (run / "metrics.jsonl").read_text().splitlines()
                if "step" in json.loads(l))
     decode.load_checkpoint(run, average=2)  # the new run's two epochs average
@@ -740,7 +740,7 @@ def test_decode_empty_input_with_ref_odd_metrics_and_idle_flags_are_one_line(fin
     lines = (run / "metrics.jsonl").read_text().splitlines()
     (run / "metrics.jsonl").write_text("\n".join(lines[:2] + ["[1, 2]"] + lines[3:]) + "\n")
     with pytest.raises(data.DataError, match="line 3 is not a record of train.py"):
-        decode.read_metrics(run)  # what --plot reads
+        data.read_metrics(run)  # what --plot reads
     with pytest.raises(SystemExit) as e:
         decode.parse_args([str(finished), "--layer", "3"])
     assert e.value.code == 2
@@ -815,7 +815,7 @@ def test_decode_writes_through_a_link_and_into_a_pipe(finished, tmp_path, monkey
         return open(path, *a, **k)
     monkeypatch.setattr(decode, "open", denied, raising=False)
     with pytest.raises(data.DataError, match="cannot read it"):
-        decode.read_checkpoint(finished / "checkpoint_last.pt")
+        data.read_checkpoint(finished / "checkpoint_last.pt")
 
 
 def test_a_full_disk_inside_torch_save_is_the_os_error(tmp_path, monkeypatch):
@@ -965,8 +965,8 @@ def test_sigterm_stops_a_run_as_ctrl_c_does_and_it_resumes_from_its_last_checkpo
     assert proc.returncode == 143, err
     assert err.strip().splitlines()[-1] == f"interrupted: continue with python train.py --resume {run}", err
     assert not [p.name for p in run.iterdir() if p.name.endswith(".tmp")]
-    step = max(decode.read_checkpoint(p)["train_state"]["step"] for p in decode.checkpoints(run))
-    assert decode.read_checkpoint(run / "checkpoint_last.pt")["train_state"]["step"] == step >= 5
+    step = max(data.read_checkpoint(p)["train_state"]["step"] for p in data.checkpoints(run))
+    assert data.read_checkpoint(run / "checkpoint_last.pt")["train_state"]["step"] == step >= 5
     result = train.main(["--resume", str(run), "--max-steps", str(step + 5)])
     assert result["steps"] == step + 5
 
