@@ -813,7 +813,7 @@ def test_decode_writes_through_a_link_and_into_a_pipe(finished, tmp_path, monkey
         if str(path).endswith(".pt"):
             raise PermissionError(13, "Permission denied")
         return open(path, *a, **k)
-    monkeypatch.setattr(decode, "open", denied, raising=False)
+    monkeypatch.setattr(data, "open", denied, raising=False)  # read_checkpoint's
     with pytest.raises(data.DataError, match="cannot read it"):
         data.read_checkpoint(finished / "checkpoint_last.pt")
 
