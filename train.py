@@ -539,7 +539,7 @@ def build_parser():
         "([3] section 3; Table 5 varies it)")
     add(g, "--qk-no-g", action="store_true", default=False, help="QKNorm ablation: g fixed at 1 ([3] Table 6)")
     add(g, "--qk-norm-v", action="store_true", default=False, help="QKNorm ablation: l2-normalise V too ([3] Table 6)")
-    add(g, "--pn-warmup", type=count, help="PowerNorm: training forwards that use batch statistics while the "
+    add(g, "--pn-warmup", type=count, help="PowerNorm: training updates that use batch statistics while the "
         "running one accumulates ([2] appendix A: the LR warmup); default: the LR warmup")
     add(g, "--pn-variant", choices=["paper", "code"], default="paper", help="PowerNorm: 'paper' follows [2] "
         "Algorithm 2 / eq. 12; 'code' the released code (backward divides by the batch psi_B after warmup; "
@@ -725,6 +725,7 @@ def model_config_from_args(args, vocab_size, qk_g0=1.0):
     """The ModelConfig of the flags: a field named as a flag takes its value (d_model: --d-model); the others here."""
     named = {f.name: getattr(args, f.name) for f in fields(ModelConfig) if hasattr(args, f.name)}
     power = {k: getattr(args, f"pn_{k}") for k in ("warmup", "variant", "alpha_fwd", "alpha_bkw")}  # --pn-K: option K
+    power["warmup"] *= args.accumulate  # the module counts forwards; --pn-warmup counts updates (--accumulate each)
     return ModelConfig(**dict(
         named, vocab_size=vocab_size, enc_layers=args.enc_layers or args.layers, norm_options=power, qk_g0=qk_g0,
         dec_layers=args.dec_layers or args.layers, qk_learn_g=not args.qk_no_g, lm=args.task == "lm",
