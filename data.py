@@ -1191,10 +1191,6 @@ def run_id_of(path):
     return blob.get("run_id") if isinstance(blob, dict) and isinstance(blob.get("run_id"), str) else None
 
 
-class OtherRunsCheckpoint(DataError):  # read_checkpoint: a checkpoint in the folder of another run than its own
-    pass
-
-
 def read_checkpoint(path, device="cpu"):
     """torch.load(weights_only=True) of one checkpoint file, with its checks; DataError naming it. A checkpoint
     holds only tensors and plain Python values: unpickling anything else could run code, so such a file is
@@ -1222,8 +1218,7 @@ def read_checkpoint(path, device="cpu"):
         raise DataError(f"{p}: written by an older train.py (format {ckpt.get('format')}); start a new run")
     theirs, ours = (ckpt.get("args") or {}).get("run_id"), run_id_of(p.parent / "config.json")  # decode, resume alike
     if ours is not None and theirs != ours:  # copied in from another run: its model is not this run's
-        raise OtherRunsCheckpoint(f"{p}: refused, a checkpoint of another run (run_id {theirs}) in the folder of run "
-                                  f"{ours}")
+        raise DataError(f"{p}: refused, a checkpoint of another run (run_id {theirs}) in the folder of run {ours}")
     return ckpt
 
 
