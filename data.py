@@ -351,6 +351,7 @@ def lm_segments(stream, seq_len):
 #     gloss: man green the | that us-ACC like | table beside | Thullockmeyth-ACC | NEG take-FUT .
 # =======================================================================================
 TOY_VERSION = 2  # bump when the generator changes, so that old data/toy/ files get rebuilt
+TOY_DIR = Path(__file__).resolve().parent / "data" / "toy"  # the built-in corpus's default place, next to this file
 
 # Nouns, most frequent first (the Zipf rank); "man:men" an irregular English plural (the target's are all regular).
 _NOUNS = """dog cat man:men woman:women child:children house friend king teacher bird tree book city river boy girl
@@ -529,10 +530,11 @@ class _ToyGrammar:
         return " ".join(src + ["."]), " ".join(tgt + ["."])
 
 
-def make_toy_corpus(out_dir, seed=1, n_train=20000, n_dev=500, n_test=500):
-    """Writes {train,dev,test}.{src,tgt} into out_dir (a Path, returned), unless its stamp file says they were made
-    with these settings. Deterministic in (seed, sizes); sentences have 4 to 25 source tokens and are unique across
-    the splits, so dev and test hold no training sentence."""
+def make_toy_corpus(out_dir=TOY_DIR, seed=1, n_train=20000, n_dev=500, n_test=500):
+    """Writes {train,dev,test}.{src,tgt} into out_dir (a Path, returned; default data/toy/), unless its stamp file
+    says they were made with these settings (so the default builds the built-in corpus if it is missing).
+    Deterministic in (seed, sizes); sentences have 4 to 25 source tokens and are unique across the splits, so dev and
+    test hold no training sentence."""
     out_dir = Path(out_dir)
     stamp = {"version": TOY_VERSION, "seed": seed, "n_train": n_train, "n_dev": n_dev, "n_test": n_test}
     stamp_path, files = out_dir / "toy_corpus.json", [out_dir / f"{s}.{l}" for s in SPLITS for l in ("src", "tgt")]
@@ -552,19 +554,9 @@ def make_toy_corpus(out_dir, seed=1, n_train=20000, n_dev=500, n_test=500):
     return out_dir
 
 
-def toy_corpus_dir():
-    """The built-in corpus's default place: data/toy/ next to this file."""
-    return Path(__file__).resolve().parent / "data" / "toy"
-
-
-def ensure_toy_corpus():
-    """Builds the default toy corpus if it is missing; returns its directory."""
-    return make_toy_corpus(toy_corpus_dir())
-
-
 def summary():
     """python data.py: build the built-in corpus and print what it is like."""
-    d, t_make = timed(ensure_toy_corpus)  # norms.py Appendix C
+    d, t_make = timed(make_toy_corpus)  # norms.py Appendix C
     splits = {s: read_parallel(*p)[0] for s, p in corpus_paths(d, "src", "tgt").items()}
     print(f"toy corpus in {d} ({t_make:.1f}s): " + ", ".join(f"{s} {len(p)} pairs" for s, p in splits.items()))
     train = splits["train"]

@@ -1530,13 +1530,13 @@ def what_next(args):
 # encode (cached there too); a language model's text is cut into segments (data.py section 8).
 # =======================================================================================
 def lm_text_file(args, split):  # a language model's text: --data DIR's split.txt; the built-in corpus's target side
-    return Path(args.data) / f"{split}.txt" if args.data is not None else data.toy_corpus_dir() / f"{split}.tgt"
+    return Path(args.data) / f"{split}.txt" if args.data is not None else data.TOY_DIR / f"{split}.tgt"
 
 
 def read_corpus(args, log):
     """{split: [(src, tgt)]} of raw text, and the language suffixes; a language model's: {split: [line]}."""
     if args.data is None:
-        data_dir, langs = data.ensure_toy_corpus(), ("src", "tgt")
+        data_dir, langs = data.make_toy_corpus(), ("src", "tgt")
         log(f"data: built-in synthetic corpus in {data_dir}")
     else:
         data_dir, langs = Path(args.data), (args.src, args.tgt)
