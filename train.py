@@ -396,7 +396,6 @@ def finish(run):
         return None
     ckpt = data.read_checkpoint(best[0], run.device)
     run.model.load_state_dict(ckpt["model"])
-    run.model.eval()
     best = ckpt["train_state"]
     result = {"run_id": args.run_id, "steps": run.state.step, "best_step": best["step"],
               f"best_dev_{TASKS[args.task].key}": best["history"][-1],
