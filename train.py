@@ -402,7 +402,7 @@ def finish(run):
               "train_seconds": run.state.train_seconds, "stopped": run.state.stopped[1],
               # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd)
               "embedding_singular_values": decode.singular_values(run.model)}
-    decode.print_g_table(run.model, run.log)  # [1] Figures 3-4: learned g versus depth
+    decode.print_g_table(run.model, run.log.console)  # [1] Figures 3-4: learned g versus depth
     data.atomic_write(run.dir / "g_values.json", json.dumps(decode.g_values(run.model), indent=2) + "\n")  # before test
     if args.task == "lm":  # the field's test perplexity: every target token, EOS included, no smoothing
         both = {s: decode.lm_perplexity(run.model, run.tokenizer, run.pairs[s], args.seq_len, args.batch_tokens,
@@ -1074,10 +1074,8 @@ class RunLog:
     def __init__(self):
         self.console = Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0", highlight=False, markup=False)
 
-    def __call__(self, line):  # a string, or what rich prints (decode.print_g_table's table: print is this)
+    def __call__(self, line):  # a string, or what rich prints
         self.console.print(line)
-
-    print = __call__
 
 
 class StepLog:
