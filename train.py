@@ -1578,12 +1578,12 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
     proto = ckpt and ckpt["bpe_model_proto"]
     # bpe.key holds the hash of the training text and --bpe-size, and the model's own: never a stale or damaged one.
     key = data.pairs_sha256(pairs["train"], f"{args.bpe_size}\n".encode())
-    model_sha256 = lambda proto: hashlib.sha256(proto).hexdigest()
+    stamp = lambda proto: f"{key}\n{hashlib.sha256(proto).hexdigest()}"  # bpe.key's text for the model's bytes
     old, old_key = run_dir / "bpe.model", run_dir / "bpe.key"
     if proto is not None:  # a resumed run goes on with its checkpoint's own BPE model
         if old.exists() and old.read_bytes() != proto:
             raise data.DataError(f"{old}: not the BPE model its checkpoint was trained with")
-    elif old.exists() and old_key.exists() and old_key.read_text() == f"{key}\n{model_sha256(old.read_bytes())}":
+    elif old.exists() and old_key.exists() and old_key.read_text() == stamp(old.read_bytes()):
         proto = old.read_bytes()
     else:
         t0 = time.time()
@@ -1596,9 +1596,8 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
         made = "word vocabulary made" if args.bpe_size == 0 else \
             f"trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested)"
         log(f"data: {made} in {time.time() - t0:.1f}s")
-    if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list
-        data.atomic_write(stage / "bpe.model", proto)
-        data.atomic_write(stage / "bpe.key", f"{key}\n{model_sha256(proto)}")
+    if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list; both or neither
+        data.atomic_write_all({stage / "bpe.model": proto, stage / "bpe.key": stamp(proto)})
     tok = data.load_tokenizer(proto, old)
     if args.task == "lm":
         return (tok, *lm_data(args, tok, pairs, log))
