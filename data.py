@@ -230,9 +230,7 @@ class Batch:
     src: Optional[torch.Tensor]  # (B, S) source ids, PAD-padded, no BOS/EOS; None for a language model
     tgt_in: torch.Tensor  # (B, T) [BOS] + y, the decoder's input
     tgt_out: torch.Tensor  # (B, T) y + [EOS], what it must predict
-    n_src: int  # non-pad source tokens
     n_tgt: int  # non-pad target tokens (= tokens in the loss)
-    idx: list  # example indices, to put outputs back in order
 
 
 def collate(encoded_pairs, idx, device=None, multiple=1):
@@ -251,7 +249,7 @@ def collate(encoded_pairs, idx, device=None, multiple=1):
         tensors = [t.pin_memory().to(device, non_blocking=True) for t in tensors]  # overlaps the last step
     elif device is not None:
         tensors = [t.to(device) for t in tensors]
-    return Batch(*tensors, n_src=sum(len(x) for x in xs), n_tgt=sum(len(y) + 1 for y in ys), idx=list(idx))
+    return Batch(*tensors, n_tgt=sum(len(y) + 1 for y in ys))
 
 
 # ---------------------------------------------------------------------------------------
@@ -316,7 +314,7 @@ class Segments:
         n_tgt = int(y.ne(PAD).sum())  # counted on the host, before the copy
         if device is not None:
             x, y = x.to(device), y.to(device)
-        return Batch(None, x, y, n_src=0, n_tgt=n_tgt, idx=list(idx))
+        return Batch(None, x, y, n_tgt=n_tgt)
 
 
 def lm_segments(stream, seq_len):
