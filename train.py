@@ -1591,8 +1591,7 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
             proto = data.WordVocab.build(pairs["train"]).proto
         else:
             sides = (pairs["train"], []) if args.task == "lm" else zip(*pairs["train"])
-            with tempfile.TemporaryDirectory(dir=stage) as tmp:
-                proto = Path(data.train_bpe(*sides, args.bpe_size, Path(tmp) / "bpe")).read_bytes()
+            proto = data.train_bpe(*sides, args.bpe_size)
         made = "word vocabulary made" if args.bpe_size == 0 else \
             f"trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested)"
         log(f"data: {made} in {time.time() - t0:.1f}s")
