@@ -135,14 +135,13 @@ def train_bpe(src_lines, tgt_lines, vocab_size):
 
 
 class Tokenizer:
-    """A thin wrapper around a sentencepiece model (a file, or its bytes) with our special ids."""
-    def __init__(self, model_path=None, model_proto=None):
-        self.sp = spm.SentencePieceProcessor(model_file=str(model_path)) if model_proto is None else \
-            spm.SentencePieceProcessor(model_proto=bytes(model_proto))
+    """A thin wrapper around a sentencepiece model (its bytes, as train_bpe returns them) with our special ids."""
+    def __init__(self, proto, name="vocabulary"):
+        self.sp = spm.SentencePieceProcessor(model_proto=bytes(proto))
         self.proto = self.sp.serialized_model_proto()  # the model's bytes: what caches and checkpoints key on
         self.vocab_size = self.sp.get_piece_size()
         if (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id()) != (PAD, UNK, BOS, EOS):
-            raise DataError(f"{model_path}: a sentencepiece model not made by data.train_bpe (other special ids)")
+            raise DataError(f"{name}: a sentencepiece model not made by data.train_bpe (other special ids)")
 
     def encode(self, text):
         """str -> [ids], without BOS/EOS. A list of str gives a list of lists (C++ threads)."""
@@ -561,7 +560,7 @@ def summary():
         print(f"  {name}: {sum(counts.values()) / len(train):.1f} words/sentence, {len(counts)} types, "
               f"{sum(1 for c in counts.values() if c <= 2)} of them seen once or twice")
     t0 = time.time()
-    tok = Tokenizer(model_proto=train_bpe([p[0] for p in train], [p[1] for p in train], 2000))
+    tok = Tokenizer(train_bpe([p[0] for p in train], [p[1] for p in train], 2000))
     enc = encode_pairs(tok, train)
     L, pad = length_percentile(enc), padding_share(enc, make_batches(enc, 4096, shuffle=True, seed=1))
     print(f"  BPE: {tok.vocab_size} pieces ({time.time() - t0:.1f}s to train and encode), L(97.5%) = {L:.1f}, "
@@ -1024,7 +1023,7 @@ class WordVocab:
 
 def load_tokenizer(proto, name="vocabulary"):
     """The tokenizer of a run's vocabulary bytes: a WordVocab (section 8), or a sentencepiece Tokenizer."""
-    return WordVocab(proto) if bytes(proto).startswith(WordVocab.HEADER) else Tokenizer(name, model_proto=proto)
+    return WordVocab(proto) if bytes(proto).startswith(WordVocab.HEADER) else Tokenizer(proto, name)
 
 
 def _lengths(encoded_pairs):

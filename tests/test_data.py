@@ -19,7 +19,7 @@ def toy(tmp_path_factory):
     paths = data.corpus_paths(d, "src", "tgt")
     train, _ = data.read_parallel(*paths["train"])
     model = data.train_bpe([s for s, _ in train], [t for _, t in train], 2000)
-    tok = data.Tokenizer(model_proto=model)
+    tok = data.Tokenizer(model)
     return d, train, tok, data.encode_pairs(tok, train)
 
 
@@ -181,13 +181,13 @@ def test_bpe_training_is_deterministic(toy):
     a = data.train_bpe(src, tgt, 500)
     b = data.train_bpe(src, tgt, 500)
     # Same pieces in the same order, and the same bytes (trained in memory: no file name in the model).
-    pieces = lambda m: [data.Tokenizer(model_proto=m).piece(i) for i in range(500)]
+    pieces = lambda m: [data.Tokenizer(m).piece(i) for i in range(500)]
     assert pieces(a) == pieces(b) and a == b
 
 
 def test_bpe_vocab_too_large_is_lowered(capsys):
     model = data.train_bpe(["ab ab", "ba"], ["abc"], 5000)
-    assert data.Tokenizer(model_proto=model).vocab_size < 5000
+    assert data.Tokenizer(model).vocab_size < 5000
     assert "too large" in capsys.readouterr().err
 
 

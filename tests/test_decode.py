@@ -195,7 +195,7 @@ def run_dir(tmp_path_factory):
     lines = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (int(n),), generator=g))
              for n in torch.randint(2, 9, (60,), generator=g)]
     proto = train_bpe(lines[:30], lines[30:], 60)
-    tok = Tokenizer(model_proto=proto)
+    tok = Tokenizer(proto)
     model = tiny_model(vocab_size=tok.vocab_size)
     ckpt = {"format": data.CHECKPOINT_FORMAT, "model_config": model.cfg.to_dict(), "model": model.state_dict(),
             "bpe_model_proto": proto, "src_lang": "src", "tgt_lang": "tgt",

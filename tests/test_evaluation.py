@@ -46,7 +46,7 @@ def toy():
     lines = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (int(n),), generator=g))
              for n in torch.randint(2, 9, (80,), generator=g)]
     proto = train_bpe(lines[:40], lines[40:], 60)
-    return Tokenizer(model_proto=proto), list(zip(lines[:40], lines[40:])), proto
+    return Tokenizer(proto), list(zip(lines[:40], lines[40:])), proto
 
 
 def without_matplotlib(monkeypatch):

@@ -391,7 +391,7 @@ def test_qknorm_L_is_measured_before_the_max_len_filter(tmp_path, small_corpus, 
     train.main(SMALL + small_corpus + ["--qknorm", "--qk-percentile", "100", "--max-len", "6", "--max-steps", "1",
                                       "--out", str(run)])
     out = capsys.readouterr().out
-    tok = data.Tokenizer(run / "bpe.model")
+    tok = data.Tokenizer((run / "bpe.model").read_bytes())
     pairs, _ = data.read_parallel(*data.corpus_paths(small_corpus[1], "src", "tgt")["train"])
     longest = max(len(ids) for s, t in pairs for ids in tok.encode([s, t]))
     assert longest > 6 and f"qknorm: L = {longest:.2f} (100.0th percentile" in out
