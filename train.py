@@ -1395,6 +1395,11 @@ def resume_flags(args, given, log):
         raise data.DataError(f"--resume {run_dir}: {e}; move it out of the folder (and start again)") from None
     log(f"resume: {path} at step {ckpt['train_state']['step']}")
     saved = ckpt["args"]
+    with contextlib.suppress(OSError, ValueError):  # config.json edited by hand: said, never replaced unannounced
+        if (edited := json.loads((run_dir / "config.json").read_text())) != json.loads(json.dumps(saved)):
+            keys = [k for k in {**saved, **edited} if edited.get(k) != saved.get(k)] if isinstance(edited, dict) else []
+            log(f"resume: {run_dir / 'config.json'} differs from the checkpoint ({', '.join(keys) or 'not an object'}"
+                f"): the checkpoint's flags hold, and the file is written again from them")
     diff = differing_flags(saved, args, given, run_dir)
     changed = {k: v for k, (_, v) in diff.items() if k in RESUME_MAY_CHANGE}
     return argparse.Namespace(**{**DEFAULTS, **saved, **changed, "resume": str(run_dir), "out": str(run_dir),
