@@ -232,21 +232,23 @@ class Batch:
 
 def collate(encoded_pairs, idx, device=None, multiple=1):
     """Pads the examples idx into a Batch (on device, if given), the lengths rounded up to a multiple of ``multiple``
-    (train.py --compile: 8, so that every batch has the shapes' alignment the compiled kernels were specialised for)."""
-    if isinstance(encoded_pairs, Segments):  # a language model's text (section 8)
-        return encoded_pairs.collate(idx, device)
-    xs, ys = [encoded_pairs[i][0] for i in idx], [encoded_pairs[i][1] for i in idx]
-    S, T = round_up(max(len(x) for x in xs), multiple), round_up(max(len(y) for y in ys) + 1, multiple)
-    # Decoder input and output are the same target, shifted by one position:
-    #   tgt_in  = BOS y1 ... yn        tgt_out = y1 ... yn EOS
-    tensors = [torch.tensor([x + [PAD] * (S - len(x)) for x in xs]),  # (B, S)
-               torch.tensor([[BOS] + y + [PAD] * (T - 1 - len(y)) for y in ys]),  # (B, T)
-               torch.tensor([y + [EOS] + [PAD] * (T - 1 - len(y)) for y in ys])]  # (B, T)
-    if device is not None and torch.device(device).type == "cuda":  # pinned host memory: the copy
-        tensors = [t.pin_memory().to(device, non_blocking=True) for t in tensors]  # overlaps the last step
-    elif device is not None:
-        tensors = [t.to(device) for t in tensors]
-    return Batch(*tensors, n_tgt=sum(len(y) + 1 for y in ys))
+    (train.py --compile: 8, so that every batch has the shapes' alignment the compiled kernels were specialised for).
+    A language model's segments (section 8) are padded already: their Batch has no source."""
+    if isinstance(encoded_pairs, Segments):
+        tensors = [None, encoded_pairs.x[list(idx)], encoded_pairs.y[list(idx)]]  # no source; (B, L) twice
+    else:
+        xs, ys = [encoded_pairs[i][0] for i in idx], [encoded_pairs[i][1] for i in idx]
+        S, T = round_up(max(len(x) for x in xs), multiple), round_up(max(len(y) for y in ys) + 1, multiple)
+        # Decoder input and output are the same target, shifted by one position:
+        #   tgt_in  = BOS y1 ... yn        tgt_out = y1 ... yn EOS
+        tensors = [torch.tensor([x + [PAD] * (S - len(x)) for x in xs]),  # (B, S)
+                   torch.tensor([[BOS] + y + [PAD] * (T - 1 - len(y)) for y in ys]),  # (B, T)
+                   torch.tensor([y + [EOS] + [PAD] * (T - 1 - len(y)) for y in ys])]  # (B, T)
+    n_tgt = int(tensors[-1].ne(PAD).sum())  # tgt_out's real tokens, counted on the host, before the copy
+    if device is not None:  # on CUDA from pinned host memory: the copy overlaps the last step
+        cuda = torch.device(device).type == "cuda"
+        tensors = [t if t is None else (t.pin_memory() if cuda else t).to(device, non_blocking=cuda) for t in tensors]
+    return Batch(*tensors, n_tgt=n_tgt)
 
 
 # ---------------------------------------------------------------------------------------
@@ -305,13 +307,6 @@ class Segments:
 
     def __len__(self):
         return self.x.size(0)
-
-    def collate(self, idx, device=None):
-        x, y = self.x[list(idx)], self.y[list(idx)]
-        n_tgt = int(y.ne(PAD).sum())  # counted on the host, before the copy
-        if device is not None:
-            x, y = x.to(device), y.to(device)
-        return Batch(None, x, y, n_tgt=n_tgt)
 
 
 def lm_segments(stream, seq_len):
