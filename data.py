@@ -396,7 +396,7 @@ def _translit(name):
 
 
 def _make_lexicon():
-    """(nouns, verbs, adjectives, names): the same for every corpus seed, which only chooses sentences."""
+    """(nouns, transitive verbs, intransitive verbs, adjectives, names): one for all seeds (a seed picks sentences)."""
     rng = random.Random(20191105)
     taken = set(_PREPOSITIONS.values()) | {d[2] for d in _DETS_SG + _DETS_PL} | {"ke", "ma", "i"}
 
@@ -409,9 +409,9 @@ def _make_lexicon():
 
     nouns = [(sg, pl or _english(sg, "s"), new_word(rng.choice((2, 3))))
              for sg, _, pl in (e.partition(":") for e in _NOUNS.split())]
-    verbs = [(base, _english(base, "s"), past or _english(base, "ed"), new_word(2), transitive)
-             for words, transitive in ((_TRANSITIVE, True), (_INTRANSITIVE, False))
-             for base, _, past in (e.partition(":") for e in words.split())]
+    trans, intrans = ([(base, _english(base, "s"), past or _english(base, "ed"), new_word(2))
+                       for base, _, past in (e.partition(":") for e in words.split())]
+                      for words in (_TRANSITIVE, _INTRANSITIVE))
     adjs = [(a, new_word(2)) for a in _ADJECTIVES.split()]
     # Proper names: invented, English-looking, rich in the letters transliteration rewrites (copying is not enough).
     onsets = "b c d f g h j k l m n p r s t v w y z br cl dr gw qu th wr x".split()
@@ -420,7 +420,7 @@ def _make_lexicon():
     while len(names) < 3000:
         names["".join(rng.choice(onsets) + rng.choice(nuclei) + rng.choice(codas)
                       for _ in range(rng.choice((2, 2, 2, 2, 3)))).capitalize()] = None
-    return nouns, verbs, adjs, list(names)
+    return nouns, trans, intrans, adjs, list(names)
 
 
 class _ToyGrammar:
@@ -430,8 +430,7 @@ class _ToyGrammar:
     modifier, and a sentence-level place phrase or time adverb never comes with a relative clause on the object."""
 
     def __init__(self, rng):
-        self.rng, (nouns, verbs, adjs, names) = rng, _make_lexicon()
-        trans, intrans = [v for v in verbs if v[4]], [v for v in verbs if not v[4]]
+        self.rng, (nouns, trans, intrans, adjs, names) = rng, _make_lexicon()
         # Zipf's law, exponent s: the r-th most frequent word has frequency ~ 1 / r^s (cumulated once, for choices).
         self.lists = {kind: (words, list(itertools.accumulate(1.0 / (r ** s) for r in range(1, len(words) + 1))))
                       for kind, words, s in (("noun", nouns, 1.1), ("trans", trans, 0.8), ("intrans", intrans, 0.8),
@@ -484,10 +483,10 @@ class _ToyGrammar:
         r = self.rng
         tense, negated = r.choices(("pres", "past", "fut"), (50, 30, 20))[0], r.random() < 0.1
         if r.random() < 0.75:
-            base, s3, past, stem, _ = self.pick("trans")
+            base, s3, past, stem = self.pick("trans")
             o_src, o_tgt, _ = self.noun_phrase("acc", obj_modifier)
         else:
-            (base, s3, past, stem, _), o_src, o_tgt = self.pick("intrans"), [], []
+            (base, s3, past, stem), o_src, o_tgt = self.pick("intrans"), [], []
         if tense == "fut":
             v_src = ["will", "not", base] if negated else ["will", base]
         elif negated:
