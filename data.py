@@ -44,14 +44,12 @@ import sys
 import tarfile
 import tempfile
 import textwrap
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 import zipfile
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
 from pathlib import Path
 
 try:
@@ -224,7 +222,7 @@ def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
 @dataclass
 class Batch:
     """One padded batch, batch-first; made by collate."""
-    src: Optional[torch.Tensor]  # (B, S) source ids, PAD-padded, no BOS/EOS; None for a language model
+    src: torch.Tensor | None  # (B, S) source ids, PAD-padded, no BOS/EOS; None for a language model
     tgt_in: torch.Tensor  # (B, T) [BOS] + y, the decoder's input
     tgt_out: torch.Tensor  # (B, T) y + [EOS], what it must predict
     n_tgt: int  # non-pad target tokens (= tokens in the loss)
@@ -553,11 +551,10 @@ def summary():
         counts = Counter(w for p in train for w in p[side].split())
         print(f"  {name}: {sum(counts.values()) / len(train):.1f} words/sentence, {len(counts)} types, "
               f"{sum(1 for c in counts.values() if c <= 2)} of them seen once or twice")
-    t0 = time.time()
-    tok = Tokenizer(train_bpe([p[0] for p in train], [p[1] for p in train], 2000))
-    enc = encode_pairs(tok, train)
+    tok, t_bpe = timed(lambda: Tokenizer(train_bpe([p[0] for p in train], [p[1] for p in train], 2000)))
+    enc, t_enc = timed(lambda: encode_pairs(tok, train))
     L, pad = length_percentile(enc), padding_share(enc, make_batches(enc, 4096, shuffle=True, seed=1))
-    print(f"  BPE: {tok.vocab_size} pieces ({time.time() - t0:.1f}s to train and encode), L(97.5%) = {L:.1f}, "
+    print(f"  BPE: {tok.vocab_size} pieces ({t_bpe + t_enc:.1f}s to train and encode), L(97.5%) = {L:.1f}, "
           f"QKNorm's L (its g0: model.qk_g0), padding at 4096 tokens {pad:.1%}")
     for s, t in train[:3]:
         print(f"  src: {s}\n  tgt: {t}")
