@@ -897,12 +897,11 @@ def lm_windows(stream, length, context):
         raise DataError(f"--context {context}: at most {length - 1}, less than the window (--seq-len {length})")
     if n < 1:
         raise DataError("no text to predict")
-    scored = [0] + list(range(length, n, stride))  # where each window's scored targets begin
-    x, y = torch.full((len(scored), length), PAD), torch.full((len(scored), length), PAD)
-    for row, b in enumerate(scored):
-        a = max(b - context, 0)  # the window's first input
-        m = min(a + length, n) - a  # its inputs (the last window may be short)
-        x[row, :m], y[row, b - a:m] = stream[a:a + m], stream[b + 1:a + m + 1]
+    size = length + stride * len(range(length, n, stride))  # the first window scores `length` targets, others `stride`
+    x, y = torch.full((size,), PAD), torch.full((size,), PAD)  # the last window may be short: PAD-padded
+    x[:n], y[:n] = stream[:-1], stream[1:]  # as lm_segments; then window k holds the inputs from k * stride on
+    x, y = x.unfold(0, length, stride).contiguous(), y.unfold(0, length, stride).contiguous()
+    y[1:, :context] = PAD  # in every window but the first, the first `context` targets: scored by the one before
     return Segments(x, y)
 
 
