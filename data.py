@@ -760,9 +760,8 @@ def _tsv_pairs(open_text, name, src, tgt):
 
 def _clean(pairs, lo=1, hi=175, ratio=1.5):
     """Moses clean-corpus-n.perl: 1-175 whitespace words a side, length ratio at most 1.5."""
-    lens = [(len(s.split()), len(t.split())) for s, t in pairs]
-    return [p for p, (a, b) in zip(pairs, lens)
-            if lo <= a <= hi and lo <= b <= hi and a <= ratio * b and b <= ratio * a]
+    lens = [sorted((len(s.split()), len(t.split()))) for s, t in pairs]  # (the shorter side, the longer)
+    return [p for p, (a, b) in zip(pairs, lens) if lo <= a and b <= hi and b <= ratio * a]
 
 
 _PAIR_STEPS = {  # applied in the order a corpus lists them
