@@ -701,12 +701,11 @@ def download(url, dest, hint="/path/to/the/file", timeout=30):
 
 
 def _opener(root):
-    """open_text(name): a text stream of a file in folder root or in the tar(.gz) or zip archive root.
+    """open_text(name): a text stream of a file in the folder or tar(.gz) or zip archive root (a Path).
 
     A name also matches a member ending in "/name" (archives that add a top folder or "./"). Nothing is extracted to
     disk. errors="replace": one bad byte must not stop a 336 MB run.
     """
-    root = Path(root)
     if not root.exists():
         raise DataError(f"{root}: not found")
     if root.is_dir():
