@@ -524,9 +524,9 @@ def make_toy_corpus(out_dir=TOY_DIR, seed=1, n_train=20000, n_dev=500, n_test=50
     test hold no training sentence."""
     out_dir = Path(out_dir)
     stamp = {"version": TOY_VERSION, "seed": seed, "n_train": n_train, "n_dev": n_dev, "n_test": n_test}
-    stamp_path, files = out_dir / "toy_corpus.json", [out_dir / f"{s}.{l}" for s in SPLITS for l in ("src", "tgt")]
+    stamp_path, files = out_dir / "toy_corpus.json", corpus_paths(out_dir, "src", "tgt")
     with contextlib.suppress(FileNotFoundError, ValueError):  # no stamp, or a damaged one: rebuild
-        if json.loads(stamp_path.read_text()) == stamp and all(f.exists() for f in files):
+        if json.loads(stamp_path.read_text()) == stamp and all(f.exists() for fs in files.values() for f in fs):
             return out_dir
     grammar, seen, pairs = _ToyGrammar(random.Random(seed)), set(), []
     while len(pairs) < n_train + n_dev + n_test:
@@ -535,8 +535,8 @@ def make_toy_corpus(out_dir=TOY_DIR, seed=1, n_train=20000, n_dev=500, n_test=50
             seen.add(src)
             pairs.append((src, tgt))
     ends = list(itertools.accumulate((n_train, n_dev, n_test)))
-    atomic_write_all({out_dir / f"{split}.{lang}": "".join(p[side] + "\n" for p in pairs[a:b])
-                      for split, a, b in zip(SPLITS, [0] + ends, ends) for side, lang in ((0, "src"), (1, "tgt"))}
+    atomic_write_all({path: "".join(p[side] + "\n" for p in pairs[a:b])
+                      for paths, a, b in zip(files.values(), [0] + ends, ends) for side, path in enumerate(paths)}
                      | {stamp_path: json.dumps(stamp) + "\n"})  # the stamp last: renamed in after every file
     return out_dir
 
@@ -804,7 +804,7 @@ def prepare(name, out_dir=None, url=None, expected=None):
         raise DataError(f"--dir {out}: a file, not a folder")
     flags, stamp = c["flags"], out / "prepared.json"
     lm = flags.get("task") == "lm"  # a language model's text: DIR/split.txt
-    files = {s: (out / f"{s}.txt",) for s in SPLITS} if lm else corpus_paths(out, flags["src"], flags["tgt"])
+    files = corpus_paths(out, "txt") if lm else corpus_paths(out, flags["src"], flags["tgt"])
     # The train.py command: the folder, the corpus's flags (those --pair NAME sets), a language model's paper row
     command = "python train.py " + " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in dict(
         data=out, **flags, preset=c.get("preset"), out=f"runs/{name}").items() if v is not None)
@@ -903,10 +903,9 @@ def lm_windows(stream, length, context):
     return Segments(x, y)
 
 
-def corpus_paths(data_dir, src, tgt):
-    """{split: (DIR/split.src, DIR/split.tgt)}, e.g. DIR/train.en, DIR/train.de."""
-    d = Path(data_dir)
-    return {s: (d / f"{s}.{src}", d / f"{s}.{tgt}") for s in SPLITS}
+def corpus_paths(data_dir, *langs):
+    """{split: (DIR/split.LANG for each of langs)}, e.g. DIR/train.en and DIR/train.de; a language model's train.txt."""
+    return {s: tuple(Path(data_dir) / f"{s}.{lang}" for lang in langs) for s in SPLITS}
 
 
 def split_lines(raw, name):
