@@ -916,12 +916,11 @@ def split_lines(raw, name):
     """
     if raw.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16's byte-order mark: latin1 would make garbage of it
         raise DataError(f"{name}: UTF-16 text, not UTF-8 (convert it with iconv -f utf-16 -t utf-8)")
-    bom = 3 if raw.startswith(b"\xef\xbb\xbf") else 0  # a UTF-8 byte-order mark (Windows editors) is
-    try:  # not text: it would become a BPE piece of the first line
-        text = raw[bom:].decode("utf-8")  # "\n" is never part of a longer character: decode, then split, is the same
-    except UnicodeDecodeError as e:
-        at = bom + e.start  # the bad byte, and its line: 1 + the newlines before it
-        line = raw.count(b"\n", bom, at) + 1
+    try:  # utf-8-sig drops a UTF-8 byte-order mark (Windows editors): not text, it would be a BPE piece of line 1
+        text = raw.decode("utf-8-sig")  # "\n" is never part of a longer character: decode, then split, is the same
+    except UnicodeDecodeError as e:  # e.start counts from after the mark, if any
+        at = len(raw) - len(e.object) + e.start  # the bad byte in raw
+        line = raw.count(b"\n", 0, at) + 1  # and its line: 1 + the newlines before it
         raise DataError(f"{name}: line {line}: invalid UTF-8 byte 0x{raw[at]:02x} at byte offset {at} "
                         f"(convert it with iconv -f ENCODING -t utf-8, e.g. latin1)") from None
     lines = text.removesuffix("\n").split("\n") if text else []  # the final newline does not start another line
