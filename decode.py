@@ -145,7 +145,7 @@ def greedy_search(model, src, max_len=None):
         done = y.eq(EOS) | (limit[active] <= t)  # (n,) emitted EOS, or at the length limit
         if done.any():
             for i in done.nonzero().flatten().tolist():
-                results[active[i]] = _strip(hist[i].tolist())
+                results[active[i]] = data.content_ids(hist[i])  # the tokens before EOS
             keep = (~done).nonzero().flatten()  # rows still decoding
             if keep.numel() == 0:
                 break
@@ -194,7 +194,7 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
         if done.any():
             for i in done.nonzero().flatten().tolist():
                 best = int(score[i].argmax())
-                tokens = _strip(hist[i, best].tolist())
+                tokens = data.content_ids(hist[i, best])  # before EOS, less the PAD placeholders
                 results[active[i]] = (tokens, float(score[i, best])) if return_scores else tokens
             keep = (~done).nonzero().flatten()  # (n',)
             if keep.numel() == 0:
@@ -1137,7 +1137,7 @@ def main(argv=None):
 
 
 # =======================================================================================
-# Appendix G: plumbing a first reading can skip: the output length limit and a hypothesis's tokens (sections 3-4),
+# Appendix G: plumbing a first reading can skip: the output length limit (sections 3-4),
 # eval mode for a while (section 5), a corpus score with its signature (section 6).
 # =======================================================================================
 def _max_lengths(src, max_len):
@@ -1147,11 +1147,6 @@ def _max_lengths(src, max_len):
     if max_len is None:
         return src.ne(PAD).sum(1) + 50  # (B,)  |x| + 50
     return torch.as_tensor(max_len, dtype=torch.long, device=src.device).expand(src.size(0))  # an int: B copies
-
-
-def _strip(tokens):
-    """Hypothesis tokens (a list) up to (not including) the first EOS or PAD placeholder."""
-    return tokens[:next((i for i, w in enumerate(tokens) if w in (EOS, PAD)), len(tokens))]
 
 
 @contextlib.contextmanager
