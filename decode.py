@@ -216,9 +216,8 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
         top, idx = torch.cat([ext_scores, keep_scores], dim=1).topk(K, dim=1)  # (n, K)
         is_ext = idx < K * V  # (n, K) an extension (else a kept finished beam)
         parent = torch.where(is_ext, idx // V, idx - K * V)  # (n, K) the beam it comes from
-        word = torch.where(is_ext, idx % V, torch.full_like(idx, PAD))  # (n, K) appended token
-        dead = top.eq(NEG_INF)  # (n, K) only when fewer than K finite candidates exist
-        word = word.masked_fill(dead, PAD)  # never emit a masked word, even on a dead beam
+        dead = top.eq(NEG_INF)  # (n, K) only when fewer than K finite candidates exist; emits PAD, not a masked word
+        word = torch.where(is_ext & ~dead, idx % V, PAD)  # (n, K) appended token
         ext_cum = ext.view(n, K * V).gather(1, idx.clamp(max=K * V - 1))  # (n, K)
         cum = torch.where(is_ext, ext_cum, cum.gather(1, parent))  # (n, K)
         finished = ~is_ext | word.eq(EOS) | dead  # (n, K)
