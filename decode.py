@@ -748,29 +748,28 @@ def plot_series(run_dirs):
                               "batch vs running statistic, first norm",
                               "embedding singular values / the largest ([2] Fig. 6)")}
     qknorm = lambda k: k.endswith(("self_attn.g", "cross_attn.g"))  # an attention module's g (QKNorm), not a norm's
-    curve = lambda label, points: (label, [x for x, _ in points], [y for _, y in points])  # [(x, y)] -> one curve
+    add = lambda t, label, xy: panels[t].append((label, [x for x, _ in xy], [y for _, y in xy]))  # [(x, y)] -> a curve
     for run in run_dirs:
         rows, name = data.read_metrics(run), Path(run).name
         for title, key in keys.items():
-            panels[title].append(curve(name, [(r["step"], r[key]) for r in rows if r.get(key) is not None]))
+            add(title, name, [(r["step"], r[key]) for r in rows if r.get(key) is not None])
         if evals := [r for r in rows if r.get("g")]:
             depth = lambda k: (not k.startswith("enc"), int(k.split(".")[1]) if k.split(".")[1].isdigit() else 1 << 30)
             g = evals[-1]["g"]
             scale = sorted((k for k in g if not qknorm(k)), key=depth)  # ScaleNorm g's by depth
-            panels["learned g by depth (last evaluation)"].append(curve(name, [*enumerate(g[k] for k in scale)]))
+            add("learned g by depth (last evaluation)", name, [*enumerate(g[k] for k in scale)])
             qk = [(r["step"], [v for k, v in r["g"].items() if qknorm(k)]) for r in evals]
             qk = [(x, sum(gs) / len(gs)) for x, gs in qk if gs]
-            panels["QKNorm g (mean over modules)"].append(curve(name, qk))
+            add("QKNorm g (mean over modules)", name, qk)
         first = "encoder.0.norm_attn" if any("encoder.0.norm_attn" in r.get("batch_norm_stats", {}) for r in rows) \
             else "decoder.0.norm_self"  # a language model has no encoder
         stats = [(r["step"], s) for r in rows for n, s in r.get("batch_norm_stats", {}).items() if n == first]
         if key := next((k for k in ("dist_sigma2", "dist_psi2") if stats and k in stats[0][1]), None):
-            panels["batch vs running statistic, first norm"].append(
-                curve(f"{name} ({key})", [(x, s[key]) for x, s in stats]))
+            add("batch vs running statistic, first norm", f"{name} ({key})", [(x, s[key]) for x, s in stats])
         # the finished run's embedding ([2] Figure 6), from results.json; none while not finished (no results.json yet)
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             sv = json.loads((Path(run) / "results.json").read_text())["embedding_singular_values"]
-            panels["embedding singular values / the largest ([2] Fig. 6)"].append(curve(name, [*enumerate(sv, 1)]))
+            add("embedding singular values / the largest ([2] Fig. 6)", name, [*enumerate(sv, 1)])
     return panels
 
 
