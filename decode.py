@@ -520,8 +520,7 @@ def g_values(model):
         parts = name.split(".")
         if parts[0] in ("encoder", "decoder"):
             stack, layer, sub = parts[0], int(parts[1]), _SUBLAYER.get(parts[2], parts[2])
-        elif parts[0] in ("enc_final_norm", "dec_final_norm"):
-            stack = "encoder" if parts[0].startswith("enc") else "decoder"
+        elif stack := {"enc_final_norm": "encoder", "dec_final_norm": "decoder"}.get(parts[0]):  # a stack's final norm
             fixnorm = stack == "decoder" and model.cfg.fixnorm  # FixNorm: logit = g cos(h, e_w) + b_w
             layer, sub = len(getattr(model, stack)), "final (temp.)" if fixnorm else "final"
         else:
