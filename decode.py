@@ -936,10 +936,9 @@ def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
     args.given = {f for f, v in vars(args).items() if v != ap.get_default(f)}  # the flags given a value of their own
-    if args.compare and not args.ref:
-        ap.error("--compare needs --ref")
-    if args.plot and not args.out:
-        ap.error("--plot needs --out FILE.png")
+    for mode, flag, what in (("compare", "ref", "--ref"), ("plot", "out", "--out FILE.png")):  # what each reads, writes
+        if getattr(args, mode) and not getattr(args, flag):
+            ap.error(f"--{mode} needs {what}")
     if not args.compare and not args.plot and not args.checkpoint:
         ap.error("a checkpoint (file or run directory) is needed, except with --compare or --plot")
     if args.compare and args.seed < 1:  # SacreBLEU takes 0 as "no seed": another resampling at every run
