@@ -51,7 +51,6 @@ import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from unittest import mock
 
 import torch
 from rich import box
@@ -392,11 +391,14 @@ def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=1234
     # The BLEU of score_report: tokenized BLEU as multi-bleu.perl (no smoothing) under --tokenized, else SacreBLEU.
     metric = BLEU(tokenize="none", smooth_method="none", lowercase=lowercase, force=True) if already_tokenized \
         else BLEU(lowercase=lowercase, force=True)
-    # where SacreBLEU reads its seed, set for this test only: the environment as the caller had it after
-    with mock.patch.dict(os.environ, SACREBLEU_SEED="None" if seed is None else str(int(seed))):
+    caller_seed = os.environ.get("SACREBLEU_SEED")
+    os.environ["SACREBLEU_SEED"] = "None" if seed is None else str(int(seed))  # where SacreBLEU reads its seed
+    try:
         test = PairedTest([("baseline", base), ("system", sys_)], {"BLEU": metric}, [refs],
                           test_type="bs", n_samples=n_samples)
         signatures, scores = test()
+    finally:  # the environment as the caller had it
+        os.environ.pop("SACREBLEU_SEED") if caller_seed is None else os.environ.update(SACREBLEU_SEED=caller_seed)
     b, s = scores["BLEU"]  # sacrebleu Result objects: score, p_value, mean, ci
     # Note: when the two BLEUs are equal (identical outputs, outputs that differ only in spacing, both at BLEU 0)
     # the real difference is 0; SacreBLEU finds no strictly larger centred difference and returns its smallest
