@@ -466,8 +466,7 @@ def main(argv=None):
     args, given = resolve_flags(argv)
     log = RunLog()  # Appendix C: the console
     try:  # --resume (Appendix E): the run's own flags, from its last checkpoint, and what may change
-        args = start_or_resume(args) if args.start_or_resume else args
-        args, resumed = resume_flags(args, given, log) if args.resume else (args, None)
+        args, resumed = resume_flags(args, given, log) if args.resume or args.start_or_resume else (args, None)
         refuse_idle_flags(args, given)
         validate_args(args)
         if given.get("show"):  # --show: every flag's value in this run (those given marked); no run, no --out
@@ -1381,11 +1380,21 @@ def restore(run, ckpt):
 
 
 def resume_flags(args, given, log):
-    """--resume RUN: (the flags of RUN's last checkpoint, with the given ones that may change, (that checkpoint, {a flag
-    given that differs from its: (its value, the one given)})); DataError if it is missing, does not read back, or an
-    older train.py wrote it. may_resume refuses the other flags that differ, before any change."""
-    run_dir = Path(args.resume)
+    """--resume RUN (or --start-or-resume when --out holds a checkpoint): (the flags of RUN's last checkpoint, with the
+    given ones that may change, (that checkpoint, {a flag given that differs from its: (its value, the one given)}));
+    DataError if it is missing, does not read back, or an older train.py wrote it. may_resume refuses the other flags
+    that differ, before any change. --start-or-resume without a checkpoint: (args, None), a new run, replacing
+    (--overwrite) a folder that holds only a run with the same flags killed before its first checkpoint."""
+    run_dir = Path(args.resume or args.out)
     path = data.checkpoint_file(run_dir, "last")  # the resume point (save_checkpoints)
+    if args.start_or_resume and not path.exists():
+        if run_id_of(run_dir / "config.json"):
+            saved = json.loads((run_dir / "config.json").read_text())
+            if diff := differing_flags(saved, args, {}, run_dir):
+                raise data.DataError(f"--start-or-resume: {run_dir} holds a run with other flags: "
+                                     f"{flag_changes(diff)}; choose another --out")
+            args.overwrite = True  # it never wrote a checkpoint: started again
+        return args, None
     if not path.exists():
         raise data.DataError(f"--resume {run_dir}: nothing to resume from, no {path.name} (the run may have stopped "
                              f"before its first checkpoint); start it again with --overwrite")
@@ -1413,21 +1422,6 @@ def differing_flags(saved, args, given, run_dir):
     flags = {k: getattr(args, k) for k in DEFAULTS} if args.start_or_resume else given
     return {k: (saved.get(k, DEFAULTS.get(k)), v) for k, v in flags.items() if k not in ACTIONS
             and not (k == "out" and Path(v) == Path(run_dir)) and v != saved.get(k, DEFAULTS.get(k))}
-
-
-def start_or_resume(args):
-    """--start-or-resume: a resume (args.resume set) when --out holds a checkpoint; a new run otherwise, replacing
-    (--overwrite) a folder that holds only a run with the same flags killed before its first checkpoint."""
-    run_dir = Path(args.out)
-    if data.checkpoint_file(run_dir, "last").exists():
-        args.resume = str(run_dir)
-    elif run_id_of(run_dir / "config.json"):
-        saved = json.loads((run_dir / "config.json").read_text())
-        if diff := differing_flags(saved, args, {}, run_dir):
-            raise data.DataError(f"--start-or-resume: {run_dir} holds a run with other flags: {flag_changes(diff)}; "
-                                 f"choose another --out")
-        args.overwrite = True  # it never wrote a checkpoint: started again
-    return args
 
 
 def flag_changes(diff):  # "--flag (old -> new), ..." of differing_flags' answer
