@@ -313,13 +313,7 @@ def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
 # ---------------------------------------------------------------------------------------
 # 4. The loop: one log line per --log-interval steps, dev BLEU every --epoch-size steps.
 # ---------------------------------------------------------------------------------------
-def train(args, log, resumed=None):  # main() (Appendix A) calls it with the checked flags and the run's log
-    with contextlib.ExitStack() as stack:  # holds the run directory's lock until the end
-        run = setup(args, stack, log, resumed)
-        return benchmark(run) if args.benchmark else train_loop(run)
-
-
-def train_loop(run):
+def train_loop(run):  # main() (Appendix A) calls it with the run that setup() built from the checked flags
     args, s = run.args, run.state
     total, limit = budget(args)
     step_log = StepLog(run, total)  # Appendix C: the progress bar (step_log.bar), log lines, metrics.jsonl, MFU
@@ -473,7 +467,9 @@ def main(argv=None):
             for k in DEFAULTS:
                 print(f"--{k.replace('_', '-'):17s} {getattr(args, k)!s:22s} {'given' if k in given else ''}".rstrip())
             return None
-        return train(args, log, resumed)
+        with contextlib.ExitStack() as stack:  # holds the run directory's lock until the end
+            run = setup(args, stack, log, resumed)  # section 3
+            return benchmark(run) if args.benchmark else train_loop(run)  # Appendix C; section 4
     except data.WriteFailed as e:  # a full disk: what was written before is intact
         sys.exit(f"error: {e}: make room, then {what_next(args)}")
     except data.DataError as e:
