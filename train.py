@@ -1614,8 +1614,15 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
     if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list; both or neither
         data.atomic_write_all({stage / "bpe.model": proto, stage / "bpe.key": stamp(proto)})
     tok = data.load_tokenizer(proto, old)
-    if args.task == "lm":
-        return (tok, *lm_data(args, tok, pairs, log))
+    if args.task == "lm":  # a language model's training and dev segments (data.py section 8); none is filtered
+        streams = {split: data.lm_stream(tok, pairs[split]) for split in data.SPLITS}
+        if streams["dev"].numel() - 1 < args.seq_len:
+            raise data.DataError(f"{lm_text_file(args, 'dev')}: {streams['dev'].numel() - 1} "
+                                 f"tokens, shorter than one segment of --seq-len {args.seq_len}")
+        train, dev = data.lm_segments(streams["train"], args.seq_len), data.lm_segments(streams["dev"], args.seq_len)
+        log("data: " + " / ".join(f"{streams[s].numel() - 1} {s}" for s in data.SPLITS) + f" tokens to predict, "
+            f"vocabulary {tok.vocab_size}, {len(train)} training segments of --seq-len {args.seq_len}")
+        return tok, train, dev, train
     def encode(split):  # from the run directory's cache, or encoded and cached in the staging folder
         return data.load_or_encode(tok, pairs[split], run_dir / f"{split}.enc.pt",
                                    stage / f"{split}.enc.pt" if stage is not None else False)
@@ -1635,18 +1642,6 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
     log(f"data: {len(train)} train / {len(pairs['dev'])} dev / {len(pairs['test'])} test pairs, "
         f"vocabulary {tok.vocab_size}")
     return tok, train, dev, everything
-
-
-def lm_data(args, tok, text, log):
-    """A language model's training and dev segments (data.py section 8), and the training ones again."""
-    streams = {split: data.lm_stream(tok, text[split]) for split in data.SPLITS}
-    if streams["dev"].numel() - 1 < args.seq_len:
-        raise data.DataError(f"{lm_text_file(args, 'dev')}: {streams['dev'].numel() - 1} "
-                             f"tokens, shorter than one segment of --seq-len {args.seq_len}")
-    train, dev = data.lm_segments(streams["train"], args.seq_len), data.lm_segments(streams["dev"], args.seq_len)
-    log("data: " + " / ".join(f"{streams[s].numel() - 1} {s}" for s in data.SPLITS) + f" tokens to predict, "
-        f"vocabulary {tok.vocab_size}, {len(train)} training segments of --seq-len {args.seq_len}")
-    return train, dev, train
 
 
 def qknorm_g0(args, train, log):
