@@ -1382,11 +1382,10 @@ def resume_flags(args, given, log):
     that differ, before any change. --start-or-resume without a checkpoint: (args, None), a new run, replacing
     (--overwrite) a folder that holds only a run with the same flags killed before its first checkpoint."""
     run_dir = Path(args.resume or args.out)
-    path = data.checkpoint_file(run_dir, "last")  # the resume point (save_checkpoints)
+    path, config = data.checkpoint_file(run_dir, "last"), run_dir / "config.json"  # the resume point (save_checkpoints)
     if args.start_or_resume and not path.exists():
-        if run_id_of(run_dir / "config.json"):
-            saved = json.loads((run_dir / "config.json").read_text())
-            if diff := differing_flags(saved, args, {}, run_dir):
+        if run_id_of(config):
+            if diff := differing_flags(json.loads(config.read_text()), args, {}, run_dir):
                 raise data.DataError(f"--start-or-resume: {run_dir} holds a run with other flags: "
                                      f"{flag_changes(diff)}; choose another --out")
             args.overwrite = True  # it never wrote a checkpoint: started again
@@ -1401,9 +1400,9 @@ def resume_flags(args, given, log):
     log(f"resume: {path} at step {ckpt['train_state']['step']}")
     saved = ckpt["args"]
     with contextlib.suppress(OSError, ValueError):  # config.json edited by hand: said, never replaced unannounced
-        if (edited := json.loads((run_dir / "config.json").read_text())) != json.loads(json.dumps(saved)):
+        if (edited := json.loads(config.read_text())) != json.loads(json.dumps(saved)):
             keys = [k for k in {**saved, **edited} if edited.get(k) != saved.get(k)] if isinstance(edited, dict) else []
-            log(f"resume: {run_dir / 'config.json'} differs from the checkpoint ({', '.join(keys) or 'not an object'}"
+            log(f"resume: {config} differs from the checkpoint ({', '.join(keys) or 'not an object'}"
                 f"): the checkpoint's flags hold, and the file is written again from them")
     diff = differing_flags(saved, args, given, run_dir)
     changed = {k: v for k, (_, v) in diff.items() if k in RESUME_MAY_CHANGE}
