@@ -286,7 +286,6 @@ def setup(args, stack, log, resumed=None):
         if run.master and not args.benchmark:
             commit_run_dir(args, run_dir, stage, ckpt, log)  # Appendix E: every input checked, the first change
     run.net = wrap_model(model, args, world, device)  # Appendix D: DDP; Appendix C: --compile
-    model.train()
     return run
 
 
