@@ -286,7 +286,6 @@ def setup(args, stack, log, resumed=None):
         if run.master and not args.benchmark:
             commit_run_dir(args, run_dir, stage, ckpt, log)  # Appendix E: every input checked, the first change
     run.net = wrap_model(model, args, world, device)  # Appendix D: DDP; Appendix C: --compile
-    model.train()
     return run
 
 
@@ -313,13 +312,7 @@ def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
 # ---------------------------------------------------------------------------------------
 # 4. The loop: one log line per --log-interval steps, dev BLEU every --epoch-size steps.
 # ---------------------------------------------------------------------------------------
-def train(args, log, resumed=None):  # main() (Appendix A) calls it with the checked flags and the run's log
-    with contextlib.ExitStack() as stack:  # holds the run directory's lock until the end
-        run = setup(args, stack, log, resumed)
-        return benchmark(run) if args.benchmark else train_loop(run)
-
-
-def train_loop(run):
+def train_loop(run):  # main() (Appendix A) calls it with the run that setup() built from the checked flags
     args, s = run.args, run.state
     total, limit = budget(args)
     step_log = StepLog(run, total)  # Appendix C: the progress bar (step_log.bar), log lines, metrics.jsonl, MFU
@@ -466,15 +459,16 @@ def main(argv=None):
     args, given = resolve_flags(argv)
     log = RunLog()  # Appendix C: the console
     try:  # --resume (Appendix E): the run's own flags, from its last checkpoint, and what may change
-        args = start_or_resume(args) if args.start_or_resume else args
-        args, resumed = resume_flags(args, given, log) if args.resume else (args, None)
+        args, resumed = resume_flags(args, given, log) if args.resume or args.start_or_resume else (args, None)
         refuse_idle_flags(args, given)
         validate_args(args)
         if given.get("show"):  # --show: every flag's value in this run (those given marked); no run, no --out
             for k in DEFAULTS:
                 print(f"--{k.replace('_', '-'):17s} {getattr(args, k)!s:22s} {'given' if k in given else ''}".rstrip())
             return None
-        return train(args, log, resumed)
+        with contextlib.ExitStack() as stack:  # holds the run directory's lock until the end
+            run = setup(args, stack, log, resumed)  # section 3
+            return benchmark(run) if args.benchmark else train_loop(run)  # Appendix C; section 4
     except data.WriteFailed as e:  # a full disk: what was written before is intact
         sys.exit(f"error: {e}: make room, then {what_next(args)}")
     except data.DataError as e:
@@ -1381,11 +1375,20 @@ def restore(run, ckpt):
 
 
 def resume_flags(args, given, log):
-    """--resume RUN: (the flags of RUN's last checkpoint, with the given ones that may change, (that checkpoint, {a flag
-    given that differs from its: (its value, the one given)})); DataError if it is missing, does not read back, or an
-    older train.py wrote it. may_resume refuses the other flags that differ, before any change."""
-    run_dir = Path(args.resume)
-    path = data.checkpoint_file(run_dir, "last")  # the resume point (save_checkpoints)
+    """--resume RUN (or --start-or-resume when --out holds a checkpoint): (the flags of RUN's last checkpoint, with the
+    given ones that may change, (that checkpoint, {a flag given that differs from its: (its value, the one given)}));
+    DataError if it is missing, does not read back, or an older train.py wrote it. may_resume refuses the other flags
+    that differ, before any change. --start-or-resume without a checkpoint: (args, None), a new run, replacing
+    (--overwrite) a folder that holds only a run with the same flags killed before its first checkpoint."""
+    run_dir = Path(args.resume or args.out)
+    path, config = data.checkpoint_file(run_dir, "last"), run_dir / "config.json"  # the resume point (save_checkpoints)
+    if args.start_or_resume and not path.exists():
+        if run_id_of(config):
+            if diff := differing_flags(json.loads(config.read_text()), args, {}, run_dir):
+                raise data.DataError(f"--start-or-resume: {run_dir} holds a run with other flags: "
+                                     f"{flag_changes(diff)}; choose another --out")
+            args.overwrite = True  # it never wrote a checkpoint: started again
+        return args, None
     if not path.exists():
         raise data.DataError(f"--resume {run_dir}: nothing to resume from, no {path.name} (the run may have stopped "
                              f"before its first checkpoint); start it again with --overwrite")
@@ -1396,9 +1399,9 @@ def resume_flags(args, given, log):
     log(f"resume: {path} at step {ckpt['train_state']['step']}")
     saved = ckpt["args"]
     with contextlib.suppress(OSError, ValueError):  # config.json edited by hand: said, never replaced unannounced
-        if (edited := json.loads((run_dir / "config.json").read_text())) != json.loads(json.dumps(saved)):
+        if (edited := json.loads(config.read_text())) != json.loads(json.dumps(saved)):
             keys = [k for k in {**saved, **edited} if edited.get(k) != saved.get(k)] if isinstance(edited, dict) else []
-            log(f"resume: {run_dir / 'config.json'} differs from the checkpoint ({', '.join(keys) or 'not an object'}"
+            log(f"resume: {config} differs from the checkpoint ({', '.join(keys) or 'not an object'}"
                 f"): the checkpoint's flags hold, and the file is written again from them")
     diff = differing_flags(saved, args, given, run_dir)
     changed = {k: v for k, (_, v) in diff.items() if k in RESUME_MAY_CHANGE}
@@ -1413,21 +1416,6 @@ def differing_flags(saved, args, given, run_dir):
     flags = {k: getattr(args, k) for k in DEFAULTS} if args.start_or_resume else given
     return {k: (saved.get(k, DEFAULTS.get(k)), v) for k, v in flags.items() if k not in ACTIONS
             and not (k == "out" and Path(v) == Path(run_dir)) and v != saved.get(k, DEFAULTS.get(k))}
-
-
-def start_or_resume(args):
-    """--start-or-resume: a resume (args.resume set) when --out holds a checkpoint; a new run otherwise, replacing
-    (--overwrite) a folder that holds only a run with the same flags killed before its first checkpoint."""
-    run_dir = Path(args.out)
-    if data.checkpoint_file(run_dir, "last").exists():
-        args.resume = str(run_dir)
-    elif run_id_of(run_dir / "config.json"):
-        saved = json.loads((run_dir / "config.json").read_text())
-        if diff := differing_flags(saved, args, {}, run_dir):
-            raise data.DataError(f"--start-or-resume: {run_dir} holds a run with other flags: {flag_changes(diff)}; "
-                                 f"choose another --out")
-        args.overwrite = True  # it never wrote a checkpoint: started again
-    return args
 
 
 def flag_changes(diff):  # "--flag (old -> new), ..." of differing_flags' answer
@@ -1624,8 +1612,15 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
     if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list; both or neither
         data.atomic_write_all({stage / "bpe.model": proto, stage / "bpe.key": stamp(proto)})
     tok = data.load_tokenizer(proto, old)
-    if args.task == "lm":
-        return (tok, *lm_data(args, tok, pairs, log))
+    if args.task == "lm":  # a language model's training and dev segments (data.py section 8); none is filtered
+        streams = {split: data.lm_stream(tok, pairs[split]) for split in data.SPLITS}
+        if streams["dev"].numel() - 1 < args.seq_len:
+            raise data.DataError(f"{lm_text_file(args, 'dev')}: {streams['dev'].numel() - 1} "
+                                 f"tokens, shorter than one segment of --seq-len {args.seq_len}")
+        train, dev = data.lm_segments(streams["train"], args.seq_len), data.lm_segments(streams["dev"], args.seq_len)
+        log("data: " + " / ".join(f"{streams[s].numel() - 1} {s}" for s in data.SPLITS) + f" tokens to predict, "
+            f"vocabulary {tok.vocab_size}, {len(train)} training segments of --seq-len {args.seq_len}")
+        return tok, train, dev, train
     def encode(split):  # from the run directory's cache, or encoded and cached in the staging folder
         return data.load_or_encode(tok, pairs[split], run_dir / f"{split}.enc.pt",
                                    stage / f"{split}.enc.pt" if stage is not None else False)
@@ -1645,18 +1640,6 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
     log(f"data: {len(train)} train / {len(pairs['dev'])} dev / {len(pairs['test'])} test pairs, "
         f"vocabulary {tok.vocab_size}")
     return tok, train, dev, everything
-
-
-def lm_data(args, tok, text, log):
-    """A language model's training and dev segments (data.py section 8), and the training ones again."""
-    streams = {split: data.lm_stream(tok, text[split]) for split in data.SPLITS}
-    if streams["dev"].numel() - 1 < args.seq_len:
-        raise data.DataError(f"{lm_text_file(args, 'dev')}: {streams['dev'].numel() - 1} "
-                             f"tokens, shorter than one segment of --seq-len {args.seq_len}")
-    train, dev = data.lm_segments(streams["train"], args.seq_len), data.lm_segments(streams["dev"], args.seq_len)
-    log("data: " + " / ".join(f"{streams[s].numel() - 1} {s}" for s in data.SPLITS) + f" tokens to predict, "
-        f"vocabulary {tok.vocab_size}, {len(train)} training segments of --seq-len {args.seq_len}")
-    return train, dev, train
 
 
 def qknorm_g0(args, train, log):
