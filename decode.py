@@ -359,7 +359,7 @@ def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, 
     with evaluating(model):
         for _ in range(max_tokens):
             x = torch.tensor([ids[-seq_len:]], device=device)  # the context the model was trained with
-            logits = model(None, x)[0, -1].float().cpu()  # (V,) -inf at PAD and BOS
+            logits = model.logits(None, x)[0, -1].float().cpu()  # (V,) -inf at PAD and BOS
             nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=rng)) \
                 if temperature > 0 else int(logits.argmax())
             if nxt == EOS:
@@ -582,7 +582,7 @@ def future_leak(model, segments, t=None, seed=0, training=True):
             if isinstance(mod, BATCH_NORMS):
                 mod.train()
         with torch.no_grad():
-            out = torch.log_softmax(m(None, inp.to(m.embed.device)).float(), -1).cpu()
+            out = torch.log_softmax(m.logits(None, inp.to(m.embed.device)).float(), -1).cpu()
         return out.gather(-1, y[..., None]).squeeze(-1)[:, :t + 1]  # (N, t + 1)
 
     before, after = logp(x), logp(changed)
@@ -623,7 +623,7 @@ def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0
             y = greedy_search(model, src)[0] if tgt_line is None else tokenizer.encode(tgt_line)
             tgt_in = torch.tensor([[BOS] + y], device=device)  # (1, T)  BOS y_1..y_m
             module.keep_weights = True  # the written-out attention path, which returns the weights
-            model(src, tgt_in)
+            model.logits(src, tgt_in)
             w = module.last_weights[0, head].float().cpu()  # (Tq, Tk)
     finally:
         module.keep_weights, module.last_weights = old

@@ -462,6 +462,8 @@ def main(argv=None):
         args, resumed = resume_flags(args, given, log) if args.resume or args.start_or_resume else (args, None)
         refuse_idle_flags(args, given)
         validate_args(args)
+        for note in flag_notes(args, given):  # the first screen says what a flag did to another
+            log(f"note: {note}")
         if given.get("show"):  # --show: every flag's value in this run (those given marked); no run, no --out
             for k in DEFAULTS:
                 print(f"--{k.replace('_', '-'):17s} {getattr(args, k)!s:22s} {'given' if k in given else ''}".rstrip())
@@ -673,6 +675,19 @@ def resolve_flags(argv=None):
     if args.lr_scale is not None:  # config.json records the peak that runs
         args.lr = args.lr_scale / math.sqrt(args.d_model * args.warmup)
     return args, given
+
+
+def flag_notes(args, given):
+    """What a flag given does to another flag, said on the run's first screen rather than silently."""
+    scale = PRESETS[given["preset"]][2].get("lr_scale") if "preset" in given else None  # resolve_flags drops it
+    batch_norms = ", ".join(n for n in {args.norm, args.encoder_norm, args.decoder_norm} if n and NORMS[n].batch_stats)
+    return [note for note, said in (
+        (f"--lr {args.lr:g} is the peak LR: the preset's --lr-scale {scale} is not used", "lr" in given and scale),
+        (f"--schedule {args.schedule} has no warmup: --warmup {args.warmup} only divides --lr-scale, "
+         f"a constant LR of {args.lr:.3g}", args.lr_scale is not None and not SCHEDULES[args.schedule].warms_up),
+        ("--compile pads lengths to multiples of 8 (a change to --pn-variant code's backward, which averages over "
+         "padding too)" + (f"; it keeps no batch-norm diagnostics of --norm {batch_norms}" if batch_norms else ""),
+         args.compile)) if said]
 
 
 def refuse_idle_flags(args, given):

@@ -38,7 +38,7 @@ def test_a_language_model_is_causal_at_evaluation_for_every_norm(norm, prenorm, 
     m = lm(norm, prenorm, attention)
     m.train()
     for _ in range(3):  # running statistics away from their start (PN past its warmup of 2)
-        m(None, torch.randint(4, 40, (6, 8)))
+        m.logits(None, torch.randint(4, 40, (6, 8)))
     m.eval()
     x = torch.randint(4, 40, (3, 8))
     norms.use_reference(reference)  # the written-out attention and norms, or the fast paths
@@ -50,11 +50,11 @@ def test_a_language_model_is_causal_at_evaluation_for_every_norm(norm, prenorm, 
 
 @torch.no_grad()
 def _check_causal(m, x):
-    base = m(None, x)
+    base = m.logits(None, x)
     for t in range(7):
         y = x.clone()
         y[:, t + 1:] = (x[:, t + 1:] + 7) % 36 + 4  # every later token different
-        out = m(None, y)
+        out = m.logits(None, y)
         torch.testing.assert_close(out[:, :t + 1], base[:, :t + 1], rtol=1e-5, atol=1e-5)
         assert not torch.allclose(out[:, t + 1:], base[:, t + 1:])  # the later positions do see them
 
@@ -74,7 +74,7 @@ def test_powernorm_past_its_warmup_leaks_nothing_in_training():
     m = lm("power")
     m.train()
     for _ in range(3):  # past the warmup of 2 forwards: the running statistic divides
-        m(None, torch.randint(4, 40, (6, 8)))
+        m.logits(None, torch.randint(4, 40, (6, 8)))
     segs = data.Segments(torch.randint(4, 40, (6, 8)), torch.randint(4, 40, (6, 8)))
     assert decode.future_leak(m, segs, t=3)["mean_abs_change"] < 1e-6
 

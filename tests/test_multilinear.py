@@ -86,13 +86,13 @@ def test_unmasked_and_relative_the_model_is_position_blind_at_the_input():
     m = Transformer(cfg).eval()
     tokens = torch.tensor([[5, 7, 5, 9, 5, 4]])
     with torch.no_grad():
-        logits = m(None, tokens)
+        logits = m.logits(None, tokens)
     torch.testing.assert_close(logits[0, 0], logits[0, 2])
     torch.testing.assert_close(logits[0, 0], logits[0, 4])
     cfg.positions = "sinusoidal"  # with the input's positions, the same tokens differ by where they are
     torch.manual_seed(0)
     with torch.no_grad():
-        logits = Transformer(cfg).eval()(None, tokens)
+        logits = Transformer(cfg).eval().logits(None, tokens)
     assert not torch.allclose(logits[0, 0], logits[0, 2])
 
 

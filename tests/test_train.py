@@ -372,6 +372,20 @@ def test_lr_scale_sets_the_constant_lr_of_nowarmup():
     assert lr2(1) == pytest.approx(2 * lr1(1))
 
 
+def test_a_flag_that_changes_another_is_said_on_the_first_screen(capsys):
+    """--lr over a preset's --lr-scale, --warmup as the divisor of nowarmup's constant LR, --compile's padding and
+    lost diagnostics: each is a note before anything runs (here --show), and a plain preset has none."""
+    for argv, said in ((["--preset", "twt4-invsqrt", "--lr", "1e-3"], "the preset's --lr-scale 1.0 is not used"),
+                       (["--schedule", "nowarmup", "--lr-scale", "1", "--warmup", "100"],
+                        "--warmup 100 only divides --lr-scale, a constant LR of 0.00884"),
+                       (["--compile", "--norm", "power"], "multiples of 8 (a change to --pn-variant code's"),
+                       (["--compile", "--encoder-norm", "batch"], "no batch-norm diagnostics of --norm batch")):
+        train.main(argv + ["--show"])
+        assert said in capsys.readouterr().out, argv
+    train.main(["--preset", "twt4-invsqrt", "--show"])
+    assert "note:" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("norm", ["scale", "layer", "batch"])
 def test_accumulated_micro_batches_equal_one_big_batch_for_per_token_norms(norm):
     """--accumulate N: N micro-batches per update, the loss divided by all their target tokens. With a
