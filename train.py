@@ -456,13 +456,13 @@ def finish(run):
 # the command line's (resolve_flags).
 # =======================================================================================
 def main(argv=None):
-    args, given = resolve_flags(argv)
     log = RunLog()  # Appendix C: the console
+    args, given = resolve_flags(argv, log)
     try:  # --resume (Appendix E): the run's own flags, from its last checkpoint, and what may change
         args, resumed = resume_flags(args, given, log) if args.resume or args.start_or_resume else (args, None)
         refuse_idle_flags(args, given)
         validate_args(args)
-        for note in flag_notes(args, given):  # the first screen says what a flag did to another
+        for note in flag_notes(args):  # the first screen says what a flag did to another
             log(f"note: {note}")
         if given.get("show"):  # --show: every flag's value in this run (those given marked); no run, no --out
             for k in DEFAULTS:
@@ -639,8 +639,8 @@ def build_parser():
     return p
 
 
-def resolve_flags(argv=None):
-    """The command line -> (args, given): every flag's value, and the flags given explicitly."""
+def resolve_flags(argv=None, log=print):
+    """The command line -> (args, given): every flag's value, and the flags given explicitly; log: its notes."""
     parser = build_parser()
     parser.error = lambda message: sys.exit(f"error: {message}")  # one line (argparse adds its usage)
     given = vars(parser.parse_args(argv))
@@ -656,8 +656,9 @@ def resolve_flags(argv=None):
     pair, _, row = PRESETS[given["preset"]] if "preset" in given else (None, "", {})
     flags = {**DEFAULTS, **PAIRS.get(given.get("pair", pair), {}), **row}
     # A flag given on the command line wins over the preset, always: --lr sets the peak LR, which a
-    # preset's lambda (--lr-scale) would otherwise override.
-    if "lr" in given:
+    # preset's lambda (--lr-scale) would otherwise override. The run's first screen says so.
+    if "lr" in given and flags["lr_scale"] is not None:
+        log(f"note: --lr {given['lr']:g} is the peak LR: the preset's --lr-scale {flags['lr_scale']} is not used")
         flags["lr_scale"] = None
     flags.update(given)
     if "pair" in given and ("task" in given or "preset" in given):  # a language model's corpus for a translator...
@@ -677,12 +678,12 @@ def resolve_flags(argv=None):
     return args, given
 
 
-def flag_notes(args, given):
-    """What a flag given does to another flag, said on the run's first screen rather than silently."""
-    scale = PRESETS[given["preset"]][2].get("lr_scale") if "preset" in given else None  # resolve_flags drops it
-    batch_norms = ", ".join(n for n in {args.norm, args.encoder_norm, args.decoder_norm} if n and NORMS[n].batch_stats)
+def flag_notes(args):
+    """What a flag given does to another flag, said on the run's first screen rather than silently (resolve_flags
+    says what --lr does to a preset's --lr-scale)."""
+    norms = dict.fromkeys((args.norm, args.encoder_norm, args.decoder_norm))  # in order, once each
+    batch_norms = ", ".join(n for n in norms if n and NORMS[n].batch_stats)
     return [note for note, said in (
-        (f"--lr {args.lr:g} is the peak LR: the preset's --lr-scale {scale} is not used", "lr" in given and scale),
         (f"--schedule {args.schedule} has no warmup: --warmup {args.warmup} only divides --lr-scale, "
          f"a constant LR of {args.lr:.3g}", args.lr_scale is not None and not SCHEDULES[args.schedule].warms_up),
         ("--compile pads lengths to multiples of 8 (a change to --pn-variant code's backward, which averages over "
