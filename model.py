@@ -381,8 +381,8 @@ class Transformer(nn.Module):
         return self.output_logits(self.hidden(src, tgt_in, E), E)
 
     def forward(self, src, tgt_in, tgt_out, smoothing=0.0):
-        """The objective of a teacher-forced pass, given the references tgt_out (B, T), PAD-padded (w_1..w_T for a
-        language model): (label-smoothed loss sum, NLL sum), in forward as nanoGPT does (DDP, torch.compile cover it)."""
+        """The objective of a teacher-forced pass with references tgt_out (B, T), PAD-padded (w_1..w_T for a language
+        model): (label-smoothed loss sum, NLL sum), in forward as nanoGPT does (DDP and torch.compile cover it)."""
         E = self.embedding_matrix()  # normalised once per forward
         h = self.hidden(src, tgt_in, E)
         # Note: a reference word outside the target vocabulary (a BPE piece seen only on the source side) can never be
