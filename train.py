@@ -163,35 +163,21 @@ class StepOptions:
 
 def train_step(net, optimizer, batches, lr, opts: StepOptions):
     """Forward, label-smoothed loss, backward for every micro-batch, then clip and Adam. Returns this rank's (loss
-    sum, NLL sum), the gradient norm before clipping, and the step's target tokens over all micro-batches and ranks,
-    which the loss is divided by (under DDP a 0-dim tensor on the device). Under DDP the ranks' gradients are
-    averaged; times the world size they are the sum, the gradient of one process with the whole batch (scaling each
-    rank's loss instead would scale every dL/dY, which PowerNorm's backward is not linear in)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    n_tgt = float(sum(b.n_tgt for b in batches))
-    if world > 1:  # all ranks' count, a device tensor: counted and summed there, the host waits for nothing
-        n_tgt = sum((b.tgt_out != data.PAD).sum() for b in batches).double()
-        dist.all_reduce(n_tgt)
+    sum, NLL sum), the gradient norm before clipping, and the step's target tokens, which the loss is divided by."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
+    # Code: word dropout on source and target inputs, never on the targets ([1] appendix A: p 0.1, UNK).
+    drop = lambda x: data.word_dropout(x, opts.word_dropout, opts.rng) if opts.word_dropout and x is not None else x
     loss_sum = nll_sum = 0.0
-    for i, b in enumerate(batches):
-        last = i == len(batches) - 1  # DDP all-reduces the gradients after the last micro-batch only
-        with contextlib.nullcontext() if last or world == 1 else net.no_sync():
-            # Code: word dropout on source and target inputs, never on the targets ([1] appendix A: p 0.1, UNK).
-            src = data.word_dropout(b.src, opts.word_dropout, opts.rng) if opts.word_dropout and b.src is not None \
-                else b.src  # None: a language model
-            tgt_in = data.word_dropout(b.tgt_in, opts.word_dropout, opts.rng) if opts.word_dropout else b.tgt_in
-            with autocast(b.tgt_in.device, opts.bf16):
-                loss, nll = net(src, tgt_in, b.tgt_out, opts.smoothing)  # sums over the target tokens
-            (loss / n_tgt).backward()  # Code: summed over non-pad targets, divided by their count
-        loss_sum, nll_sum = loss_sum + loss.detach(), nll_sum + nll.detach()
+    with across_processes(net, batches) as (n_tgt, sync):  # Appendix D: one process, or several under torchrun
+        for i, b in enumerate(batches):
+            with sync(i):
+                with autocast(b.tgt_in.device, opts.bf16):  # b.src is None for a language model
+                    loss, nll = net(drop(b.src), drop(b.tgt_in), b.tgt_out, opts.smoothing)  # sums over the targets
+                (loss / n_tgt).backward()  # Code: summed over non-pad targets, divided by their count
+            loss_sum, nll_sum = loss_sum + loss.detach(), nll_sum + nll.detach()
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if world > 1:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(world)
     # Paper (appendix A): "Gradients are clipped when global norm exceeds 1.0"; the norm before
     # clipping is what [1] Figure 2 plots.
     gnorm = torch.nn.utils.clip_grad_norm_(params, opts.clip if opts.clip > 0 else float("inf"))
@@ -1262,6 +1248,25 @@ def share_epoch(run, score):
 def gather_rngs(run):  # each rank's generators in run.rank_rngs, which rank 0's checkpoint keeps: each resumes its own
     run.rank_rngs = [None] * run.world
     dist.all_gather_object(run.rank_rngs, rng_state(run))
+
+
+@contextlib.contextmanager
+def across_processes(net, batches):
+    """A step's micro-batches: yields the step's target tokens, which the loss is divided by, and sync(i), the context
+    of micro-batch i's forward and backward. Under DDP the count is every rank's, counted and summed on the device (a
+    0-dim tensor: the host waits for nothing), and DDP all-reduces the gradients after the last micro-batch only. It
+    averages them; times the world size they are the sum, the gradient of one process with the whole batch (scaling
+    each rank's loss instead would scale every dL/dY, which PowerNorm's backward is not linear in)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        yield float(sum(b.n_tgt for b in batches)), lambda i: contextlib.nullcontext()
+        return
+    n_tgt = sum((b.tgt_out != data.PAD).sum() for b in batches).double()
+    dist.all_reduce(n_tgt)
+    yield n_tgt, lambda i: contextlib.nullcontext() if i == len(batches) - 1 else net.no_sync()
+    for p in net.parameters():
+        if p.grad is not None:
+            p.grad.mul_(world)
 
 
 def wrap_model(model, args, world, device):
