@@ -382,7 +382,7 @@ class Transformer(nn.Module):
 
     def forward(self, src, tgt_in, tgt_out, smoothing=0.0):
         """The objective of a teacher-forced pass, given the references tgt_out (B, T), PAD-padded (w_1..w_T for a
-        language model): (label-smoothed loss sum, NLL sum), in forward as nanoGPT does (DDP, torch.compile cover it)."""
+        language model): (label-smoothed loss sum, NLL sum), in forward as in nanoGPT (DDP, torch.compile cover it)."""
         E = self.embedding_matrix()  # normalised once per forward
         h = self.hidden(src, tgt_in, E)
         # Note: a reference word outside the target vocabulary (a BPE piece seen only on the source side) can never be
