@@ -483,16 +483,6 @@ def dist(a, b):
     return (torch.linalg.vector_norm(a.detach() - b) / a.numel()).item()
 
 
-def _on_backward(y, stats, terms):
-    """When dL/dy arrives: stats[name] = mean over tokens of ||term(dL/dy)|| for each (name, term)."""
-    if y.requires_grad:
-        def hook(dy):
-            with torch.no_grad():
-                for name, term in terms:
-                    stats[name] = torch.linalg.vector_norm(term(dy), dim=-1).mean().item()
-        y.register_hook(hook)
-
-
 def batch_diagnostics(norm, y, x, real, var, mu=None):
     """BatchNorm's (mu = mu_B, var = sigma_B^2) or, with mu None, PN-V's (var = psi_B^2: no centring, no mu terms)."""
     sigma = torch.sqrt(var.detach() + norm.eps)  # sigma_B (PN-V: psi_B)
@@ -506,7 +496,12 @@ def batch_diagnostics(norm, y, x, real, var, mu=None):
     else:
         stats = {"dist_mu": dist(mu, norm.running_mean), "dist_sigma2": dist(var, norm.running_var)}
         terms = [("g_mu", lambda dy: (scale * dy[real].mean(0)).expand_as(x_tilde)), ("g_sigma2", var_term)]
-    _on_backward(y, stats, terms)
+    if y.requires_grad:  # when dL/dy arrives: stats[name] = mean over tokens of ||term(dL/dy)|| for each (name, term)
+        def hook(dy):
+            with torch.no_grad():
+                for name, term in terms:
+                    stats[name] = torch.linalg.vector_norm(term(dy), dim=-1).mean().item()
+        y.register_hook(hook)
     return stats
 
 
