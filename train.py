@@ -98,7 +98,7 @@ class ScheduleEntry(NamedTuple):  # a schedule of the registry, as norms.py's No
     help: str  # what --help says of it
 
 
-# The registry, as norms.py's NORMS: --schedule NAME -> its entry, which --help, refuse_idle_flags and Schedule read.
+# The registry, as norms.py's NORMS: --schedule NAME -> its entry, which --help, check_flags and Schedule read.
 SCHEDULES = {
     "invsqrt": ScheduleEntry(lambda s, n, decay: inverse_sqrt_lr(n, s.d_model, s.warmup, s.lr_scale), True, False,
                              "eq. 7 of [1] (INVSQRTDECAY)"),
@@ -460,8 +460,7 @@ def main(argv=None):
     log = RunLog()  # Appendix C: the console
     try:  # --resume (Appendix E): the run's own flags, from its last checkpoint, and what may change
         args, resumed = resume_flags(args, given, log) if args.resume or args.start_or_resume else (args, None)
-        refuse_idle_flags(args, given)
-        validate_args(args)
+        check_flags(args, given)
         for note in flag_notes(args, given):  # the first screen says what a flag did to another
             log(f"note: {note}")
         if given.get("show"):  # --show: every flag's value in this run (those given marked); no run, no --out
@@ -690,9 +689,10 @@ def flag_notes(args, given):
          args.compile)) if said]
 
 
-def refuse_idle_flags(args, given):
-    """train.py's one table of which flags each task and mode reads: a flag given that would do nothing in this
-    configuration (a new run's, or a resumed one's) is refused, not silently ignored."""
+def check_flags(args, given):
+    """What no flag's type= can check alone, before any work, refused in one line naming the flag: train.py's one
+    table of which flags each task and mode reads (a flag given that would do nothing in this configuration, a new
+    run's or a resumed one's, is refused, not silently ignored), then the values that do not fit the others'."""
     norms = {args.norm, args.encoder_norm, args.decoder_norm}
     for names, active, why in (
             (("qk_length", "qk_percentile", "qk_no_g", "qk_norm_v"), args.qknorm, "QKNorm's, so it needs --qknorm"),
@@ -716,10 +716,6 @@ def refuse_idle_flags(args, given):
         for name in names:
             if name in given and not active:
                 sys.exit(f"error: --{name.replace('_', '-')} is {why}")
-
-
-def validate_args(args):
-    """What no flag's type= can check alone, before any work: each failure one line naming the flag."""
     # The multi-linear attention holds H L^2 x D weights in W^O and H L^2 x (B L) numbers in its tensor T, a layer: at
     # most 2^31 in all (8.6 GB in fp32), as training keeps T several times over (PTB's preset at --seq-len 512: 23 GB).
     wo, t = (args.heads * args.seq_len ** 2 * n * (args.dec_layers or args.layers)

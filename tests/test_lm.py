@@ -251,7 +251,7 @@ def test_qknorm_on_segments_of_one_token_is_one_line(tmp_path):
     argv = ["--task", "lm", "--qknorm", "--seq-len", "1"]
     msg = _one_line_error(lambda: train.main(argv + ["--out", str(tmp_path / "r")]))
     assert "--seq-len" in msg and "L >= 2" in msg and not (tmp_path / "r").exists()
-    train.validate_args(train.resolve_flags(argv + ["--qk-length", "8"])[0])  # L given: fine
+    train.check_flags(*train.resolve_flags(argv + ["--qk-length", "8"]))  # L given: fine
 
 
 def test_decoding_a_multilinear_model_with_a_longer_segment_is_one_line(text, tmp_path, capsys):

@@ -358,8 +358,8 @@ def test_a_new_schedule_is_a_function_and_one_entry_of_schedules(monkeypatch):
     for flag, words in ((["--warmup", "10"], "--schedule halving does not have"),
                         (["--patience", "3"], "not --schedule halving")):
         with pytest.raises(SystemExit, match=words):
-            train.refuse_idle_flags(*train.resolve_flags(["--schedule", "halving", *flag]))
-    assert "halving" not in str(pytest.raises(SystemExit, train.refuse_idle_flags,
+            train.check_flags(*train.resolve_flags(["--schedule", "halving", *flag]))
+    assert "halving" not in str(pytest.raises(SystemExit, train.check_flags,
                                               *train.resolve_flags(["--schedule", "invsqrt", "--patience", "3"])).value)
 
 
