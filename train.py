@@ -910,8 +910,8 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
 # Appendix C: speed and the log. Model FLOPs, the machine's own matmul throughput (MFU), the log line (StepLog), a
 # diverged run, the batch norms' diagnostics, --benchmark, --profile, keeping freed memory. Figures are never asserted.
 # =======================================================================================
-def step_flops(cfg, B, S, T, out_vocab=None):
-    """Training FLOPs of one step on a (B, S) source / (B, T) target batch, padding included.
+def batch_flops(cfg, b, out_vocab=None):
+    """Training FLOPs of one step on a data.Batch b, its (B, S) source / (B, T) target, padding included.
 
     Counts the matmuls (2 FLOPs per multiply-add) of the forward pass, times 3 (backward ~ two forwards). Per token,
     per layer:
@@ -922,6 +922,7 @@ def step_flops(cfg, B, S, T, out_vocab=None):
     A language model (S = 0) has no cross-attention; the multi-linear attention (model.py Appendix B) costs W^QKV
     3 D^2, the tensor T^2 D (T^2 R per head) and W^O H L^2 D per token.
     """
+    (B, T), S = b.tgt_in.shape, 0 if b.src is None else b.src.size(1)  # a language model's batch has no source
     D, FF, V = cfg.d_model, cfg.ff, out_vocab or cfg.vocab_size
     enc = cfg.enc_layers * (S * (4 * D * D + 2 * D * FF) + 2 * S * S * D)
     attn = (T * (3 * D * D + T * T * D + cfg.heads * cfg.seq_len ** 2 * D) if cfg.attention == "multilinear"
@@ -929,11 +930,6 @@ def step_flops(cfg, B, S, T, out_vocab=None):
     cross = 0 if cfg.lm else T * 2 * D * D + S * 2 * D * D + 2 * T * S * D
     dec = cfg.dec_layers * (attn + cross + T * 2 * D * FF)
     return 3 * 2 * B * (enc + dec + T * D * V)
-
-
-def batch_flops(cfg, b, out_vocab=None):
-    """step_flops of one data.Batch (a language model's has no source)."""
-    return step_flops(cfg, b.tgt_in.size(0), 0 if b.src is None else b.src.size(1), b.tgt_in.size(1), out_vocab)
 
 
 def output_columns(model):
