@@ -238,7 +238,6 @@ class Run:
     step_options: StepOptions
     state: TrainState = field(default_factory=TrainState)
     order: list = field(default_factory=list)  # this pass's shuffled batches
-    rank_rngs: list = field(default_factory=list)  # under torchrun: every rank's generators (share_epoch)
 
     @property
     def master(self):  # rank 0 alone logs and writes files
@@ -332,7 +331,8 @@ def train_loop(run):  # main() (Appendix A) calls it with the run that setup() b
                 step_log.evaluated()
             stop = not s.stopped and stop_requested(run, signals, end or s.step % args.log_interval == 0)
             if not end and not s.stopped and (stop or args.save_interval and s.step % args.save_interval == 0):
-                save_last(run, step_log)  # Appendix E: a checkpoint of this step
+                if step_log.flush():  # its records first; no checkpoint if a step diverged (the last good one stays)
+                    save_checkpoints(run, improved=False, epoch_end=False)  # Appendix E: a checkpoint of this step
             if stop:
                 raise KeyboardInterrupt(stop)  # main() says how to continue
     s.stopped = s.stopped or stopping(args, limit)  # else the budget, recorded in results.json
@@ -394,6 +394,7 @@ def end_of_epoch(run):
         s.lr_decay *= args.decay_factor
     s.stopped = stop_reason(args, s.step, s.lr_decay, s.history)  # [1] appendix A: the LR too small, or no progress
     if not run.master:
+        save_checkpoints(run, improved)  # the other ranks' part of rank 0's checkpoint: their random generators
         return
     # [1] Figure 1 (dev BLEU per epoch) and Figures 3-4 (learned g's) come from these records.
     append_metrics(run, {"step": s.step, "epoch": s.epoch, f"dev_{task.key}": score, "dev_loss": dev_loss, "dev_ppl":
@@ -1243,16 +1244,10 @@ def rank0_first(rank, world):
 
 
 def share_epoch(run, score):
-    """At each evaluation: rank 0's dev score and stop, so that every rank decides alike; and gather_rngs."""
+    """At each evaluation: rank 0's dev score and stop, so that every rank decides alike."""
     box = [score, run.state.stopped]
     dist.broadcast_object_list(box, src=0)
-    gather_rngs(run)
     return box
-
-
-def gather_rngs(run):  # each rank's generators in run.rank_rngs, which rank 0's checkpoint keeps: each resumes its own
-    run.rank_rngs = [None] * run.world
-    dist.all_gather_object(run.rank_rngs, rng_state(run))
 
 
 def wrap_model(model, args, world, device):
@@ -1303,7 +1298,13 @@ def rng_state(run):
 def save_checkpoints(run, improved, epoch_end=True):
     """At an epoch's end, the best checkpoint when dev improved, epoch N's under --keep-checkpoints (for averaging;
     Code [2]: the last 5); at every save, the last, written last: the resume point, the one file with the optimizer's
-    state and the random generators (twice the model's size): the best and epoch files hold what decoding reads."""
+    state and the random generators (twice the model's size): the best and epoch files hold what decoding reads.
+    Under torchrun every rank calls it, and rank 0's checkpoint keeps every rank's generators: each resumes its own."""
+    ranks = [None] * run.world
+    if run.world > 1:
+        dist.all_gather_object(ranks, rng_state(run))
+    if not run.master:
+        return
     s, keep, name = run.state, run.args.keep_checkpoints, partial(data.checkpoint_file, run.dir)
     # Only tensors and plain Python values: read back with torch.load(weights_only=True). The run's flags (args: its
     # run id and corpus hashes too) and its state (the step, the dev scores) are what a resume reads.
@@ -1311,7 +1312,7 @@ def save_checkpoints(run, improved, epoch_end=True):
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
             "bpe_model_proto": (run.dir / "bpe.model").read_bytes(), "src_lang": run.langs[0], "tgt_lang": run.langs[1],
             "train_state": asdict(run.state), "args": vars(run.args), "world": run.world,
-            "rng": dict(rng_state(run), **({"ranks": run.rank_rngs} if run.world > 1 else {}))}
+            "rng": dict(rng_state(run), **({"ranks": ranks} if run.world > 1 else {}))}
     weights = {k: v for k, v in ckpt.items() if k not in ("optimizer", "rng")}
     if improved:
         data.atomic_write(name("best"), weights)
@@ -1319,15 +1320,6 @@ def save_checkpoints(run, improved, epoch_end=True):
         data.atomic_write(name(s.epoch), weights)
         name(s.epoch - keep).unlink(missing_ok=True)
     data.atomic_write(name("last"), ckpt)
-
-
-def save_last(run, step_log):
-    """The last checkpoint at a step between evaluations (a stop, --save-interval): the steps' records first, then
-    every rank's generators; none if a step diverged (the last good checkpoint stays)."""
-    if step_log.flush() and run.world > 1:
-        gather_rngs(run)
-    if run.master and not run.state.stopped:
-        save_checkpoints(run, improved=False, epoch_end=False)
 
 
 @contextlib.contextmanager
