@@ -1288,21 +1288,17 @@ ACTIONS = ("resume", "overwrite", "start_or_resume")  # what a command does, not
 # the BPE model and the encoded caches are keyed by their content and are reused or replaced, never trusted.
 
 
-def rng_state(run):
-    """This process's random generators: what a resumed run restores to continue exactly."""
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "word_dropout": run.step_options.rng.get_state()}
-
-
 def save_checkpoints(run, improved, epoch_end=True):
     """At an epoch's end, the best checkpoint when dev improved, epoch N's under --keep-checkpoints (for averaging;
     Code [2]: the last 5); at every save, the last, written last: the resume point, the one file with the optimizer's
     state and the random generators (twice the model's size): the best and epoch files hold what decoding reads.
     Under torchrun every rank calls it, and rank 0's checkpoint keeps every rank's generators: each resumes its own."""
+    # This process's random generators: what a resumed run restores (restore) to continue exactly.
+    rng = dict(torch=torch.get_rng_state(), python=random.getstate(), word_dropout=run.step_options.rng.get_state(),
+               cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     ranks = [None] * run.world
     if run.world > 1:
-        dist.all_gather_object(ranks, rng_state(run))
+        dist.all_gather_object(ranks, rng)
     if not run.master:
         return
     s, keep, name = run.state, run.args.keep_checkpoints, partial(data.checkpoint_file, run.dir)
@@ -1312,7 +1308,7 @@ def save_checkpoints(run, improved, epoch_end=True):
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
             "bpe_model_proto": (run.dir / "bpe.model").read_bytes(), "src_lang": run.langs[0], "tgt_lang": run.langs[1],
             "train_state": asdict(run.state), "args": vars(run.args), "world": run.world,
-            "rng": dict(rng_state(run), **({"ranks": ranks} if run.world > 1 else {}))}
+            "rng": dict(rng, **({"ranks": ranks} if run.world > 1 else {}))}
     weights = {k: v for k, v in ckpt.items() if k not in ("optimizer", "rng")}
     if improved:
         data.atomic_write(name("best"), weights)
