@@ -98,7 +98,7 @@ class ScheduleEntry(NamedTuple):  # a schedule of the registry, as norms.py's No
     help: str  # what --help says of it
 
 
-# The registry, as norms.py's NORMS: --schedule NAME -> its entry, which --help, refuse_idle_flags and Schedule read.
+# The registry, as norms.py's NORMS: --schedule NAME -> its entry, which --help, check_flags and Schedule read.
 SCHEDULES = {
     "invsqrt": ScheduleEntry(lambda s, n, decay: inverse_sqrt_lr(n, s.d_model, s.warmup, s.lr_scale), True, False,
                              "eq. 7 of [1] (INVSQRTDECAY)"),
@@ -224,7 +224,6 @@ class Run:
     step_options: StepOptions
     state: TrainState = field(default_factory=TrainState)
     order: list = field(default_factory=list)  # this pass's shuffled batches
-    rank_rngs: list = field(default_factory=list)  # under torchrun: every rank's generators (share_epoch)
 
     @property
     def master(self):  # rank 0 alone logs and writes files
@@ -318,7 +317,8 @@ def train_loop(run):  # main() (Appendix A) calls it with the run that setup() b
                 step_log.evaluated()
             stop = not s.stopped and stop_requested(run, signals, end or s.step % args.log_interval == 0)
             if not end and not s.stopped and (stop or args.save_interval and s.step % args.save_interval == 0):
-                save_last(run, step_log)  # Appendix E: a checkpoint of this step
+                if step_log.flush():  # its records first; no checkpoint if a step diverged (the last good one stays)
+                    save_checkpoints(run, improved=False, epoch_end=False)  # Appendix E: a checkpoint of this step
             if stop:
                 raise KeyboardInterrupt(stop)  # main() says how to continue
     s.stopped = s.stopped or stopping(args, limit)  # else the budget, recorded in results.json
@@ -380,6 +380,7 @@ def end_of_epoch(run):
         s.lr_decay *= args.decay_factor
     s.stopped = stop_reason(args, s.step, s.lr_decay, s.history)  # [1] appendix A: the LR too small, or no progress
     if not run.master:
+        save_checkpoints(run, improved)  # the other ranks' part of rank 0's checkpoint: their random generators
         return
     # [1] Figure 1 (dev BLEU per epoch) and Figures 3-4 (learned g's) come from these records.
     append_metrics(run, {"step": s.step, "epoch": s.epoch, f"dev_{task.key}": score, "dev_loss": dev_loss, "dev_ppl":
@@ -446,8 +447,7 @@ def main(argv=None):
     args, given = resolve_flags(argv, log)
     try:  # --resume (Appendix E): the run's own flags, from its last checkpoint, and what may change
         args, resumed = resume_flags(args, given, log) if args.resume or args.start_or_resume else (args, None)
-        refuse_idle_flags(args, given)
-        validate_args(args)
+        check_flags(args, given)
         for note in flag_notes(args):  # the first screen says what a flag did to another
             log(f"note: {note}")
         if given.get("show"):  # --show: every flag's value in this run (those given marked); no run, no --out
@@ -677,9 +677,10 @@ def flag_notes(args):
          args.compile)) if said]
 
 
-def refuse_idle_flags(args, given):
-    """train.py's one table of which flags each task and mode reads: a flag given that would do nothing in this
-    configuration (a new run's, or a resumed one's) is refused, not silently ignored."""
+def check_flags(args, given):
+    """What no flag's type= can check alone, before any work, refused in one line naming the flag: train.py's one
+    table of which flags each task and mode reads (a flag given that would do nothing in this configuration, a new
+    run's or a resumed one's, is refused, not silently ignored), then the values that do not fit the others'."""
     norms = {args.norm, args.encoder_norm, args.decoder_norm}
     for names, active, why in (
             (("qk_length", "qk_percentile", "qk_no_g", "qk_norm_v"), args.qknorm, "QKNorm's, so it needs --qknorm"),
@@ -703,10 +704,6 @@ def refuse_idle_flags(args, given):
         for name in names:
             if name in given and not active:
                 sys.exit(f"error: --{name.replace('_', '-')} is {why}")
-
-
-def validate_args(args):
-    """What no flag's type= can check alone, before any work: each failure one line naming the flag."""
     # The multi-linear attention holds H L^2 x D weights in W^O and H L^2 x (B L) numbers in its tensor T, a layer: at
     # most 2^31 in all (8.6 GB in fp32), as training keeps T several times over (PTB's preset at --seq-len 512: 23 GB).
     wo, t = (args.heads * args.seq_len ** 2 * n * (args.dec_layers or args.layers)
@@ -901,8 +898,8 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
 # Appendix C: speed and the log. Model FLOPs, the machine's own matmul throughput (MFU), the log line (StepLog), a
 # diverged run, the batch norms' diagnostics, --benchmark, --profile, keeping freed memory. Figures are never asserted.
 # =======================================================================================
-def step_flops(cfg, B, S, T, out_vocab=None):
-    """Training FLOPs of one step on a (B, S) source / (B, T) target batch, padding included.
+def batch_flops(cfg, b, out_vocab=None):
+    """Training FLOPs of one step on a data.Batch b, its (B, S) source / (B, T) target, padding included.
 
     Counts the matmuls (2 FLOPs per multiply-add) of the forward pass, times 3 (backward ~ two forwards). Per token,
     per layer:
@@ -913,6 +910,7 @@ def step_flops(cfg, B, S, T, out_vocab=None):
     A language model (S = 0) has no cross-attention; the multi-linear attention (model.py Appendix B) costs W^QKV
     3 D^2, the tensor T^2 D (T^2 R per head) and W^O H L^2 D per token.
     """
+    (B, T), S = b.tgt_in.shape, 0 if b.src is None else b.src.size(1)  # a language model's batch has no source
     D, FF, V = cfg.d_model, cfg.ff, out_vocab or cfg.vocab_size
     enc = cfg.enc_layers * (S * (4 * D * D + 2 * D * FF) + 2 * S * S * D)
     attn = (T * (3 * D * D + T * T * D + cfg.heads * cfg.seq_len ** 2 * D) if cfg.attention == "multilinear"
@@ -920,11 +918,6 @@ def step_flops(cfg, B, S, T, out_vocab=None):
     cross = 0 if cfg.lm else T * 2 * D * D + S * 2 * D * D + 2 * T * S * D
     dec = cfg.dec_layers * (attn + cross + T * 2 * D * FF)
     return 3 * 2 * B * (enc + dec + T * D * V)
-
-
-def batch_flops(cfg, b, out_vocab=None):
-    """step_flops of one data.Batch (a language model's has no source)."""
-    return step_flops(cfg, b.tgt_in.size(0), 0 if b.src is None else b.src.size(1), b.tgt_in.size(1), out_vocab)
 
 
 def output_columns(model):
@@ -1238,16 +1231,10 @@ def rank0_first(rank, world):
 
 
 def share_epoch(run, score):
-    """At each evaluation: rank 0's dev score and stop, so that every rank decides alike; and gather_rngs."""
+    """At each evaluation: rank 0's dev score and stop, so that every rank decides alike."""
     box = [score, run.state.stopped]
     dist.broadcast_object_list(box, src=0)
-    gather_rngs(run)
     return box
-
-
-def gather_rngs(run):  # each rank's generators in run.rank_rngs, which rank 0's checkpoint keeps: each resumes its own
-    run.rank_rngs = [None] * run.world
-    dist.all_gather_object(run.rank_rngs, rng_state(run))
 
 
 @contextlib.contextmanager
@@ -1307,17 +1294,19 @@ ACTIONS = ("resume", "overwrite", "start_or_resume")  # what a command does, not
 # the BPE model and the encoded caches are keyed by their content and are reused or replaced, never trusted.
 
 
-def rng_state(run):
-    """This process's random generators: what a resumed run restores to continue exactly."""
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "word_dropout": run.step_options.rng.get_state()}
-
-
 def save_checkpoints(run, improved, epoch_end=True):
     """At an epoch's end, the best checkpoint when dev improved, epoch N's under --keep-checkpoints (for averaging;
     Code [2]: the last 5); at every save, the last, written last: the resume point, the one file with the optimizer's
-    state and the random generators (twice the model's size): the best and epoch files hold what decoding reads."""
+    state and the random generators (twice the model's size): the best and epoch files hold what decoding reads.
+    Under torchrun every rank calls it, and rank 0's checkpoint keeps every rank's generators: each resumes its own."""
+    # This process's random generators: what a resumed run restores (restore) to continue exactly.
+    rng = dict(torch=torch.get_rng_state(), python=random.getstate(), word_dropout=run.step_options.rng.get_state(),
+               cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    ranks = [None] * run.world
+    if run.world > 1:
+        dist.all_gather_object(ranks, rng)
+    if not run.master:
+        return
     s, keep, name = run.state, run.args.keep_checkpoints, partial(data.checkpoint_file, run.dir)
     # Only tensors and plain Python values: read back with torch.load(weights_only=True). The run's flags (args: its
     # run id and corpus hashes too) and its state (the step, the dev scores) are what a resume reads.
@@ -1325,7 +1314,7 @@ def save_checkpoints(run, improved, epoch_end=True):
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
             "bpe_model_proto": (run.dir / "bpe.model").read_bytes(), "src_lang": run.langs[0], "tgt_lang": run.langs[1],
             "train_state": asdict(run.state), "args": vars(run.args), "world": run.world,
-            "rng": dict(rng_state(run), **({"ranks": run.rank_rngs} if run.world > 1 else {}))}
+            "rng": dict(rng, **({"ranks": ranks} if run.world > 1 else {}))}
     weights = {k: v for k, v in ckpt.items() if k not in ("optimizer", "rng")}
     if improved:
         data.atomic_write(name("best"), weights)
@@ -1333,15 +1322,6 @@ def save_checkpoints(run, improved, epoch_end=True):
         data.atomic_write(name(s.epoch), weights)
         name(s.epoch - keep).unlink(missing_ok=True)
     data.atomic_write(name("last"), ckpt)
-
-
-def save_last(run, step_log):
-    """The last checkpoint at a step between evaluations (a stop, --save-interval): the steps' records first, then
-    every rank's generators; none if a step diverged (the last good checkpoint stays)."""
-    if step_log.flush() and run.world > 1:
-        gather_rngs(run)
-    if run.master and not run.state.stopped:
-        save_checkpoints(run, improved=False, epoch_end=False)
 
 
 @contextlib.contextmanager

@@ -251,7 +251,7 @@ def test_qknorm_on_segments_of_one_token_is_one_line(tmp_path):
     argv = ["--task", "lm", "--qknorm", "--seq-len", "1"]
     msg = _one_line_error(lambda: train.main(argv + ["--out", str(tmp_path / "r")]))
     assert "--seq-len" in msg and "L >= 2" in msg and not (tmp_path / "r").exists()
-    train.validate_args(train.resolve_flags(argv + ["--qk-length", "8"])[0])  # L given: fine
+    train.check_flags(*train.resolve_flags(argv + ["--qk-length", "8"]))  # L given: fine
 
 
 def test_decoding_a_multilinear_model_with_a_longer_segment_is_one_line(text, tmp_path, capsys):
@@ -300,13 +300,14 @@ def test_the_table_2_presets_are_the_papers_language_models():
             ("cosine", 2.5e-4, 0.25, 3840, 1, 2100)
 
 
-def test_step_flops_of_a_language_model_and_the_multilinear_attention():
+def test_batch_flops_of_a_language_model_and_the_multilinear_attention():
     D, FF, V, B, T = 8, 32, 100, 2, 4
+    batch = data.Batch(None, torch.zeros(B, T), torch.zeros(B, T), B * T)  # a language model's: no source
     cfg = ModelConfig(vocab_size=V, d_model=D, heads=2, ff=FF, dec_layers=1, lm=True)
-    assert train.step_flops(cfg, B, 0, T) == 6 * B * (T * (4 * D * D + 2 * D * FF) + 2 * T * T * D + T * D * V)
+    assert train.batch_flops(cfg, batch) == 6 * B * (T * (4 * D * D + 2 * D * FF) + 2 * T * T * D + T * D * V)
     cfg = ModelConfig(vocab_size=V, d_model=D, heads=2, ff=FF, dec_layers=1, lm=True, attention="multilinear",
                       seq_len=5)
-    assert train.step_flops(cfg, B, 0, T) == 6 * B * (T * (3 * D * D + T * T * D + 2 * 25 * D + 2 * D * FF) + T * D * V)
+    assert train.batch_flops(cfg, batch) == 6 * B * (T * (3 * D * D + T * T * D + 2 * 25 * D + 2 * D * FF) + T * D * V)
 
 
 def test_review_fixes_special_words_idle_flags_and_the_cosine_schedule(text, tmp_path, capsys):

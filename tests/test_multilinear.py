@@ -148,4 +148,4 @@ def test_a_multilinear_attention_too_large_for_memory_is_refused_in_one_line_wit
     assert f"{4 * 4096 ** 2 * 128 * 2:,} weights in W^O" in msg  # H L^2 D in each of the 2 layers, at the defaults
     assert not (tmp_path / "r").exists()
     for preset, seq_len in (("pn2-layernorm", "32"), ("pn2-layernorm", "384")):
-        train.validate_args(train.resolve_flags(["--preset", preset, "--seq-len", seq_len])[0])  # no error
+        train.check_flags(*train.resolve_flags(["--preset", preset, "--seq-len", seq_len]))  # no error

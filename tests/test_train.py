@@ -104,15 +104,16 @@ def test_one_training_step_under_reference_equals_the_fast_step():
         torch.testing.assert_close(fast_state[k], ref_state[k], rtol=1e-9, atol=1e-12)
 
 
-def test_step_flops_counts_the_matmuls():
+def test_batch_flops_counts_the_matmuls():
     from model import ModelConfig
     cfg = ModelConfig(vocab_size=100, d_model=8, heads=2, ff=32, enc_layers=1, dec_layers=1)
     B, S, T = 2, 3, 4
     D, FF, V = 8, 32, 100
+    batch = data.Batch(torch.zeros(B, S), torch.zeros(B, T), torch.zeros(B, T), B * T)  # its shapes are what counts
     enc = S * (4 * D * D + 2 * D * FF) + 2 * S * S * D
     dec = T * (6 * D * D + 2 * D * FF) + S * 2 * D * D + 2 * T * T * D + 2 * T * S * D
-    assert train.step_flops(cfg, B, S, T) == 6 * B * (enc + dec + T * D * V)
-    assert train.step_flops(cfg, B, S, T, out_vocab=30) == 6 * B * (enc + dec + T * D * 30)
+    assert train.batch_flops(cfg, batch) == 6 * B * (enc + dec + T * D * V)
+    assert train.batch_flops(cfg, batch, out_vocab=30) == 6 * B * (enc + dec + T * D * 30)
 
 
 # --- bad flags ------------------------------------------------------------------------------
@@ -358,8 +359,8 @@ def test_a_new_schedule_is_a_function_and_one_entry_of_schedules(monkeypatch):
     for flag, words in ((["--warmup", "10"], "--schedule halving does not have"),
                         (["--patience", "3"], "not --schedule halving")):
         with pytest.raises(SystemExit, match=words):
-            train.refuse_idle_flags(*train.resolve_flags(["--schedule", "halving", *flag]))
-    assert "halving" not in str(pytest.raises(SystemExit, train.refuse_idle_flags,
+            train.check_flags(*train.resolve_flags(["--schedule", "halving", *flag]))
+    assert "halving" not in str(pytest.raises(SystemExit, train.check_flags,
                                               *train.resolve_flags(["--schedule", "invsqrt", "--patience", "3"])).value)
 
 
