@@ -1208,6 +1208,15 @@ def read_metrics(run_dir):
     return rows
 
 
+def idle_flag(rules, given):
+    """Both programs' one rule for a flag given where it does nothing: refused in one line, never silently ignored.
+    rules: (flags, read, why), the flags read only where `read` holds. The first flag given where it is not read, as
+    a command line writes it (--flag-name), with its rule's why; None if there is none."""
+    for flags, read, why in rules:
+        if not read and (idle := [f for f in flags if f in given]):
+            return f"--{idle[0].replace('_', '-')}", why
+
+
 def ranged(kind, ok, why):
     """An argparse type= that checks the range too, for both files' flags: a value out of range is argparse's own
     one-line error naming the flag ("argument --beam: must be at least 1 (got 0)"); a non-finite number never passes."""

@@ -928,10 +928,10 @@ NEEDS = {"out": ("plot",), "context": ("ppl",), "leak_mode": ("leak",), "sample"
 
 
 def idle_flag(mode, given):
-    """Why the first flag given that `mode` does not read (MODES) is refused, or None."""
-    if extra := sorted(given - MODES[mode]):
-        what = "a checkpoint" if extra[0] == "checkpoint" else f"--{extra[0].replace('_', '-')}"
-        return f"{what} does nothing with {mode if ' ' in mode else '--' + mode.replace('_', '-')}"
+    """Why the first flag given that `mode` does not read (MODES) is refused, or None (data.idle_flag's rule)."""
+    how = mode if " " in mode else "--" + mode.replace("_", "-")
+    if idle := data.idle_flag([(sorted(given - MODES[mode]), False, how)], given):
+        return f"{'a checkpoint' if idle[0] == '--checkpoint' else idle[0]} does nothing with {how}"
 
 
 def parse_args(argv=None):
@@ -945,10 +945,10 @@ def parse_args(argv=None):
         ap.error("a checkpoint (file or run directory) is needed, except with --compare or --plot")
     if args.compare and args.seed < 1:  # SacreBLEU takes 0 as "no seed": another resampling at every run
         ap.error(f"--seed must be at least 1 for --compare (got {args.seed!r})")
-    for flag, needs in NEEDS.items():
-        if flag in args.given and not args.given & set(needs):
-            ap.error(f"--{flag.replace('_', '-')} is for " + " or ".join(f"--{n.replace('_', '-')}" for n in needs)
-                     + ": give it too" + ("; translations go to --output" if flag == "out" else ""))
+    needs = [((f,), args.given & set(n), " or ".join(f"--{x.replace('_', '-')}" for x in n)) for f, n in NEEDS.items()]
+    if idle := data.idle_flag(needs, args.given):  # data.idle_flag's rule, as train.py's
+        output = "; translations go to --output" if idle[0] == "--out" else ""
+        ap.error("{} is for {}: give it too".format(*idle) + output)
     mode = next((m for m in MODES if m in args.given), None)  # else the checkpoint's kind chooses (run)
     if mode and (why := idle_flag(mode, args.given)):
         ap.error(why)

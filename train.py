@@ -679,10 +679,11 @@ def flag_notes(args):
 
 def check_flags(args, given):
     """What no flag's type= can check alone, before any work, refused in one line naming the flag: train.py's one
-    table of which flags each task and mode reads (a flag given that would do nothing in this configuration, a new
-    run's or a resumed one's, is refused, not silently ignored), then the values that do not fit the others'."""
+    table of which flags each task and mode reads (data.idle_flag: a flag given that would do nothing in this
+    configuration, a new run's or a resumed one's, is refused, not silently ignored), then the values that do not fit
+    the others'."""
     norms = {args.norm, args.encoder_norm, args.decoder_norm}
-    for names, active, why in (
+    if idle := data.idle_flag((
             (("qk_length", "qk_percentile", "qk_no_g", "qk_norm_v"), args.qknorm, "QKNorm's, so it needs --qknorm"),
             (("pn_variant", "pn_alpha_fwd", "pn_alpha_bkw", "pn_warmup"), "power" in norms,
              "PowerNorm's, so it needs --norm, --encoder-norm or --decoder-norm power"),
@@ -700,10 +701,8 @@ def check_flags(args, given):
              "built-in corpus is used"),
             (("profile",), args.benchmark, "for the steps of --benchmark N: give --benchmark too"),
             (("patience", "decay_factor"), SCHEDULES[args.schedule].decays, "for validation-based decay (--schedule "
-             f"{', '.join(k for k, e in SCHEDULES.items() if e.decays)}), not --schedule {args.schedule}")):
-        for name in names:
-            if name in given and not active:
-                sys.exit(f"error: --{name.replace('_', '-')} is {why}")
+             f"{', '.join(k for k, e in SCHEDULES.items() if e.decays)}), not --schedule {args.schedule}")), given):
+        sys.exit("error: {} is {}".format(*idle))
     # The multi-linear attention holds H L^2 x D weights in W^O and H L^2 x (B L) numbers in its tensor T, a layer: at
     # most 2^31 in all (8.6 GB in fp32), as training keeps T several times over (PTB's preset at --seq-len 512: 23 GB).
     wo, t = (args.heads * args.seq_len ** 2 * n * (args.dec_layers or args.layers)
