@@ -105,20 +105,18 @@ def read_parallel(src_path, tgt_path, max_len=None, drop_empty=True):
 # ---------------------------------------------------------------------------------------
 # 2. Joint BPE (sentencepiece)
 # ---------------------------------------------------------------------------------------
-def train_bpe(src_lines, tgt_lines, vocab_size, model_prefix):
-    """Trains one BPE model on source + target training text; returns the .model path.
+def train_bpe(src_lines, tgt_lines, vocab_size):
+    """Trains one BPE model on source + target training text, in memory; returns the model's bytes.
     Paper: [1] uses joint BPE (fastBPE, 8000 merges); one vocabulary lets the source embedding, target embedding and
     output layer be one matrix. Note: we use sentencepiece BPE with vocab_size pieces instead of a number of merges,
     and the "identity" normalization, so decode(encode(s)) == s (bar runs of spaces, unseen characters) and BLEU
     compares the output with the untouched reference text. A too-small corpus gets the largest size, said on stderr.
     """
-    model_prefix = Path(model_prefix)
-    model_prefix.parent.mkdir(parents=True, exist_ok=True)
-    lines = [l for l in list(src_lines) + list(tgt_lines) if l]
+    lines, model = [l for l in list(src_lines) + list(tgt_lines) if l], io.BytesIO()
 
     def train(v):
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines), model_prefix=str(model_prefix), vocab_size=v, model_type="bpe",
+            sentence_iterator=iter(lines), model_writer=model, vocab_size=v, model_type="bpe",
             character_coverage=1.0, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS, normalization_rule_name="identity",
             input_sentence_size=0, shuffle_input_sentence=False,  # deterministic: all sentences (0), in order
             max_sentence_length=1 << 16, num_threads=min(4, os.cpu_count() or 1), minloglevel=2)  # quiet
@@ -133,18 +131,17 @@ def train_bpe(src_lines, tgt_lines, vocab_size, model_prefix):
             raise
         print(f"note: vocab_size {vocab_size} is too large for this corpus; using {m.group(2)}", file=sys.stderr)
         train(int(m.group(2)))
-    return str(model_prefix) + ".model"
+    return model.getvalue()
 
 
 class Tokenizer:
-    """A thin wrapper around a sentencepiece model (a file, or its bytes) with our special ids."""
-    def __init__(self, model_path=None, model_proto=None):
-        self.sp = spm.SentencePieceProcessor(model_file=str(model_path)) if model_proto is None else \
-            spm.SentencePieceProcessor(model_proto=bytes(model_proto))
+    """A thin wrapper around a sentencepiece model (its bytes, as train_bpe returns them) with our special ids."""
+    def __init__(self, proto, name="vocabulary"):
+        self.sp = spm.SentencePieceProcessor(model_proto=bytes(proto))
         self.proto = self.sp.serialized_model_proto()  # the model's bytes: what caches and checkpoints key on
         self.vocab_size = self.sp.get_piece_size()
         if (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id()) != (PAD, UNK, BOS, EOS):
-            raise DataError(f"{model_path}: a sentencepiece model not made by data.train_bpe (other special ids)")
+            raise DataError(f"{name}: a sentencepiece model not made by data.train_bpe (other special ids)")
 
     def encode(self, text):
         """str -> [ids], without BOS/EOS. A list of str gives a list of lists (C++ threads)."""
@@ -230,9 +227,7 @@ class Batch:
     src: Optional[torch.Tensor]  # (B, S) source ids, PAD-padded, no BOS/EOS; None for a language model
     tgt_in: torch.Tensor  # (B, T) [BOS] + y, the decoder's input
     tgt_out: torch.Tensor  # (B, T) y + [EOS], what it must predict
-    n_src: int  # non-pad source tokens
     n_tgt: int  # non-pad target tokens (= tokens in the loss)
-    idx: list  # example indices, to put outputs back in order
 
 
 def collate(encoded_pairs, idx, device=None, multiple=1):
@@ -251,7 +246,7 @@ def collate(encoded_pairs, idx, device=None, multiple=1):
         tensors = [t.pin_memory().to(device, non_blocking=True) for t in tensors]  # overlaps the last step
     elif device is not None:
         tensors = [t.to(device) for t in tensors]
-    return Batch(*tensors, n_src=sum(len(x) for x in xs), n_tgt=sum(len(y) + 1 for y in ys), idx=list(idx))
+    return Batch(*tensors, n_tgt=sum(len(y) + 1 for y in ys))
 
 
 # ---------------------------------------------------------------------------------------
@@ -316,7 +311,7 @@ class Segments:
         n_tgt = int(y.ne(PAD).sum())  # counted on the host, before the copy
         if device is not None:
             x, y = x.to(device), y.to(device)
-        return Batch(None, x, y, n_src=0, n_tgt=n_tgt, idx=list(idx))
+        return Batch(None, x, y, n_tgt=n_tgt)
 
 
 def lm_segments(stream, seq_len):
@@ -351,6 +346,7 @@ def lm_segments(stream, seq_len):
 #     gloss: man green the | that us-ACC like | table beside | Thullockmeyth-ACC | NEG take-FUT .
 # =======================================================================================
 TOY_VERSION = 2  # bump when the generator changes, so that old data/toy/ files get rebuilt
+TOY_DIR = Path(__file__).resolve().parent / "data" / "toy"  # the built-in corpus's default place, next to this file
 
 # Nouns, most frequent first (the Zipf rank); "man:men" an irregular English plural (the target's are all regular).
 _NOUNS = """dog cat man:men woman:women child:children house friend king teacher bird tree book city river boy girl
@@ -529,10 +525,11 @@ class _ToyGrammar:
         return " ".join(src + ["."]), " ".join(tgt + ["."])
 
 
-def make_toy_corpus(out_dir, seed=1, n_train=20000, n_dev=500, n_test=500):
-    """Writes {train,dev,test}.{src,tgt} into out_dir (a Path, returned), unless its stamp file says they were made
-    with these settings. Deterministic in (seed, sizes); sentences have 4 to 25 source tokens and are unique across
-    the splits, so dev and test hold no training sentence."""
+def make_toy_corpus(out_dir=TOY_DIR, seed=1, n_train=20000, n_dev=500, n_test=500):
+    """Writes {train,dev,test}.{src,tgt} into out_dir (a Path, returned; default data/toy/), unless its stamp file
+    says they were made with these settings (so the default builds the built-in corpus if it is missing).
+    Deterministic in (seed, sizes); sentences have 4 to 25 source tokens and are unique across the splits, so dev and
+    test hold no training sentence."""
     out_dir = Path(out_dir)
     stamp = {"version": TOY_VERSION, "seed": seed, "n_train": n_train, "n_dev": n_dev, "n_test": n_test}
     stamp_path, files = out_dir / "toy_corpus.json", [out_dir / f"{s}.{l}" for s in SPLITS for l in ("src", "tgt")]
@@ -552,19 +549,9 @@ def make_toy_corpus(out_dir, seed=1, n_train=20000, n_dev=500, n_test=500):
     return out_dir
 
 
-def toy_corpus_dir():
-    """The built-in corpus's default place: data/toy/ next to this file."""
-    return Path(__file__).resolve().parent / "data" / "toy"
-
-
-def ensure_toy_corpus():
-    """Builds the default toy corpus if it is missing; returns its directory."""
-    return make_toy_corpus(toy_corpus_dir())
-
-
 def summary():
     """python data.py: build the built-in corpus and print what it is like."""
-    d, t_make = timed(ensure_toy_corpus)  # norms.py Appendix C
+    d, t_make = timed(make_toy_corpus)  # norms.py Appendix C
     splits = {s: read_parallel(*p)[0] for s, p in corpus_paths(d, "src", "tgt").items()}
     print(f"toy corpus in {d} ({t_make:.1f}s): " + ", ".join(f"{s} {len(p)} pairs" for s, p in splits.items()))
     train = splits["train"]
@@ -573,8 +560,7 @@ def summary():
         print(f"  {name}: {sum(counts.values()) / len(train):.1f} words/sentence, {len(counts)} types, "
               f"{sum(1 for c in counts.values() if c <= 2)} of them seen once or twice")
     t0 = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        tok = Tokenizer(train_bpe([p[0] for p in train], [p[1] for p in train], 2000, Path(tmp) / "bpe"))
+    tok = Tokenizer(train_bpe([p[0] for p in train], [p[1] for p in train], 2000))
     enc = encode_pairs(tok, train)
     L, pad = length_percentile(enc), padding_share(enc, make_batches(enc, 4096, shuffle=True, seed=1))
     print(f"  BPE: {tok.vocab_size} pieces ({time.time() - t0:.1f}s to train and encode), L(97.5%) = {L:.1f}, "
@@ -1037,7 +1023,7 @@ class WordVocab:
 
 def load_tokenizer(proto, name="vocabulary"):
     """The tokenizer of a run's vocabulary bytes: a WordVocab (section 8), or a sentencepiece Tokenizer."""
-    return WordVocab(proto) if bytes(proto).startswith(WordVocab.HEADER) else Tokenizer(name, model_proto=proto)
+    return WordVocab(proto) if bytes(proto).startswith(WordVocab.HEADER) else Tokenizer(proto, name)
 
 
 def _lengths(encoded_pairs):
@@ -1201,10 +1187,6 @@ def run_id_of(path):
     return blob.get("run_id") if isinstance(blob, dict) and isinstance(blob.get("run_id"), str) else None
 
 
-class OtherRunsCheckpoint(DataError):  # read_checkpoint: a checkpoint in the folder of another run than its own
-    pass
-
-
 def read_checkpoint(path, device="cpu"):
     """torch.load(weights_only=True) of one checkpoint file, with its checks; DataError naming it. A checkpoint
     holds only tensors and plain Python values: unpickling anything else could run code, so such a file is
@@ -1232,8 +1214,7 @@ def read_checkpoint(path, device="cpu"):
         raise DataError(f"{p}: written by an older train.py (format {ckpt.get('format')}); start a new run")
     theirs, ours = (ckpt.get("args") or {}).get("run_id"), run_id_of(p.parent / "config.json")  # decode, resume alike
     if ours is not None and theirs != ours:  # copied in from another run: its model is not this run's
-        raise OtherRunsCheckpoint(f"{p}: refused, a checkpoint of another run (run_id {theirs}) in the folder of run "
-                                  f"{ours}")
+        raise DataError(f"{p}: refused, a checkpoint of another run (run_id {theirs}) in the folder of run {ours}")
     return ckpt
 
 

@@ -47,7 +47,7 @@ import uuid
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -83,17 +83,49 @@ def inverse_sqrt_lr(step, d_model, warmup, lr_scale):
     # Exercise invsqrt: end
 
 
+def flat_after_warmup_lr(s, n, decay):  # VALDECAY: eq. 7's warmup, then flat at its peak, times the decays so far
+    return inverse_sqrt_lr(min(n, s.warmup), s.d_model, s.warmup, s.lr_scale) * decay
+
+
+def cosine_lr(s, n, decay):  # eq. 7's warmup, then peak * (1 + cos(pi (n - n_warmup) / (N - n_warmup))) / 2
+    if n <= s.warmup:
+        return flat_after_warmup_lr(s, n, 1.0)
+    return s.peak * (1 + math.cos(math.pi * min(1.0, (n - s.warmup) / max(s.total - s.warmup, 1)))) / 2
+
+
+class ScheduleEntry(NamedTuple):  # a schedule of the registry, as norms.py's Norm
+    lr: Callable  # lr(schedule, n, decay): the LR of step n; decay: the product of the validation decays so far
+    warms_up: bool  # reads --warmup (n_warmup)
+    decays: bool  # validation-based decay ([1] 2.4): reads --patience and --decay-factor
+    help: str  # what --help says of it
+
+
+# The registry, as norms.py's NORMS: --schedule NAME -> its entry, which --help, refuse_idle_flags and Schedule read.
+SCHEDULES = {
+    "invsqrt": ScheduleEntry(lambda s, n, decay: inverse_sqrt_lr(n, s.d_model, s.warmup, s.lr_scale), True, False,
+                             "eq. 7 of [1] (INVSQRTDECAY)"),
+    "valdecay": ScheduleEntry(flat_after_warmup_lr, True, True, "eq. 7's linear warmup, then flat at its peak, times "
+                              "--decay-factor when dev BLEU stalls ([1] 2.4, VALDECAY)"),
+    "nowarmup": ScheduleEntry(lambda s, n, decay: s.peak * decay, False, True, "constant --lr (3e-4 in [1] 3.3) with "
+                              "the same validation decay"),
+    "warmupflat": ScheduleEntry(flat_after_warmup_lr, True, True, "valdecay under the name of QKNorm's released "
+                                "configs (Code [3])"),
+    "cosine": ScheduleEntry(cosine_lr, True, False, "the warmup, then a cosine to 0 at the run's last step (the "
+                            "tensorized Transformer's PTB script, [2]'s language models)"),
+}
+
+
 @dataclass
 class Schedule:
-    kind: str  # invsqrt | valdecay | warmupflat (valdecay, as QKNorm's configs name it) | nowarmup | cosine
+    kind: str  # a name in SCHEDULES
     d_model: int
-    warmup: int  # n_warmup; none under nowarmup
+    warmup: int  # n_warmup; 0 for a schedule that does not warm up (nowarmup)
     peak: float  # the peak LR, lambda / sqrt(d * n_warmup); the constant LR under nowarmup
     total: int = 0  # cosine: the run's last step N
 
     @classmethod
     def from_args(cls, args):
-        return cls(args.schedule, args.d_model, 0 if args.schedule == "nowarmup" else args.warmup,
+        return cls(args.schedule, args.d_model, args.warmup if SCHEDULES[args.schedule].warms_up else 0,
                    args.lr, budget(args)[0])  # resolve_flags made lr lambda / sqrt(d * n_warmup) under --lr-scale
 
     @property
@@ -101,19 +133,12 @@ class Schedule:
         return self.peak * math.sqrt(self.d_model * max(self.warmup, 1))
 
     @property
-    def decays(self):  # [1] 2.4: validation-based decay, for VALDECAY and NOWARMUP
-        return self.kind not in ("invsqrt", "cosine")
+    def decays(self):  # [1] 2.4: validation-based decay
+        return SCHEDULES[self.kind].decays
 
     def __call__(self, step, decay=1.0):
         """The LR of step n; decay is the product of the validation decays so far."""
-        if self.kind == "invsqrt":
-            return inverse_sqrt_lr(step, self.d_model, self.warmup, self.lr_scale)
-        if self.kind == "nowarmup":
-            return self.peak * decay
-        if self.kind == "cosine" and step > self.warmup:
-            progress = min(1.0, (step - self.warmup) / max(self.total - self.warmup, 1))
-            return self.peak * (1 + math.cos(math.pi * progress)) / 2
-        return inverse_sqrt_lr(min(step, self.warmup), self.d_model, self.warmup, self.lr_scale) * decay
+        return SCHEDULES[self.kind].lr(self, step, decay)
 
 
 def validation_decay(history, patience):
@@ -402,14 +427,13 @@ def finish(run):
         return None
     ckpt = data.read_checkpoint(best[0], run.device)
     run.model.load_state_dict(ckpt["model"])
-    run.model.eval()
     best = ckpt["train_state"]
     result = {"run_id": args.run_id, "steps": run.state.step, "best_step": best["step"],
               f"best_dev_{TASKS[args.task].key}": best["history"][-1],
               "train_seconds": run.state.train_seconds, "stopped": run.state.stopped[1],
               # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd)
               "embedding_singular_values": decode.singular_values(run.model)}
-    decode.print_g_table(run.model, run.log)  # [1] Figures 3-4: learned g versus depth
+    decode.print_g_table(run.model, run.log.console)  # [1] Figures 3-4: learned g versus depth
     data.atomic_write(run.dir / "g_values.json", json.dumps(decode.g_values(run.model), indent=2) + "\n")  # before test
     if args.task == "lm":  # the field's test perplexity: every target token, EOS included, no smoothing
         both = {s: decode.lm_perplexity(run.model, run.tokenizer, run.pairs[s], args.seq_len, args.batch_tokens,
@@ -545,7 +569,7 @@ def build_parser():
         "([3] section 3; Table 5 varies it)")
     add(g, "--qk-no-g", action="store_true", default=False, help="QKNorm ablation: g fixed at 1 ([3] Table 6)")
     add(g, "--qk-norm-v", action="store_true", default=False, help="QKNorm ablation: l2-normalise V too ([3] Table 6)")
-    add(g, "--pn-warmup", type=count, help="PowerNorm: training forwards that use batch statistics while the "
+    add(g, "--pn-warmup", type=count, help="PowerNorm: training updates that use batch statistics while the "
         "running one accumulates ([2] appendix A: the LR warmup); default: the LR warmup")
     add(g, "--pn-variant", choices=["paper", "code"], default="paper", help="PowerNorm: 'paper' follows [2] "
         "Algorithm 2 / eq. 12; 'code' the released code (backward divides by the batch psi_B after warmup; "
@@ -561,12 +585,8 @@ def build_parser():
     add(g, "--sdpa", action=argparse.BooleanOptionalAction, default=True, help="torch's "
         "scaled_dot_product_attention (off: the written-out attention; default on)")
     g = p.add_argument_group("optimisation and schedule")
-    add(g, "--schedule", choices=["invsqrt", "valdecay", "nowarmup", "warmupflat", "cosine"], default="invsqrt",
-        help="invsqrt: eq. 7 of [1] (INVSQRTDECAY); valdecay: eq. 7's linear warmup, then flat at its peak, "
-             "times --decay-factor when dev BLEU stalls ([1] 2.4, VALDECAY); nowarmup: constant --lr (3e-4 in "
-             "[1] 3.3) with the same validation decay; warmupflat: valdecay under the name of QKNorm's released "
-             "configs (Code [3]); cosine: the warmup, then a cosine to 0 at the run's last step (the tensorized "
-             "Transformer's PTB script, [2]'s language models)")
+    add(g, "--schedule", choices=list(SCHEDULES), default="invsqrt",
+        help="; ".join(f"{name}: {entry.help}" for name, entry in SCHEDULES.items()))
     peak = g.add_mutually_exclusive_group()  # both set the peak LR (lr = lr_scale / sqrt(d * warmup)): one of them
     add(peak, "--lr-scale", type=percent, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
         "warmup^-1.5) ([1] 3.3: 1, and 2 for 2xLR); when given it overrides --lr")
@@ -663,7 +683,7 @@ def resolve_flags(argv=None):
     if args.bpe_size is None:
         args.bpe_size = 0 if args.task == "lm" else 2000 if args.data is None else 8000
     if args.pn_warmup is None:  # Paper [2] appendix A: the same as the LR schedule's warmup
-        args.pn_warmup = 0 if args.schedule == "nowarmup" else args.warmup
+        args.pn_warmup = args.warmup if SCHEDULES[args.schedule].warms_up else 0
     if args.lr_scale is not None:  # config.json records the peak that runs
         args.lr = args.lr_scale / math.sqrt(args.d_model * args.warmup)
     return args, given
@@ -677,8 +697,8 @@ def refuse_idle_flags(args, given):
             (("qk_length", "qk_percentile", "qk_no_g", "qk_norm_v"), args.qknorm, "QKNorm's, so it needs --qknorm"),
             (("pn_variant", "pn_alpha_fwd", "pn_alpha_bkw", "pn_warmup"), "power" in norms,
              "PowerNorm's, so it needs --norm, --encoder-norm or --decoder-norm power"),
-            (("warmup",), args.schedule != "nowarmup" or args.lr_scale is not None,
-             "the length of a warmup, which --schedule nowarmup does not have (with --lr-scale it sets the LR)"),
+            (("warmup",), SCHEDULES[args.schedule].warms_up or args.lr_scale is not None, "the length of a warmup, "
+             f"which --schedule {args.schedule} does not have (with --lr-scale it sets the LR)"),
             (("seq_len", "attention"), args.task == "lm", "a language model's, so it needs --task lm"),
             (("src", "tgt", "enc_layers", "encoder_norm", "max_len", "beam", "dev_beam", "alpha", "length_penalty",
               "qk_percentile"), args.task == "mt", "a translator's; a language model (--task lm) has no source, "
@@ -691,8 +711,8 @@ def refuse_idle_flags(args, given):
              "built-in corpus is used"),
             (("profile",), args.benchmark, "for the steps of --benchmark N: give --benchmark too"),
             (("tensorboard",), not args.benchmark, "for a run's records; --benchmark writes no run directory"),
-            (("patience", "decay_factor"), Schedule.from_args(args).decays, "for validation-based decay (--schedule "
-             f"valdecay, warmupflat or nowarmup), not --schedule {args.schedule}")):
+            (("patience", "decay_factor"), SCHEDULES[args.schedule].decays, "for validation-based decay (--schedule "
+             f"{', '.join(k for k, e in SCHEDULES.items() if e.decays)}), not --schedule {args.schedule}")):
         for name in names:
             if name in given and not active:
                 sys.exit(f"error: --{name.replace('_', '-')} is {why}")
@@ -736,6 +756,7 @@ def model_config_from_args(args, vocab_size, qk_g0=1.0):
     """The ModelConfig of the flags: a field named as a flag takes its value (d_model: --d-model); the others here."""
     named = {f.name: getattr(args, f.name) for f in fields(ModelConfig) if hasattr(args, f.name)}
     power = {k: getattr(args, f"pn_{k}") for k in ("warmup", "variant", "alpha_fwd", "alpha_bkw")}  # --pn-K: option K
+    power["warmup"] *= args.accumulate  # the module counts forwards; --pn-warmup counts updates (--accumulate each)
     return ModelConfig(**dict(
         named, vocab_size=vocab_size, enc_layers=args.enc_layers or args.layers, norm_options=power, qk_g0=qk_g0,
         dec_layers=args.dec_layers or args.layers, qk_learn_g=not args.qk_no_g, lm=args.task == "lm",
@@ -1095,7 +1116,7 @@ class RunLog:
         self.console = Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0", highlight=False, markup=False)
         self.path, self.waiting = None, []
 
-    def __call__(self, line):  # a string, or what rich prints (decode.print_g_table's table: print is this)
+    def __call__(self, line):  # a string, or what rich prints
         self.console.print(line)
         if not self.console.quiet:  # the file gets the text without styles, unwrapped
             (plain := Console(file=io.StringIO(), soft_wrap=True, color_system=None, markup=False)).print(line)
@@ -1103,8 +1124,6 @@ class RunLog:
         if self.path is not None and self.waiting:
             data.append_file(self.path, "".join(self.waiting))
             self.waiting = []
-
-    print = __call__
 
 
 class StepLog:
@@ -1403,6 +1422,11 @@ def resume_flags(args, given, log):
         raise data.DataError(f"--resume {run_dir}: {e}; move it out of the folder (and start again)") from None
     log(f"resume: {path} at step {ckpt['train_state']['step']}")
     saved = ckpt["args"]
+    with contextlib.suppress(OSError, ValueError):  # config.json edited by hand: said, never replaced unannounced
+        if (edited := json.loads((run_dir / "config.json").read_text())) != json.loads(json.dumps(saved)):
+            keys = [k for k in {**saved, **edited} if edited.get(k) != saved.get(k)] if isinstance(edited, dict) else []
+            log(f"resume: {run_dir / 'config.json'} differs from the checkpoint ({', '.join(keys) or 'not an object'}"
+                f"): the checkpoint's flags hold, and the file is written again from them")
     diff = differing_flags(saved, args, given, run_dir)
     changed = {k: v for k, (_, v) in diff.items() if k in RESUME_MAY_CHANGE}
     return argparse.Namespace(**{**DEFAULTS, **saved, **changed, "resume": str(run_dir), "out": str(run_dir),
@@ -1557,13 +1581,13 @@ def what_next(args):
 # encode (cached there too); a language model's text is cut into segments (data.py section 8).
 # =======================================================================================
 def lm_text_file(args, split):  # a language model's text: --data DIR's split.txt; the built-in corpus's target side
-    return Path(args.data) / f"{split}.txt" if args.data is not None else data.toy_corpus_dir() / f"{split}.tgt"
+    return Path(args.data) / f"{split}.txt" if args.data is not None else data.TOY_DIR / f"{split}.tgt"
 
 
 def read_corpus(args, log):
     """{split: [(src, tgt)]} of raw text, and the language suffixes; a language model's: {split: [line]}."""
     if args.data is None:
-        data_dir, langs = data.ensure_toy_corpus(), ("src", "tgt")
+        data_dir, langs = data.make_toy_corpus(), ("src", "tgt")
         log(f"data: built-in synthetic corpus in {data_dir}")
     else:
         data_dir, langs = Path(args.data), (args.src, args.tgt)
@@ -1608,12 +1632,12 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
     proto = ckpt and ckpt["bpe_model_proto"]
     # bpe.key holds the hash of the training text and --bpe-size, and the model's own: never a stale or damaged one.
     key = data.pairs_sha256(pairs["train"], f"{args.bpe_size}\n".encode())
-    model_sha256 = lambda proto: hashlib.sha256(proto).hexdigest()
+    stamp = lambda proto: f"{key}\n{hashlib.sha256(proto).hexdigest()}"  # bpe.key's text for the model's bytes
     old, old_key = run_dir / "bpe.model", run_dir / "bpe.key"
     if proto is not None:  # a resumed run goes on with its checkpoint's own BPE model
         if old.exists() and old.read_bytes() != proto:
             raise data.DataError(f"{old}: not the BPE model its checkpoint was trained with")
-    elif old.exists() and old_key.exists() and old_key.read_text() == f"{key}\n{model_sha256(old.read_bytes())}":
+    elif old.exists() and old_key.exists() and old_key.read_text() == stamp(old.read_bytes()):
         proto = old.read_bytes()
     else:
         t0 = time.time()
@@ -1621,14 +1645,12 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
             proto = data.WordVocab.build(pairs["train"]).proto
         else:
             sides = (pairs["train"], []) if args.task == "lm" else zip(*pairs["train"])
-            with tempfile.TemporaryDirectory(dir=stage) as tmp:
-                proto = Path(data.train_bpe(*sides, args.bpe_size, Path(tmp) / "bpe")).read_bytes()
+            proto = data.train_bpe(*sides, args.bpe_size)
         made = "word vocabulary made" if args.bpe_size == 0 else \
             f"trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested)"
         log(f"data: {made} in {time.time() - t0:.1f}s")
-    if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list
-        data.atomic_write(stage / "bpe.model", proto)
-        data.atomic_write(stage / "bpe.key", f"{key}\n{model_sha256(proto)}")
+    if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list; both or neither
+        data.atomic_write_all({stage / "bpe.model": proto, stage / "bpe.key": stamp(proto)})
     tok = data.load_tokenizer(proto, old)
     if args.task == "lm":
         return (tok, *lm_data(args, tok, pairs, log))
