@@ -433,7 +433,7 @@ def finish(run):
               "train_seconds": run.state.train_seconds, "stopped": run.state.stopped[1],
               # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd)
               "embedding_singular_values": decode.singular_values(run.model)}
-    decode.print_g_table(run.model, run.log.console)  # [1] Figures 3-4: learned g versus depth
+    decode.print_g_table(run.model, run.log)  # [1] Figures 3-4: learned g versus depth (train.log too)
     data.atomic_write(run.dir / "g_values.json", json.dumps(decode.g_values(run.model), indent=2) + "\n")  # before test
     if args.task == "lm":  # the field's test perplexity: every target token, EOS included, no smoothing
         both = {s: decode.lm_perplexity(run.model, run.tokenizer, run.pairs[s], args.seq_len, args.batch_tokens,
@@ -1124,6 +1124,8 @@ class RunLog:
         if self.path is not None and self.waiting:
             data.append_file(self.path, "".join(self.waiting))
             self.waiting = []
+
+    print = __call__  # what decode.print_g_table prints with: its table goes to train.log too
 
 
 class StepLog:
