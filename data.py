@@ -1043,6 +1043,14 @@ class WriteFailed(DataError):
     what to do next)."""
 
 
+def append_file(path, text):  # a log's new lines; a failed write (a full disk) is one line, as atomic_write's
+    try:
+        with open(path, "a") as f:
+            f.write(text)
+    except OSError as e:
+        raise WriteFailed(f"{path}: cannot append to it ({e.strerror})") from None
+
+
 def atomic_write(path, content):
     """Write content to path atomically: str (UTF-8), bytes, or any object for torch.save."""
     atomic_write_all({path: content})
@@ -1123,7 +1131,9 @@ def staging(run_dir):
 # A run directory's files: their names (train.py writes each by its own literal), its run id, its checkpoints.
 CHECKPOINT_FORMAT = 2  # train.py's checkpoints since the checkpoint became the resume record (older: refused)
 CHECKPOINT = re.compile(r"checkpoint_(best|last|epoch(\d+))\.pt")  # the best dev score | the resume point | epoch N
-RESULT_FILES = ("config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json")  # --overwrite removes
+RESULT_FILES = ("config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json", "train.log")
+EVENTS = re.compile(r"events\.out\.tfevents\..+")  # train.py --tensorboard's event files
+EXTRAS = "pip install matplotlib tensorboard"  # the optional extras (decode.py --plot, --png; --tensorboard), one line
 CACHE_FILES = ("bpe.model", "bpe.key", "train.enc.pt", "dev.enc.pt")  # kept by their content's key (train.py F)
 
 
@@ -1146,7 +1156,7 @@ def checkpoints(run_dir, use="any"):
 
 def is_run_file(name):
     """Whether train.py writes a file of this name into a run directory (its lock too)."""
-    return name in RESULT_FILES + CACHE_FILES + (".lock",) or bool(CHECKPOINT.fullmatch(name))
+    return name in RESULT_FILES + CACHE_FILES + (".lock",) or bool(CHECKPOINT.fullmatch(name) or EVENTS.fullmatch(name))
 
 
 def run_id_of(path):

@@ -656,9 +656,6 @@ def render_heatmap(weights, rows, cols, max_label=8):
     return "\n".join(lines)
 
 
-EXTRAS = "pip install matplotlib"  # the optional extra (--plot, --png, --svd), one line
-
-
 def figure(path, flag=None, **size):
     """A matplotlib Figure (an optional extra, not in requirements.txt, imported only here) to draw the PNG `path`;
     without it None and a line on stderr saying how to install it, or with `flag` (`path` checked first) DataError."""
@@ -668,7 +665,7 @@ def figure(path, flag=None, **size):
         from matplotlib import figure as matplotlib_figure  # no pyplot: no display needed, no open figure to close
         return matplotlib_figure.Figure(**size)
     except ImportError:
-        why = f"{path} needs matplotlib, which is not installed: {EXTRAS}"
+        why = f"{path} needs matplotlib, which is not installed: {data.EXTRAS}"
         if flag:
             raise DataError(f"{flag} {why}") from None
         print(f"note: {why}", file=sys.stderr)
@@ -883,7 +880,7 @@ def build_parser():
     ev.add_argument("--plot", nargs="+", metavar="RUN", help="overlay training runs' curves from RUN/metrics.jsonl "
                     "into --out FILE.png: dev BLEU ([1] Fig. 1), dev perplexity, training loss, gradient norm ([1] "
                     "Fig. 2), learned g by depth ([1] Figs. 3-4), QKNorm's g, batch vs running statistics ([2] Figs. "
-                    "2-4), each panel the runs have data for; needs matplotlib (" + EXTRAS + ")")
+                    "2-4), each panel the runs have data for; needs matplotlib (" + data.EXTRAS + ")")
     ev.add_argument("--out", metavar="FILE.png", help="the picture --plot writes")
     ev.add_argument("--leak", action="store_true", help="a language model: how much changing the tokens after the "
                     "middle of a segment moves the predictions before it when the batch norms use batch statistics, "

@@ -31,6 +31,8 @@ import argparse
 import contextlib
 import ctypes
 import hashlib
+import importlib.util
+import io
 import json
 import math
 import os
@@ -211,7 +213,7 @@ class Run:
     device: torch.device
     rank: int  # this process's rank and the number of processes (Appendix D)
     world: int
-    log: "RunLog"  # log(line): rank 0's console (Appendix C)
+    log: "RunLog"  # log(line): rank 0's console and train.log (Appendix C)
     tokenizer: data.Tokenizer
     langs: tuple  # the source and target language suffixes
     pairs: dict  # raw text pairs per split: dev and test BLEU
@@ -224,6 +226,7 @@ class Run:
     step_options: StepOptions
     state: TrainState = field(default_factory=TrainState)
     order: list = field(default_factory=list)  # this pass's shuffled batches
+    board: Optional[object] = None  # --tensorboard: the SummaryWriter that append_metrics also writes to
 
     @property
     def master(self):  # rank 0 alone logs and writes files
@@ -270,6 +273,9 @@ def setup(args, stack, log, resumed=None):
                                  f"processes x --accumulate {args.accumulate}): give a smaller --batch-tokens")
         if run.master and not args.benchmark:
             commit_run_dir(args, run_dir, stage, ckpt, log)  # Appendix E: every input checked, the first change
+        if args.tensorboard and run.master:  # an optional extra (check_flags checked it is installed)
+            from torch.utils.tensorboard import SummaryWriter  # a resume hides what a killed run wrote after it
+            run.board = stack.enter_context(SummaryWriter(run_dir, purge_step=run.state.step + 1))
     run.net = wrap_model(model, args, world, device)  # Appendix D: DDP; Appendix C: --compile
     return run
 
@@ -407,7 +413,7 @@ def finish(run):
               "train_seconds": run.state.train_seconds, "stopped": run.state.stopped[1],
               # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd)
               "embedding_singular_values": decode.singular_values(run.model)}
-    decode.print_g_table(run.model, run.log.console)  # [1] Figures 3-4: learned g versus depth
+    decode.print_g_table(run.model, run.log)  # [1] Figures 3-4: learned g versus depth (train.log too)
     data.atomic_write(run.dir / "g_values.json", json.dumps(decode.g_values(run.model), indent=2) + "\n")  # before test
     if args.task == "lm":  # the field's test perplexity: every target token, EOS included, no smoothing
         both = {s: decode.lm_perplexity(run.model, run.tokenizer, run.pairs[s], args.seq_len, args.batch_tokens,
@@ -443,7 +449,7 @@ def finish(run):
 # the command line's (resolve_flags).
 # =======================================================================================
 def main(argv=None):
-    log = RunLog()  # Appendix C: the console
+    log = RunLog()  # Appendix C: the console and train.log
     args, given = resolve_flags(argv, log)
     try:  # --resume (Appendix E): the run's own flags, from its last checkpoint, and what may change
         args, resumed = resume_flags(args, given, log) if args.resume or args.start_or_resume else (args, None)
@@ -604,6 +610,8 @@ def build_parser():
     add(g, "--reference", action="store_true", default=False, help="run every equation as written, with no "
         "fast path anywhere (norms.py section 1): slower, for checking an edited equation")
     add(g, "--log-interval", type=positive_int, default=50, help="steps between log lines")
+    add(g, "--tensorboard", action="store_true", default=False, help="also write metrics.jsonl's records as "
+        "TensorBoard events into the run directory (tensorboard --logdir runs); an optional extra: " + data.EXTRAS)
     add(g, "--beam", type=positive_int, default=4, help="beam size for test BLEU (Code: 4)")
     add(g, "--alpha", type=alpha_range, default=0.6, help="length penalty alpha (TwT Code: 0.6; PowerNorm: 1.0)")
     add(g, "--length-penalty", choices=list(decode.PENALTIES), default="gnmt", help="gnmt: score / ((5 + |Y|) / 6)"
@@ -700,6 +708,7 @@ def check_flags(args, given):
             (("src", "tgt"), args.data is not None, "the name of a corpus's files in --data DIR; without --data the "
              "built-in corpus is used"),
             (("profile",), args.benchmark, "for the steps of --benchmark N: give --benchmark too"),
+            (("tensorboard",), not args.benchmark, "for a run's records; --benchmark writes no run directory"),
             (("patience", "decay_factor"), SCHEDULES[args.schedule].decays, "for validation-based decay (--schedule "
              f"{', '.join(k for k, e in SCHEDULES.items() if e.decays)}), not --schedule {args.schedule}")), given):
         sys.exit("error: {} is {}".format(*idle))
@@ -718,6 +727,8 @@ def check_flags(args, given):
             ("qknorm", args.attention == "multilinear" and args.qknorm, "normalises the queries and keys of a "
              "softmax; the multi-linear attention has none"),
             ("d_model", args.d_model % args.heads, f"must be divisible by --heads {args.heads}"),
+            ("tensorboard", args.tensorboard and not importlib.util.find_spec("tensorboard"), "needs the package "
+             f"tensorboard, which is not installed: {data.EXTRAS}"),
             ("src", (args.src is None) != (args.tgt is None), "give both language suffixes, --src and --tgt, or "
              "neither"),
             ("data", args.data is not None and args.src is None and args.task == "mt", "also give --src and --tgt, "
@@ -1070,21 +1081,39 @@ def append_metrics(run, record):
         bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
         record = json.loads(json.dumps(record), parse_constant=lambda _: None)  # NaN, Infinity: null, nested too
         record.update({"nonfinite": bad} if bad else {})
-        try:
-            with open(run.dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record, allow_nan=False) + "\n")
-        except OSError as e:
-            raise data.WriteFailed(f"{run.dir / 'metrics.jsonl'}: cannot append to it ({e.strerror})") from None
+        data.append_file(run.dir / "metrics.jsonl", json.dumps(record, allow_nan=False) + "\n")
+        for tag, value in scalars(record) if run.board else ():  # --tensorboard: the same records, as events
+            run.board.add_scalar(tag, value, record.get("step", run.state.step))
+
+
+def scalars(record, prefix=""):
+    """The numbers of a metrics record as (tag, value), a nested key's tag joined by "/" (g/encoder.0.norm_ff.g)."""
+    for k, v in record.items():
+        if isinstance(v, dict):
+            yield from scalars(v, f"{prefix}{k}/")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+            yield prefix + k, v
 
 
 class RunLog:
-    """The run's log: log(line) prints the line on rank 0's console (the other ranks' is quiet)."""
+    """The run's log: log(line) prints the line on rank 0's console (the other ranks' is quiet) and appends it to the
+    run directory's train.log, timestamped, across resumes. The lines before the run directory holds the run wait for
+    it (commit_run_dir sets path)."""
 
     def __init__(self):
         self.console = Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0", highlight=False, markup=False)
+        self.path, self.waiting = None, []
 
     def __call__(self, line):  # a string, or what rich prints
         self.console.print(line)
+        if not self.console.quiet:  # the file gets the text without styles, unwrapped
+            (plain := Console(file=io.StringIO(), soft_wrap=True, color_system=None, markup=False)).print(line)
+            self.waiting.append(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {plain.file.getvalue()}")
+        if self.path is not None and self.waiting:
+            data.append_file(self.path, "".join(self.waiting))
+            self.waiting = []
+
+    print = __call__  # what decode.print_g_table prints with: its table goes to train.log too
 
 
 class StepLog:
@@ -1503,13 +1532,14 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     replaces = run_id_of(run_dir / "config.json") if args.overwrite else None  # the run --overwrite replaces
     if replaces:  # the old run's results but its config.json (replaced next), and its checkpoints (by their run id)
-        gone = [run_dir / n for n in data.RESULT_FILES if n != "config.json" and (run_dir / n).exists()]
+        gone = [p for p in run_dir.iterdir() if p.name in data.RESULT_FILES[1:] or data.EVENTS.fullmatch(p.name)]
         gone += [p for p in data.checkpoints(run_dir) if run_id_of(p) == replaces]
         for f in gone:
             f.unlink()
         log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
     # config.json before the staged files: a kill at any point leaves a folder that holds a run (Ctrl-C's advice holds)
     data.atomic_write(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
+    log.path = run_dir / "train.log"  # the lines logged so far, and every line after
     for f in stage.iterdir():
         os.replace(f, run_dir / f.name)
     if ckpt is not None and (run_dir / "metrics.jsonl").exists():  # what a killed run logged after its checkpoint goes

@@ -403,7 +403,7 @@ def test_plot_writes_a_png_when_matplotlib_is_there(tmp_path):
 
 def test_plot_draws_a_run_with_one_evaluation_as_a_point(tmp_path, monkeypatch):
     """A curve of one point has no line to draw: it gets a marker (it was in the legend and invisible)."""
-    pytest.importorskip("matplotlib", reason="matplotlib is an optional extra (pip install matplotlib)")
+    pytest.importorskip("matplotlib", reason="matplotlib is an optional extra (pip install matplotlib tensorboard)")
     from matplotlib.axes import Axes
     run, drawn, real_plot = _fake_run(tmp_path, "one", 3.0, 7.0), [], Axes.plot
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[:-1]]

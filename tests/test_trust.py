@@ -572,7 +572,7 @@ def test_a_full_disk_before_the_first_checkpoint_never_advises_resume(full, tmp_
             raise OSError(28, "No space left on device", str(path))
         return real_open(path, *a, **k)
     monkeypatch.setattr(data.tempfile, "mkstemp", full_disk)
-    monkeypatch.setattr(train, "open", full_append, raising=False)  # metrics.jsonl is appended to, not replaced
+    monkeypatch.setattr(data, "open", full_append, raising=False)  # metrics.jsonl is appended to, not replaced
     run = tmp_path / "run"
     msg = one_line_error(lambda: train.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
                          "No space left on device", full, "make room, then")
