@@ -346,7 +346,7 @@ class PowerNorm(nn.Module):
             return (self.weight * xs / torch.sqrt(self.running_phi + self.eps) + self.bias).to(x.dtype)
         real = real_tokens(xs, pad_mask)  # (B, T)
         self.num_batches_tracked += 1
-        t = self.num_batches_tracked  # this step, counted from 1 (a tensor: no host sync on a GPU)
+        t = self.num_batches_tracked  # this step, counted from 1 (a tensor, read on its device: Appendix A)
         with torch.no_grad():  # the statistics get no gradient (approximate backpropagation)
             psi2, _ = batch_mean(xs.pow(2), real)  # (D,)  Paper (Alg. 2): psi_B^2 = 1/N sum_i x_i^2
             phi = self.running_phi.clone()  # (D,)  psi_{t-1}^2

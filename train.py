@@ -172,9 +172,9 @@ def train_step(net, optimizer, batches, lr, opts: StepOptions):
     # Code: word dropout on source and target inputs, never on the targets ([1] appendix A: p 0.1, UNK).
     drop = lambda x: data.word_dropout(x, opts.word_dropout, opts.rng) if opts.word_dropout and x is not None else x
     loss_sum = nll_sum = 0.0
-    with across_processes(net, batches) as (n_tgt, sync):  # Appendix D: one process, or several under torchrun
+    with across_processes(net, batches) as (n_tgt, grad_sync):  # Appendix D: one process, or several (torchrun)
         for i, b in enumerate(batches):
-            with sync(i):
+            with grad_sync(i):
                 with autocast(b.tgt_in.device, opts.bf16):  # b.src is None for a language model
                     loss, nll = net(drop(b.src), drop(b.tgt_in), b.tgt_out, opts.smoothing)  # sums over the targets
                 (loss / n_tgt).backward()  # Code: summed over non-pad targets, divided by their count
@@ -253,7 +253,7 @@ def setup(args, stack, log, resumed=None):
     and its optimizer, the checkpoint a resumed run starts from. Every input (flags, corpus, the run directory and
     what it holds) is read and checked before anything is written; the run directory's lock is held in ``stack``
     until training ends (Appendix E). resumed: --resume's (checkpoint, flags that differ), from resume_flags."""
-    rank, world, device, bf16 = start_process(args, log)  # Appendix D: threads, seeds, torchrun's ranks
+    rank, world, device, bf16 = start_process(args, log, stack)  # Appendix D: threads, seeds, torchrun's ranks
     pairs, langs = read_corpus(args, log)  # Appendix F
     with rank0_first(rank, world):  # Appendix D: the other ranks read what rank 0 checks, prepares and commits
         run_dir, ckpt, stage = open_run_dir(args, pairs, log, stack, rank == 0, resumed)  # Appendix E: checked
@@ -312,8 +312,8 @@ def train_loop(run):  # main() (Appendix A) calls it with the run that setup() b
             batches = run.next_batches()
             s.step += 1
             lr = run.schedule(s.step, s.lr_decay)
-            for m in run.model.modules():  # the batch norms keep [2] Figures 2-4's diagnostics (Appendix C) at log
-                if isinstance(m, BATCH_NORMS):  # steps only: they cost host syncs (not under --compile: mid-graph)
+            for m in run.model.modules():  # the batch norms keep [2] Figures 2-4's diagnostics at log steps only:
+                if isinstance(m, BATCH_NORMS):  # they cost time (Appendix C; none under --compile)
                     m.track, m.stats = s.step % args.log_interval == 0 and not args.compile, {}
             loss, nll, gnorm, n_tgt = train_step(run.net, run.optimizer, batches, lr, run.step_options)
             step_log.step(batches, lr, loss, nll, gnorm, n_tgt)  # may stop the run: a non-finite loss or gradient norm
@@ -331,8 +331,6 @@ def train_loop(run):  # main() (Appendix A) calls it with the run that setup() b
     if s.stopped[0] != "diverged":
         run.log(f"stopping: {s.stopped[1]}")
     result = finish(run)
-    if run.world > 1:
-        dist.destroy_process_group()
     if s.stopped[0] == "diverged":  # a failed run exits non-zero (its last good checkpoint stays)
         sys.exit(f"error: {s.stopped[1]}")
     return result
@@ -1206,7 +1204,7 @@ class StepLog:
 # Each step's batches are sharded by rank (Run.next_batches); the batch norms sum their statistics
 # over the ranks (norms.py Appendix A); rank 0 alone evaluates, logs and writes, and shares its dev score.
 # =======================================================================================
-def start_process(args, log):
+def start_process(args, log, stack):
     """(rank, world size, device, bf16) of this process: --threads, --reference, the seeds, torchrun's ranks (one GPU
     each), bf16 where the GPU has it."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))  # torchrun's
@@ -1220,6 +1218,7 @@ def start_process(args, log):
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        stack.callback(dist.destroy_process_group)  # when main()'s run ends, however it ends
     if device.type == "cpu" and not args.reference:  # glibc's malloc keeps freed memory for reuse: +10-15% tokens/s
         # By default a block over 32 MiB (a batch's logits, an FFN activation) is mmap'ed fresh at every allocation and
         # unmapped when freed, so each training step faults every page of it in again, zero-filled by the kernel (system
@@ -1267,11 +1266,11 @@ def share_epoch(run, score):
 
 @contextlib.contextmanager
 def across_processes(net, batches):
-    """A step's micro-batches: yields the step's target tokens, which the loss is divided by, and sync(i), the context
-    of micro-batch i's forward and backward. Under DDP the count is every rank's, counted and summed on the device (a
-    0-dim tensor: the host waits for nothing), and DDP all-reduces the gradients after the last micro-batch only. It
-    averages them; times the world size they are the sum, the gradient of one process with the whole batch (scaling
-    each rank's loss instead would scale every dL/dY, which PowerNorm's backward is not linear in)."""
+    """A step's micro-batches: yields the step's target tokens, which the loss is divided by, and grad_sync(i), the
+    context of micro-batch i's forward and backward. Under DDP the count is every rank's, counted and summed on the
+    device (a 0-dim tensor: the host waits for nothing), and DDP all-reduces the gradients after the last micro-batch
+    only. It averages them; times the world size they are the sum, the gradient of one process with the whole batch
+    (scaling each rank's loss instead would scale every dL/dY, which PowerNorm's backward is not linear in)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         yield float(sum(b.n_tgt for b in batches)), lambda i: contextlib.nullcontext()
