@@ -449,20 +449,17 @@ class _ToyGrammar:
             person, obj, tgt = _PRONOUNS[pron := r.choice(list(_PRONOUNS))]
             return [pron if case == "nom" else obj], [acc(tgt)], person
         plural, (sg, pl, noun_t) = r.random() < 0.35, self.pick("noun")
-        n_adj, adjs = r.choices((0, 1, 2), (55, 38, 7))[0], []
+        n_adj, adjs = r.choices((0, 1, 2), (55, 38, 7))[0], {}  # an ordered set: distinct adjectives
         while len(adjs) < n_adj:
-            if (a := self.pick("adj")) not in adjs:
-                adjs.append(a)
+            adjs[self.pick("adj")] = None
         dets = _DETS_PL if plural else _DETS_SG
-        det_s, _, det_t = r.choices(dets, [d[1] for d in dets])[0]
-        src = [a[0] for a in adjs] + [pl if plural else sg]
-        if det_s == "a" and src[0][0] in "aeiou":
-            det_s = "an"  # English agreement with the next sound
-        src = [det_s] + src if det_s else src
-        # Target: noun + plural + case, the adjectives mirrored and agreeing, the determiner.
-        tgt = [acc(noun_t + ("li" if plural else ""))] + [a[1] + ("n" if plural else "") for a in reversed(adjs)]
-        tgt += [det_t] if det_t else []
-        person = "3pl" if plural else "3sg"
+        det_s, _, det_t = r.choices(dets, [d[1] for d in dets])[0]  # "": no determiner (sentence drops empty words)
+        src = [det_s] + [a[0] for a in adjs] + [pl if plural else sg]
+        if det_s == "a" and src[1][0] in "aeiou":
+            src[0] = "an"  # English agreement with the next sound
+        # Target: noun + plural + case, the adjectives mirrored and agreeing (plural: "-li", "-n"), the determiner.
+        li, n, person = ("li", "n", "3pl") if plural else ("", "", "3sg")
+        tgt = [acc(noun_t + li)] + [a[1] + n for a in reversed(adjs)] + [det_t]
         if modifier == "pp":  # "the dog in the garden": the PP goes before the noun
             p_src, p_tgt = self.prep_phrase()
             src, tgt = src + p_src, p_tgt + tgt
@@ -499,22 +496,17 @@ class _ToyGrammar:
         subj_mod, obj_rel = r.choices((None, "pp", "rel"), (76, 12, 12))[0], r.random() < 0.12
         s_src, s_tgt, person = self.noun_phrase("nom", subj_mod)
         vp_src, vp_tgt, tense = self.verb_phrase(person, "rel" if obj_rel else None)
-        src, tgt = s_src + vp_src, s_tgt
-        if not obj_rel and r.random() < 0.35:  # a place phrase: at the end -> after the subject
-            p_src, p_tgt = self.prep_phrase()
-            src, tgt = src + p_src, tgt + p_tgt
-        tgt = tgt + vp_tgt
-        if not obj_rel and r.random() < 0.2:  # a time adverb: at the end -> at the front
-            t_src, t_tgt = r.choice(_TIMES[tense])
-            src, tgt = src + t_src.split(), [t_tgt] + tgt
-        return src, tgt
+        p_src, p_tgt = self.prep_phrase() if not obj_rel and r.random() < 0.35 else ([], [])  # a place phrase
+        t_src, t_tgt = r.choice(_TIMES[tense]) if not obj_rel and r.random() < 0.2 else ("", "")  # a time adverb
+        # Both at the end of the source; in the target, the place phrase after the subject, the time adverb in front.
+        return s_src + vp_src + p_src + t_src.split(), t_tgt.split() + s_tgt + p_tgt + vp_tgt
 
     def sentence(self):
         src, tgt = self.clause()
         if self.rng.random() < 0.12:  # two clauses, joined by "and" ("i")
             src2, tgt2 = self.clause()
             src, tgt = src + ["and"] + src2, tgt + ["i"] + tgt2
-        return " ".join(src + ["."]), " ".join(tgt + ["."])
+        return tuple(" ".join(w for w in words + ["."] if w) for words in (src, tgt))  # a "" word (no determiner): none
 
 
 def make_toy_corpus(out_dir=TOY_DIR, seed=1, n_train=20000, n_dev=500, n_test=500):
