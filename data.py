@@ -520,14 +520,13 @@ def make_toy_corpus(out_dir=TOY_DIR, seed=1, n_train=20000, n_dev=500, n_test=50
     with contextlib.suppress(FileNotFoundError, ValueError):  # no stamp, or a damaged one: rebuild
         if json.loads(stamp_path.read_text()) == stamp and all(f.exists() for fs in files.values() for f in fs):
             return out_dir
-    grammar, seen, pairs = _ToyGrammar(random.Random(seed)), set(), []
+    grammar, pairs = _ToyGrammar(random.Random(seed)), {}  # source -> target, in order: each source once
     while len(pairs) < n_train + n_dev + n_test:
         src, tgt = grammar.sentence()
-        if 4 <= len(src.split()) <= 25 and src not in seen:
-            seen.add(src)
-            pairs.append((src, tgt))
+        if 4 <= len(src.split()) <= 25:
+            pairs.setdefault(src, tgt)
     ends = list(itertools.accumulate((n_train, n_dev, n_test)))
-    atomic_write_all({path: "".join(p[side] + "\n" for p in pairs[a:b])
+    atomic_write_all({path: "".join(p[side] + "\n" for p in itertools.islice(pairs.items(), a, b))
                       for paths, a, b in zip(files.values(), [0] + ends, ends) for side, path in enumerate(paths)}
                      | {stamp_path: json.dumps(stamp) + "\n"})  # the stamp last: renamed in after every file
     return out_dir
