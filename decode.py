@@ -635,10 +635,6 @@ def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0
 SHADES = " .:-=+*#%@"  # weight 0 -> " ", weight 1 -> "@"
 
 
-def _label(text, width):
-    return text if len(text) <= width else text[:width - 1] + "~"
-
-
 def render_heatmap(weights, rows, cols, max_label=8):
     """A text heatmap of weights (R, C) in [0, 1]: each cell the shade SHADES[round(w * 9)], on an absolute scale
     (not per row) so that maps of different heads and models compare, as wide as its column's label (labels
@@ -646,7 +642,7 @@ def render_heatmap(weights, rows, cols, max_label=8):
     w = torch.as_tensor(weights, dtype=torch.float32)
     if w.dim() != 2 or w.shape != (len(rows), len(cols)):
         raise ValueError(f"weights {tuple(w.shape)} do not match {len(rows)} rows x {len(cols)} columns")
-    rlab, clab = [_label(r, max_label) for r in rows], [_label(c, max_label) for c in cols]
+    rlab, clab = ([t if len(t) <= max_label else t[:max_label - 1] + "~" for t in ts] for ts in (rows, cols))
     rw = max([len(r) for r in rlab] + [1])
     lines = [" " * rw + " | " + " ".join(clab)]
     for r, row in zip(rlab, w.tolist()):
