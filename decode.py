@@ -715,12 +715,10 @@ def analyse(args, model, tokenizer):
 # =======================================================================================
 def benchmark(model, tokenizer, lines, refs, args, search):
     device = next(model.parameters()).device
-    searches = [replace(search, beam=k) for k in (1, search.beam if search.beam > 1 else 4)]  # greedy, and a beam
-    for search in searches:  # warm-up
-        translate(model, tokenizer, lines[:32], search, args.batch_tokens, ids=True)
     print(f"benchmark: {len(lines)} sentences on {device} (torch threads {torch.get_num_threads()}), "
           f"batch_tokens {args.batch_tokens}", file=sys.stderr)
-    for search in searches:
+    for search in [replace(search, beam=k) for k in (1, search.beam if search.beam > 1 else 4)]:  # greedy, and a beam
+        translate(model, tokenizer, lines[:32], search, args.batch_tokens, ids=True)  # its warm-up, then its timing
         ids, secs = timed(lambda: translate(model, tokenizer, lines, search, args.batch_tokens, ids=True), device)
         n_tok = sum(len(h) + 1 for h in ids)  # output tokens, EOS counted (as in training)
         name = "greedy (beam 1)" if search.beam == 1 else f"beam {search.beam}, alpha {args.alpha}"
