@@ -451,14 +451,13 @@ def average_checkpoints(paths):
     total = {k: v.double() for k, v in first["model"].items() if torch.is_floating_point(v)}
     for p in paths[1:]:
         ckpt = read_checkpoint(p, "cpu")
-        state = ckpt["model"]
-        if state.keys() != first["model"].keys() or ckpt["model_config"] != first["model_config"] or \
-                any(v.shape != first["model"][k].shape for k, v in state.items()):
+        if ckpt["model"].keys() != first["model"].keys() or ckpt["model_config"] != first["model_config"] or \
+                any(v.shape != first["model"][k].shape for k, v in ckpt["model"].items()):
             raise DataError(f"{p}: not the same model as {paths[0]} (names, shapes or model_config differ)")
         if (ckpt.get("args") or {}).get("run_id") != (first.get("args") or {}).get("run_id"):  # train.py's flags
             raise DataError(f"{p}: from another run than {paths[0]} (run_id differs); average one run's checkpoints")
         for k in total:
-            total[k] += state[k].double()  # sum_i theta_i
+            total[k] += ckpt["model"][k].double()  # sum_i theta_i
     averaged = {k: (total[k] / len(paths)).to(v.dtype) if k in total else v.clone() for k, v in ckpt["model"].items()}
     kept = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "rng")}
     return dict(kept, model=averaged, averaged_from=[str(p) for p in paths])
@@ -476,10 +475,9 @@ def load_checkpoint(path, device="cpu", average=0):
                             f"has {len(epochs)}")
         ckpt, p = average_checkpoints(epochs[-average:]), epochs[-1]
     else:
-        if p.is_dir():
-            if not (found := checkpoints(p, "decode")):
-                raise DataError(f"{p}: run directory has no best or last checkpoint")
-            p = found[0]
+        if not (found := checkpoints(p, "decode") if p.is_dir() else [p]):  # a file: itself
+            raise DataError(f"{p}: run directory has no best or last checkpoint")
+        p = found[0]
         ckpt = read_checkpoint(p, device)
     try:
         model = Transformer(ModelConfig(**ckpt["model_config"]))
