@@ -570,9 +570,8 @@ def future_leak(model, segments, t=None, seed=0, training=True):
     the mean |change| of log p(next token) at positions <= t, and those positions' perplexity before and after."""
     t = segments.x.size(1) // 2 - 1 if t is None else t
     x, y = segments.x, segments.y
-    changed = x.clone()
-    changed[:, t + 1:] = torch.randint(4, model.cfg.vocab_size, changed[:, t + 1:].shape,
-                                       generator=torch.Generator().manual_seed(seed))
+    noise = torch.randint(4, model.cfg.vocab_size, x[:, t + 1:].shape, generator=torch.Generator().manual_seed(seed))
+    changed = torch.cat([x[:, :t + 1], noise], 1)  # positions 0..t as they were, the rest random
 
     def logp(inp):  # a fresh copy each time: a running statistic updated by the first call is not a leak
         m = copy.deepcopy(model).eval()
@@ -1129,8 +1128,7 @@ def _max_lengths(src, max_len):
     """Maximum output tokens (EOS not counted) per sentence, (B,) long. None: source length + 50 (Code); an int: the
     same for all; a tensor: one per sentence. A hypothesis reaching it is closed as is, without EOS. Note: the
     authors' loop lets it take one more step, in which it may still emit EOS."""
-    if max_len is None:
-        return src.ne(PAD).sum(1) + 50  # (B,)  |x| + 50
+    max_len = src.ne(PAD).sum(1) + 50 if max_len is None else max_len  # (B,)  |x| + 50
     return torch.as_tensor(max_len, dtype=torch.long, device=src.device).expand(src.size(0))  # an int: B copies
 
 
