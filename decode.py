@@ -451,14 +451,13 @@ def average_checkpoints(paths):
     total = {k: v.double() for k, v in first["model"].items() if torch.is_floating_point(v)}
     for p in paths[1:]:
         ckpt = read_checkpoint(p, "cpu")
-        state = ckpt["model"]
-        if state.keys() != first["model"].keys() or ckpt["model_config"] != first["model_config"] or \
-                any(v.shape != first["model"][k].shape for k, v in state.items()):
+        if ckpt["model"].keys() != first["model"].keys() or ckpt["model_config"] != first["model_config"] or \
+                any(v.shape != first["model"][k].shape for k, v in ckpt["model"].items()):
             raise DataError(f"{p}: not the same model as {paths[0]} (names, shapes or model_config differ)")
         if (ckpt.get("args") or {}).get("run_id") != (first.get("args") or {}).get("run_id"):  # train.py's flags
             raise DataError(f"{p}: from another run than {paths[0]} (run_id differs); average one run's checkpoints")
         for k in total:
-            total[k] += state[k].double()  # sum_i theta_i
+            total[k] += ckpt["model"][k].double()  # sum_i theta_i
     averaged = {k: (total[k] / len(paths)).to(v.dtype) if k in total else v.clone() for k, v in ckpt["model"].items()}
     kept = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "rng")}
     return dict(kept, model=averaged, averaged_from=[str(p) for p in paths])
@@ -476,10 +475,9 @@ def load_checkpoint(path, device="cpu", average=0):
                             f"has {len(epochs)}")
         ckpt, p = average_checkpoints(epochs[-average:]), epochs[-1]
     else:
-        if p.is_dir():
-            if not (found := checkpoints(p, "decode")):
-                raise DataError(f"{p}: run directory has no best or last checkpoint")
-            p = found[0]
+        if not (found := checkpoints(p, "decode") if p.is_dir() else [p]):  # a file: itself
+            raise DataError(f"{p}: run directory has no best or last checkpoint")
+        p = found[0]
         ckpt = read_checkpoint(p, device)
     try:
         model = Transformer(ModelConfig(**ckpt["model_config"]))
@@ -572,9 +570,8 @@ def future_leak(model, segments, t=None, seed=0, training=True):
     the mean |change| of log p(next token) at positions <= t, and those positions' perplexity before and after."""
     t = segments.x.size(1) // 2 - 1 if t is None else t
     x, y = segments.x, segments.y
-    changed = x.clone()
-    changed[:, t + 1:] = torch.randint(4, model.cfg.vocab_size, changed[:, t + 1:].shape,
-                                       generator=torch.Generator().manual_seed(seed))
+    noise = torch.randint(4, model.cfg.vocab_size, x[:, t + 1:].shape, generator=torch.Generator().manual_seed(seed))
+    changed = torch.cat([x[:, :t + 1], noise], 1)  # positions 0..t as they were, the rest random
 
     def logp(inp):  # a fresh copy each time: a running statistic updated by the first call is not a leak
         m = copy.deepcopy(model).eval()
@@ -635,10 +632,6 @@ def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0
 SHADES = " .:-=+*#%@"  # weight 0 -> " ", weight 1 -> "@"
 
 
-def _label(text, width):
-    return text if len(text) <= width else text[:width - 1] + "~"
-
-
 def render_heatmap(weights, rows, cols, max_label=8):
     """A text heatmap of weights (R, C) in [0, 1]: each cell the shade SHADES[round(w * 9)], on an absolute scale
     (not per row) so that maps of different heads and models compare, as wide as its column's label (labels
@@ -646,7 +639,7 @@ def render_heatmap(weights, rows, cols, max_label=8):
     w = torch.as_tensor(weights, dtype=torch.float32)
     if w.dim() != 2 or w.shape != (len(rows), len(cols)):
         raise ValueError(f"weights {tuple(w.shape)} do not match {len(rows)} rows x {len(cols)} columns")
-    rlab, clab = [_label(r, max_label) for r in rows], [_label(c, max_label) for c in cols]
+    rlab, clab = ([t if len(t) <= max_label else t[:max_label - 1] + "~" for t in ts] for ts in (rows, cols))
     rw = max([len(r) for r in rlab] + [1])
     lines = [" " * rw + " | " + " ".join(clab)]
     for r, row in zip(rlab, w.tolist()):
@@ -719,12 +712,10 @@ def analyse(args, model, tokenizer):
 # =======================================================================================
 def benchmark(model, tokenizer, lines, refs, args, search):
     device = next(model.parameters()).device
-    searches = [replace(search, beam=k) for k in (1, search.beam if search.beam > 1 else 4)]  # greedy, and a beam
-    for search in searches:  # warm-up
-        translate(model, tokenizer, lines[:32], search, args.batch_tokens, ids=True)
     print(f"benchmark: {len(lines)} sentences on {device} (torch threads {torch.get_num_threads()}), "
           f"batch_tokens {args.batch_tokens}", file=sys.stderr)
-    for search in searches:
+    for search in [replace(search, beam=k) for k in (1, search.beam if search.beam > 1 else 4)]:  # greedy, and a beam
+        translate(model, tokenizer, lines[:32], search, args.batch_tokens, ids=True)  # its warm-up, then its timing
         ids, secs = timed(lambda: translate(model, tokenizer, lines, search, args.batch_tokens, ids=True), device)
         n_tok = sum(len(h) + 1 for h in ids)  # output tokens, EOS counted (as in training)
         name = "greedy (beam 1)" if search.beam == 1 else f"beam {search.beam}, alpha {args.alpha}"
@@ -1137,8 +1128,7 @@ def _max_lengths(src, max_len):
     """Maximum output tokens (EOS not counted) per sentence, (B,) long. None: source length + 50 (Code); an int: the
     same for all; a tensor: one per sentence. A hypothesis reaching it is closed as is, without EOS. Note: the
     authors' loop lets it take one more step, in which it may still emit EOS."""
-    if max_len is None:
-        return src.ne(PAD).sum(1) + 50  # (B,)  |x| + 50
+    max_len = src.ne(PAD).sum(1) + 50 if max_len is None else max_len  # (B,)  |x| + 50
     return torch.as_tensor(max_len, dtype=torch.long, device=src.device).expand(src.size(0))  # an int: B copies
 
 
