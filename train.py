@@ -1475,8 +1475,7 @@ def may_resume(run_dir, args, ckpt, diff, hashes):
     state = ckpt["train_state"]
     # A checkpoint's stop is --stop-lr's or --early-stop's (a budget's comes after the last checkpoint): the stop rules
     # under the resumed run's flags decide whether it holds (one killed in its final test goes straight to the test).
-    if state["stopped"]:
-        state["stopped"] = stop_reason(args, state["step"], state["lr_decay"], state["history"])
+    state["stopped"] = state["stopped"] and stop_reason(args, state["step"], state["lr_decay"], state["history"])
     if state["stopped"] and finished:
         fix = "a smaller --stop-lr" if state["stopped"][0] == "stop_lr" else "a larger --early-stop (0: off)"
         raise data.DataError(f"--resume {run_dir}: the run stopped ({state['stopped'][1]}) and would stop again at "
