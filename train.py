@@ -307,7 +307,7 @@ def train_loop(run):  # main() (Appendix A) calls it with the run that setup() b
     args, s = run.args, run.state
     total, limit = budget(args)
     step_log = StepLog(run, total)  # Appendix C: the progress bar (step_log.bar), log lines, metrics.jsonl, MFU
-    with step_log.bar, stop_signals(run) as signals:  # Appendix E: Ctrl-C or SIGTERM stops after the step, saved
+    with step_log.bar, stop_signals(run) as signalled:  # Appendix E: Ctrl-C or SIGTERM stops after the step, saved
         while s.step < total and not s.stopped:
             batches = run.next_batches()
             s.step += 1
@@ -321,7 +321,7 @@ def train_loop(run):  # main() (Appendix A) calls it with the run that setup() b
             if end:
                 end_of_epoch(run)  # which writes its checkpoints
                 step_log.evaluated()
-            stop = not s.stopped and stop_requested(run, signals, end or s.step % args.log_interval == 0)
+            stop = not s.stopped and signalled(end or s.step % args.log_interval == 0)
             if not end and not s.stopped and (stop or args.save_interval and s.step % args.save_interval == 0):
                 if step_log.flush():  # its records first; no checkpoint if a step diverged (the last good one stays)
                     save_checkpoints(run, improved=False, epoch_end=False)  # Appendix E: a checkpoint of this step
@@ -426,10 +426,9 @@ def finish(run):
         run.log(f"test perplexity (best checkpoint, step {best['step']}): {ppl['ppl']:.2f} over {ppl['n_tokens']} "
                 f"tokens{per_word}; unknown (<unk>) tokens: {unknown}")
     elif run.pairs["test"]:
-        hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["test"]],
-                                decode.Search(args.beam, args.alpha, max_src_len=args.max_len,
-                                              bf16=run.step_options.bf16, penalty=args.length_penalty),
-                                args.batch_tokens)
+        search = decode.Search(args.beam, args.alpha, max_src_len=args.max_len, bf16=run.step_options.bf16,
+                               penalty=args.length_penalty)
+        hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["test"]], search, args.batch_tokens)
         score = decode.bleu(hyps, [y for _, y in run.pairs["test"]])
         data.atomic_write(run.dir / "test.hyp", "".join(h + "\n" for h in hyps))
         result.update(test_bleu=score.score, test_signature=score.signature)
@@ -1354,8 +1353,10 @@ def save_checkpoints(run, improved, epoch_end=True):
 @contextlib.contextmanager
 def stop_signals(run):
     """While training: Ctrl-C (SIGINT) or SIGTERM (a scheduler's, before its kill) stops the run after the step in
-    progress, with a checkpoint of that step (train_loop asks stop_requested); a second one stops it at once, from the
-    last checkpoint. Yields the box that holds the first signal's number."""
+    progress, with a checkpoint of that step; a second one stops it at once, from the last checkpoint. Yields
+    requested(synced), asked after each step: the signal that stops the run after it (0: none). Under torchrun every
+    rank must stop at the same step: the ranks agree (the largest of their signals), at every step on the CPU, at host
+    syncs (synced) on a GPU, where reading the answer would otherwise wait for the GPU at every step."""
     box, signals = [0], (signal.SIGINT, signal.SIGTERM)
 
     def handler(signum, frame):
@@ -1363,23 +1364,19 @@ def stop_signals(run):
             raise KeyboardInterrupt(signum)
         box[0] = signum
         run.log(f"{signal.Signals(signum).name}: stopping after this step, with a checkpoint of it (again: at once)")
+
+    def requested(synced):
+        if run.world > 1 and (run.device.type == "cpu" or synced):
+            agreed = torch.tensor([box[0]], device=run.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            return int(agreed)
+        return box[0] if run.world == 1 else 0
     before = [signal.signal(sig, handler) for sig in signals]  # signal.signal returns the handler it replaces
     try:
-        yield box
+        yield requested
     finally:
         for sig, old in zip(signals, before):
             signal.signal(sig, old)
-
-
-def stop_requested(run, box, synced):
-    """The signal that stops the run after this step (0: none). Under torchrun every rank must stop at the same step:
-    the ranks agree (the largest of their signals), at every step on the CPU, at host syncs (synced) on a GPU, where
-    reading the answer would otherwise wait for the GPU at every step."""
-    if run.world > 1 and (run.device.type == "cpu" or synced):
-        agreed = torch.tensor([box[0]], device=run.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        return int(agreed)
-    return box[0] if run.world == 1 else 0
 
 
 def restore(run, ckpt):
@@ -1478,8 +1475,7 @@ def may_resume(run_dir, args, ckpt, diff, hashes):
     state = ckpt["train_state"]
     # A checkpoint's stop is --stop-lr's or --early-stop's (a budget's comes after the last checkpoint): the stop rules
     # under the resumed run's flags decide whether it holds (one killed in its final test goes straight to the test).
-    if state["stopped"]:
-        state["stopped"] = stop_reason(args, state["step"], state["lr_decay"], state["history"])
+    state["stopped"] = state["stopped"] and stop_reason(args, state["step"], state["lr_decay"], state["history"])
     if state["stopped"] and finished:
         fix = "a smaller --stop-lr" if state["stopped"][0] == "stop_lr" else "a larger --early-stop (0: off)"
         raise data.DataError(f"--resume {run_dir}: the run stopped ({state['stopped'][1]}) and would stop again at "
@@ -1491,7 +1487,6 @@ def open_run_dir(args, pairs, log, stack, master, resumed=None):
     directory, unchanged here: commit_run_dir changes it once every other input is checked too. Rank 0 holds its lock
     (in stack); the other ranks write nothing (staging None). --benchmark trains in a temporary directory, removed."""
     if args.benchmark:
-        args.run_id = None
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="benchmark-")))
         return tmp, None, tmp
     if not str(args.out).strip():  # Path("") would be this folder
