@@ -82,11 +82,8 @@ def read_parallel(src_path, tgt_path, max_len=None, drop_empty=True):
     prints the count). drop_empty=False keeps them. max_len (whitespace words, either side) drops long pairs, counted
     in stats["long"]. DataError if a file is missing, the files disagree, or nothing is left.
     """
-    for p in (src_path, tgt_path):
-        if not Path(p).is_file():
-            raise DataError(f"{p}: file not found (a corpus directory holds {{train,dev,test}}.LANG, one "
-                            f"sentence per line, e.g. train.en and train.de aligned line by line)")
-    src_lines, tgt_lines = read_lines(src_path), read_lines(tgt_path)
+    src_lines, tgt_lines = (read_lines(p, "a corpus directory holds {train,dev,test}.LANG, one sentence per line, "
+                                       "e.g. train.en and train.de aligned line by line") for p in (src_path, tgt_path))
     if len(src_lines) != len(tgt_lines):
         raise DataError(f"{src_path} has {len(src_lines)} lines but {tgt_path} has {len(tgt_lines)}; "
                         f"the two sides must be aligned line by line")
@@ -918,13 +915,14 @@ def split_lines(raw, name):
     return [line.strip() for line in lines]
 
 
-def read_lines(path):
-    """The stripped lines of a UTF-8 text file; DataError (one line, naming the file) if unreadable."""
+def read_lines(path, hint=None):
+    """The stripped lines of a UTF-8 text file; DataError (one line, naming the file, and the hint of what it should
+    be when it is not there) if unreadable."""
     path = Path(path)
     try:
         return split_lines(path.read_bytes(), path)
     except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
+        raise DataError(f"{path}: file not found" + (f" ({hint})" if hint else "")) from None
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror or type(e).__name__})") from None
 

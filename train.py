@@ -1586,11 +1586,9 @@ def read_corpus(args, log):
         if args.data is None:
             log("data: the target side of the built-in synthetic corpus, as a language model's text")
         text = {split: lm_text_file(args, split) for split in data.SPLITS}
-        for split, path in text.items():
-            if not path.is_file():
-                raise data.DataError(f"{path}: file not found (a language model's corpus folder holds train.txt, "
-                                     f"dev.txt and test.txt, one sentence a line)")
-            text[split] = [line for line in data.read_lines(path) if line]  # empty lines skipped
+        for split, path in text.items():  # empty lines skipped
+            text[split] = [line for line in data.read_lines(path, "a language model's corpus folder holds train.txt, "
+                                                            "dev.txt and test.txt, one sentence a line") if line]
             if not text[split]:
                 raise data.DataError(f"{path}: no text (every line is empty)")
         return text, (None, None)
