@@ -484,8 +484,11 @@ def build_parser():
         DEFAULTS[action.dest] = default
 
     g = p.add_argument_group("presets")
-    add(g, "--preset", metavar="NAME", help="apply one row of a paper's table (train.py Appendix B); flags given "
+    row = g.add_mutually_exclusive_group()  # a run's flags start from one of them
+    add(row, "--preset", metavar="NAME", help="apply one row of a paper's table (train.py Appendix B); flags given "
         "with it override it; 'list' prints them all")
+    add(row, "--config", metavar="FILE", help="start a new run with the flags of a run's config.json (RUN/config.json, "
+        "as edited or not), as a preset of every flag: flags given with it override it (--out too)")
     add(g, "--pair", metavar="NAME", choices=list(PAIRS), help="use this language pair's corpus and per-pair flags "
         "instead of the preset's (" + ", ".join(PAIRS) + ")")
     add(g, "--show", action="store_true", default=False, help="print each flag's value in this run, then exit")
@@ -638,6 +641,8 @@ def resolve_flags(argv=None):
     if given.get("preset", next(iter(PRESETS))) not in PRESETS:
         sys.exit(f"error: --preset {given['preset']}: unknown; --preset list shows the {len(PRESETS)} presets")
     pair, _, row = PRESETS[given["preset"]] if "preset" in given else (None, "", {})
+    if "config" in given:  # a run's every flag; --pair given swaps its corpus
+        row = {**config_flags(given["config"], parser), **PAIRS.get(given.get("pair"), {})}
     flags = {**DEFAULTS, **PAIRS.get(given.get("pair", pair), {}), **row}
     # A flag given on the command line wins over the preset, always: --lr sets the peak LR, which a
     # preset's lambda (--lr-scale) would otherwise override.
@@ -659,6 +664,29 @@ def resolve_flags(argv=None):
     if args.lr_scale is not None:  # config.json records the peak that runs
         args.lr = args.lr_scale / math.sqrt(args.d_model * args.warmup)
     return args, given
+
+
+def config_flags(path, parser):
+    """--config FILE: the flags a run's config.json holds, for a new run (not the run's records, its --out or an
+    action). A file that is not a JSON object, a key that is no flag, a value its flag's type= or choices refuse:
+    one line that names it."""
+    try:
+        saved = json.loads(Path(path).read_text())
+        flags = {k: v for k, v in saved.items() if k not in RUN_RECORDS + ACTIONS + ("out",)}
+    except (OSError, ValueError, AttributeError) as e:  # AttributeError: a JSON list or value has no .items()
+        sys.exit(f"error: --config {path}: not a JSON object of flags ({e})")
+    actions = {a.dest: a for a in parser._actions if a.dest in DEFAULTS}
+    for k, v in flags.items():
+        try:  # as argparse takes the value from a command line: through its flag's type= and choices
+            a = actions[k]
+            ok = v is None and DEFAULTS[k] is None or (isinstance(v, bool) if a.nargs == 0 else not isinstance(v, bool)
+                                                       and (a.type or str)(str(v)) == v and v in (a.choices or [v]))
+        except (KeyError, TypeError, ValueError, argparse.ArgumentTypeError):
+            ok = False
+        if not ok:
+            sys.exit(f"error: --config {path}: {k!r}: " + (f"{v!r} is not a value of --{k.replace('_', '-')}"
+                                                          if k in actions else "not a flag of train.py"))
+    return flags
 
 
 def refuse_idle_flags(args, given):
@@ -1269,6 +1297,7 @@ RESUME_MAY_CHANGE = {"max_steps", "max_epochs", "early_stop", "stop_lr", "patien
                      "dtype", "threads", "compile", "dev_beam", "beam", "alpha", "length_penalty", "keep_checkpoints",
                      "save_interval", "data"}  # a moved corpus: its hashes are checked
 ACTIONS = ("resume", "overwrite", "start_or_resume")  # what a command does, not a flag of its run: never compared
+RUN_RECORDS = ("run_id", "corpus_sha256", "changed_on_resume")  # what config.json records of a run beside its flags
 # A run directory's files and what --overwrite removes: data.py's Appendix D (RESULT_FILES, CACHE_FILES, checkpoints);
 # the BPE model and the encoded caches are keyed by their content and are reused or replaced, never trusted.
 
@@ -1376,6 +1405,12 @@ def resume_flags(args, given, log):
         raise data.DataError(f"--resume {run_dir}: {e}; move it out of the folder (and start again)") from None
     log(f"resume: {path} at step {ckpt['train_state']['step']}")
     saved = ckpt["args"]
+    with contextlib.suppress(OSError, ValueError):  # config.json edited by hand: said, never replaced unannounced
+        if (edited := json.loads((run_dir / "config.json").read_text())) != json.loads(json.dumps(saved)):
+            what = ", ".join(f"{k} {edited.get(k)!r} (the checkpoint's: {saved.get(k)!r})" for k in {**saved, **edited}
+                             if edited.get(k) != saved.get(k)) if isinstance(edited, dict) else "not an object of flags"
+            log(f"resume: {run_dir / 'config.json'} differs from the checkpoint: {what}. The checkpoint's flags hold "
+                f"and config.json is written from them; to train with the file's, start a new run: --config FILE")
     diff = differing_flags(saved, args, given, run_dir)
     changed = {k: v for k, (_, v) in diff.items() if k in RESUME_MAY_CHANGE}
     return argparse.Namespace(**{**DEFAULTS, **saved, **changed, "resume": str(run_dir), "out": str(run_dir),
