@@ -230,9 +230,7 @@ class Batch:
     src: Optional[torch.Tensor]  # (B, S) source ids, PAD-padded, no BOS/EOS; None for a language model
     tgt_in: torch.Tensor  # (B, T) [BOS] + y, the decoder's input
     tgt_out: torch.Tensor  # (B, T) y + [EOS], what it must predict
-    n_src: int  # non-pad source tokens
     n_tgt: int  # non-pad target tokens (= tokens in the loss)
-    idx: list  # example indices, to put outputs back in order
 
 
 def collate(encoded_pairs, idx, device=None, multiple=1):
@@ -251,7 +249,7 @@ def collate(encoded_pairs, idx, device=None, multiple=1):
         tensors = [t.pin_memory().to(device, non_blocking=True) for t in tensors]  # overlaps the last step
     elif device is not None:
         tensors = [t.to(device) for t in tensors]
-    return Batch(*tensors, n_src=sum(len(x) for x in xs), n_tgt=sum(len(y) + 1 for y in ys), idx=list(idx))
+    return Batch(*tensors, n_tgt=sum(len(y) + 1 for y in ys))
 
 
 # ---------------------------------------------------------------------------------------
@@ -316,7 +314,7 @@ class Segments:
         n_tgt = int(y.ne(PAD).sum())  # counted on the host, before the copy
         if device is not None:
             x, y = x.to(device), y.to(device)
-        return Batch(None, x, y, n_src=0, n_tgt=n_tgt, idx=list(idx))
+        return Batch(None, x, y, n_tgt=n_tgt)
 
 
 def lm_segments(stream, seq_len):
@@ -351,6 +349,7 @@ def lm_segments(stream, seq_len):
 #     gloss: man green the | that us-ACC like | table beside | Thullockmeyth-ACC | NEG take-FUT .
 # =======================================================================================
 TOY_VERSION = 2  # bump when the generator changes, so that old data/toy/ files get rebuilt
+TOY_DIR = Path(__file__).resolve().parent / "data" / "toy"  # the built-in corpus's default place, next to this file
 
 # Nouns, most frequent first (the Zipf rank); "man:men" an irregular English plural (the target's are all regular).
 _NOUNS = """dog cat man:men woman:women child:children house friend king teacher bird tree book city river boy girl
@@ -529,10 +528,11 @@ class _ToyGrammar:
         return " ".join(src + ["."]), " ".join(tgt + ["."])
 
 
-def make_toy_corpus(out_dir, seed=1, n_train=20000, n_dev=500, n_test=500):
-    """Writes {train,dev,test}.{src,tgt} into out_dir (a Path, returned), unless its stamp file says they were made
-    with these settings. Deterministic in (seed, sizes); sentences have 4 to 25 source tokens and are unique across
-    the splits, so dev and test hold no training sentence."""
+def make_toy_corpus(out_dir=TOY_DIR, seed=1, n_train=20000, n_dev=500, n_test=500):
+    """Writes {train,dev,test}.{src,tgt} into out_dir (a Path, returned; default data/toy/), unless its stamp file
+    says they were made with these settings (so the default builds the built-in corpus if it is missing).
+    Deterministic in (seed, sizes); sentences have 4 to 25 source tokens and are unique across the splits, so dev and
+    test hold no training sentence."""
     out_dir = Path(out_dir)
     stamp = {"version": TOY_VERSION, "seed": seed, "n_train": n_train, "n_dev": n_dev, "n_test": n_test}
     stamp_path, files = out_dir / "toy_corpus.json", [out_dir / f"{s}.{l}" for s in SPLITS for l in ("src", "tgt")]
@@ -552,19 +552,9 @@ def make_toy_corpus(out_dir, seed=1, n_train=20000, n_dev=500, n_test=500):
     return out_dir
 
 
-def toy_corpus_dir():
-    """The built-in corpus's default place: data/toy/ next to this file."""
-    return Path(__file__).resolve().parent / "data" / "toy"
-
-
-def ensure_toy_corpus():
-    """Builds the default toy corpus if it is missing; returns its directory."""
-    return make_toy_corpus(toy_corpus_dir())
-
-
 def summary():
     """python data.py: build the built-in corpus and print what it is like."""
-    d, t_make = timed(ensure_toy_corpus)  # norms.py Appendix C
+    d, t_make = timed(make_toy_corpus)  # norms.py Appendix C
     splits = {s: read_parallel(*p)[0] for s, p in corpus_paths(d, "src", "tgt").items()}
     print(f"toy corpus in {d} ({t_make:.1f}s): " + ", ".join(f"{s} {len(p)} pairs" for s, p in splits.items()))
     train = splits["train"]
@@ -1191,10 +1181,6 @@ def run_id_of(path):
     return blob.get("run_id") if isinstance(blob, dict) and isinstance(blob.get("run_id"), str) else None
 
 
-class OtherRunsCheckpoint(DataError):  # read_checkpoint: a checkpoint in the folder of another run than its own
-    pass
-
-
 def read_checkpoint(path, device="cpu"):
     """torch.load(weights_only=True) of one checkpoint file, with its checks; DataError naming it. A checkpoint
     holds only tensors and plain Python values: unpickling anything else could run code, so such a file is
@@ -1222,8 +1208,7 @@ def read_checkpoint(path, device="cpu"):
         raise DataError(f"{p}: written by an older train.py (format {ckpt.get('format')}); start a new run")
     theirs, ours = (ckpt.get("args") or {}).get("run_id"), run_id_of(p.parent / "config.json")  # decode, resume alike
     if ours is not None and theirs != ours:  # copied in from another run: its model is not this run's
-        raise OtherRunsCheckpoint(f"{p}: refused, a checkpoint of another run (run_id {theirs}) in the folder of run "
-                                  f"{ours}")
+        raise DataError(f"{p}: refused, a checkpoint of another run (run_id {theirs}) in the folder of run {ours}")
     return ckpt
 
 

@@ -333,7 +333,7 @@ class PowerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_features))  # beta
         self.register_buffer("running_phi", torch.ones(num_features))  # phi = psi^2, starts at 1
         self.register_buffer("running_nu", torch.zeros(num_features))  # nu (not nu/(1-alpha_bkw))
-        # Note: counts training *forwards*, not updates (as the code): with --accumulate k, warmup W is W/k updates.
+        # Note: counts training *forwards* (as the code); train.py passes --pn-warmup x --accumulate: W updates.
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
 
     def extra_repr(self):

@@ -396,14 +396,13 @@ def finish(run):
         return None
     ckpt = data.read_checkpoint(best[0], run.device)
     run.model.load_state_dict(ckpt["model"])
-    run.model.eval()
     best = ckpt["train_state"]
     result = {"run_id": args.run_id, "steps": run.state.step, "best_step": best["step"],
               f"best_dev_{TASKS[args.task].key}": best["history"][-1],
               "train_seconds": run.state.train_seconds, "stopped": run.state.stopped[1],
               # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd)
               "embedding_singular_values": decode.singular_values(run.model)}
-    decode.print_g_table(run.model, run.log)  # [1] Figures 3-4: learned g versus depth
+    decode.print_g_table(run.model, run.log.console)  # [1] Figures 3-4: learned g versus depth
     data.atomic_write(run.dir / "g_values.json", json.dumps(decode.g_values(run.model), indent=2) + "\n")  # before test
     if args.task == "lm":  # the field's test perplexity: every target token, EOS included, no smoothing
         both = {s: decode.lm_perplexity(run.model, run.tokenizer, run.pairs[s], args.seq_len, args.batch_tokens,
@@ -542,7 +541,7 @@ def build_parser():
         "([3] section 3; Table 5 varies it)")
     add(g, "--qk-no-g", action="store_true", default=False, help="QKNorm ablation: g fixed at 1 ([3] Table 6)")
     add(g, "--qk-norm-v", action="store_true", default=False, help="QKNorm ablation: l2-normalise V too ([3] Table 6)")
-    add(g, "--pn-warmup", type=count, help="PowerNorm: training forwards that use batch statistics while the "
+    add(g, "--pn-warmup", type=count, help="PowerNorm: training updates that use batch statistics while the "
         "running one accumulates ([2] appendix A: the LR warmup); default: the LR warmup")
     add(g, "--pn-variant", choices=["paper", "code"], default="paper", help="PowerNorm: 'paper' follows [2] "
         "Algorithm 2 / eq. 12; 'code' the released code (backward divides by the batch psi_B after warmup; "
@@ -753,6 +752,7 @@ def model_config_from_args(args, vocab_size, qk_g0=1.0):
     """The ModelConfig of the flags: a field named as a flag takes its value (d_model: --d-model); the others here."""
     named = {f.name: getattr(args, f.name) for f in fields(ModelConfig) if hasattr(args, f.name)}
     power = {k: getattr(args, f"pn_{k}") for k in ("warmup", "variant", "alpha_fwd", "alpha_bkw")}  # --pn-K: option K
+    power["warmup"] *= args.accumulate  # the module counts forwards; --pn-warmup counts updates (--accumulate each)
     return ModelConfig(**dict(
         named, vocab_size=vocab_size, enc_layers=args.enc_layers or args.layers, norm_options=power, qk_g0=qk_g0,
         dec_layers=args.dec_layers or args.layers, qk_learn_g=not args.qk_no_g, lm=args.task == "lm",
@@ -1102,10 +1102,8 @@ class RunLog:
     def __init__(self):
         self.console = Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0", highlight=False, markup=False)
 
-    def __call__(self, line):  # a string, or what rich prints (decode.print_g_table's table: print is this)
+    def __call__(self, line):  # a string, or what rich prints
         self.console.print(line)
-
-    print = __call__
 
 
 class StepLog:
@@ -1564,13 +1562,13 @@ def what_next(args):
 # encode (cached there too); a language model's text is cut into segments (data.py section 8).
 # =======================================================================================
 def lm_text_file(args, split):  # a language model's text: --data DIR's split.txt; the built-in corpus's target side
-    return Path(args.data) / f"{split}.txt" if args.data is not None else data.toy_corpus_dir() / f"{split}.tgt"
+    return Path(args.data) / f"{split}.txt" if args.data is not None else data.TOY_DIR / f"{split}.tgt"
 
 
 def read_corpus(args, log):
     """{split: [(src, tgt)]} of raw text, and the language suffixes; a language model's: {split: [line]}."""
     if args.data is None:
-        data_dir, langs = data.ensure_toy_corpus(), ("src", "tgt")
+        data_dir, langs = data.make_toy_corpus(), ("src", "tgt")
         log(f"data: built-in synthetic corpus in {data_dir}")
     else:
         data_dir, langs = Path(args.data), (args.src, args.tgt)
@@ -1615,12 +1613,12 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
     proto = ckpt and ckpt["bpe_model_proto"]
     # bpe.key holds the hash of the training text and --bpe-size, and the model's own: never a stale or damaged one.
     key = data.pairs_sha256(pairs["train"], f"{args.bpe_size}\n".encode())
-    model_sha256 = lambda proto: hashlib.sha256(proto).hexdigest()
+    stamp = lambda proto: f"{key}\n{hashlib.sha256(proto).hexdigest()}"  # bpe.key's text for the model's bytes
     old, old_key = run_dir / "bpe.model", run_dir / "bpe.key"
     if proto is not None:  # a resumed run goes on with its checkpoint's own BPE model
         if old.exists() and old.read_bytes() != proto:
             raise data.DataError(f"{old}: not the BPE model its checkpoint was trained with")
-    elif old.exists() and old_key.exists() and old_key.read_text() == f"{key}\n{model_sha256(old.read_bytes())}":
+    elif old.exists() and old_key.exists() and old_key.read_text() == stamp(old.read_bytes()):
         proto = old.read_bytes()
     else:
         t0 = time.time()
@@ -1633,9 +1631,8 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
         made = "word vocabulary made" if args.bpe_size == 0 else \
             f"trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested)"
         log(f"data: {made} in {time.time() - t0:.1f}s")
-    if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list
-        data.atomic_write(stage / "bpe.model", proto)
-        data.atomic_write(stage / "bpe.key", f"{key}\n{model_sha256(proto)}")
+    if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list; both or neither
+        data.atomic_write_all({stage / "bpe.model": proto, stage / "bpe.key": stamp(proto)})
     tok = data.load_tokenizer(proto, old)
     if args.task == "lm":
         return (tok, *lm_data(args, tok, pairs, log))

@@ -340,6 +340,10 @@ def test_powernorm_warmup_follows_the_lr_warmup_unless_given():
     assert args.pn_warmup == 50
     cfg = train.model_config_from_args(train.resolve_flags(["--norm", "power", "--warmup", "300"])[0], 40)
     assert Transformer(cfg).encoder[0].norm_attn.warmup == 300
+    # The warmup is the LR's, in updates: with --accumulate 4 an update is 4 forwards, which the module counts
+    cfg = train.model_config_from_args(train.resolve_flags(["--norm", "power", "--warmup", "300", "--accumulate", "4"])[0],
+                                       40)
+    assert Transformer(cfg).encoder[0].norm_attn.warmup == 1200
 
 
 def test_lr_scale_sets_the_constant_lr_of_nowarmup():
