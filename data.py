@@ -105,20 +105,18 @@ def read_parallel(src_path, tgt_path, max_len=None, drop_empty=True):
 # ---------------------------------------------------------------------------------------
 # 2. Joint BPE (sentencepiece)
 # ---------------------------------------------------------------------------------------
-def train_bpe(src_lines, tgt_lines, vocab_size, model_prefix):
-    """Trains one BPE model on source + target training text; returns the .model path.
+def train_bpe(src_lines, tgt_lines, vocab_size):
+    """Trains one BPE model on source + target training text, in memory; returns the model's bytes.
     Paper: [1] uses joint BPE (fastBPE, 8000 merges); one vocabulary lets the source embedding, target embedding and
     output layer be one matrix. Note: we use sentencepiece BPE with vocab_size pieces instead of a number of merges,
     and the "identity" normalization, so decode(encode(s)) == s (bar runs of spaces, unseen characters) and BLEU
     compares the output with the untouched reference text. A too-small corpus gets the largest size, said on stderr.
     """
-    model_prefix = Path(model_prefix)
-    model_prefix.parent.mkdir(parents=True, exist_ok=True)
-    lines = [l for l in list(src_lines) + list(tgt_lines) if l]
+    lines, model = [l for l in list(src_lines) + list(tgt_lines) if l], io.BytesIO()
 
     def train(v):
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines), model_prefix=str(model_prefix), vocab_size=v, model_type="bpe",
+            sentence_iterator=iter(lines), model_writer=model, vocab_size=v, model_type="bpe",
             character_coverage=1.0, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS, normalization_rule_name="identity",
             input_sentence_size=0, shuffle_input_sentence=False,  # deterministic: all sentences (0), in order
             max_sentence_length=1 << 16, num_threads=min(4, os.cpu_count() or 1), minloglevel=2)  # quiet
@@ -133,18 +131,17 @@ def train_bpe(src_lines, tgt_lines, vocab_size, model_prefix):
             raise
         print(f"note: vocab_size {vocab_size} is too large for this corpus; using {m.group(2)}", file=sys.stderr)
         train(int(m.group(2)))
-    return str(model_prefix) + ".model"
+    return model.getvalue()
 
 
 class Tokenizer:
-    """A thin wrapper around a sentencepiece model (a file, or its bytes) with our special ids."""
-    def __init__(self, model_path=None, model_proto=None):
-        self.sp = spm.SentencePieceProcessor(model_file=str(model_path)) if model_proto is None else \
-            spm.SentencePieceProcessor(model_proto=bytes(model_proto))
+    """A thin wrapper around a sentencepiece model (its bytes, as train_bpe returns them) with our special ids."""
+    def __init__(self, proto, name="vocabulary"):
+        self.sp = spm.SentencePieceProcessor(model_proto=bytes(proto))
         self.proto = self.sp.serialized_model_proto()  # the model's bytes: what caches and checkpoints key on
         self.vocab_size = self.sp.get_piece_size()
         if (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id()) != (PAD, UNK, BOS, EOS):
-            raise DataError(f"{model_path}: a sentencepiece model not made by data.train_bpe (other special ids)")
+            raise DataError(f"{name}: a sentencepiece model not made by data.train_bpe (other special ids)")
 
     def encode(self, text):
         """str -> [ids], without BOS/EOS. A list of str gives a list of lists (C++ threads)."""
@@ -563,8 +560,7 @@ def summary():
         print(f"  {name}: {sum(counts.values()) / len(train):.1f} words/sentence, {len(counts)} types, "
               f"{sum(1 for c in counts.values() if c <= 2)} of them seen once or twice")
     t0 = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        tok = Tokenizer(train_bpe([p[0] for p in train], [p[1] for p in train], 2000, Path(tmp) / "bpe"))
+    tok = Tokenizer(train_bpe([p[0] for p in train], [p[1] for p in train], 2000))
     enc = encode_pairs(tok, train)
     L, pad = length_percentile(enc), padding_share(enc, make_batches(enc, 4096, shuffle=True, seed=1))
     print(f"  BPE: {tok.vocab_size} pieces ({time.time() - t0:.1f}s to train and encode), L(97.5%) = {L:.1f}, "
@@ -1027,7 +1023,7 @@ class WordVocab:
 
 def load_tokenizer(proto, name="vocabulary"):
     """The tokenizer of a run's vocabulary bytes: a WordVocab (section 8), or a sentencepiece Tokenizer."""
-    return WordVocab(proto) if bytes(proto).startswith(WordVocab.HEADER) else Tokenizer(name, model_proto=proto)
+    return WordVocab(proto) if bytes(proto).startswith(WordVocab.HEADER) else Tokenizer(proto, name)
 
 
 def _lengths(encoded_pairs):

@@ -45,7 +45,7 @@ import uuid
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -81,17 +81,49 @@ def inverse_sqrt_lr(step, d_model, warmup, lr_scale):
     # Exercise invsqrt: end
 
 
+def flat_after_warmup_lr(s, n, decay):  # VALDECAY: eq. 7's warmup, then flat at its peak, times the decays so far
+    return inverse_sqrt_lr(min(n, s.warmup), s.d_model, s.warmup, s.lr_scale) * decay
+
+
+def cosine_lr(s, n, decay):  # eq. 7's warmup, then peak * (1 + cos(pi (n - n_warmup) / (N - n_warmup))) / 2
+    if n <= s.warmup:
+        return flat_after_warmup_lr(s, n, 1.0)
+    return s.peak * (1 + math.cos(math.pi * min(1.0, (n - s.warmup) / max(s.total - s.warmup, 1)))) / 2
+
+
+class ScheduleEntry(NamedTuple):  # a schedule of the registry, as norms.py's Norm
+    lr: Callable  # lr(schedule, n, decay): the LR of step n; decay: the product of the validation decays so far
+    warms_up: bool  # reads --warmup (n_warmup)
+    decays: bool  # validation-based decay ([1] 2.4): reads --patience and --decay-factor
+    help: str  # what --help says of it
+
+
+# The registry, as norms.py's NORMS: --schedule NAME -> its entry, which --help, refuse_idle_flags and Schedule read.
+SCHEDULES = {
+    "invsqrt": ScheduleEntry(lambda s, n, decay: inverse_sqrt_lr(n, s.d_model, s.warmup, s.lr_scale), True, False,
+                             "eq. 7 of [1] (INVSQRTDECAY)"),
+    "valdecay": ScheduleEntry(flat_after_warmup_lr, True, True, "eq. 7's linear warmup, then flat at its peak, times "
+                              "--decay-factor when dev BLEU stalls ([1] 2.4, VALDECAY)"),
+    "nowarmup": ScheduleEntry(lambda s, n, decay: s.peak * decay, False, True, "constant --lr (3e-4 in [1] 3.3) with "
+                              "the same validation decay"),
+    "warmupflat": ScheduleEntry(flat_after_warmup_lr, True, True, "valdecay under the name of QKNorm's released "
+                                "configs (Code [3])"),
+    "cosine": ScheduleEntry(cosine_lr, True, False, "the warmup, then a cosine to 0 at the run's last step (the "
+                            "tensorized Transformer's PTB script, [2]'s language models)"),
+}
+
+
 @dataclass
 class Schedule:
-    kind: str  # invsqrt | valdecay | warmupflat (valdecay, as QKNorm's configs name it) | nowarmup | cosine
+    kind: str  # a name in SCHEDULES
     d_model: int
-    warmup: int  # n_warmup; none under nowarmup
+    warmup: int  # n_warmup; 0 for a schedule that does not warm up (nowarmup)
     peak: float  # the peak LR, lambda / sqrt(d * n_warmup); the constant LR under nowarmup
     total: int = 0  # cosine: the run's last step N
 
     @classmethod
     def from_args(cls, args):
-        return cls(args.schedule, args.d_model, 0 if args.schedule == "nowarmup" else args.warmup,
+        return cls(args.schedule, args.d_model, args.warmup if SCHEDULES[args.schedule].warms_up else 0,
                    args.lr, budget(args)[0])  # resolve_flags made lr lambda / sqrt(d * n_warmup) under --lr-scale
 
     @property
@@ -99,19 +131,12 @@ class Schedule:
         return self.peak * math.sqrt(self.d_model * max(self.warmup, 1))
 
     @property
-    def decays(self):  # [1] 2.4: validation-based decay, for VALDECAY and NOWARMUP
-        return self.kind not in ("invsqrt", "cosine")
+    def decays(self):  # [1] 2.4: validation-based decay
+        return SCHEDULES[self.kind].decays
 
     def __call__(self, step, decay=1.0):
         """The LR of step n; decay is the product of the validation decays so far."""
-        if self.kind == "invsqrt":
-            return inverse_sqrt_lr(step, self.d_model, self.warmup, self.lr_scale)
-        if self.kind == "nowarmup":
-            return self.peak * decay
-        if self.kind == "cosine" and step > self.warmup:
-            progress = min(1.0, (step - self.warmup) / max(self.total - self.warmup, 1))
-            return self.peak * (1 + math.cos(math.pi * progress)) / 2
-        return inverse_sqrt_lr(min(step, self.warmup), self.d_model, self.warmup, self.lr_scale) * decay
+        return SCHEDULES[self.kind].lr(self, step, decay)
 
 
 def validation_decay(history, patience):
@@ -557,12 +582,8 @@ def build_parser():
     add(g, "--sdpa", action=argparse.BooleanOptionalAction, default=True, help="torch's "
         "scaled_dot_product_attention (off: the written-out attention; default on)")
     g = p.add_argument_group("optimisation and schedule")
-    add(g, "--schedule", choices=["invsqrt", "valdecay", "nowarmup", "warmupflat", "cosine"], default="invsqrt",
-        help="invsqrt: eq. 7 of [1] (INVSQRTDECAY); valdecay: eq. 7's linear warmup, then flat at its peak, "
-             "times --decay-factor when dev BLEU stalls ([1] 2.4, VALDECAY); nowarmup: constant --lr (3e-4 in "
-             "[1] 3.3) with the same validation decay; warmupflat: valdecay under the name of QKNorm's released "
-             "configs (Code [3]); cosine: the warmup, then a cosine to 0 at the run's last step (the tensorized "
-             "Transformer's PTB script, [2]'s language models)")
+    add(g, "--schedule", choices=list(SCHEDULES), default="invsqrt",
+        help="; ".join(f"{name}: {entry.help}" for name, entry in SCHEDULES.items()))
     peak = g.add_mutually_exclusive_group()  # both set the peak LR (lr = lr_scale / sqrt(d * warmup)): one of them
     add(peak, "--lr-scale", type=percent, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
         "warmup^-1.5) ([1] 3.3: 1, and 2 for 2xLR); when given it overrides --lr")
@@ -659,7 +680,7 @@ def resolve_flags(argv=None):
     if args.bpe_size is None:
         args.bpe_size = 0 if args.task == "lm" else 2000 if args.data is None else 8000
     if args.pn_warmup is None:  # Paper [2] appendix A: the same as the LR schedule's warmup
-        args.pn_warmup = 0 if args.schedule == "nowarmup" else args.warmup
+        args.pn_warmup = args.warmup if SCHEDULES[args.schedule].warms_up else 0
     if args.lr_scale is not None:  # config.json records the peak that runs
         args.lr = args.lr_scale / math.sqrt(args.d_model * args.warmup)
     return args, given
@@ -696,8 +717,8 @@ def refuse_idle_flags(args, given):
             (("qk_length", "qk_percentile", "qk_no_g", "qk_norm_v"), args.qknorm, "QKNorm's, so it needs --qknorm"),
             (("pn_variant", "pn_alpha_fwd", "pn_alpha_bkw", "pn_warmup"), "power" in norms,
              "PowerNorm's, so it needs --norm, --encoder-norm or --decoder-norm power"),
-            (("warmup",), args.schedule != "nowarmup" or args.lr_scale is not None,
-             "the length of a warmup, which --schedule nowarmup does not have (with --lr-scale it sets the LR)"),
+            (("warmup",), SCHEDULES[args.schedule].warms_up or args.lr_scale is not None, "the length of a warmup, "
+             f"which --schedule {args.schedule} does not have (with --lr-scale it sets the LR)"),
             (("seq_len", "attention"), args.task == "lm", "a language model's, so it needs --task lm"),
             (("src", "tgt", "enc_layers", "encoder_norm", "max_len", "beam", "dev_beam", "alpha", "length_penalty",
               "qk_percentile"), args.task == "mt", "a translator's; a language model (--task lm) has no source, "
@@ -709,8 +730,8 @@ def refuse_idle_flags(args, given):
             (("src", "tgt"), args.data is not None, "the name of a corpus's files in --data DIR; without --data the "
              "built-in corpus is used"),
             (("profile",), args.benchmark, "for the steps of --benchmark N: give --benchmark too"),
-            (("patience", "decay_factor"), Schedule.from_args(args).decays, "for validation-based decay (--schedule "
-             f"valdecay, warmupflat or nowarmup), not --schedule {args.schedule}")):
+            (("patience", "decay_factor"), SCHEDULES[args.schedule].decays, "for validation-based decay (--schedule "
+             f"{', '.join(k for k, e in SCHEDULES.items() if e.decays)}), not --schedule {args.schedule}")):
         for name in names:
             if name in given and not active:
                 sys.exit(f"error: --{name.replace('_', '-')} is {why}")
@@ -1405,10 +1426,9 @@ def resume_flags(args, given, log):
     saved = ckpt["args"]
     with contextlib.suppress(OSError, ValueError):  # config.json edited by hand: said, never replaced unannounced
         if (edited := json.loads((run_dir / "config.json").read_text())) != json.loads(json.dumps(saved)):
-            what = ", ".join(f"{k} {edited.get(k)!r} (the checkpoint's: {saved.get(k)!r})" for k in {**saved, **edited}
-                             if edited.get(k) != saved.get(k)) if isinstance(edited, dict) else "not an object of flags"
-            log(f"resume: {run_dir / 'config.json'} differs from the checkpoint: {what}. The checkpoint's flags hold "
-                f"and config.json is written from them; to train with the file's, start a new run: --config FILE")
+            keys = [k for k in {**saved, **edited} if edited.get(k) != saved.get(k)] if isinstance(edited, dict) else []
+            log(f"resume: {run_dir / 'config.json'} differs from the checkpoint ({', '.join(keys) or 'not an object'}"
+                f"): the checkpoint's flags hold, and the file is written again from them")
     diff = differing_flags(saved, args, given, run_dir)
     changed = {k: v for k, (_, v) in diff.items() if k in RESUME_MAY_CHANGE}
     return argparse.Namespace(**{**DEFAULTS, **saved, **changed, "resume": str(run_dir), "out": str(run_dir),
@@ -1626,8 +1646,7 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
             proto = data.WordVocab.build(pairs["train"]).proto
         else:
             sides = (pairs["train"], []) if args.task == "lm" else zip(*pairs["train"])
-            with tempfile.TemporaryDirectory(dir=stage) as tmp:
-                proto = Path(data.train_bpe(*sides, args.bpe_size, Path(tmp) / "bpe")).read_bytes()
+            proto = data.train_bpe(*sides, args.bpe_size)
         made = "word vocabulary made" if args.bpe_size == 0 else \
             f"trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested)"
         log(f"data: {made} in {time.time() - t0:.1f}s")

@@ -194,11 +194,11 @@ def run_dir(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     lines = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (int(n),), generator=g))
              for n in torch.randint(2, 9, (60,), generator=g)]
-    model_path = train_bpe(lines[:30], lines[30:], 60, root / "bpe")
-    tok = Tokenizer(model_path)
+    proto = train_bpe(lines[:30], lines[30:], 60)
+    tok = Tokenizer(proto)
     model = tiny_model(vocab_size=tok.vocab_size)
     ckpt = {"format": data.CHECKPOINT_FORMAT, "model_config": model.cfg.to_dict(), "model": model.state_dict(),
-            "bpe_model_proto": Path(model_path).read_bytes(), "src_lang": "src", "tgt_lang": "tgt",
+            "bpe_model_proto": proto, "src_lang": "src", "tgt_lang": "tgt",
             "step": 7, "dev_bleu": 0.0}
     torch.save(ckpt, root / "checkpoint_best.pt")
     (root / "dev.src").write_text("\n".join(lines[:12]) + "\n")

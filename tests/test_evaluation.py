@@ -38,16 +38,15 @@ from data import DataError as DecodeError  # noqa: E402  (decode.py raises data.
 from model import BOS, EOS, ModelConfig, MultiHeadAttention, Transformer  # noqa: E402
 
 @pytest.fixture(scope="module")
-def toy(tmp_path_factory):
+def toy():
     """A sentencepiece model and 40 sentence pairs."""
     from data import Tokenizer, train_bpe
 
-    root = tmp_path_factory.mktemp("eval")
     g = torch.Generator().manual_seed(0)
     lines = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (int(n),), generator=g))
              for n in torch.randint(2, 9, (80,), generator=g)]
-    model_path = train_bpe(lines[:40], lines[40:], 60, root / "bpe")
-    return Tokenizer(model_path), list(zip(lines[:40], lines[40:])), Path(model_path)
+    proto = train_bpe(lines[:40], lines[40:], 60)
+    return Tokenizer(proto), list(zip(lines[:40], lines[40:])), proto
 
 
 def without_matplotlib(monkeypatch):
@@ -181,12 +180,12 @@ def test_average_checkpoints_averages_floats_and_copies_int_and_bool(tmp_path):
 
 
 def test_load_checkpoint_average_of_run_dir(tmp_path, toy):
-    tok, _, model_path = toy
+    tok, _, proto = toy
     models = [tiny_model(tok.vocab_size, seed=s, norm="power", encoder_norm="power") for s in range(3)]
     for epoch, m in enumerate(models, start=1):
         m.encoder[0].norm_attn.num_batches_tracked.fill_(100 * epoch)
         ckpt = {"format": data.CHECKPOINT_FORMAT, "model_config": m.cfg.to_dict(), "model": m.state_dict(), "step": epoch,
-                "bpe_model_proto": model_path.read_bytes()}
+                "bpe_model_proto": proto}
         torch.save(ckpt, tmp_path / f"checkpoint_epoch{epoch}.pt")
     (tmp_path / "checkpoint_epoch3.pt.tmp").write_text("an interrupted save")  # ignored
     loaded, ltok, ckpt = decode.load_checkpoint(tmp_path, average=2)  # epochs 2 and 3
@@ -323,10 +322,10 @@ def test_g_table_for_layernorm_model_is_one_line(tmp_path):
 
 
 def test_cli_g_table_and_attention(tmp_path, toy, capsys):
-    tok, pairs, model_path = toy
+    tok, pairs, proto = toy
     model = tiny_model(tok.vocab_size, qknorm=True, qk_g0=4.0)
     torch.save({"format": data.CHECKPOINT_FORMAT, "model_config": model.cfg.to_dict(), "model": model.state_dict(),
-                "bpe_model_proto": model_path.read_bytes()}, tmp_path / "checkpoint_best.pt")
+                "bpe_model_proto": proto}, tmp_path / "checkpoint_best.pt")
     assert decode.main([str(tmp_path), "--g-table"]) == 0
     assert "decoder.0.cross_attn.g" in capsys.readouterr().out
     src, tgt = pairs[2]

@@ -346,6 +346,23 @@ def test_powernorm_warmup_follows_the_lr_warmup_unless_given():
     assert Transformer(cfg).encoder[0].norm_attn.warmup == 1200
 
 
+def test_a_new_schedule_is_a_function_and_one_entry_of_schedules(monkeypatch):
+    """As a norm is one NORMS entry: --schedule takes the new name, --help says it, the LR is its function's, and the
+    flags it does not read (its entry: no warmup, no validation decay) are refused in one line."""
+    halving = train.ScheduleEntry(lambda s, n, decay: s.peak / 2 ** (n // 100), False, False, "halves every 100 steps")
+    monkeypatch.setitem(train.SCHEDULES, "halving", halving)
+    args, _ = train.resolve_flags(["--schedule", "halving", "--lr", "0.01"])
+    lr = train.Schedule.from_args(args)
+    assert (lr.warmup, lr.decays, lr(1), lr(250), args.pn_warmup) == (0, False, 0.01, 0.0025, 0)
+    assert "halving: halves every 100 steps" in " ".join(train.build_parser().format_help().split())
+    for flag, words in ((["--warmup", "10"], "--schedule halving does not have"),
+                        (["--patience", "3"], "not --schedule halving")):
+        with pytest.raises(SystemExit, match=words):
+            train.refuse_idle_flags(*train.resolve_flags(["--schedule", "halving", *flag]))
+    assert "halving" not in str(pytest.raises(SystemExit, train.refuse_idle_flags,
+                                              *train.resolve_flags(["--schedule", "invsqrt", "--patience", "3"])).value)
+
+
 def test_lr_scale_sets_the_constant_lr_of_nowarmup():
     """--lr-scale (lambda of eq. 7) overrides --lr under every schedule: under NOWARMUP the constant LR
     is eq. 7's peak lambda / sqrt(d * n_warmup), so 2xLR doubles it (it was silently ignored)."""
@@ -391,7 +408,7 @@ def test_qknorm_L_is_measured_before_the_max_len_filter(tmp_path, small_corpus, 
     train.main(SMALL + small_corpus + ["--qknorm", "--qk-percentile", "100", "--max-len", "6", "--max-steps", "1",
                                       "--out", str(run)])
     out = capsys.readouterr().out
-    tok = data.Tokenizer(run / "bpe.model")
+    tok = data.Tokenizer((run / "bpe.model").read_bytes())
     pairs, _ = data.read_parallel(*data.corpus_paths(small_corpus[1], "src", "tgt")["train"])
     longest = max(len(ids) for s, t in pairs for ids in tok.encode([s, t]))
     assert longest > 6 and f"qknorm: L = {longest:.2f} (100.0th percentile" in out
