@@ -64,7 +64,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from model import BOS, EOS, PAD, UNK, pick_device, qk_g0
+from model import BOS, EOS, PAD, UNK, pick_device
 from norms import MIN_REAL_TOKENS, timed, use_reference
 
 SPLITS = ("train", "dev", "test")
@@ -564,7 +564,7 @@ def summary():
     enc = encode_pairs(tok, train)
     L, pad = length_percentile(enc), padding_share(enc, make_batches(enc, 4096, shuffle=True, seed=1))
     print(f"  BPE: {tok.vocab_size} pieces ({time.time() - t0:.1f}s to train and encode), L(97.5%) = {L:.1f}, "
-          f"g0 = {qk_g0(L):.2f}, padding at 4096 tokens {pad:.1%}")
+          f"QKNorm's L (its g0: model.qk_g0), padding at 4096 tokens {pad:.1%}")
     for s, t in train[:3]:
         print(f"  src: {s}\n  tgt: {t}")
 

@@ -37,6 +37,7 @@ need no solution), and a failure names the first element that differs.
 """
 import argparse
 import ast
+import contextlib
 import csv
 import hashlib
 import itertools
@@ -855,8 +856,9 @@ def fork_server():
 
 
 def cmd_serve():
-    """(the fork server) one JSON job a line on stdin: fork serve_one; "started JOB PID", then "ended PID STATUS"."""
-    buf = b""
+    """(the fork server) one JSON job a line on stdin: fork serve_one; "started JOB PID", then "ended PID STATUS".
+    When the grader ends (stdin closes), however it ends (a kill too), the children still running are killed."""
+    buf, alive = b"", set()
     while True:
         while True:  # the children that ended
             try:
@@ -865,12 +867,17 @@ def cmd_serve():
                 break
             if pid == 0:
                 break
+            alive.discard(pid)
             print(f"ended {pid} {os.waitstatus_to_exitcode(status)}", flush=True)
         if not select.select([0], [], [], 0.02)[0]:
             continue
         chunk = os.read(0, 65536)  # not sys.stdin: its buffer would hide a second line from select
-        if not chunk:
-            os._exit(0)  # the grader ended
+        if not chunk:  # the grader ended
+            for pid in alive:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)  # a hang, and anything it started
+                os.waitpid(pid, 0)
+            os._exit(0)
         buf += chunk
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
@@ -878,6 +885,7 @@ def cmd_serve():
             pid = os.fork()
             if pid == 0:
                 serve_one(job)
+            alive.add(pid)
             print(f"started {job['job']} {pid}", flush=True)
 
 

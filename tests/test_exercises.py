@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -354,6 +355,46 @@ def test_grading_two_passing_submissions_exits_0_and_writes_their_rows(tmp_path)
                         ([str(a), "--wide"], "--wide is a layout of --csv: give --csv FILE too")):
         out = _kit("grade", *argv)
         assert out.returncode != 0 and out.stderr.strip() == f"exercises.py grade: {words}", out.stderr
+
+
+def _children(pid):
+    """The pids whose parent is pid (from /proc), zombies left out."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+@original_only
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc (Linux)")
+def test_a_grade_killed_hard_leaves_no_grading_process_behind(tmp_path):
+    """The grading processes are forked by the grade's fork server, each in a session of its own: when the grade is
+    killed (SIGKILL: no handler of its own runs), the server sees its input close and kills the ones still running."""
+    sub = _solution_copy(tmp_path / "sub")
+    _set_region(sub, "qk_g0", "while True:\n    pass")
+    grade = subprocess.Popen([sys.executable, str(ROOT / "tests" / "exercises.py"), "grade", str(sub), "qk_g0",
+                              "--timeout", "300"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    hanging = []
+    for _ in range(600):  # the server, then its child that hangs (at most a minute on a busy machine)
+        hanging = [c for server in _children(grade.pid) for c in _children(server)]
+        if hanging:
+            break
+        time.sleep(0.1)
+    assert hanging, "no grading process was started"
+    grade.kill()
+    grade.wait()
+    for _ in range(100):
+        if not any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1]
+                   for pid in hanging):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the hanging grading process {hanging} outlived its killed grade")
 
 
 @original_only
