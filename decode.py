@@ -145,7 +145,7 @@ def greedy_search(model, src, max_len=None):
         done = y.eq(EOS) | (limit[active] <= t)  # (n,) emitted EOS, or at the length limit
         if done.any():
             for i in done.nonzero().flatten().tolist():
-                results[active[i]] = _strip(hist[i].tolist())
+                results[active[i]] = data.content_ids(hist[i])  # the tokens before EOS
             keep = (~done).nonzero().flatten()  # rows still decoding
             if keep.numel() == 0:
                 break
@@ -194,7 +194,7 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
         if done.any():
             for i in done.nonzero().flatten().tolist():
                 best = int(score[i].argmax())
-                tokens = _strip(hist[i, best].tolist())
+                tokens = data.content_ids(hist[i, best])  # before EOS, less the PAD placeholders
                 results[active[i]] = (tokens, float(score[i, best])) if return_scores else tokens
             keep = (~done).nonzero().flatten()  # (n',)
             if keep.numel() == 0:
@@ -215,9 +215,8 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
         top, idx = torch.cat([ext_scores, keep_scores], dim=1).topk(K, dim=1)  # (n, K)
         is_ext = idx < K * V  # (n, K) an extension (else a kept finished beam)
         parent = torch.where(is_ext, idx // V, idx - K * V)  # (n, K) the beam it comes from
-        word = torch.where(is_ext, idx % V, torch.full_like(idx, PAD))  # (n, K) appended token
-        dead = top.eq(NEG_INF)  # (n, K) only when fewer than K finite candidates exist
-        word = word.masked_fill(dead, PAD)  # never emit a masked word, even on a dead beam
+        dead = top.eq(NEG_INF)  # (n, K) only when fewer than K finite candidates exist; emits PAD, not a masked word
+        word = torch.where(is_ext & ~dead, idx % V, PAD)  # (n, K) appended token
         ext_cum = ext.view(n, K * V).gather(1, idx.clamp(max=K * V - 1))  # (n, K)
         cum = torch.where(is_ext, ext_cum, cum.gather(1, parent))  # (n, K)
         finished = ~is_ext | word.eq(EOS) | dead  # (n, K)
@@ -360,7 +359,7 @@ def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, 
     with evaluating(model):
         for _ in range(max_tokens):
             x = torch.tensor([ids[-seq_len:]], device=device)  # the context the model was trained with
-            logits = model(None, x)[0, -1].float().cpu()  # (V,) -inf at PAD and BOS
+            logits = model.logits(None, x)[0, -1].float().cpu()  # (V,) -inf at PAD and BOS
             nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=rng)) \
                 if temperature > 0 else int(logits.argmax())
             if nxt == EOS:
@@ -523,8 +522,7 @@ def g_values(model):
         parts = name.split(".")
         if parts[0] in ("encoder", "decoder"):
             stack, layer, sub = parts[0], int(parts[1]), _SUBLAYER.get(parts[2], parts[2])
-        elif parts[0] in ("enc_final_norm", "dec_final_norm"):
-            stack = "encoder" if parts[0].startswith("enc") else "decoder"
+        elif stack := {"enc_final_norm": "encoder", "dec_final_norm": "decoder"}.get(parts[0]):  # a stack's final norm
             fixnorm = stack == "decoder" and model.cfg.fixnorm  # FixNorm: logit = g cos(h, e_w) + b_w
             layer, sub = len(getattr(model, stack)), "final (temp.)" if fixnorm else "final"
         else:
@@ -584,7 +582,7 @@ def future_leak(model, segments, t=None, seed=0, training=True):
             if isinstance(mod, BATCH_NORMS):
                 mod.train()
         with torch.no_grad():
-            out = torch.log_softmax(m(None, inp.to(m.embed.device)).float(), -1).cpu()
+            out = torch.log_softmax(m.logits(None, inp.to(m.embed.device)).float(), -1).cpu()
         return out.gather(-1, y[..., None]).squeeze(-1)[:, :t + 1]  # (N, t + 1)
 
     before, after = logp(x), logp(changed)
@@ -625,7 +623,7 @@ def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0
             y = greedy_search(model, src)[0] if tgt_line is None else tokenizer.encode(tgt_line)
             tgt_in = torch.tensor([[BOS] + y], device=device)  # (1, T)  BOS y_1..y_m
             module.keep_weights = True  # the written-out attention path, which returns the weights
-            model(src, tgt_in)
+            model.logits(src, tgt_in)
             w = module.last_weights[0, head].float().cpu()  # (Tq, Tk)
     finally:
         module.keep_weights, module.last_weights = old
@@ -658,9 +656,6 @@ def render_heatmap(weights, rows, cols, max_label=8):
     return "\n".join(lines)
 
 
-EXTRAS = "pip install matplotlib"  # the optional extra (--plot, --png, --svd), one line
-
-
 def figure(path, flag=None, **size):
     """A matplotlib Figure (an optional extra, not in requirements.txt, imported only here) to draw the PNG `path`;
     without it None and a line on stderr saying how to install it, or with `flag` (`path` checked first) DataError."""
@@ -670,7 +665,7 @@ def figure(path, flag=None, **size):
         from matplotlib import figure as matplotlib_figure  # no pyplot: no display needed, no open figure to close
         return matplotlib_figure.Figure(**size)
     except ImportError:
-        why = f"{path} needs matplotlib, which is not installed: {EXTRAS}"
+        why = f"{path} needs matplotlib, which is not installed: {data.EXTRAS}"
         if flag:
             raise DataError(f"{flag} {why}") from None
         print(f"note: {why}", file=sys.stderr)
@@ -751,29 +746,28 @@ def plot_series(run_dirs):
                               "batch vs running statistic, first norm",
                               "embedding singular values / the largest ([2] Fig. 6)")}
     qknorm = lambda k: k.endswith(("self_attn.g", "cross_attn.g"))  # an attention module's g (QKNorm), not a norm's
-    curve = lambda label, points: (label, [x for x, _ in points], [y for _, y in points])  # [(x, y)] -> one curve
+    add = lambda t, label, xy: panels[t].append((label, [x for x, _ in xy], [y for _, y in xy]))  # [(x, y)] -> a curve
     for run in run_dirs:
         rows, name = data.read_metrics(run), Path(run).name
         for title, key in keys.items():
-            panels[title].append(curve(name, [(r["step"], r[key]) for r in rows if r.get(key) is not None]))
+            add(title, name, [(r["step"], r[key]) for r in rows if r.get(key) is not None])
         if evals := [r for r in rows if r.get("g")]:
             depth = lambda k: (not k.startswith("enc"), int(k.split(".")[1]) if k.split(".")[1].isdigit() else 1 << 30)
             g = evals[-1]["g"]
             scale = sorted((k for k in g if not qknorm(k)), key=depth)  # ScaleNorm g's by depth
-            panels["learned g by depth (last evaluation)"].append(curve(name, [*enumerate(g[k] for k in scale)]))
+            add("learned g by depth (last evaluation)", name, [*enumerate(g[k] for k in scale)])
             qk = [(r["step"], [v for k, v in r["g"].items() if qknorm(k)]) for r in evals]
             qk = [(x, sum(gs) / len(gs)) for x, gs in qk if gs]
-            panels["QKNorm g (mean over modules)"].append(curve(name, qk))
+            add("QKNorm g (mean over modules)", name, qk)
         first = "encoder.0.norm_attn" if any("encoder.0.norm_attn" in r.get("batch_norm_stats", {}) for r in rows) \
             else "decoder.0.norm_self"  # a language model has no encoder
         stats = [(r["step"], s) for r in rows for n, s in r.get("batch_norm_stats", {}).items() if n == first]
         if key := next((k for k in ("dist_sigma2", "dist_psi2") if stats and k in stats[0][1]), None):
-            panels["batch vs running statistic, first norm"].append(
-                curve(f"{name} ({key})", [(x, s[key]) for x, s in stats]))
+            add("batch vs running statistic, first norm", f"{name} ({key})", [(x, s[key]) for x, s in stats])
         # the finished run's embedding ([2] Figure 6), from results.json; none while not finished (no results.json yet)
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             sv = json.loads((Path(run) / "results.json").read_text())["embedding_singular_values"]
-            panels["embedding singular values / the largest ([2] Fig. 6)"].append(curve(name, [*enumerate(sv, 1)]))
+            add("embedding singular values / the largest ([2] Fig. 6)", name, [*enumerate(sv, 1)])
     return panels
 
 
@@ -886,7 +880,7 @@ def build_parser():
     ev.add_argument("--plot", nargs="+", metavar="RUN", help="overlay training runs' curves from RUN/metrics.jsonl "
                     "into --out FILE.png: dev BLEU ([1] Fig. 1), dev perplexity, training loss, gradient norm ([1] "
                     "Fig. 2), learned g by depth ([1] Figs. 3-4), QKNorm's g, batch vs running statistics ([2] Figs. "
-                    "2-4), each panel the runs have data for; needs matplotlib (" + EXTRAS + ")")
+                    "2-4), each panel the runs have data for; needs matplotlib (" + data.EXTRAS + ")")
     ev.add_argument("--out", metavar="FILE.png", help="the picture --plot writes")
     ev.add_argument("--leak", action="store_true", help="a language model: how much changing the tokens after the "
                     "middle of a segment moves the predictions before it when the batch norms use batch statistics, "
@@ -931,28 +925,27 @@ NEEDS = {"out": ("plot",), "context": ("ppl",), "leak_mode": ("leak",), "sample"
 
 
 def idle_flag(mode, given):
-    """Why the first flag given that `mode` does not read (MODES) is refused, or None."""
-    if extra := sorted(given - MODES[mode]):
-        what = "a checkpoint" if extra[0] == "checkpoint" else f"--{extra[0].replace('_', '-')}"
-        return f"{what} does nothing with {mode if ' ' in mode else '--' + mode.replace('_', '-')}"
+    """Why the first flag given that `mode` does not read (MODES) is refused, or None (data.idle_flag's rule)."""
+    how = mode if " " in mode else "--" + mode.replace("_", "-")
+    if idle := data.idle_flag([(sorted(given - MODES[mode]), False, how)], given):
+        return f"{'a checkpoint' if idle[0] == '--checkpoint' else idle[0]} does nothing with {how}"
 
 
 def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
     args.given = {f for f, v in vars(args).items() if v != ap.get_default(f)}  # the flags given a value of their own
-    if args.compare and not args.ref:
-        ap.error("--compare needs --ref")
-    if args.plot and not args.out:
-        ap.error("--plot needs --out FILE.png")
+    for mode, flag, what in (("compare", "ref", "--ref"), ("plot", "out", "--out FILE.png")):  # what each reads, writes
+        if getattr(args, mode) and not getattr(args, flag):
+            ap.error(f"--{mode} needs {what}")
     if not args.compare and not args.plot and not args.checkpoint:
         ap.error("a checkpoint (file or run directory) is needed, except with --compare or --plot")
     if args.compare and args.seed < 1:  # SacreBLEU takes 0 as "no seed": another resampling at every run
         ap.error(f"--seed must be at least 1 for --compare (got {args.seed!r})")
-    for flag, needs in NEEDS.items():
-        if flag in args.given and not args.given & set(needs):
-            ap.error(f"--{flag.replace('_', '-')} is for " + " or ".join(f"--{n.replace('_', '-')}" for n in needs)
-                     + ": give it too" + ("; translations go to --output" if flag == "out" else ""))
+    needs = [((f,), args.given & set(n), " or ".join(f"--{x.replace('_', '-')}" for x in n)) for f, n in NEEDS.items()]
+    if idle := data.idle_flag(needs, args.given):  # data.idle_flag's rule, as train.py's
+        output = "; translations go to --output" if idle[0] == "--out" else ""
+        ap.error("{} is for {}: give it too".format(*idle) + output)
     mode = next((m for m in MODES if m in args.given), None)  # else the checkpoint's kind chooses (run)
     if mode and (why := idle_flag(mode, args.given)):
         ap.error(why)
@@ -1137,7 +1130,7 @@ def main(argv=None):
 
 
 # =======================================================================================
-# Appendix G: plumbing a first reading can skip: the output length limit and a hypothesis's tokens (sections 3-4),
+# Appendix G: plumbing a first reading can skip: the output length limit (sections 3-4),
 # eval mode for a while (section 5), a corpus score with its signature (section 6).
 # =======================================================================================
 def _max_lengths(src, max_len):
@@ -1147,11 +1140,6 @@ def _max_lengths(src, max_len):
     if max_len is None:
         return src.ne(PAD).sum(1) + 50  # (B,)  |x| + 50
     return torch.as_tensor(max_len, dtype=torch.long, device=src.device).expand(src.size(0))  # an int: B copies
-
-
-def _strip(tokens):
-    """Hypothesis tokens (a list) up to (not including) the first EOS or PAD placeholder."""
-    return tokens[:next((i for i, w in enumerate(tokens) if w in (EOS, PAD)), len(tokens))]
 
 
 @contextlib.contextmanager

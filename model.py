@@ -368,18 +368,23 @@ class Transformer(nn.Module):
             x = self.dec_final_norm(x, tgt_pad)
         return x
 
-    def forward(self, src, tgt_in, tgt_out=None, smoothing=0.0):
-        """Teacher-forced pass: src (B, S), tgt_in (B, T) -> logits (B, T, V); given the references tgt_out (B, T),
-        PAD-padded: (label-smoothed loss sum, NLL sum) instead (in forward, as nanoGPT does: DDP and torch.compile
-        cover it). A language model has no source: src is None, tgt_in the text w_0..w_{T-1}, tgt_out w_1..w_T."""
-        E = self.embedding_matrix()  # normalised once per forward
+    def hidden(self, src, tgt_in, E):
+        """Teacher-forced pass: src (B, S), tgt_in (B, T) -> the decoder's output h (B, T, D). A language model has no
+        source: src is None, tgt_in the text w_0..w_{T-1}."""
         if self.cfg.lm:  # the decoder alone, causal self-attention only
-            h = self.decode(tgt_in, None, E, None)  # (B, T, D)
-        else:
-            memory, src_pad = self.encode(src, E)
-            h = self.decode(tgt_in, src_pad, E, self.memory_kv(memory))  # (B, T, D)
-        if tgt_out is None:
-            return self.output_logits(h, E)
+            return self.decode(tgt_in, None, E, None)
+        memory, src_pad = self.encode(src, E)
+        return self.decode(tgt_in, src_pad, E, self.memory_kv(memory))
+
+    def logits(self, src, tgt_in):  # (B, T, V) of a teacher-forced pass: what decoding's checks and attention maps read
+        E = self.embedding_matrix()
+        return self.output_logits(self.hidden(src, tgt_in, E), E)
+
+    def forward(self, src, tgt_in, tgt_out, smoothing=0.0):
+        """The objective of a teacher-forced pass with references tgt_out (B, T), PAD-padded (w_1..w_T for a language
+        model): (label-smoothed loss sum, NLL sum), in forward as nanoGPT does (DDP and torch.compile cover it)."""
+        E = self.embedding_matrix()  # normalised once per forward
+        h = self.hidden(src, tgt_in, E)
         # Note: a reference word outside the target vocabulary (a BPE piece seen only on the source side) can never be
         # produced: scored as UNK, the loss stays finite. Training targets are target words (data.target_vocab_mask).
         tgt_out = torch.where(self.allowed[tgt_out] | tgt_out.eq(PAD), tgt_out, UNK)

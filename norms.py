@@ -346,17 +346,17 @@ class PowerNorm(nn.Module):
             return (self.weight * xs / torch.sqrt(self.running_phi + self.eps) + self.bias).to(x.dtype)
         real = real_tokens(xs, pad_mask)  # (B, T)
         self.num_batches_tracked += 1
-        t = self.num_batches_tracked  # this step, counted from 1 (a tensor: no host sync on a GPU)
+        t = self.num_batches_tracked  # this step, counted from 1 (a tensor, read on its device: Appendix A)
         with torch.no_grad():  # the statistics get no gradient (approximate backpropagation)
             psi2, _ = batch_mean(xs.pow(2), real)  # (D,)  Paper (Alg. 2): psi_B^2 = 1/N sum_i x_i^2
             phi = self.running_phi.clone()  # (D,)  psi_{t-1}^2
         # Paper: appendix A names a warmup "for accumulating psi", W = the LR warmup; Algorithm 2 has
         # none. Code: the batch psi_B divides while t <= W (as in PN-V), then eq. 8's psi_{t-1}.
         fwd_psi2 = torch.where(t <= self.warmup, psi2, phi)  # Note: eqs. 11-13 (with nu) run in the warmup too
-        return self.step(xs, real, psi2, phi, fwd_psi2).to(x.dtype)  # PowerNormCode (Appendix D): its own step
+        self.stats = powernorm_diagnostics(self, xs, real, psi2, phi, fwd_psi2) if self.track else self.stats
+        return self.step(xs, real, psi2, phi, fwd_psi2).to(x.dtype)  # PowerNormCode (Appendix D): its departures first
 
     def step(self, xs, real, psi2, phi, fwd_psi2):  # Y (eqs. 8-9; backward: 11-13), then psi_t^2 (eq. 10)
-        self.stats = powernorm_diagnostics(self, xs, real, psi2, phi, fwd_psi2) if self.track else self.stats
         y = _PowerNormFunction.apply(xs, self.weight, self.bias, fwd_psi2, self.running_nu, real, self.alpha_bkw,
                                      self.eps)
         with torch.no_grad():  # Paper (eq. 10, as Alg. 2 writes it): psi_t^2 = alpha psi_{t-1}^2 + (1 - alpha) psi_B^2
@@ -483,16 +483,6 @@ def dist(a, b):
     return (torch.linalg.vector_norm(a.detach() - b) / a.numel()).item()
 
 
-def _on_backward(y, stats, terms):
-    """When dL/dy arrives: stats[name] = mean over tokens of ||term(dL/dy)|| for each (name, term)."""
-    if y.requires_grad:
-        def hook(dy):
-            with torch.no_grad():
-                for name, term in terms:
-                    stats[name] = torch.linalg.vector_norm(term(dy), dim=-1).mean().item()
-        y.register_hook(hook)
-
-
 def batch_diagnostics(norm, y, x, real, var, mu=None):
     """BatchNorm's (mu = mu_B, var = sigma_B^2) or, with mu None, PN-V's (var = psi_B^2: no centring, no mu terms)."""
     sigma = torch.sqrt(var.detach() + norm.eps)  # sigma_B (PN-V: psi_B)
@@ -506,14 +496,19 @@ def batch_diagnostics(norm, y, x, real, var, mu=None):
     else:
         stats = {"dist_mu": dist(mu, norm.running_mean), "dist_sigma2": dist(var, norm.running_var)}
         terms = [("g_mu", lambda dy: (scale * dy[real].mean(0)).expand_as(x_tilde)), ("g_sigma2", var_term)]
-    _on_backward(y, stats, terms)
+    if y.requires_grad:  # when dL/dy arrives: stats[name] = mean over tokens of ||term(dL/dy)|| for each (name, term)
+        def hook(dy):
+            with torch.no_grad():
+                for name, term in terms:
+                    stats[name] = torch.linalg.vector_norm(term(dy), dim=-1).mean().item()
+        y.register_hook(hook)
     return stats
 
 
-def powernorm_diagnostics(norm, xs, real, psi2, phi, fwd_psi2, bwd_psi2=None):
-    # bwd_psi2: what the backward divides by, if not fwd_psi2 (PowerNormCode's psi_B^2).
+def powernorm_diagnostics(norm, xs, real, psi2, phi, fwd_psi2):
     z = xs.detach() / torch.sqrt(fwd_psi2 + norm.eps)  # X^
-    g_nu = norm.running_nu * z[real] / torch.sqrt((fwd_psi2 if bwd_psi2 is None else bwd_psi2) + norm.eps)  # (N_r, D)
+    bwd_psi2 = psi2 if isinstance(norm, PowerNormCode) else fwd_psi2  # what the backward divides by (Appendix D)
+    g_nu = norm.running_nu * z[real] / torch.sqrt(bwd_psi2 + norm.eps)  # (N_r, D)
     return {"dist_psi2": dist(psi2, phi), "g_nu": torch.linalg.vector_norm(g_nu, dim=-1).mean().item()}
 
 
@@ -575,17 +570,13 @@ def benchmark(batch=64, length=64, d=512, heads=8, repeats=30, rounds=5, device=
 # =======================================================================================
 class PowerNormCode(PowerNorm):
     def step(self, xs, real, psi2, phi, fwd_psi2):  # the forward (psi_B^2 over the real tokens) and inference as PN's
-        self.stats = powernorm_diagnostics(self, xs, real, psi2, phi, fwd_psi2, psi2) if self.track else self.stats
         # Code: dL/dX = X^' / psi_B at every step: eq. 12's X^' / psi_{t-1} times psi_{t-1} / psi_B, so the paper's
         # function runs on xs with its gradient scaled by that ratio (1 in the warmup; the value stays xs exactly).
         xs = xs.detach() + (xs - xs.detach()) * torch.sqrt((fwd_psi2 + self.eps) / (psi2 + self.eps))
-        y = _PowerNormFunction.apply(xs, self.weight, self.bias, fwd_psi2, self.running_nu, torch.ones_like(real),
-                                     self.alpha_bkw, self.eps)  # Code: padding too is "real" in the backward
         t = self.num_batches_tracked  # this step, counted from 1
         with torch.no_grad():  # Code: phi <- (t-1)/t phi + 1/t psi_B^2 (a cumulative mean) for t < W, then eq. 10
             phi = torch.where(t < self.warmup, phi * (t - 1) / t + psi2 / t, phi)
-            self.running_phi.copy_(self.alpha_fwd * phi + (1 - self.alpha_fwd) * psi2)  # eq. 10
-        return y
+        return super().step(xs, torch.ones_like(real), psi2, phi, fwd_psi2)  # Code: the backward counts padding as real
 
 
 def power_norm(d, variant="paper", **options):

@@ -31,6 +31,8 @@ import argparse
 import contextlib
 import ctypes
 import hashlib
+import importlib.util
+import io
 import json
 import math
 import os
@@ -98,7 +100,7 @@ class ScheduleEntry(NamedTuple):  # a schedule of the registry, as norms.py's No
     help: str  # what --help says of it
 
 
-# The registry, as norms.py's NORMS: --schedule NAME -> its entry, which --help, refuse_idle_flags and Schedule read.
+# The registry, as norms.py's NORMS: --schedule NAME -> its entry, which --help, check_flags and Schedule read.
 SCHEDULES = {
     "invsqrt": ScheduleEntry(lambda s, n, decay: inverse_sqrt_lr(n, s.d_model, s.warmup, s.lr_scale), True, False,
                              "eq. 7 of [1] (INVSQRTDECAY)"),
@@ -163,35 +165,21 @@ class StepOptions:
 
 def train_step(net, optimizer, batches, lr, opts: StepOptions):
     """Forward, label-smoothed loss, backward for every micro-batch, then clip and Adam. Returns this rank's (loss
-    sum, NLL sum), the gradient norm before clipping, and the step's target tokens over all micro-batches and ranks,
-    which the loss is divided by (under DDP a 0-dim tensor on the device). Under DDP the ranks' gradients are
-    averaged; times the world size they are the sum, the gradient of one process with the whole batch (scaling each
-    rank's loss instead would scale every dL/dY, which PowerNorm's backward is not linear in)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    n_tgt = float(sum(b.n_tgt for b in batches))
-    if world > 1:  # all ranks' count, a device tensor: counted and summed there, the host waits for nothing
-        n_tgt = sum((b.tgt_out != data.PAD).sum() for b in batches).double()
-        dist.all_reduce(n_tgt)
+    sum, NLL sum), the gradient norm before clipping, and the step's target tokens, which the loss is divided by."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
+    # Code: word dropout on source and target inputs, never on the targets ([1] appendix A: p 0.1, UNK).
+    drop = lambda x: data.word_dropout(x, opts.word_dropout, opts.rng) if opts.word_dropout and x is not None else x
     loss_sum = nll_sum = 0.0
-    for i, b in enumerate(batches):
-        last = i == len(batches) - 1  # DDP all-reduces the gradients after the last micro-batch only
-        with contextlib.nullcontext() if last or world == 1 else net.no_sync():
-            # Code: word dropout on source and target inputs, never on the targets ([1] appendix A: p 0.1, UNK).
-            src = data.word_dropout(b.src, opts.word_dropout, opts.rng) if opts.word_dropout and b.src is not None \
-                else b.src  # None: a language model
-            tgt_in = data.word_dropout(b.tgt_in, opts.word_dropout, opts.rng) if opts.word_dropout else b.tgt_in
-            with autocast(b.tgt_in.device, opts.bf16):
-                loss, nll = net(src, tgt_in, b.tgt_out, opts.smoothing)  # sums over the target tokens
-            (loss / n_tgt).backward()  # Code: summed over non-pad targets, divided by their count
-        loss_sum, nll_sum = loss_sum + loss.detach(), nll_sum + nll.detach()
+    with across_processes(net, batches) as (n_tgt, grad_sync):  # Appendix D: one process, or several (torchrun)
+        for i, b in enumerate(batches):
+            with grad_sync(i):
+                with autocast(b.tgt_in.device, opts.bf16):  # b.src is None for a language model
+                    loss, nll = net(drop(b.src), drop(b.tgt_in), b.tgt_out, opts.smoothing)  # sums over the targets
+                (loss / n_tgt).backward()  # Code: summed over non-pad targets, divided by their count
+            loss_sum, nll_sum = loss_sum + loss.detach(), nll_sum + nll.detach()
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if world > 1:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(world)
     # Paper (appendix A): "Gradients are clipped when global norm exceeds 1.0"; the norm before
     # clipping is what [1] Figure 2 plots.
     gnorm = torch.nn.utils.clip_grad_norm_(params, opts.clip if opts.clip > 0 else float("inf"))
@@ -225,7 +213,7 @@ class Run:
     device: torch.device
     rank: int  # this process's rank and the number of processes (Appendix D)
     world: int
-    log: "RunLog"  # log(line): rank 0's console (Appendix C)
+    log: "RunLog"  # log(line): rank 0's console and train.log (Appendix C)
     tokenizer: data.Tokenizer
     langs: tuple  # the source and target language suffixes
     pairs: dict  # raw text pairs per split: dev and test BLEU
@@ -238,7 +226,7 @@ class Run:
     step_options: StepOptions
     state: TrainState = field(default_factory=TrainState)
     order: list = field(default_factory=list)  # this pass's shuffled batches
-    rank_rngs: list = field(default_factory=list)  # under torchrun: every rank's generators (share_epoch)
+    board: Optional[object] = None  # --tensorboard: the SummaryWriter that append_metrics also writes to
 
     @property
     def master(self):  # rank 0 alone logs and writes files
@@ -265,7 +253,7 @@ def setup(args, stack, log, resumed=None):
     and its optimizer, the checkpoint a resumed run starts from. Every input (flags, corpus, the run directory and
     what it holds) is read and checked before anything is written; the run directory's lock is held in ``stack``
     until training ends (Appendix E). resumed: --resume's (checkpoint, flags that differ), from resume_flags."""
-    rank, world, device, bf16 = start_process(args, log)  # Appendix D: threads, seeds, torchrun's ranks
+    rank, world, device, bf16 = start_process(args, log, stack)  # Appendix D: threads, seeds, torchrun's ranks
     pairs, langs = read_corpus(args, log)  # Appendix F
     with rank0_first(rank, world):  # Appendix D: the other ranks read what rank 0 checks, prepares and commits
         run_dir, ckpt, stage = open_run_dir(args, pairs, log, stack, rank == 0, resumed)  # Appendix E: checked
@@ -285,8 +273,10 @@ def setup(args, stack, log, resumed=None):
                                  f"processes x --accumulate {args.accumulate}): give a smaller --batch-tokens")
         if run.master and not args.benchmark:
             commit_run_dir(args, run_dir, stage, ckpt, log)  # Appendix E: every input checked, the first change
+        if args.tensorboard and run.master:  # an optional extra (check_flags checked it is installed)
+            from torch.utils.tensorboard import SummaryWriter  # a resume hides what a killed run wrote after it
+            run.board = stack.enter_context(SummaryWriter(run_dir, purge_step=run.state.step + 1))
     run.net = wrap_model(model, args, world, device)  # Appendix D: DDP; Appendix C: --compile
-    model.train()
     return run
 
 
@@ -313,13 +303,7 @@ def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
 # ---------------------------------------------------------------------------------------
 # 4. The loop: one log line per --log-interval steps, dev BLEU every --epoch-size steps.
 # ---------------------------------------------------------------------------------------
-def train(args, log, resumed=None):  # main() (Appendix A) calls it with the checked flags and the run's log
-    with contextlib.ExitStack() as stack:  # holds the run directory's lock until the end
-        run = setup(args, stack, log, resumed)
-        return benchmark(run) if args.benchmark else train_loop(run)
-
-
-def train_loop(run):
+def train_loop(run):  # main() (Appendix A) calls it with the run that setup() built from the checked flags
     args, s = run.args, run.state
     total, limit = budget(args)
     step_log = StepLog(run, total)  # Appendix C: the progress bar (step_log.bar), log lines, metrics.jsonl, MFU
@@ -328,8 +312,8 @@ def train_loop(run):
             batches = run.next_batches()
             s.step += 1
             lr = run.schedule(s.step, s.lr_decay)
-            for m in run.model.modules():  # the batch norms keep [2] Figures 2-4's diagnostics (Appendix C) at log
-                if isinstance(m, BATCH_NORMS):  # steps only: they cost host syncs (not under --compile: mid-graph)
+            for m in run.model.modules():  # the batch norms keep [2] Figures 2-4's diagnostics at log steps only:
+                if isinstance(m, BATCH_NORMS):  # they cost time (Appendix C; none under --compile)
                     m.track, m.stats = s.step % args.log_interval == 0 and not args.compile, {}
             loss, nll, gnorm, n_tgt = train_step(run.net, run.optimizer, batches, lr, run.step_options)
             step_log.step(batches, lr, loss, nll, gnorm, n_tgt)  # may stop the run: a non-finite loss or gradient norm
@@ -339,15 +323,14 @@ def train_loop(run):
                 step_log.evaluated()
             stop = not s.stopped and stop_requested(run, signals, end or s.step % args.log_interval == 0)
             if not end and not s.stopped and (stop or args.save_interval and s.step % args.save_interval == 0):
-                save_last(run, step_log)  # Appendix E: a checkpoint of this step
+                if step_log.flush():  # its records first; no checkpoint if a step diverged (the last good one stays)
+                    save_checkpoints(run, improved=False, epoch_end=False)  # Appendix E: a checkpoint of this step
             if stop:
                 raise KeyboardInterrupt(stop)  # main() says how to continue
     s.stopped = s.stopped or stopping(args, limit)  # else the budget, recorded in results.json
     if s.stopped[0] != "diverged":
         run.log(f"stopping: {s.stopped[1]}")
     result = finish(run)
-    if run.world > 1:
-        dist.destroy_process_group()
     if s.stopped[0] == "diverged":  # a failed run exits non-zero (its last good checkpoint stays)
         sys.exit(f"error: {s.stopped[1]}")
     return result
@@ -401,6 +384,7 @@ def end_of_epoch(run):
         s.lr_decay *= args.decay_factor
     s.stopped = stop_reason(args, s.step, s.lr_decay, s.history)  # [1] appendix A: the LR too small, or no progress
     if not run.master:
+        save_checkpoints(run, improved)  # the other ranks' part of rank 0's checkpoint: their random generators
         return
     # [1] Figure 1 (dev BLEU per epoch) and Figures 3-4 (learned g's) come from these records.
     append_metrics(run, {"step": s.step, "epoch": s.epoch, f"dev_{task.key}": score, "dev_loss": dev_loss, "dev_ppl":
@@ -427,7 +411,7 @@ def finish(run):
               "train_seconds": run.state.train_seconds, "stopped": run.state.stopped[1],
               # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd)
               "embedding_singular_values": decode.singular_values(run.model)}
-    decode.print_g_table(run.model, run.log.console)  # [1] Figures 3-4: learned g versus depth
+    decode.print_g_table(run.model, run.log)  # [1] Figures 3-4: learned g versus depth (train.log too)
     data.atomic_write(run.dir / "g_values.json", json.dumps(decode.g_values(run.model), indent=2) + "\n")  # before test
     if args.task == "lm":  # the field's test perplexity: every target token, EOS included, no smoothing
         both = {s: decode.lm_perplexity(run.model, run.tokenizer, run.pairs[s], args.seq_len, args.batch_tokens,
@@ -463,18 +447,20 @@ def finish(run):
 # the command line's (resolve_flags).
 # =======================================================================================
 def main(argv=None):
-    args, given = resolve_flags(argv)
-    log = RunLog()  # Appendix C: the console
+    log = RunLog()  # Appendix C: the console and train.log
+    args, given = resolve_flags(argv, log)
     try:  # --resume (Appendix E): the run's own flags, from its last checkpoint, and what may change
-        args = start_or_resume(args) if args.start_or_resume else args
-        args, resumed = resume_flags(args, given, log) if args.resume else (args, None)
-        refuse_idle_flags(args, given)
-        validate_args(args)
+        args, resumed = resume_flags(args, given, log) if args.resume or args.start_or_resume else (args, None)
+        check_flags(args, given)
+        for note in flag_notes(args):  # the first screen says what a flag did to another
+            log(f"note: {note}")
         if given.get("show"):  # --show: every flag's value in this run (those given marked); no run, no --out
             for k in DEFAULTS:
                 print(f"--{k.replace('_', '-'):17s} {getattr(args, k)!s:22s} {'given' if k in given else ''}".rstrip())
             return None
-        return train(args, log, resumed)
+        with contextlib.ExitStack() as stack:  # holds the run directory's lock until the end
+            run = setup(args, stack, log, resumed)  # section 3
+            return benchmark(run) if args.benchmark else train_loop(run)  # Appendix C; section 4
     except data.WriteFailed as e:  # a full disk: what was written before is intact
         sys.exit(f"error: {e}: make room, then {what_next(args)}")
     except data.DataError as e:
@@ -625,6 +611,8 @@ def build_parser():
     add(g, "--reference", action="store_true", default=False, help="run every equation as written, with no "
         "fast path anywhere (norms.py section 1): slower, for checking an edited equation")
     add(g, "--log-interval", type=positive_int, default=50, help="steps between log lines")
+    add(g, "--tensorboard", action="store_true", default=False, help="also write metrics.jsonl's records as "
+        "TensorBoard events into the run directory (tensorboard --logdir runs); an optional extra: " + data.EXTRAS)
     add(g, "--beam", type=positive_int, default=4, help="beam size for test BLEU (Code: 4)")
     add(g, "--alpha", type=alpha_range, default=0.6, help="length penalty alpha (TwT Code: 0.6; PowerNorm: 1.0)")
     add(g, "--length-penalty", choices=list(decode.PENALTIES), default="gnmt", help="gnmt: score / ((5 + |Y|) / 6)"
@@ -646,8 +634,8 @@ def build_parser():
     return p
 
 
-def resolve_flags(argv=None):
-    """The command line -> (args, given): every flag's value, and the flags given explicitly."""
+def resolve_flags(argv=None, log=print):
+    """The command line -> (args, given): every flag's value, and the flags given explicitly; log: its notes."""
     parser = build_parser()
     parser.error = lambda message: sys.exit(f"error: {message}")  # one line (argparse adds its usage)
     given = vars(parser.parse_args(argv))
@@ -665,8 +653,9 @@ def resolve_flags(argv=None):
         row = {**config_flags(given["config"], parser), **PAIRS.get(given.get("pair"), {})}
     flags = {**DEFAULTS, **PAIRS.get(given.get("pair", pair), {}), **row}
     # A flag given on the command line wins over the preset, always: --lr sets the peak LR, which a
-    # preset's lambda (--lr-scale) would otherwise override.
-    if "lr" in given:
+    # preset's (or --config's) lambda (--lr-scale) would otherwise override. The run's first screen says so.
+    if "lr" in given and flags["lr_scale"] is not None:
+        log(f"note: --lr {given['lr']:g} is the peak LR, which --lr-scale {flags['lr_scale']} would set: not used")
         flags["lr_scale"] = None
     flags.update(given)
     if "pair" in given and ("task" in given or "preset" in given):  # a language model's corpus for a translator...
@@ -709,11 +698,26 @@ def config_flags(path, parser):
     return flags
 
 
-def refuse_idle_flags(args, given):
-    """train.py's one table of which flags each task and mode reads: a flag given that would do nothing in this
-    configuration (a new run's, or a resumed one's) is refused, not silently ignored."""
+def flag_notes(args):
+    """What a flag given does to another flag, said on the run's first screen rather than silently (resolve_flags
+    says what --lr does to a preset's or --config's --lr-scale)."""
+    norms = dict.fromkeys((args.norm, args.encoder_norm, args.decoder_norm))  # in order, once each
+    batch_norms = ", ".join(n for n in norms if n and NORMS[n].batch_stats)
+    return [note for note, said in (
+        (f"--schedule {args.schedule} has no warmup: --warmup {args.warmup} only divides --lr-scale, "
+         f"a constant LR of {args.lr:.3g}", args.lr_scale is not None and not SCHEDULES[args.schedule].warms_up),
+        ("--compile pads lengths to multiples of 8 (a change to --pn-variant code's backward, which averages over "
+         "padding too)" + (f"; it keeps no batch-norm diagnostics of --norm {batch_norms}" if batch_norms else ""),
+         args.compile)) if said]
+
+
+def check_flags(args, given):
+    """What no flag's type= can check alone, before any work, refused in one line naming the flag: train.py's one
+    table of which flags each task and mode reads (data.idle_flag: a flag given that would do nothing in this
+    configuration, a new run's or a resumed one's, is refused, not silently ignored), then the values that do not fit
+    the others'."""
     norms = {args.norm, args.encoder_norm, args.decoder_norm}
-    for names, active, why in (
+    if idle := data.idle_flag((
             (("qk_length", "qk_percentile", "qk_no_g", "qk_norm_v"), args.qknorm, "QKNorm's, so it needs --qknorm"),
             (("pn_variant", "pn_alpha_fwd", "pn_alpha_bkw", "pn_warmup"), "power" in norms,
              "PowerNorm's, so it needs --norm, --encoder-norm or --decoder-norm power"),
@@ -730,15 +734,10 @@ def refuse_idle_flags(args, given):
             (("src", "tgt"), args.data is not None, "the name of a corpus's files in --data DIR; without --data the "
              "built-in corpus is used"),
             (("profile",), args.benchmark, "for the steps of --benchmark N: give --benchmark too"),
+            (("tensorboard",), not args.benchmark, "for a run's records; --benchmark writes no run directory"),
             (("patience", "decay_factor"), SCHEDULES[args.schedule].decays, "for validation-based decay (--schedule "
-             f"{', '.join(k for k, e in SCHEDULES.items() if e.decays)}), not --schedule {args.schedule}")):
-        for name in names:
-            if name in given and not active:
-                sys.exit(f"error: --{name.replace('_', '-')} is {why}")
-
-
-def validate_args(args):
-    """What no flag's type= can check alone, before any work: each failure one line naming the flag."""
+             f"{', '.join(k for k, e in SCHEDULES.items() if e.decays)}), not --schedule {args.schedule}")), given):
+        sys.exit("error: {} is {}".format(*idle))
     # The multi-linear attention holds H L^2 x D weights in W^O and H L^2 x (B L) numbers in its tensor T, a layer: at
     # most 2^31 in all (8.6 GB in fp32), as training keeps T several times over (PTB's preset at --seq-len 512: 23 GB).
     wo, t = (args.heads * args.seq_len ** 2 * n * (args.dec_layers or args.layers)
@@ -754,6 +753,8 @@ def validate_args(args):
             ("qknorm", args.attention == "multilinear" and args.qknorm, "normalises the queries and keys of a "
              "softmax; the multi-linear attention has none"),
             ("d_model", args.d_model % args.heads, f"must be divisible by --heads {args.heads}"),
+            ("tensorboard", args.tensorboard and not importlib.util.find_spec("tensorboard"), "needs the package "
+             f"tensorboard, which is not installed: {data.EXTRAS}"),
             ("src", (args.src is None) != (args.tgt is None), "give both language suffixes, --src and --tgt, or "
              "neither"),
             ("data", args.data is not None and args.src is None and args.task == "mt", "also give --src and --tgt, "
@@ -933,8 +934,8 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
 # Appendix C: speed and the log. Model FLOPs, the machine's own matmul throughput (MFU), the log line (StepLog), a
 # diverged run, the batch norms' diagnostics, --benchmark, --profile, keeping freed memory. Figures are never asserted.
 # =======================================================================================
-def step_flops(cfg, B, S, T, out_vocab=None):
-    """Training FLOPs of one step on a (B, S) source / (B, T) target batch, padding included.
+def batch_flops(cfg, b, out_vocab=None):
+    """Training FLOPs of one step on a data.Batch b, its (B, S) source / (B, T) target, padding included.
 
     Counts the matmuls (2 FLOPs per multiply-add) of the forward pass, times 3 (backward ~ two forwards). Per token,
     per layer:
@@ -945,6 +946,7 @@ def step_flops(cfg, B, S, T, out_vocab=None):
     A language model (S = 0) has no cross-attention; the multi-linear attention (model.py Appendix B) costs W^QKV
     3 D^2, the tensor T^2 D (T^2 R per head) and W^O H L^2 D per token.
     """
+    (B, T), S = b.tgt_in.shape, 0 if b.src is None else b.src.size(1)  # a language model's batch has no source
     D, FF, V = cfg.d_model, cfg.ff, out_vocab or cfg.vocab_size
     enc = cfg.enc_layers * (S * (4 * D * D + 2 * D * FF) + 2 * S * S * D)
     attn = (T * (3 * D * D + T * T * D + cfg.heads * cfg.seq_len ** 2 * D) if cfg.attention == "multilinear"
@@ -952,11 +954,6 @@ def step_flops(cfg, B, S, T, out_vocab=None):
     cross = 0 if cfg.lm else T * 2 * D * D + S * 2 * D * D + 2 * T * S * D
     dec = cfg.dec_layers * (attn + cross + T * 2 * D * FF)
     return 3 * 2 * B * (enc + dec + T * D * V)
-
-
-def batch_flops(cfg, b, out_vocab=None):
-    """step_flops of one data.Batch (a language model's has no source)."""
-    return step_flops(cfg, b.tgt_in.size(0), 0 if b.src is None else b.src.size(1), b.tgt_in.size(1), out_vocab)
 
 
 def output_columns(model):
@@ -1110,21 +1107,39 @@ def append_metrics(run, record):
         bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
         record = json.loads(json.dumps(record), parse_constant=lambda _: None)  # NaN, Infinity: null, nested too
         record.update({"nonfinite": bad} if bad else {})
-        try:
-            with open(run.dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record, allow_nan=False) + "\n")
-        except OSError as e:
-            raise data.WriteFailed(f"{run.dir / 'metrics.jsonl'}: cannot append to it ({e.strerror})") from None
+        data.append_file(run.dir / "metrics.jsonl", json.dumps(record, allow_nan=False) + "\n")
+        for tag, value in scalars(record) if run.board else ():  # --tensorboard: the same records, as events
+            run.board.add_scalar(tag, value, record.get("step", run.state.step))
+
+
+def scalars(record, prefix=""):
+    """The numbers of a metrics record as (tag, value), a nested key's tag joined by "/" (g/encoder.0.norm_ff.g)."""
+    for k, v in record.items():
+        if isinstance(v, dict):
+            yield from scalars(v, f"{prefix}{k}/")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+            yield prefix + k, v
 
 
 class RunLog:
-    """The run's log: log(line) prints the line on rank 0's console (the other ranks' is quiet)."""
+    """The run's log: log(line) prints the line on rank 0's console (the other ranks' is quiet) and appends it to the
+    run directory's train.log, timestamped, across resumes. The lines before the run directory holds the run wait for
+    it (commit_run_dir sets path)."""
 
     def __init__(self):
         self.console = Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0", highlight=False, markup=False)
+        self.path, self.waiting = None, []
 
     def __call__(self, line):  # a string, or what rich prints
         self.console.print(line)
+        if not self.console.quiet:  # the file gets the text without styles, unwrapped
+            (plain := Console(file=io.StringIO(), soft_wrap=True, color_system=None, markup=False)).print(line)
+            self.waiting.append(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {plain.file.getvalue()}")
+        if self.path is not None and self.waiting:
+            data.append_file(self.path, "".join(self.waiting))
+            self.waiting = []
+
+    print = __call__  # what decode.print_g_table prints with: its table goes to train.log too
 
 
 class StepLog:
@@ -1217,7 +1232,7 @@ class StepLog:
 # Each step's batches are sharded by rank (Run.next_batches); the batch norms sum their statistics
 # over the ranks (norms.py Appendix A); rank 0 alone evaluates, logs and writes, and shares its dev score.
 # =======================================================================================
-def start_process(args, log):
+def start_process(args, log, stack):
     """(rank, world size, device, bf16) of this process: --threads, --reference, the seeds, torchrun's ranks (one GPU
     each), bf16 where the GPU has it."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))  # torchrun's
@@ -1231,6 +1246,7 @@ def start_process(args, log):
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        stack.callback(dist.destroy_process_group)  # when main()'s run ends, however it ends
     if device.type == "cpu" and not args.reference:  # glibc's malloc keeps freed memory for reuse: +10-15% tokens/s
         # By default a block over 32 MiB (a batch's logits, an FFN activation) is mmap'ed fresh at every allocation and
         # unmapped when freed, so each training step faults every page of it in again, zero-filled by the kernel (system
@@ -1270,16 +1286,29 @@ def rank0_first(rank, world):
 
 
 def share_epoch(run, score):
-    """At each evaluation: rank 0's dev score and stop, so that every rank decides alike; and gather_rngs."""
+    """At each evaluation: rank 0's dev score and stop, so that every rank decides alike."""
     box = [score, run.state.stopped]
     dist.broadcast_object_list(box, src=0)
-    gather_rngs(run)
     return box
 
 
-def gather_rngs(run):  # each rank's generators in run.rank_rngs, which rank 0's checkpoint keeps: each resumes its own
-    run.rank_rngs = [None] * run.world
-    dist.all_gather_object(run.rank_rngs, rng_state(run))
+@contextlib.contextmanager
+def across_processes(net, batches):
+    """A step's micro-batches: yields the step's target tokens, which the loss is divided by, and grad_sync(i), the
+    context of micro-batch i's forward and backward. Under DDP the count is every rank's, counted and summed on the
+    device (a 0-dim tensor: the host waits for nothing), and DDP all-reduces the gradients after the last micro-batch
+    only. It averages them; times the world size they are the sum, the gradient of one process with the whole batch
+    (scaling each rank's loss instead would scale every dL/dY, which PowerNorm's backward is not linear in)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        yield float(sum(b.n_tgt for b in batches)), lambda i: contextlib.nullcontext()
+        return
+    n_tgt = sum((b.tgt_out != data.PAD).sum() for b in batches).double()
+    dist.all_reduce(n_tgt)
+    yield n_tgt, lambda i: contextlib.nullcontext() if i == len(batches) - 1 else net.no_sync()
+    for p in net.parameters():
+        if p.grad is not None:
+            p.grad.mul_(world)
 
 
 def wrap_model(model, args, world, device):
@@ -1321,17 +1350,19 @@ RUN_RECORDS = ("run_id", "corpus_sha256", "changed_on_resume")  # what config.js
 # the BPE model and the encoded caches are keyed by their content and are reused or replaced, never trusted.
 
 
-def rng_state(run):
-    """This process's random generators: what a resumed run restores to continue exactly."""
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "word_dropout": run.step_options.rng.get_state()}
-
-
 def save_checkpoints(run, improved, epoch_end=True):
     """At an epoch's end, the best checkpoint when dev improved, epoch N's under --keep-checkpoints (for averaging;
     Code [2]: the last 5); at every save, the last, written last: the resume point, the one file with the optimizer's
-    state and the random generators (twice the model's size): the best and epoch files hold what decoding reads."""
+    state and the random generators (twice the model's size): the best and epoch files hold what decoding reads.
+    Under torchrun every rank calls it, and rank 0's checkpoint keeps every rank's generators: each resumes its own."""
+    # This process's random generators: what a resumed run restores (restore) to continue exactly.
+    rng = dict(torch=torch.get_rng_state(), python=random.getstate(), word_dropout=run.step_options.rng.get_state(),
+               cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    ranks = [None] * run.world
+    if run.world > 1:
+        dist.all_gather_object(ranks, rng)
+    if not run.master:
+        return
     s, keep, name = run.state, run.args.keep_checkpoints, partial(data.checkpoint_file, run.dir)
     # Only tensors and plain Python values: read back with torch.load(weights_only=True). The run's flags (args: its
     # run id and corpus hashes too) and its state (the step, the dev scores) are what a resume reads.
@@ -1339,7 +1370,7 @@ def save_checkpoints(run, improved, epoch_end=True):
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
             "bpe_model_proto": (run.dir / "bpe.model").read_bytes(), "src_lang": run.langs[0], "tgt_lang": run.langs[1],
             "train_state": asdict(run.state), "args": vars(run.args), "world": run.world,
-            "rng": dict(rng_state(run), **({"ranks": run.rank_rngs} if run.world > 1 else {}))}
+            "rng": dict(rng, **({"ranks": ranks} if run.world > 1 else {}))}
     weights = {k: v for k, v in ckpt.items() if k not in ("optimizer", "rng")}
     if improved:
         data.atomic_write(name("best"), weights)
@@ -1347,15 +1378,6 @@ def save_checkpoints(run, improved, epoch_end=True):
         data.atomic_write(name(s.epoch), weights)
         name(s.epoch - keep).unlink(missing_ok=True)
     data.atomic_write(name("last"), ckpt)
-
-
-def save_last(run, step_log):
-    """The last checkpoint at a step between evaluations (a stop, --save-interval): the steps' records first, then
-    every rank's generators; none if a step diverged (the last good checkpoint stays)."""
-    if step_log.flush() and run.world > 1:
-        gather_rngs(run)
-    if run.master and not run.state.stopped:
-        save_checkpoints(run, improved=False, epoch_end=False)
 
 
 @contextlib.contextmanager
@@ -1410,11 +1432,20 @@ def restore(run, ckpt):
 
 
 def resume_flags(args, given, log):
-    """--resume RUN: (the flags of RUN's last checkpoint, with the given ones that may change, (that checkpoint, {a flag
-    given that differs from its: (its value, the one given)})); DataError if it is missing, does not read back, or an
-    older train.py wrote it. may_resume refuses the other flags that differ, before any change."""
-    run_dir = Path(args.resume)
-    path = data.checkpoint_file(run_dir, "last")  # the resume point (save_checkpoints)
+    """--resume RUN (or --start-or-resume when --out holds a checkpoint): (the flags of RUN's last checkpoint, with the
+    given ones that may change, (that checkpoint, {a flag given that differs from its: (its value, the one given)}));
+    DataError if it is missing, does not read back, or an older train.py wrote it. may_resume refuses the other flags
+    that differ, before any change. --start-or-resume without a checkpoint: (args, None), a new run, replacing
+    (--overwrite) a folder that holds only a run with the same flags killed before its first checkpoint."""
+    run_dir = Path(args.resume or args.out)
+    path, config = data.checkpoint_file(run_dir, "last"), run_dir / "config.json"  # the resume point (save_checkpoints)
+    if args.start_or_resume and not path.exists():
+        if run_id_of(config):
+            if diff := differing_flags(json.loads(config.read_text()), args, {}, run_dir):
+                raise data.DataError(f"--start-or-resume: {run_dir} holds a run with other flags: "
+                                     f"{flag_changes(diff)}; choose another --out")
+            args.overwrite = True  # it never wrote a checkpoint: started again
+        return args, None
     if not path.exists():
         raise data.DataError(f"--resume {run_dir}: nothing to resume from, no {path.name} (the run may have stopped "
                              f"before its first checkpoint); start it again with --overwrite")
@@ -1425,9 +1456,9 @@ def resume_flags(args, given, log):
     log(f"resume: {path} at step {ckpt['train_state']['step']}")
     saved = ckpt["args"]
     with contextlib.suppress(OSError, ValueError):  # config.json edited by hand: said, never replaced unannounced
-        if (edited := json.loads((run_dir / "config.json").read_text())) != json.loads(json.dumps(saved)):
+        if (edited := json.loads(config.read_text())) != json.loads(json.dumps(saved)):
             keys = [k for k in {**saved, **edited} if edited.get(k) != saved.get(k)] if isinstance(edited, dict) else []
-            log(f"resume: {run_dir / 'config.json'} differs from the checkpoint ({', '.join(keys) or 'not an object'}"
+            log(f"resume: {config} differs from the checkpoint ({', '.join(keys) or 'not an object'}"
                 f"): the checkpoint's flags hold, and the file is written again from them")
     diff = differing_flags(saved, args, given, run_dir)
     changed = {k: v for k, (_, v) in diff.items() if k in RESUME_MAY_CHANGE}
@@ -1442,21 +1473,6 @@ def differing_flags(saved, args, given, run_dir):
     flags = {k: getattr(args, k) for k in DEFAULTS} if args.start_or_resume else given
     return {k: (saved.get(k, DEFAULTS.get(k)), v) for k, v in flags.items() if k not in ACTIONS
             and not (k == "out" and Path(v) == Path(run_dir)) and v != saved.get(k, DEFAULTS.get(k))}
-
-
-def start_or_resume(args):
-    """--start-or-resume: a resume (args.resume set) when --out holds a checkpoint; a new run otherwise, replacing
-    (--overwrite) a folder that holds only a run with the same flags killed before its first checkpoint."""
-    run_dir = Path(args.out)
-    if data.checkpoint_file(run_dir, "last").exists():
-        args.resume = str(run_dir)
-    elif run_id_of(run_dir / "config.json"):
-        saved = json.loads((run_dir / "config.json").read_text())
-        if diff := differing_flags(saved, args, {}, run_dir):
-            raise data.DataError(f"--start-or-resume: {run_dir} holds a run with other flags: {flag_changes(diff)}; "
-                                 f"choose another --out")
-        args.overwrite = True  # it never wrote a checkpoint: started again
-    return args
 
 
 def flag_changes(diff):  # "--flag (old -> new), ..." of differing_flags' answer
@@ -1544,13 +1560,14 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     replaces = run_id_of(run_dir / "config.json") if args.overwrite else None  # the run --overwrite replaces
     if replaces:  # the old run's results but its config.json (replaced next), and its checkpoints (by their run id)
-        gone = [run_dir / n for n in data.RESULT_FILES if n != "config.json" and (run_dir / n).exists()]
+        gone = [p for p in run_dir.iterdir() if p.name in data.RESULT_FILES[1:] or data.EVENTS.fullmatch(p.name)]
         gone += [p for p in data.checkpoints(run_dir) if run_id_of(p) == replaces]
         for f in gone:
             f.unlink()
         log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
     # config.json before the staged files: a kill at any point leaves a folder that holds a run (Ctrl-C's advice holds)
     data.atomic_write(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
+    log.path = run_dir / "train.log"  # the lines logged so far, and every line after
     for f in stage.iterdir():
         os.replace(f, run_dir / f.name)
     if ckpt is not None and (run_dir / "metrics.jsonl").exists():  # what a killed run logged after its checkpoint goes
@@ -1653,8 +1670,15 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
     if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list; both or neither
         data.atomic_write_all({stage / "bpe.model": proto, stage / "bpe.key": stamp(proto)})
     tok = data.load_tokenizer(proto, old)
-    if args.task == "lm":
-        return (tok, *lm_data(args, tok, pairs, log))
+    if args.task == "lm":  # a language model's training and dev segments (data.py section 8); none is filtered
+        streams = {split: data.lm_stream(tok, pairs[split]) for split in data.SPLITS}
+        if streams["dev"].numel() - 1 < args.seq_len:
+            raise data.DataError(f"{lm_text_file(args, 'dev')}: {streams['dev'].numel() - 1} "
+                                 f"tokens, shorter than one segment of --seq-len {args.seq_len}")
+        train, dev = data.lm_segments(streams["train"], args.seq_len), data.lm_segments(streams["dev"], args.seq_len)
+        log("data: " + " / ".join(f"{streams[s].numel() - 1} {s}" for s in data.SPLITS) + f" tokens to predict, "
+            f"vocabulary {tok.vocab_size}, {len(train)} training segments of --seq-len {args.seq_len}")
+        return tok, train, dev, train
     def encode(split):  # from the run directory's cache, or encoded and cached in the staging folder
         return data.load_or_encode(tok, pairs[split], run_dir / f"{split}.enc.pt",
                                    stage / f"{split}.enc.pt" if stage is not None else False)
@@ -1674,18 +1698,6 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
     log(f"data: {len(train)} train / {len(pairs['dev'])} dev / {len(pairs['test'])} test pairs, "
         f"vocabulary {tok.vocab_size}")
     return tok, train, dev, everything
-
-
-def lm_data(args, tok, text, log):
-    """A language model's training and dev segments (data.py section 8), and the training ones again."""
-    streams = {split: data.lm_stream(tok, text[split]) for split in data.SPLITS}
-    if streams["dev"].numel() - 1 < args.seq_len:
-        raise data.DataError(f"{lm_text_file(args, 'dev')}: {streams['dev'].numel() - 1} "
-                             f"tokens, shorter than one segment of --seq-len {args.seq_len}")
-    train, dev = data.lm_segments(streams["train"], args.seq_len), data.lm_segments(streams["dev"], args.seq_len)
-    log("data: " + " / ".join(f"{streams[s].numel() - 1} {s}" for s in data.SPLITS) + f" tokens to predict, "
-        f"vocabulary {tok.vocab_size}, {len(train)} training segments of --seq-len {args.seq_len}")
-    return train, dev, train
 
 
 def qknorm_g0(args, train, log):

@@ -55,7 +55,7 @@ def slow_greedy(model, src_row, max_len):
     out = []
     for t in range(max_len):
         tgt_in = torch.tensor([[BOS] + out], device=src_row.device)
-        logp = model(src_row[None], tgt_in)[0, -1].float().log_softmax(-1)
+        logp = model.logits(src_row[None], tgt_in)[0, -1].float().log_softmax(-1)
         if t == 0:
             logp[EOS] = -math.inf
         w = int(logp.argmax())
@@ -71,7 +71,7 @@ def teacher_forced_score(model, src_row, tokens, ended, alpha, penalty="gnmt"):
     or fairseq's |Y|^alpha, written out here."""
     y = tokens + [EOS] if ended else tokens
     tgt_in = torch.tensor([[BOS] + y[:-1]], device=src_row.device)
-    logp = model(src_row[None], tgt_in)[0].float().log_softmax(-1)  # (T, V)
+    logp = model.logits(src_row[None], tgt_in)[0].float().log_softmax(-1)  # (T, V)
     logp[0, EOS] = -math.inf  # EOS forbidden at step 0, as in the searches
     total = logp.gather(1, torch.tensor(y, device=logp.device)[:, None]).sum().item()
     return total / (((5 + len(y)) / 6) ** alpha if penalty == "gnmt" else len(y) ** alpha)

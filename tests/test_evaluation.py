@@ -10,7 +10,7 @@ The claims, in the order of decode.py:
   - checkpoint averaging averages the floating-point tensors and copies int/bool buffers;
     load_checkpoint(run_dir, average=N) uses the N last epochs, and too few is an error;
   - perplexity with eps = 0 is exp of the mean cross entropy computed here from
-    model(src, tgt_in); with eps > 0 the smoothed loss obeys its lower bound;
+    model.logits(src, tgt_in); with eps > 0 the smoothed loss obeys its lower bound;
   - attention maps are distributions over the keys, shaped by the tokens, and the
     module's keep_weights is restored; the text heatmap carries the labels; the PNG
     is optional (no matplotlib: False, no exception);
@@ -213,7 +213,7 @@ def test_perplexity_is_exp_mean_cross_entropy(toy):
     with torch.no_grad():
         for src_text, tgt_text in pairs:  # one pair at a time: no padding at all
             x, y = tok.encode(src_text), tok.encode(tgt_text)
-            logits = model(torch.tensor([x]), torch.tensor([[BOS] + y]))[0]  # (T, V)
+            logits = model.logits(torch.tensor([x]), torch.tensor([[BOS] + y]))[0]  # (T, V)
             total += F.cross_entropy(logits, torch.tensor(y + [EOS]), reduction="sum").item()
             n += len(y) + 1
     assert out["n_tokens"] == n
@@ -239,7 +239,7 @@ def test_smoothed_loss_lower_bound(toy):
         model.eval()
         for src_text, tgt_text in pairs:
             x, y = tok.encode(src_text), tok.encode(tgt_text)
-            logits = model(torch.tensor([x]), torch.tensor([[BOS] + y]))[0][:, model.allowed]  # (T, |A|)
+            logits = model.logits(torch.tensor([x]), torch.tensor([[BOS] + y]))[0][:, model.allowed]  # (T, |A|)
             column = model.allowed.cumsum(0) - 1  # a target word's column among A
             total += F.cross_entropy(logits, column[torch.tensor(y + [EOS])], label_smoothing=eps,
                                      reduction="sum").item()
@@ -403,7 +403,7 @@ def test_plot_writes_a_png_when_matplotlib_is_there(tmp_path):
 
 def test_plot_draws_a_run_with_one_evaluation_as_a_point(tmp_path, monkeypatch):
     """A curve of one point has no line to draw: it gets a marker (it was in the legend and invisible)."""
-    pytest.importorskip("matplotlib", reason="matplotlib is an optional extra (pip install matplotlib)")
+    pytest.importorskip("matplotlib", reason="matplotlib is an optional extra (pip install matplotlib tensorboard)")
     from matplotlib.axes import Axes
     run, drawn, real_plot = _fake_run(tmp_path, "one", 3.0, 7.0), [], Axes.plot
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[:-1]]

@@ -38,7 +38,7 @@ def test_a_language_model_is_causal_at_evaluation_for_every_norm(norm, prenorm, 
     m = lm(norm, prenorm, attention)
     m.train()
     for _ in range(3):  # running statistics away from their start (PN past its warmup of 2)
-        m(None, torch.randint(4, 40, (6, 8)))
+        m.logits(None, torch.randint(4, 40, (6, 8)))
     m.eval()
     x = torch.randint(4, 40, (3, 8))
     norms.use_reference(reference)  # the written-out attention and norms, or the fast paths
@@ -50,11 +50,11 @@ def test_a_language_model_is_causal_at_evaluation_for_every_norm(norm, prenorm, 
 
 @torch.no_grad()
 def _check_causal(m, x):
-    base = m(None, x)
+    base = m.logits(None, x)
     for t in range(7):
         y = x.clone()
         y[:, t + 1:] = (x[:, t + 1:] + 7) % 36 + 4  # every later token different
-        out = m(None, y)
+        out = m.logits(None, y)
         torch.testing.assert_close(out[:, :t + 1], base[:, :t + 1], rtol=1e-5, atol=1e-5)
         assert not torch.allclose(out[:, t + 1:], base[:, t + 1:])  # the later positions do see them
 
@@ -74,7 +74,7 @@ def test_powernorm_past_its_warmup_leaks_nothing_in_training():
     m = lm("power")
     m.train()
     for _ in range(3):  # past the warmup of 2 forwards: the running statistic divides
-        m(None, torch.randint(4, 40, (6, 8)))
+        m.logits(None, torch.randint(4, 40, (6, 8)))
     segs = data.Segments(torch.randint(4, 40, (6, 8)), torch.randint(4, 40, (6, 8)))
     assert decode.future_leak(m, segs, t=3)["mean_abs_change"] < 1e-6
 
@@ -251,7 +251,7 @@ def test_qknorm_on_segments_of_one_token_is_one_line(tmp_path):
     argv = ["--task", "lm", "--qknorm", "--seq-len", "1"]
     msg = _one_line_error(lambda: train.main(argv + ["--out", str(tmp_path / "r")]))
     assert "--seq-len" in msg and "L >= 2" in msg and not (tmp_path / "r").exists()
-    train.validate_args(train.resolve_flags(argv + ["--qk-length", "8"])[0])  # L given: fine
+    train.check_flags(*train.resolve_flags(argv + ["--qk-length", "8"]))  # L given: fine
 
 
 def test_decoding_a_multilinear_model_with_a_longer_segment_is_one_line(text, tmp_path, capsys):
@@ -300,13 +300,14 @@ def test_the_table_2_presets_are_the_papers_language_models():
             ("cosine", 2.5e-4, 0.25, 3840, 1, 2100)
 
 
-def test_step_flops_of_a_language_model_and_the_multilinear_attention():
+def test_batch_flops_of_a_language_model_and_the_multilinear_attention():
     D, FF, V, B, T = 8, 32, 100, 2, 4
+    batch = data.Batch(None, torch.zeros(B, T), torch.zeros(B, T), B * T)  # a language model's: no source
     cfg = ModelConfig(vocab_size=V, d_model=D, heads=2, ff=FF, dec_layers=1, lm=True)
-    assert train.step_flops(cfg, B, 0, T) == 6 * B * (T * (4 * D * D + 2 * D * FF) + 2 * T * T * D + T * D * V)
+    assert train.batch_flops(cfg, batch) == 6 * B * (T * (4 * D * D + 2 * D * FF) + 2 * T * T * D + T * D * V)
     cfg = ModelConfig(vocab_size=V, d_model=D, heads=2, ff=FF, dec_layers=1, lm=True, attention="multilinear",
                       seq_len=5)
-    assert train.step_flops(cfg, B, 0, T) == 6 * B * (T * (3 * D * D + T * T * D + 2 * 25 * D + 2 * D * FF) + T * D * V)
+    assert train.batch_flops(cfg, batch) == 6 * B * (T * (3 * D * D + T * T * D + 2 * 25 * D + 2 * D * FF) + T * D * V)
 
 
 def test_review_fixes_special_words_idle_flags_and_the_cosine_schedule(text, tmp_path, capsys):

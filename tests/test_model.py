@@ -146,7 +146,7 @@ def test_eq6_logits_are_g_final_times_cosine():
     hook = m.dec_final_norm.register_forward_hook(lambda mod, args, out: captured.update(x=args[0]))
     src, tgt = batch()
     with torch.no_grad():
-        logits = m(src, tgt)
+        logits = m.logits(src, tgt)
     hook.remove()
     x = captured["x"]  # (B, T, D) decoder output before the final norm
     g = m.dec_final_norm.g.item()
@@ -166,7 +166,7 @@ def test_target_vocab_mask_gives_minus_inf_outside_and_for_pad_bos():
     m = build(tgt_vocab_mask=allowed).eval()
     src, tgt = batch()
     with torch.no_grad():
-        logits = m(src, tgt)  # (B, T, V)
+        logits = m.logits(src, tgt)  # (B, T, V)
         cache = start_decoding(m, src)
         step = decode_step(m, tgt[:, 0], cache)  # (B, V)
     expect_ok = allowed.clone()
@@ -178,7 +178,7 @@ def test_target_vocab_mask_gives_minus_inf_outside_and_for_pad_bos():
     # and the default (no mask given) forbids PAD and BOS only
     m2 = build().eval()
     with torch.no_grad():
-        lg = m2(src, tgt)
+        lg = m2.logits(src, tgt)
     assert torch.isneginf(lg[..., [PAD, BOS]]).all()
     keep = torch.ones(V, dtype=torch.bool)
     keep[[PAD, BOS]] = False
@@ -255,7 +255,7 @@ def test_every_configuration_takes_a_finite_training_step(prenorm, norm, fixnorm
     tgt_out[1, 3:] = PAD  # padded targets
     opt = torch.optim.Adam(m.parameters(), lr=1e-3)
     before = {n: p.detach().clone() for n, p in m.named_parameters()}
-    logits = m(src, tgt_in)
+    logits = m.logits(src, tgt_in)
     if fixnorm:  # alternate the two losses over the grid
         loss = smoothed_ce(logits, tgt_out, m.allowed, 0.1)
     else:
@@ -269,7 +269,7 @@ def test_every_configuration_takes_a_finite_training_step(prenorm, norm, fixnorm
     changed = [n for n, p in m.named_parameters() if not torch.equal(p, before[n])]
     assert "embed" in changed and len(changed) > 0.9 * len(before)
     with torch.no_grad():
-        assert torch.isfinite(m(src, tgt_in)[..., m.allowed]).all()
+        assert torch.isfinite(m.logits(src, tgt_in)[..., m.allowed]).all()
 
 
 # ---------------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ def test_incremental_decoding_equals_full_decoding(name):
     randomize_scales(m, seed=4, lo=1.0, hi=6.0)
     src, tgt = batch(seed=2, src_lengths=(7, 3, 5), tgt_len=8)
     with torch.no_grad():
-        full = m(src, tgt)  # (B, T, V)
+        full = m.logits(src, tgt)  # (B, T, V)
         cache = start_decoding(m, src)
         steps = torch.stack([decode_step(m, tgt[:, t], cache) for t in range(tgt.size(1))], dim=1)
     ok = m.allowed
@@ -381,7 +381,7 @@ def test_model_sdpa_equals_written_out_attention(qknorm, prenorm):
     assert all(m.sdpa for m in attention_modules(a)) and not any(m.sdpa for m in attention_modules(b))
     src, tgt = batch(seed=5)
     with torch.no_grad():
-        la, lb = a(src, tgt), b(src, tgt)
+        la, lb = a.logits(src, tgt), b.logits(src, tgt)
     ok = a.allowed
     torch.testing.assert_close(la[..., ok], lb[..., ok], rtol=1e-4, atol=1e-4)
 
@@ -420,7 +420,7 @@ def recompute_attention_calls(model, src, tgt):
         mm.keep_weights = True
     try:
         with torch.no_grad():
-            model(src, tgt)
+            model.logits(src, tgt)
     finally:
         for h in handles:
             h.remove()
@@ -520,9 +520,9 @@ def test_source_padding_does_not_change_real_outputs(cfg):
     src, tgt = batch(seed=9, src_lengths=(7, 3), tgt_len=6)
     tgt[1, 4:] = PAD  # target padding too
     with torch.no_grad():
-        together = m(src, tgt)
-        alone0 = m(src[:1], tgt[:1])
-        alone1 = m(src[1:, :3], tgt[1:, :4])  # no padding at all
+        together = m.logits(src, tgt)
+        alone0 = m.logits(src[:1], tgt[:1])
+        alone1 = m.logits(src[1:, :3], tgt[1:, :4])  # no padding at all
     ok = m.allowed
     torch.testing.assert_close(together[0][:, ok], alone0[0][:, ok], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(together[1, :4][:, ok], alone1[0][:, ok], rtol=1e-4, atol=1e-4)
@@ -657,7 +657,7 @@ def test_the_fast_paths_give_the_reference_loss_and_gradients(name):
             if a is not None:
                 torch.testing.assert_close(a, b, rtol=100 * tol, atol=tol)
     # the loss is the label-smoothed cross entropy of the masked full-vocabulary logits
-    logits = m(src, tgt_in)
+    logits = m.logits(src, tgt_in)
     target = torch.where(m.allowed[tgt_out] | tgt_out.eq(PAD), tgt_out, 1)  # UNK = 1
     torch.testing.assert_close(fl.float() / tgt_out.ne(PAD).sum(), smoothed_ce(logits, target, m.allowed, 0.1),
                                rtol=1e-6, atol=1e-6)  # smoothed_ce works in float32

@@ -86,13 +86,13 @@ def test_unmasked_and_relative_the_model_is_position_blind_at_the_input():
     m = Transformer(cfg).eval()
     tokens = torch.tensor([[5, 7, 5, 9, 5, 4]])
     with torch.no_grad():
-        logits = m(None, tokens)
+        logits = m.logits(None, tokens)
     torch.testing.assert_close(logits[0, 0], logits[0, 2])
     torch.testing.assert_close(logits[0, 0], logits[0, 4])
     cfg.positions = "sinusoidal"  # with the input's positions, the same tokens differ by where they are
     torch.manual_seed(0)
     with torch.no_grad():
-        logits = Transformer(cfg).eval()(None, tokens)
+        logits = Transformer(cfg).eval().logits(None, tokens)
     assert not torch.allclose(logits[0, 0], logits[0, 2])
 
 
@@ -148,4 +148,4 @@ def test_a_multilinear_attention_too_large_for_memory_is_refused_in_one_line_wit
     assert f"{4 * 4096 ** 2 * 128 * 2:,} weights in W^O" in msg  # H L^2 D in each of the 2 layers, at the defaults
     assert not (tmp_path / "r").exists()
     for preset, seq_len in (("pn2-layernorm", "32"), ("pn2-layernorm", "384")):
-        train.validate_args(train.resolve_flags(["--preset", preset, "--seq-len", seq_len])[0])  # no error
+        train.check_flags(*train.resolve_flags(["--preset", preset, "--seq-len", seq_len]))  # no error

@@ -86,8 +86,8 @@ def build_and_step(args):
 
 @pytest.mark.parametrize("name", list(train.PRESETS))
 def test_every_preset_resolves_builds_and_takes_a_training_step(name):
-    args, _ = train.resolve_flags(["--preset", name])
-    train.validate_args(args)
+    args, given = train.resolve_flags(["--preset", name])
+    train.check_flags(args, given)
     pair, row, flags = train.PRESETS[name]
     for k, v in flags.items():  # the row's flags, exactly
         assert getattr(args, k) == v, (name, k)

@@ -1,6 +1,7 @@
 """Claims of train.py: eq. 7, the label-smoothed loss, validation decay, flags, resume, learning."""
 import json
 import math
+import re
 import shutil
 import signal
 import subprocess
@@ -104,15 +105,16 @@ def test_one_training_step_under_reference_equals_the_fast_step():
         torch.testing.assert_close(fast_state[k], ref_state[k], rtol=1e-9, atol=1e-12)
 
 
-def test_step_flops_counts_the_matmuls():
+def test_batch_flops_counts_the_matmuls():
     from model import ModelConfig
     cfg = ModelConfig(vocab_size=100, d_model=8, heads=2, ff=32, enc_layers=1, dec_layers=1)
     B, S, T = 2, 3, 4
     D, FF, V = 8, 32, 100
+    batch = data.Batch(torch.zeros(B, S), torch.zeros(B, T), torch.zeros(B, T), B * T)  # its shapes are what counts
     enc = S * (4 * D * D + 2 * D * FF) + 2 * S * S * D
     dec = T * (6 * D * D + 2 * D * FF) + S * 2 * D * D + 2 * T * T * D + 2 * T * S * D
-    assert train.step_flops(cfg, B, S, T) == 6 * B * (enc + dec + T * D * V)
-    assert train.step_flops(cfg, B, S, T, out_vocab=30) == 6 * B * (enc + dec + T * D * 30)
+    assert train.batch_flops(cfg, batch) == 6 * B * (enc + dec + T * D * V)
+    assert train.batch_flops(cfg, batch, out_vocab=30) == 6 * B * (enc + dec + T * D * 30)
 
 
 # --- bad flags ------------------------------------------------------------------------------
@@ -186,9 +188,11 @@ def test_an_edit_to_a_main_text_function_a_fast_path_replaces_is_named_and_runs_
     assert "fast paths" not in written.stdout
 
 
-def test_sigterm_at_any_step_saves_that_step_and_the_resume_reaches_the_same_metrics(tmp_path, killed_run, corpus):
+def test_sigterm_at_any_step_saves_that_step_and_the_resume_reaches_the_same_metrics(tmp_path, killed_run, corpus,
+                                                                                     capsys):
     """SIGTERM mid-epoch and mid-log-window, with --accumulate 2: the run stops after the step in progress with a
-    checkpoint of it (not of the epoch before), and the resumed run's every record equals the run never stopped."""
+    checkpoint of it (not of the epoch before), and the resumed run's every record equals the run never stopped.
+    train.log holds every line both starts printed, each timestamped."""
     argv = TINY + corpus + ["--max-steps", "14", "--log-interval", "3", "--accumulate", "2", "--seed", "5",
                             "--norm", "power", "--pn-warmup", "4"]  # evaluations at 5, 10, 14; log lines every 3
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
@@ -200,6 +204,10 @@ def test_sigterm_at_any_step_saves_that_step_and_the_resume_reaches_the_same_met
     assert _records(stopped, windows=True) == _records(whole, windows=True)
     a, b = (json.loads((d / "results.json").read_text()) for d in (whole, stopped))
     assert a["best_dev_bleu"] == b["best_dev_bleu"] and a["test_bleu"] == b["test_bleu"]
+    printed, log = capsys.readouterr().out.splitlines(), (stopped / "train.log").read_text()
+    stamped = [line[20:] for line in log.splitlines() if re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", line)]
+    assert [line[:6] for line in stamped].count("model:") == 2 and "SIGTERM: stopping after this step" in log
+    assert stamped[-1].startswith("test BLEU") and all(line in log for line in printed), log  # the g table too
 
 
 def test_a_hard_kill_loses_at_most_save_interval_steps(tmp_path, killed_run, corpus):
@@ -242,6 +250,30 @@ def test_one_command_starts_continues_and_finishes_a_run(tmp_path, killed_run, c
     assert not data.checkpoints(other)  # --start-or-resume starts it again, from nothing
     train.main(argv + ["--out", str(other)])
     assert _records(other) == _records(whole)
+
+
+def test_tensorboard_events_hold_the_records_of_metrics_jsonl(tmp_path, corpus, monkeypatch):
+    """--tensorboard: the run directory's event files, read back with tensorboard's own reader, hold the numbers of
+    metrics.jsonl under the same names (the steps' loss, LR and gradient norm, the log lines', dev BLEU, the learned
+    g's); without the package the flag is refused in one line that names the install command, before any file."""
+    argv = TINY + corpus + ["--max-steps", "6", "--epoch-size", "3", "--log-interval", "2", "--tensorboard"]
+    monkeypatch.setattr(train.importlib.util, "find_spec", lambda name, *a: None)  # as if not installed
+    with pytest.raises(SystemExit) as e:
+        train.main(argv + ["--out", str(tmp_path / "none")])
+    assert "pip install matplotlib tensorboard" in str(e.value.code) and not (tmp_path / "none").exists()
+    monkeypatch.undo()
+    pytest.importorskip("tensorboard", reason="an optional extra (pip install matplotlib tensorboard); CI has it")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    train.main(argv + ["--out", str(tmp_path / "run")])
+    events = EventAccumulator(str(tmp_path / "run"))
+    events.Reload()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for tag in ("loss", "lr", "gnorm", "train_loss", "tok_per_s", "dev_bleu", "dev_ppl", "g/enc_final_norm.g"):
+        key, *inner = tag.split("/")
+        want = [(r["step"], r[key][inner[0]] if inner else r[key]) for r in rows if key in r and "step" in r]
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert len(want) > 1 and [s for s, _ in got] == [s for s, _ in want], tag
+        assert all(math.isclose(a, b, rel_tol=1e-6) for (_, a), (_, b) in zip(got, want)), tag
 
 
 # --- every norm, placement and QKNorm trains a few steps on the built-in corpus -------------
@@ -358,8 +390,8 @@ def test_a_new_schedule_is_a_function_and_one_entry_of_schedules(monkeypatch):
     for flag, words in ((["--warmup", "10"], "--schedule halving does not have"),
                         (["--patience", "3"], "not --schedule halving")):
         with pytest.raises(SystemExit, match=words):
-            train.refuse_idle_flags(*train.resolve_flags(["--schedule", "halving", *flag]))
-    assert "halving" not in str(pytest.raises(SystemExit, train.refuse_idle_flags,
+            train.check_flags(*train.resolve_flags(["--schedule", "halving", *flag]))
+    assert "halving" not in str(pytest.raises(SystemExit, train.check_flags,
                                               *train.resolve_flags(["--schedule", "invsqrt", "--patience", "3"])).value)
 
 
@@ -370,6 +402,21 @@ def test_lr_scale_sets_the_constant_lr_of_nowarmup():
     lr2 = schedule("--schedule", "nowarmup", "--lr-scale", "2", "--d-model", "512", "--warmup", "8000")
     assert lr1(1) == lr1(10 ** 5) == pytest.approx(1 / math.sqrt(512 * 8000))
     assert lr2(1) == pytest.approx(2 * lr1(1))
+
+
+def test_a_flag_that_changes_another_is_said_on_the_first_screen(capsys):
+    """--lr over a preset's --lr-scale, --warmup as the divisor of nowarmup's constant LR, --compile's padding and
+    lost diagnostics: each is a note before anything runs (here --show), and a plain preset has none."""
+    for argv, said in ((["--preset", "twt4-invsqrt", "--lr", "1e-3"],
+                        "the peak LR, which --lr-scale 1.0 would set: not used"),
+                       (["--schedule", "nowarmup", "--lr-scale", "1", "--warmup", "100"],
+                        "--warmup 100 only divides --lr-scale, a constant LR of 0.00884"),
+                       (["--compile", "--norm", "power"], "multiples of 8 (a change to --pn-variant code's"),
+                       (["--compile", "--encoder-norm", "batch"], "no batch-norm diagnostics of --norm batch")):
+        train.main(argv + ["--show"])
+        assert said in capsys.readouterr().out, argv
+    train.main(["--preset", "twt4-invsqrt", "--show"])
+    assert "note:" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("norm", ["scale", "layer", "batch"])

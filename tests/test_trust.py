@@ -605,7 +605,7 @@ def test_a_full_disk_before_the_first_checkpoint_never_advises_resume(full, tmp_
             raise OSError(28, "No space left on device", str(path))
         return real_open(path, *a, **k)
     monkeypatch.setattr(data.tempfile, "mkstemp", full_disk)
-    monkeypatch.setattr(train, "open", full_append, raising=False)  # metrics.jsonl is appended to, not replaced
+    monkeypatch.setattr(data, "open", full_append, raising=False)  # metrics.jsonl is appended to, not replaced
     run = tmp_path / "run"
     msg = one_line_error(lambda: train.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
                          "No space left on device", full, "make room, then")
@@ -787,6 +787,24 @@ def test_decode_empty_input_with_ref_odd_metrics_and_idle_flags_are_one_line(fin
     assert e.value.code == 2
     p = subprocess.run([sys.executable, "data.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0 and "prepare NAME" in p.stdout
+
+
+def test_both_programs_refuse_an_idle_flag_through_one_rule(monkeypatch, capsys):
+    """data.idle_flag owns "a flag given where it does nothing is refused in one line": the first idle flag, as a
+    command line writes it, with its rule's why. train.py's table, decode.py's needs and its modes go through it."""
+    assert data.idle_flag([(("a", "b_c"), True, "x"), (("d", "b_c"), False, "why")], {"b_c"}) == ("--b-c", "why")
+    assert data.idle_flag([(("a",), False, "x")], {"b"}) is None
+    seen, rule = [], data.idle_flag
+    monkeypatch.setattr(data, "idle_flag", lambda rules, given: seen.append(rule(rules, given)) or seen[-1])
+    for main, argv, said in ((train.main, ["--qk-length", "5"], "--qk-length is QKNorm's, so it needs --qknorm"),
+                             (decode.main, ["x", "--sample"], "--sample is for --generate: give it too"),
+                             (decode.main, ["--compare", "a", "b", "--ref", "c", "--beam", "3"],
+                              "--beam does nothing with --compare")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert said in (e.value.code if isinstance(e.value.code, str) else capsys.readouterr().err), argv
+        assert seen[-1][0] == said.split()[0], argv  # the line came from the one rule
+    assert len(seen) >= 3
 
 
 def test_a_failed_start_removes_only_empty_folders_it_made_and_decode_sees_through_dotdot(finished, tmp_path, corpus):
