@@ -493,8 +493,11 @@ def build_parser():
         DEFAULTS[action.dest] = default
 
     g = p.add_argument_group("presets")
-    add(g, "--preset", metavar="NAME", help="apply one row of a paper's table (train.py Appendix B); flags given "
+    row = g.add_mutually_exclusive_group()  # a run's flags start from one of them
+    add(row, "--preset", metavar="NAME", help="apply one row of a paper's table (train.py Appendix B); flags given "
         "with it override it; 'list' prints them all")
+    add(row, "--config", metavar="FILE", help="start a new run with the flags of a run's config.json (RUN/config.json, "
+        "as edited or not), as a preset of every flag: flags given with it override it (--out too)")
     add(g, "--pair", metavar="NAME", choices=list(PAIRS), help="use this language pair's corpus and per-pair flags "
         "instead of the preset's (" + ", ".join(PAIRS) + ")")
     add(g, "--show", action="store_true", default=False, help="print each flag's value in this run, then exit")
@@ -645,11 +648,13 @@ def resolve_flags(argv=None, log=print):
     if given.get("preset", next(iter(PRESETS))) not in PRESETS:
         sys.exit(f"error: --preset {given['preset']}: unknown; --preset list shows the {len(PRESETS)} presets")
     pair, _, row = PRESETS[given["preset"]] if "preset" in given else (None, "", {})
+    if "config" in given:  # a run's every flag; --pair given swaps its corpus
+        row = {**config_flags(given["config"], parser), **PAIRS.get(given.get("pair"), {})}
     flags = {**DEFAULTS, **PAIRS.get(given.get("pair", pair), {}), **row}
     # A flag given on the command line wins over the preset, always: --lr sets the peak LR, which a
-    # preset's lambda (--lr-scale) would otherwise override. The run's first screen says so.
+    # preset's (or --config's) lambda (--lr-scale) would otherwise override. The run's first screen says so.
     if "lr" in given and flags["lr_scale"] is not None:
-        log(f"note: --lr {given['lr']:g} is the peak LR: the preset's --lr-scale {flags['lr_scale']} is not used")
+        log(f"note: --lr {given['lr']:g} is the peak LR, which --lr-scale {flags['lr_scale']} would set: not used")
         flags["lr_scale"] = None
     flags.update(given)
     if "pair" in given and ("task" in given or "preset" in given):  # a language model's corpus for a translator...
@@ -669,9 +674,32 @@ def resolve_flags(argv=None, log=print):
     return args, given
 
 
+def config_flags(path, parser):
+    """--config FILE: the flags a run's config.json holds, for a new run (not the run's records, its --out or an
+    action). A file that is not a JSON object, a key that is no flag, a value its flag's type= or choices refuse:
+    one line that names it."""
+    try:
+        saved = json.loads(Path(path).read_text())
+        flags = {k: v for k, v in saved.items() if k not in RUN_RECORDS + ACTIONS + ("out",)}
+    except (OSError, ValueError, AttributeError) as e:  # AttributeError: a JSON list or value has no .items()
+        sys.exit(f"error: --config {path}: not a JSON object of flags ({e})")
+    actions = {a.dest: a for a in parser._actions if a.dest in DEFAULTS}
+    for k, v in flags.items():
+        try:  # as argparse takes the value from a command line: through its flag's type= and choices
+            a = actions[k]
+            ok = v is None and DEFAULTS[k] is None or (isinstance(v, bool) if a.nargs == 0 else not isinstance(v, bool)
+                                                       and (a.type or str)(str(v)) == v and v in (a.choices or [v]))
+        except (KeyError, TypeError, ValueError, argparse.ArgumentTypeError):
+            ok = False
+        if not ok:
+            sys.exit(f"error: --config {path}: {k!r}: " + (f"{v!r} is not a value of --{k.replace('_', '-')}"
+                                                          if k in actions else "not a flag of train.py"))
+    return flags
+
+
 def flag_notes(args):
     """What a flag given does to another flag, said on the run's first screen rather than silently (resolve_flags
-    says what --lr does to a preset's --lr-scale)."""
+    says what --lr does to a preset's or --config's --lr-scale)."""
     norms = dict.fromkeys((args.norm, args.encoder_norm, args.decoder_norm))  # in order, once each
     batch_norms = ", ".join(n for n in norms if n and NORMS[n].batch_stats)
     return [note for note, said in (
@@ -1316,6 +1344,7 @@ RESUME_MAY_CHANGE = {"max_steps", "max_epochs", "early_stop", "stop_lr", "patien
                      "dtype", "threads", "compile", "dev_beam", "beam", "alpha", "length_penalty", "keep_checkpoints",
                      "save_interval", "data"}  # a moved corpus: its hashes are checked
 ACTIONS = ("resume", "overwrite", "start_or_resume")  # what a command does, not a flag of its run: never compared
+RUN_RECORDS = ("run_id", "corpus_sha256", "changed_on_resume")  # what config.json records of a run beside its flags
 # A run directory's files and what --overwrite removes: data.py's Appendix D (RESULT_FILES, CACHE_FILES, checkpoints);
 # the BPE model and the encoded caches are keyed by their content and are reused or replaced, never trusted.
 

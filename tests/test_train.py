@@ -407,7 +407,8 @@ def test_lr_scale_sets_the_constant_lr_of_nowarmup():
 def test_a_flag_that_changes_another_is_said_on_the_first_screen(capsys):
     """--lr over a preset's --lr-scale, --warmup as the divisor of nowarmup's constant LR, --compile's padding and
     lost diagnostics: each is a note before anything runs (here --show), and a plain preset has none."""
-    for argv, said in ((["--preset", "twt4-invsqrt", "--lr", "1e-3"], "the preset's --lr-scale 1.0 is not used"),
+    for argv, said in ((["--preset", "twt4-invsqrt", "--lr", "1e-3"],
+                        "the peak LR, which --lr-scale 1.0 would set: not used"),
                        (["--schedule", "nowarmup", "--lr-scale", "1", "--warmup", "100"],
                         "--warmup 100 only divides --lr-scale, a constant LR of 0.00884"),
                        (["--compile", "--norm", "power"], "multiples of 8 (a change to --pn-variant code's"),

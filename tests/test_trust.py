@@ -542,6 +542,39 @@ def test_a_resume_reads_its_checkpoint_and_names_what_an_edited_config_json_chan
     assert "differs from the checkpoint" not in capsys.readouterr().out
 
 
+def test_config_starts_a_new_run_with_a_runs_flags_and_refuses_a_bad_key_in_one_line(finished, tmp_path, capsys):
+    """--config RUN/config.json: that run's flags, the command line's winning; --show shows them; a key that is no
+    flag, a value of the wrong type or range, a file that is no JSON object: one line naming it."""
+    config = finished / "config.json"
+    saved = json.loads(config.read_text())
+    args, given = train.resolve_flags(["--config", str(config), "--out", str(tmp_path / "b"), "--lr", "0.01"])
+    assert given == {"config": str(config), "out": str(tmp_path / "b"), "lr": 0.01} and args.lr == 0.01
+    differ = [k for k, v in saved.items() if getattr(args, k, None) != v]
+    assert set(differ) <= set(train.RUN_RECORDS + train.ACTIONS + ("out", "config", "lr", "lr_scale")), differ
+    assert args.lr_scale is None and args.out == str(tmp_path / "b")  # --lr given: the run's --lr-scale is not used
+    capsys.readouterr()
+    assert train.main(["--config", str(config), "--d-model", "48", "--show"]) is None  # shows, trains nothing
+    shown = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}
+    assert shown["--d-model"] == ["48", "given"] and shown["--bpe-size"] == [str(saved["bpe_size"])]
+    train.main(["--config", str(config), "--out", str(tmp_path / "again"), "--max-steps", "5"])  # the run, again
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    differ = {k for k in {**saved, **again} if again.get(k) != saved.get(k)}
+    assert differ == {"out", "config", "max_steps", "run_id"}, differ  # the corpus's hashes too: the same corpus
+    for edit, names in ((dict(saved, d_modle=64), ["'d_modle'", "not a flag"]),
+                        (dict(saved, d_model="big"), ["'d_model'", "'big' is not a value of --d-model"]),
+                        (dict(saved, d_model=0), ["'d_model'", "0 is not a value of --d-model"]),
+                        (dict(saved, prenorm="yes"), ["'prenorm'", "--prenorm"]),
+                        (dict(saved, norm="batchy"), ["'norm'", "--norm"]),
+                        ([saved], ["not a JSON object of flags"])):
+        (tmp_path / "edited.json").write_text(json.dumps(edit))
+        one_line_error(lambda: train.main(["--config", str(tmp_path / "edited.json"), "--out", str(tmp_path / "c")]),
+                       "--config", *names)
+    (tmp_path / "broken.json").write_text("{")
+    one_line_error(lambda: train.main(["--config", str(tmp_path / "broken.json")]), "--config", "not a JSON object")
+    one_line_error(lambda: train.main(["--config", str(tmp_path / "none.json")]), "--config", "none.json")
+    assert not (tmp_path / "c").exists()
+
+
 def test_a_full_disk_while_checkpointing_is_one_line_and_the_old_checkpoints_survive(tmp_path, corpus, monkeypatch):
     real_save = torch.save
 
