@@ -896,6 +896,10 @@ def corpus_paths(data_dir, *langs):
     return {s: tuple(Path(data_dir) / f"{s}.{lang}" for lang in langs) for s in SPLITS}
 
 
+def lm_text_file(data_dir, split):  # a language model's text: DIR/split.txt; the built-in corpus's target side
+    return Path(data_dir) / f"{split}.txt" if data_dir is not None else TOY_DIR / f"{split}.tgt"
+
+
 def split_lines(raw, name):
     """UTF-8 bytes -> stripped lines, split on "\\n" only; DataError naming `name` and the line.
 
@@ -1207,6 +1211,15 @@ def read_metrics(run_dir):
     return rows
 
 
+def scalars(record, prefix=""):
+    """The numbers of a metrics record as (tag, value), a nested key's tag joined by "/" (g/encoder.0.norm_ff.g)."""
+    for k, v in record.items():
+        if isinstance(v, dict):
+            yield from scalars(v, f"{prefix}{k}/")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+            yield prefix + k, v
+
+
 def idle_flag(rules, given):
     """Both programs' one rule for a flag given where it does nothing: refused in one line, never silently ignored.
     rules: (flags, read, why), the flags read only where `read` holds. The first flag given where it is not read, as
@@ -1244,6 +1257,10 @@ positive, non_negative = ranged(float, lambda v: v > 0, "positive"), ranged(floa
 fraction = ranged(float, lambda v: 0 <= v < 1, "in [0, 1)")
 alpha_range = ranged(float, lambda v: 0 <= v <= 10, "in [0, 10] (the papers: 0.6, 1.0; a larger one overflows)")
 threads = ranged(int, lambda v: 1 <= v <= 1024, "in [1, 1024]")  # torch crashed at 100,000
+in_0_1 = ranged(float, lambda v: 0 < v <= 1, "in (0, 1]")
+percent = ranged(float, lambda v: 0 < v <= 100, "in (0, 100]")  # and the LR's: a larger one overflows at the first step
+length_range = ranged(float, lambda v: 2 <= v <= 1e6, "in [2, 1e6] (g0 = log2(L^2 - L) in [1, 40])")  # QKNorm's L
+seed_range = ranged(int, lambda v: 0 <= v < 2 ** 63 - 64, "in [0, 2^63 - 64) (torch's generators take 64 bits)")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import data
 import decode
-from data import alpha_range, count, fraction, non_negative, positive, positive_int, ranged, run_id_of, threads
+from data import alpha_range, count, fraction, in_0_1, length_range, non_negative, positive, positive_int, threads
 from model import FAST_PATHS, ModelConfig, Transformer, autocast, count_parameters, has_bf16, qk_g0
 from norms import BATCH_NORMS, NORMS, fast_paths, sync, timed
 
@@ -471,10 +471,6 @@ def main(argv=None):
 
 DEFAULTS = {}  # every flag's default
 # The range of each number is its type= (data.py Appendix D): a value out of range is argparse's own error line.
-in_0_1 = ranged(float, lambda v: 0 < v <= 1, "in (0, 1]")
-percent = ranged(float, lambda v: 0 < v <= 100, "in (0, 100]")  # and the LR's: a larger one overflows at the first step
-length = ranged(float, lambda v: 2 <= v <= 1e6, "in [2, 1e6] (g0 = log2(L^2 - L) in [1, 40])")
-seed = ranged(int, lambda v: 0 <= v < 2 ** 63 - 64, "in [0, 2^63 - 64) (torch's generators take 64 bits)")
 
 
 def build_parser():
@@ -546,8 +542,8 @@ def build_parser():
         "[1] section 2.2) or Xavier normal ([1] eq. 4)")
     add(g, "--qknorm", action="store_true", default=False, help="QKNorm attention: softmax(g * q^.k^) with "
         "l2-normalised q, k ([3] eqs. 2-5)")
-    add(g, "--qk-length", type=length, help="L of g0 = log2(L^2 - L) ([3] eq. 3); default: from --qk-percentile")
-    add(g, "--qk-percentile", type=percent, default=97.5, help="percentile of training lengths used as L "
+    add(g, "--qk-length", type=length_range, help="L of g0 = log2(L^2 - L) ([3] eq. 3); default: from --qk-percentile")
+    add(g, "--qk-percentile", type=data.percent, default=97.5, help="percentile of training lengths used as L "
         "([3] section 3; Table 5 varies it)")
     add(g, "--qk-no-g", action="store_true", default=False, help="QKNorm ablation: g fixed at 1 ([3] Table 6)")
     add(g, "--qk-norm-v", action="store_true", default=False, help="QKNorm ablation: l2-normalise V too ([3] Table 6)")
@@ -570,9 +566,9 @@ def build_parser():
     add(g, "--schedule", choices=list(SCHEDULES), default="invsqrt",
         help="; ".join(f"{name}: {entry.help}" for name, entry in SCHEDULES.items()))
     peak = g.add_mutually_exclusive_group()  # both set the peak LR (lr = lr_scale / sqrt(d * warmup)): one of them
-    add(peak, "--lr-scale", type=percent, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
+    add(peak, "--lr-scale", type=data.percent, help="lambda of eq. 7: LR(n) = lambda / sqrt(d) * min(n^-0.5, n * "
         "warmup^-1.5) ([1] 3.3: 1, and 2 for 2xLR); when given it overrides --lr")
-    add(peak, "--lr", type=percent, default=2e-3, help="peak LR (reached at n_warmup), i.e. lambda = lr * "
+    add(peak, "--lr", type=data.percent, default=2e-3, help="peak LR (reached at n_warmup), i.e. lambda = lr * "
         "sqrt(d * warmup) in eq. 7; the constant LR of --schedule nowarmup ([1] 3.3: 3e-4)")
     add(g, "--warmup", type=positive_int, default=200, help="n_warmup of eq. 7 ([1]: 8000)")
     add(g, "--decay-factor", type=in_0_1, default=0.8, help="alpha_decay of validation decay ([1] 2.4; 0.8 in 3.3)")
@@ -591,7 +587,7 @@ def build_parser():
         "target vocabulary ([1] appendix A)")
     g = p.add_argument_group("run")
     add(g, "--out", default="runs/quickstart", help="run directory")
-    add(g, "--seed", type=seed, default=1, help="fixes every random choice")
+    add(g, "--seed", type=data.seed_range, default=1, help="fixes every random choice")
     add(g, "--epoch-size", type=positive_int, default=100, help="steps per epoch; dev BLEU after each ([1]: 1000-2000 "
         "by pair)")
     add(g, "--max-epochs", type=positive_int, default=4, help="stop after this many epochs ([1] Table 1: 200)")
@@ -1107,17 +1103,8 @@ def append_metrics(run, record):
         record = json.loads(json.dumps(record), parse_constant=lambda _: None)  # NaN, Infinity: null, nested too
         record.update({"nonfinite": bad} if bad else {})
         data.append_file(run.dir / "metrics.jsonl", json.dumps(record, allow_nan=False) + "\n")
-        for tag, value in scalars(record) if run.board else ():  # --tensorboard: the same records, as events
+        for tag, value in data.scalars(record) if run.board else ():  # --tensorboard: the same records, as events
             run.board.add_scalar(tag, value, record.get("step", run.state.step))
-
-
-def scalars(record, prefix=""):
-    """The numbers of a metrics record as (tag, value), a nested key's tag joined by "/" (g/encoder.0.norm_ff.g)."""
-    for k, v in record.items():
-        if isinstance(v, dict):
-            yield from scalars(v, f"{prefix}{k}/")
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-            yield prefix + k, v
 
 
 class RunLog:
@@ -1437,7 +1424,7 @@ def resume_flags(args, given, log):
     run_dir = Path(args.resume or args.out)
     path, config = data.checkpoint_file(run_dir, "last"), run_dir / "config.json"  # the resume point (save_checkpoints)
     if args.start_or_resume and not path.exists():
-        if run_id_of(config):
+        if data.run_id_of(config):
             if diff := differing_flags(json.loads(config.read_text()), args, {}, run_dir):
                 raise data.DataError(f"--start-or-resume: {run_dir} holds a run with other flags: "
                                      f"{flag_changes(diff)}; choose another --out")
@@ -1528,7 +1515,7 @@ def open_run_dir(args, pairs, log, stack, master, resumed=None):
     held = ""  # the files a run writes in run_dir, but a lock; rank 0 checks (the other ranks come after its commit)
     if run_dir.is_dir() and master and not args.resume:  # --resume: its checkpoint is the run
         held = ", ".join(sorted(p.name for p in run_dir.iterdir() if data.is_run_file(p.name) and p.name != ".lock"))
-    if held and run_id_of(run_dir / "config.json") is None:  # train.py never replaces a file it did not write
+    if held and data.run_id_of(run_dir / "config.json") is None:  # train.py never replaces a file it did not write
         raise data.DataError(f"--out {run_dir}: not a run directory of train.py (no config.json with a run_id), yet it "
                              f"holds files a run writes ({held}), so none is replaced; choose another --out")
     if held and not args.overwrite:  # commit_run_dir removes that run id's files
@@ -1553,10 +1540,10 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
         temporary = p.name.startswith(".") and p.name.endswith(".tmp") and data.is_run_file(written)
         if temporary or (p.name.startswith(".staging-") and p != stage):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
-    replaces = run_id_of(run_dir / "config.json") if args.overwrite else None  # the run --overwrite replaces
+    replaces = data.run_id_of(run_dir / "config.json") if args.overwrite else None  # the run --overwrite replaces
     if replaces:  # the old run's results but its config.json (replaced next), and its checkpoints (by their run id)
         gone = [p for p in run_dir.iterdir() if p.name in data.RESULT_FILES[1:] or data.EVENTS.fullmatch(p.name)]
-        gone += [p for p in data.checkpoints(run_dir) if run_id_of(p) == replaces]
+        gone += [p for p in data.checkpoints(run_dir) if data.run_id_of(p) == replaces]
         for f in gone:
             f.unlink()
         log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
@@ -1577,9 +1564,9 @@ def what_next(args):
     run_dir = Path(args.out)
     if args.benchmark:
         return "run the benchmark again (it writes no run directory)"
-    if getattr(args, "run_id", None) is None or run_id_of(run_dir / "config.json") != args.run_id:
+    if getattr(args, "run_id", None) is None or data.run_id_of(run_dir / "config.json") != args.run_id:
         return f"the run had not started in {run_dir}: start it again with the same command"
-    if run_id_of(data.checkpoint_file(run_dir, "last")) == args.run_id:  # the resume point (save_checkpoints)
+    if data.run_id_of(data.checkpoint_file(run_dir, "last")) == args.run_id:  # the resume point (save_checkpoints)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         how = "python train.py" if world == 1 else f"torchrun (as many processes as before, {world}) train.py"
         return f"continue with {how} --resume {run_dir}"
@@ -1593,10 +1580,6 @@ def what_next(args):
 # into the run directory (reused by a later run only for the same training text and size),
 # encode (cached there too); a language model's text is cut into segments (data.py section 8).
 # =======================================================================================
-def lm_text_file(args, split):  # a language model's text: --data DIR's split.txt; the built-in corpus's target side
-    return Path(args.data) / f"{split}.txt" if args.data is not None else data.TOY_DIR / f"{split}.tgt"
-
-
 def read_corpus(args, log):
     """{split: [(src, tgt)]} of raw text, and the language suffixes; a language model's: {split: [line]}."""
     if args.data is None:
@@ -1614,7 +1597,7 @@ def read_corpus(args, log):
     if args.task == "lm":  # DIR/{train,dev,test}.txt, one sentence a line (the built-in corpus: its target side)
         if args.data is None:
             log("data: the target side of the built-in synthetic corpus, as a language model's text")
-        text = {split: lm_text_file(args, split) for split in data.SPLITS}
+        text = {split: data.lm_text_file(args.data, split) for split in data.SPLITS}
         for split, path in text.items():  # empty lines skipped
             text[split] = [line for line in data.read_lines(path, "a language model's corpus folder holds train.txt, "
                                                             "dev.txt and test.txt, one sentence a line") if line]
@@ -1666,7 +1649,7 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
     if args.task == "lm":  # a language model's training and dev segments (data.py section 8); none is filtered
         streams = {split: data.lm_stream(tok, pairs[split]) for split in data.SPLITS}
         if streams["dev"].numel() - 1 < args.seq_len:
-            raise data.DataError(f"{lm_text_file(args, 'dev')}: {streams['dev'].numel() - 1} "
+            raise data.DataError(f"{data.lm_text_file(args.data, 'dev')}: {streams['dev'].numel() - 1} "
                                  f"tokens, shorter than one segment of --seq-len {args.seq_len}")
         train, dev = data.lm_segments(streams["train"], args.seq_len), data.lm_segments(streams["dev"], args.seq_len)
         log("data: " + " / ".join(f"{streams[s].numel() - 1} {s}" for s in data.SPLITS) + f" tokens to predict, "
