@@ -199,6 +199,7 @@ def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
     before.
     """
     lens = _lengths(encoded_pairs)  # [(S, T)], T = len(y) + 1: the decoder reads BOS + y; a language model's [(L,)]
+    shuffle = shuffle and not getattr(encoded_pairs, "ordered", False)  # lm_streams' keep their order (Appendix C)
     rng = random.Random(seed * 1000003 + epoch)
     tie = [rng.random() for _ in lens] if shuffle else list(range(len(lens)))
     order = sorted(range(len(lens)), key=lambda i: (max(lens[i]), *lens[i], tie[i]))
@@ -299,6 +300,7 @@ class Segments:
     """A stream cut into segments: inputs x (N, L) and targets y (N, L), PAD-padded at the very end."""
     x: torch.Tensor
     y: torch.Tensor
+    ordered: bool = False  # lm_streams' (Appendix C): batched in this order every pass, never shuffled
 
     def __len__(self):
         return self.x.size(0)
@@ -889,6 +891,21 @@ def lm_windows(stream, length, context):
     x, y = x.unfold(0, length, stride).contiguous(), y.unfold(0, length, stride).contiguous()
     y[1:, :context] = PAD  # in every window but the first, the first `context` targets: scored by the one before
     return Segments(x, y)
+
+
+def lm_streams(stream, seq_len, rows):
+    """train.py --lm-batches streams, the baseline code's batches (its data_utils.py, LMOrderedIterator): the text
+    (without the stream's first EOS, which its corpus lacks) cut into `rows` equal rows, the rest dropped; each row
+    into windows of seq_len inputs, each with its next tokens as targets (a row's last one or two tokens are never
+    predicted). Segment j * rows + r is row r's j-th window, so that batches of `rows` segments, in order, hold every
+    row's j-th window in batch j, and row r's text goes on in batch j + 1 (no memory carries it over: mem_len 0)."""
+    n = (stream.numel() - 1) // rows  # tokens a row
+    windows = (n - 1) // seq_len
+    if windows < 1:
+        raise DataError(f"the text makes rows of {n} tokens, too short for one window of --seq-len {seq_len}")
+    text = stream[1:1 + n * rows].view(rows, n)
+    x, y = (text[:, k:k + windows * seq_len].reshape(rows, windows, seq_len).transpose(0, 1) for k in (0, 1))
+    return Segments(x.reshape(-1, seq_len), y.reshape(-1, seq_len), ordered=True)
 
 
 def corpus_paths(data_dir, *langs):

@@ -56,7 +56,7 @@ class ModelConfig:  # everything needed to rebuild a model; saved inside every c
     norm_options: dict = field(default_factory=dict)  # each norm takes those its registry entry names (PowerNorm's)
     prenorm: bool = True  # PreNorm (eq. 3) or PostNorm (eq. 2)
     fixnorm: bool = True  # l2-normalised embedding rows (section 2.3)
-    init: str = "small"  # "small" (SmallInit) or "xavier" (Xavier normal, eq. 4)
+    init: str = "small"  # "small" (SmallInit), "xavier" (Xavier normal, eq. 4) or "normal" (Appendix B's baseline)
     qknorm: bool = False  # QKNorm [3]
     qk_g0: float = 1.0  # g0 = log2(L^2 - L) [3, eq. 3]: qk_g0() below
     qk_learn_g: bool = True  # False: [3] Table 6, "Without g" (g fixed at 1)
@@ -67,6 +67,9 @@ class ModelConfig:  # everything needed to rebuild a model; saved inside every c
     seq_len: int = 0  # the segment length a multi-linear attention's output layer is built for
     mask: str = "causal"  # the multi-linear attention's mask: causal, or none (the baseline's, Appendix B)
     positions: str = "sinusoidal"  # at the input; or relative: the baseline's term inside the attention (Appendix B)
+    head_dim: Optional[int] = None  # the multi-linear attention's rank R per head (the baseline's d_head); None: D / H
+    attn_bias: bool = True  # the multi-linear attention's W^QKV and W^O have biases (the baseline's have none)
+    final_dropout: float = 0.0  # dropout on the decoder's output, before the output layer (the baseline LM's)
 
     def to_dict(self):
         return asdict(self)
@@ -304,8 +307,10 @@ class Transformer(nn.Module):
         Feed-forward weights are N(0, sqrt(2/(D + FF))) either way, = sqrt(2/(5D)) at the paper's FF = 4D, so under
         SmallInit every weight has that std. Note: the paper's N(0, x) writes the std x. Biases start at 0."""
         c = self.cfg
-        if c.init not in ("small", "xavier"):
-            raise ValueError(f"--init must be 'small' or 'xavier', not {c.init!r}")
+        if c.init not in ("small", "xavier", "normal"):
+            raise ValueError(f"--init must be 'small', 'xavier' or 'normal', not {c.init!r}")
+        if c.init == "normal":  # Appendix B's baseline (its train_upload.py, weights_init), not a paper's
+            return normal_init(self)
         # Exercise smallinit: begin
         attn_std = math.sqrt(2 / (5 * c.d_model)) if c.init == "small" else math.sqrt(2 / (2 * c.d_model))
         ff_std = math.sqrt(2 / (c.d_model + c.ff))
@@ -322,7 +327,8 @@ class Transformer(nn.Module):
                 continue
             for lin, std in inits:
                 nn.init.normal_(lin.weight, 0.0, std)
-                nn.init.zeros_(lin.bias)
+                if lin.bias is not None:  # --no-attn-bias (Appendix B): none in W^QKV and W^O
+                    nn.init.zeros_(lin.bias)
         if c.fixnorm:
             nn.init.uniform_(self.embed, -0.01, 0.01)  # Paper 3.2: "initialized uniformly in [-0.01, 0.01]"
         else:
@@ -366,7 +372,7 @@ class Transformer(nn.Module):
             x = layer(x, tgt_pad, mem_kv and mem_kv[i], mem_key_mask, None if self_kv is None else self_kv[i])
         if self.dec_final_norm is not None:
             x = self.dec_final_norm(x, tgt_pad)
-        return x
+        return dropout(x, self.cfg.final_dropout, self.training)  # --final-dropout (0 but in the baseline LM's row)
 
     def hidden(self, src, tgt_in, E):
         """Teacher-forced pass: src (B, S), tgt_in (B, T) -> the decoder's output h (B, T, D). A language model has no
@@ -519,8 +525,9 @@ def index_target_words(model, hook=True):
 # W^O has L^2 inputs per head: the model is built for segments of cfg.seq_len positions; shorter
 # ones are zero-padded to L: under --mask causal, exactly the first positions of a full one.
 # Code (szhangtju/The-compression-of-Transformer, BTD-Transformer/transformer_upload.py, the baseline PowerNorm points
-# to; its BlockTensorAttn): the same tensor, the core softmax-initialised, but qkv_net and o_net without biases; it
-# builds a mask and never applies it, and it has no positions at the input. Both are choices here, to redo its runs:
+# to; its BlockTensorAttn): the same tensor, the core softmax-initialised, qkv_net and o_net without biases
+# (--no-attn-bias), R = d_head = 40 in its PTB script (--head-dim); it builds a mask and never applies it, and it has
+# no positions at the input. Both are choices here, to redo its runs:
 #   --mask causal (default; [2] says its runs were "with masking") | none (the code: every position sees the whole
 #     segment, future included);
 #   --positions sinusoidal (default: added to the input, as everywhere in this project) | relative (the code's
@@ -544,9 +551,10 @@ class MultiLinearAttention(nn.Module):
             raise ValueError("the multi-linear attention needs the segment length (--seq-len) it is built for")
         if cfg.mask not in ("causal", "none") or cfg.positions not in ("sinusoidal", "relative"):
             raise ValueError(f"--mask causal|none and --positions sinusoidal|relative, not {cfg.mask}, {cfg.positions}")
-        self.qkv = nn.Linear(d, 3 * d)  # [W^Q; W^K; W^V]
-        self.core = nn.Parameter(torch.softmax(torch.randn(d // self.heads), 0))  # c (R,); Code: softmax-initialised
-        self.out = nn.Linear(self.heads * self.L * self.L, d)  # W^O
+        R = cfg.head_dim or d // self.heads  # the rank: --head-dim (the code's PTB script: d_head 40), else D / H
+        self.qkv = nn.Linear(d, 3 * self.heads * R, bias=cfg.attn_bias)  # [W^Q; W^K; W^V]; Code: no bias
+        self.core = nn.Parameter(torch.softmax(torch.randn(R), 0))  # c (R,); Code: softmax-initialised
+        self.out = nn.Linear(self.heads * self.L * self.L, d, bias=cfg.attn_bias)  # W^O; Code: no bias
         i = torch.arange(self.L)
         causal = (i[None, :, None] <= i[:, None, None]) & (i[None, None, :] <= i[:, None, None])  # [j <= i and k <= i]
         mask = causal if cfg.mask == "causal" else torch.ones_like(causal)  # none: every (j, k) kept
@@ -554,9 +562,9 @@ class MultiLinearAttention(nn.Module):
         self.relative, self.p = cfg.positions == "relative", cfg.dropout
         if self.relative:
             self.register_buffer("pe_reversed", sinusoidal_positions(self.L, d).flip(0), persistent=False)  # (L, D)
-            self.r_net = nn.Linear(d, d, bias=False)  # W^R; Xavier, as W^O
-            nn.init.normal_(self.r_net.weight, 0.0, math.sqrt(1 / d))
-            self.r_w_bias, self.r_r_bias = (nn.Parameter(torch.randn(self.heads, 1, d // self.heads) * 0.02)
+            self.r_net = nn.Linear(d, self.heads * R, bias=False)  # W^R; Xavier, as W^O
+            nn.init.normal_(self.r_net.weight, 0.0, math.sqrt(2 / (d + self.heads * R)))
+            self.r_w_bias, self.r_r_bias = (nn.Parameter(torch.randn(self.heads, 1, R) * 0.02)
                                             for _ in range(2))  # u, v (H, 1, R); Code: N(0, 0.02) (init_std)
 
     def tensor(self, q, k, v):
@@ -590,6 +598,23 @@ def tie_relative_biases(model):
     attns = [m for m in model.modules() if isinstance(m, MultiLinearAttention) and m.relative]
     for m in attns[1:]:
         m.r_w_bias, m.r_r_bias = attns[0].r_w_bias, attns[0].r_r_bias
+
+
+def normal_init(model):
+    """--init normal, the baseline's (Code: BTD-Transformer/train_upload.py, weights_init, at its init_std 0.02): every
+    weight matrix and the embedding N(0, 0.02), every norm's gain N(1, 0.02), every bias 0; u and v keep their
+    N(0, 0.02). Its core is the softmax of a torch.FloatTensor it never writes, memory read before it is written
+    (uniform in one run, uneven in another): we take the defined case of that memory zeroed, c = softmax(0) = 1/R."""
+    for name, p in model.named_parameters():
+        leaf = name.split(".")[-1]
+        if p.dim() == 2:  # E, and every nn.Linear's weight
+            nn.init.normal_(p, 0.0, 0.02)
+        elif leaf == "weight":  # a norm's gain (LayerNorm's, or a batch norm's gamma)
+            nn.init.normal_(p, 1.0, 0.02)
+        elif leaf == "core":
+            nn.init.constant_(p, 1 / p.numel())
+        elif leaf in ("bias", "out_bias"):
+            nn.init.zeros_(p)
 
 
 # =======================================================================================

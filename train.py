@@ -502,6 +502,9 @@ def build_parser():
         "alone ([2] Table 2), on DIR/{train,dev,test}.txt")
     add(g, "--seq-len", type=positive_int, default=32, help="--task lm: the text is cut into segments of this many "
         "tokens (the tensorized Transformer's PTB script: 32)")
+    add(g, "--lm-batches", choices=["shuffled", "streams"], default="shuffled", help="--task lm: shuffled segments, "
+        "or streams: the baseline code's, the text cut into --batch-tokens / --seq-len rows, batch j every row's j-th "
+        "segment, the same order every pass (data.lm_streams)")
     add(g, "--data", help="corpus directory holding {train,dev,test}.{SRC,TGT}; default: the built-in synthetic "
         "corpus (data.py), generated on first use")
     add(g, "--src", help="source language suffix, e.g. en (DIR/train.en)")
@@ -538,8 +541,9 @@ def build_parser():
         "norm(x + F(x)) ([1] eq. 2, the original Transformer)")
     add(g, "--fixnorm", action=argparse.BooleanOptionalAction, default=True, help="l2-normalise the tied "
         "embedding rows ([1] section 2.3, eq. 6 with ScaleNorm; default on)")
-    add(g, "--init", choices=["small", "xavier"], default="small", help="SmallInit (attention std sqrt(2/5d), "
-        "[1] section 2.2) or Xavier normal ([1] eq. 4)")
+    add(g, "--init", choices=["small", "xavier", "normal"], default="small", help="SmallInit (attention std "
+        "sqrt(2/5d), [1] section 2.2), Xavier normal ([1] eq. 4), or normal: the baseline LM code's N(0, 0.02) "
+        "weights and N(1, 0.02) gains (model.normal_init)")
     add(g, "--qknorm", action="store_true", default=False, help="QKNorm attention: softmax(g * q^.k^) with "
         "l2-normalised q, k ([3] eqs. 2-5)")
     add(g, "--qk-length", type=length_range, help="L of g0 = log2(L^2 - L) ([3] eq. 3); default: from --qk-percentile")
@@ -560,6 +564,12 @@ def build_parser():
         "'with masking'), or none: the baseline code's mask, built and never applied (model.py Appendix B)")
     add(g, "--positions", choices=["sinusoidal", "relative"], default="sinusoidal", help="--attention multilinear: "
         "sinusoids added to the input, or relative: the baseline code's term inside the attention instead")
+    add(g, "--head-dim", type=positive_int, help="--attention multilinear: each head's rank R (the baseline's PTB "
+        "script: 40); default D / H")
+    add(g, "--attn-bias", action=argparse.BooleanOptionalAction, default=True, help="--attention multilinear: "
+        "biases in W^QKV and W^O (the baseline code has none; default on)")
+    add(g, "--final-dropout", type=fraction, default=0.0, help="dropout on the decoder's output, before the output "
+        "layer (the baseline LM code's: 0.3, its --dropout)")
     add(g, "--sdpa", action=argparse.BooleanOptionalAction, default=True, help="torch's "
         "scaled_dot_product_attention (off: the written-out attention; default on)")
     g = p.add_argument_group("optimisation and schedule")
@@ -718,12 +728,12 @@ def check_flags(args, given):
              "PowerNorm's, so it needs --norm, --encoder-norm or --decoder-norm power"),
             (("warmup",), SCHEDULES[args.schedule].warms_up or args.lr_scale is not None, "the length of a warmup, "
              f"which --schedule {args.schedule} does not have (with --lr-scale it sets the LR)"),
-            (("seq_len", "attention"), args.task == "lm", "a language model's, so it needs --task lm"),
+            (("seq_len", "attention", "lm_batches"), args.task == "lm", "a language model's, so it needs --task lm"),
             (("src", "tgt", "enc_layers", "encoder_norm", "max_len", "beam", "dev_beam", "alpha", "length_penalty",
               "qk_percentile"), args.task == "mt", "a translator's; a language model (--task lm) has no source, "
              "is scored by perplexity, and its QKNorm L is --seq-len"),
-            (("mask", "positions"), args.attention == "multilinear", "the multi-linear attention's: give "
-             "--attention multilinear"),
+            (("mask", "positions", "head_dim", "attn_bias"), args.attention == "multilinear", "the multi-linear "
+             "attention's: give --attention multilinear"),
             (("sdpa", "attn_dropout"), args.attention == "softmax", "the softmax attention's; the multi-linear "
              "attention has neither"),
             (("src", "tgt"), args.data is not None, "the name of a corpus's files in --data DIR; without --data the "
@@ -878,6 +888,11 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
     **{f"pn2-released-{key}": ("ptb", f"PowerNorm Table 2: PTB, {name}, the baseline's code as it ran (unmasked, "
                                f"relative positions)", row(PN2, norm=norm, mask="none", positions="relative"))
        for key, name, norm in PN2_NORMS if key in ("layernorm", "powernorm")},
+    # The baseline's PTB script (run_ptb.sh), LN, as exactly as our flags run it: the rest is in docs/departures.md.
+    "pn2-script": ("ptb", "PowerNorm Table 2: PTB, LN, the baseline's PTB script as it ran, as closely as our flags go",
+                   row(PN2, mask="none", positions="relative", head_dim=40, attn_bias=False, init="normal",
+                       final_dropout=0.3, lm_batches="streams", label_smoothing=0.0, warmup=1, epoch_size=242,
+                       max_steps=20000, max_epochs=83)),
     # [2] A.2: WikiText-103, 6 layers, the rest as PTB's; an epoch: 101,425,671 words + 1,165,029 EOS, 26,717 batches
     **{f"pn2-wt103-{key}": ("wikitext-103", f"PowerNorm Table 2: WikiText-103, 6-layer tensorized Transformer {name}",
                             row(PN2, layers=6, epoch_size=26717, norm=norm, save_interval=5000))
@@ -939,13 +954,15 @@ def batch_flops(cfg, b, out_vocab=None):
                 (+ cross K, V 2 D^2 per *source* token)
       output:   D Vt per target token (training computes only the Vt = out_vocab target words' logits, default all V)
     A language model (S = 0) has no cross-attention; the multi-linear attention (model.py Appendix B) costs W^QKV
-    3 D^2, the tensor T^2 D (T^2 R per head) and W^O H L^2 D per token.
+    3 D HR, the tensor T^2 HR (T^2 R per head; twice under --positions relative) and W^O H L^2 D per token, where
+    HR = H x --head-dim (D by default).
     """
     (B, T), S = b.tgt_in.shape, 0 if b.src is None else b.src.size(1)  # a language model's batch has no source
     D, FF, V = cfg.d_model, cfg.ff, out_vocab or cfg.vocab_size
     enc = cfg.enc_layers * (S * (4 * D * D + 2 * D * FF) + 2 * S * S * D)
-    attn = (T * (3 * D * D + T * T * D + cfg.heads * cfg.seq_len ** 2 * D) if cfg.attention == "multilinear"
-            else T * 4 * D * D + 2 * T * T * D)
+    HR, tensors = cfg.heads * (cfg.head_dim or D // cfg.heads), 1 + (cfg.positions == "relative")
+    attn = (T * (3 * D * HR + tensors * T * T * HR + cfg.heads * cfg.seq_len ** 2 * D)
+            if cfg.attention == "multilinear" else T * 4 * D * D + 2 * T * T * D)
     cross = 0 if cfg.lm else T * 2 * D * D + S * 2 * D * D + 2 * T * S * D
     dec = cfg.dec_layers * (attn + cross + T * 2 * D * FF)
     return 3 * 2 * B * (enc + dec + T * D * V)
@@ -1652,6 +1669,8 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
             raise data.DataError(f"{data.lm_text_file(args.data, 'dev')}: {streams['dev'].numel() - 1} "
                                  f"tokens, shorter than one segment of --seq-len {args.seq_len}")
         train, dev = data.lm_segments(streams["train"], args.seq_len), data.lm_segments(streams["dev"], args.seq_len)
+        if args.lm_batches == "streams":  # the baseline code's order (data.lm_streams): one row a batch's segment
+            train = data.lm_streams(streams["train"], args.seq_len, max(1, args.batch_tokens // args.seq_len))
         log("data: " + " / ".join(f"{streams[s].numel() - 1} {s}" for s in data.SPLITS) + f" tokens to predict, "
             f"vocabulary {tok.vocab_size}, {len(train)} training segments of --seq-len {args.seq_len}")
         return tok, train, dev, train
