@@ -82,10 +82,8 @@ class ModelConfig:  # everything needed to rebuild a model; saved inside every c
 def sinusoidal_positions(length, d):
     pos = torch.arange(length, dtype=torch.float32)[:, None]  # (L, 1)
     inv_freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float32) / d)  # (D/2,)
-    pe = torch.zeros(length, d)
-    pe[:, 0::2] = torch.sin(pos * inv_freq)
-    pe[:, 1::2] = torch.cos(pos * inv_freq[: d // 2])
-    return pe  # (L, D)
+    angle = pos * inv_freq  # (L, D/2)  pos / 10000^(2i/D)
+    return torch.stack([torch.sin(angle), torch.cos(angle)], -1).flatten(1)[:, :d]  # (L, D): PE(2i) sin, PE(2i+1) cos
 
 
 # ---------------------------------------------------------------------------------------

@@ -74,13 +74,7 @@ def at_least_fp32(x):
 # Why: each token is centred and scaled by its own statistics, so its output never depends on the other
 # sentences of the batch (BatchNorm's does): the Transformer's norm, the baseline of [1] and [2], and kept by [3].
 # ---------------------------------------------------------------------------------------
-class LayerNorm(nn.Module):
-    def __init__(self, d, eps=1e-5):  # Code: eps 1e-5, as in TwT
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d))  # gamma
-        self.bias = nn.Parameter(torch.zeros(d))  # beta
-
+class LayerNorm(nn.LayerNorm):  # torch's parameters: weight gamma (ones), bias beta (zeros); eps 1e-5 (Code: as in TwT)
     def forward(self, x, pad_mask=None):
         if fast_paths():  # PyTorch's fused kernel, the same equation (tests); the written-out one
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)  # costs 5-8% of a step
@@ -180,15 +174,10 @@ def batch_mean(v, real):
 # Code: the authors' BN first RMS-scales each token over all D channels, overwrites padding rows with the real
 # rows' mean, then runs ordinary BN (momentum 0.05) over all B*T rows, shrinking the variance by N / (B*T).
 # ---------------------------------------------------------------------------------------
-class BatchNorm(nn.Module):
+class BatchNorm(nn.BatchNorm1d):  # torch's parameters and buffers, as the banner says: the same names, init, defaults
     def __init__(self, num_features, eps=1e-5, momentum=0.1):
-        super().__init__()
-        self.eps, self.momentum, self.track, self.stats = eps, momentum, False, {}
-        self.weight = nn.Parameter(torch.ones(num_features))  # gamma
-        self.bias = nn.Parameter(torch.zeros(num_features))  # beta
-        self.register_buffer("running_mean", torch.zeros(num_features))  # mu
-        self.register_buffer("running_var", torch.ones(num_features))  # sigma^2
-        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))  # as torch's
+        super().__init__(num_features, eps, momentum)  # weight gamma, bias beta; running_mean mu, running_var sigma^2
+        self.track, self.stats = False, {}
 
     def forward(self, x, pad_mask=None):
         xf = at_least_fp32(x)  # statistics in fp32 under autocast
