@@ -881,12 +881,9 @@ def lm_windows(stream, length, context):
     n, stride = stream.numel() - 1, length - context
     if not 0 <= context < length:
         raise DataError(f"--context {context}: at most {length - 1}, less than the window (--seq-len {length})")
-    if n < 1:
-        raise DataError("no text to predict")
     size = length + stride * len(range(length, n, stride))  # the first window scores `length` targets, others `stride`
-    x, y = torch.full((size,), PAD), torch.full((size,), PAD)  # the last window may be short: PAD-padded
-    x[:n], y[:n] = stream[:-1], stream[1:]  # as lm_segments; then window k holds the inputs from k * stride on
-    x, y = x.unfold(0, length, stride).contiguous(), y.unfold(0, length, stride).contiguous()
+    flat = lm_segments(stream, size)  # the text as one segment of `size`, PAD-padded: the last window may be short
+    x, y = (t[0].unfold(0, length, stride).contiguous() for t in (flat.x, flat.y))  # window k starts at k * stride
     y[1:, :context] = PAD  # in every window but the first, the first `context` targets: scored by the one before
     return Segments(x, y)
 
