@@ -390,34 +390,6 @@ def _translit(name):
     return name.lower().translate(_TRANSLIT).capitalize()
 
 
-def _make_lexicon():
-    """(nouns, transitive verbs, intransitive verbs, adjectives, names): one for all seeds (a seed picks sentences)."""
-    rng = random.Random(20191105)
-    taken = set(_PREPOSITIONS.values()) | {d[2] for d in _DETS_SG + _DETS_PL} | {"ke", "ma", "i"}
-
-    def new_word(n_syll):  # a target stem: CV syllables, no function word
-        while True:
-            w = "".join(rng.choice("bdgkmnprstvz") + rng.choice("aeiou") for _ in range(n_syll))
-            if w not in taken:
-                taken.add(w)
-                return w
-
-    nouns = [(sg, pl or _english(sg, "s"), new_word(rng.choice((2, 3))))
-             for sg, _, pl in (e.partition(":") for e in _NOUNS.split())]
-    trans, intrans = ([(base, _english(base, "s"), past or _english(base, "ed"), new_word(2))
-                       for base, _, past in (e.partition(":") for e in words.split())]
-                      for words in (_TRANSITIVE, _INTRANSITIVE))
-    adjs = [(a, new_word(2)) for a in _ADJECTIVES.split()]
-    # Proper names: invented, English-looking, rich in the letters transliteration rewrites (copying is not enough).
-    onsets = "b c d f g h j k l m n p r s t v w y z br cl dr gw qu th wr x".split()
-    nuclei, codas = "a e i o u ay ey oa".split(), "||n|r|l|s|x|ck|th|m|w".split("|")
-    names = {}  # an ordered set
-    while len(names) < 3000:
-        names["".join(rng.choice(onsets) + rng.choice(nuclei) + rng.choice(codas)
-                      for _ in range(rng.choice((2, 2, 2, 2, 3)))).capitalize()] = None
-    return nouns, trans, intrans, adjs, list(names)
-
-
 class _ToyGrammar:
     """Samples (source, target) sentence pairs. A method returns one constituent's source and target words; the target
     order is assembled from the parts independently of the source order (the reordering). The target stays a function
@@ -425,11 +397,35 @@ class _ToyGrammar:
     modifier, and a sentence-level place phrase or time adverb never comes with a relative clause on the object."""
 
     def __init__(self, rng):
-        self.rng, (nouns, trans, intrans, adjs, names) = rng, _make_lexicon()
+        """The lexicon (nouns, transitive verbs, intransitive verbs, adjectives, names): one for all seeds, from its own
+        generator `lex` (rng, the seed's, picks sentences)."""
+        self.rng, lex = rng, random.Random(20191105)
+        taken = set(_PREPOSITIONS.values()) | {d[2] for d in _DETS_SG + _DETS_PL} | {"ke", "ma", "i"}
+
+        def new_word(n_syll):  # a target stem: CV syllables, no function word
+            while True:
+                w = "".join(lex.choice("bdgkmnprstvz") + lex.choice("aeiou") for _ in range(n_syll))
+                if w not in taken:
+                    taken.add(w)
+                    return w
+
+        nouns = [(sg, pl or _english(sg, "s"), new_word(lex.choice((2, 3))))
+                 for sg, _, pl in (e.partition(":") for e in _NOUNS.split())]
+        trans, intrans = ([(base, _english(base, "s"), past or _english(base, "ed"), new_word(2))
+                           for base, _, past in (e.partition(":") for e in words.split())]
+                          for words in (_TRANSITIVE, _INTRANSITIVE))
+        adjs = [(a, new_word(2)) for a in _ADJECTIVES.split()]
+        # Proper names: invented, English-looking, rich in the letters transliteration rewrites (copying is not enough).
+        onsets = "b c d f g h j k l m n p r s t v w y z br cl dr gw qu th wr x".split()
+        nuclei, codas = "a e i o u ay ey oa".split(), "||n|r|l|s|x|ck|th|m|w".split("|")
+        names = {}  # an ordered set
+        while len(names) < 3000:
+            names["".join(lex.choice(onsets) + lex.choice(nuclei) + lex.choice(codas)
+                          for _ in range(lex.choice((2, 2, 2, 2, 3)))).capitalize()] = None
         # Zipf's law, exponent s: the r-th most frequent word has frequency ~ 1 / r^s (cumulated once, for choices).
         self.lists = {kind: (words, list(itertools.accumulate(1.0 / (r ** s) for r in range(1, len(words) + 1))))
                       for kind, words, s in (("noun", nouns, 1.1), ("trans", trans, 0.8), ("intrans", intrans, 0.8),
-                                             ("adj", adjs, 0.8), ("name", names, 1.1))}
+                                             ("adj", adjs, 0.8), ("name", list(names), 1.1))}
 
     def pick(self, kind):
         words, cum_weights = self.lists[kind]
