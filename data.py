@@ -386,10 +386,6 @@ def _english(word, ending):  # regular: plural or third person singular ("s": bo
     return word + ("d" if word.endswith("e") else "ed")
 
 
-def _translit(name):
-    return name.lower().translate(_TRANSLIT).capitalize()
-
-
 class _ToyGrammar:
     """Samples (source, target) sentence pairs. A method returns one constituent's source and target words; the target
     order is assembled from the parts independently of the source order (the reordering). The target stays a function
@@ -437,7 +433,7 @@ class _ToyGrammar:
         acc = (lambda w: w + ("k" if w[-1] in "aeiou" else "ek")) if case == "acc" else (lambda w: w)  # accusative
         if kind < 0.08:  # a proper name
             name = self.pick("name")
-            return [name], [acc(_translit(name))], "3sg"
+            return [name], [acc(name.lower().translate(_TRANSLIT).capitalize())], "3sg"  # transliterated
         if kind < 0.26 and modifier is None:  # a pronoun
             person, obj, tgt = _PRONOUNS[pron := r.choice(list(_PRONOUNS))]
             return [pron if case == "nom" else obj], [acc(tgt)], person
