@@ -723,18 +723,17 @@ def _lines(open_text, name, steps):
 
 
 def _tsv_pairs(open_text, name, src, tgt):
-    """Pairs from a TED all_talks_*.tsv (a header of language codes, one talk sentence a row)."""
+    """Yields the pairs of a TED all_talks_*.tsv (a header of language codes, one talk sentence a row)."""
     with open_text(name) as rows:
         header = next(rows, "").rstrip("\r\n").split("\t")
         if src not in header or tgt not in header:
             raise DataError(f"{name}: no column {src!r} or {tgt!r}; it has {' '.join(header)}")
-        i, j, pairs = header.index(src), header.index(tgt), []
+        i, j = header.index(src), header.index(tgt)
         for row in rows:
             cols = row.rstrip("\r\n").split("\t") + ["", ""]
             s, t = cols[i].strip(), cols[j].strip()
             if s and t and "NULL" not in s and "NULL" not in t:  # as ted_reader.py
-                pairs.append((s, t))
-    return pairs
+                yield s, t
 
 
 def _clean(pairs, lo=1, hi=175, ratio=1.5):
