@@ -388,38 +388,6 @@ def _english(word, ending):  # regular: plural or third person singular ("s": bo
     return word + ("d" if word.endswith("e") else "ed")
 
 
-def _translit(name):
-    return name.lower().translate(_TRANSLIT).capitalize()
-
-
-def _make_lexicon():
-    """(nouns, transitive verbs, intransitive verbs, adjectives, names): one for all seeds (a seed picks sentences)."""
-    rng = random.Random(20191105)
-    taken = set(_PREPOSITIONS.values()) | {d[2] for d in _DETS_SG + _DETS_PL} | {"ke", "ma", "i"}
-
-    def new_word(n_syll):  # a target stem: CV syllables, no function word
-        while True:
-            w = "".join(rng.choice("bdgkmnprstvz") + rng.choice("aeiou") for _ in range(n_syll))
-            if w not in taken:
-                taken.add(w)
-                return w
-
-    nouns = [(sg, pl or _english(sg, "s"), new_word(rng.choice((2, 3))))
-             for sg, _, pl in (e.partition(":") for e in _NOUNS.split())]
-    trans, intrans = ([(base, _english(base, "s"), past or _english(base, "ed"), new_word(2))
-                       for base, _, past in (e.partition(":") for e in words.split())]
-                      for words in (_TRANSITIVE, _INTRANSITIVE))
-    adjs = [(a, new_word(2)) for a in _ADJECTIVES.split()]
-    # Proper names: invented, English-looking, rich in the letters transliteration rewrites (copying is not enough).
-    onsets = "b c d f g h j k l m n p r s t v w y z br cl dr gw qu th wr x".split()
-    nuclei, codas = "a e i o u ay ey oa".split(), "||n|r|l|s|x|ck|th|m|w".split("|")
-    names = {}  # an ordered set
-    while len(names) < 3000:
-        names["".join(rng.choice(onsets) + rng.choice(nuclei) + rng.choice(codas)
-                      for _ in range(rng.choice((2, 2, 2, 2, 3)))).capitalize()] = None
-    return nouns, trans, intrans, adjs, list(names)
-
-
 class _ToyGrammar:
     """Samples (source, target) sentence pairs. A method returns one constituent's source and target words; the target
     order is assembled from the parts independently of the source order (the reordering). The target stays a function
@@ -427,11 +395,35 @@ class _ToyGrammar:
     modifier, and a sentence-level place phrase or time adverb never comes with a relative clause on the object."""
 
     def __init__(self, rng):
-        self.rng, (nouns, trans, intrans, adjs, names) = rng, _make_lexicon()
+        """The lexicon (nouns, transitive verbs, intransitive verbs, adjectives, names): one for all seeds, from its own
+        generator `lex` (rng, the seed's, picks sentences)."""
+        self.rng, lex = rng, random.Random(20191105)
+        taken = set(_PREPOSITIONS.values()) | {d[2] for d in _DETS_SG + _DETS_PL} | {"ke", "ma", "i"}
+
+        def new_word(n_syll):  # a target stem: CV syllables, no function word
+            while True:
+                w = "".join(lex.choice("bdgkmnprstvz") + lex.choice("aeiou") for _ in range(n_syll))
+                if w not in taken:
+                    taken.add(w)
+                    return w
+
+        nouns = [(sg, pl or _english(sg, "s"), new_word(lex.choice((2, 3))))
+                 for sg, _, pl in (e.partition(":") for e in _NOUNS.split())]
+        trans, intrans = ([(base, _english(base, "s"), past or _english(base, "ed"), new_word(2))
+                           for base, _, past in (e.partition(":") for e in words.split())]
+                          for words in (_TRANSITIVE, _INTRANSITIVE))
+        adjs = [(a, new_word(2)) for a in _ADJECTIVES.split()]
+        # Proper names: invented, English-looking, rich in the letters transliteration rewrites (copying is not enough).
+        onsets = "b c d f g h j k l m n p r s t v w y z br cl dr gw qu th wr x".split()
+        nuclei, codas = "a e i o u ay ey oa".split(), "||n|r|l|s|x|ck|th|m|w".split("|")
+        names = {}  # an ordered set
+        while len(names) < 3000:
+            names["".join(lex.choice(onsets) + lex.choice(nuclei) + lex.choice(codas)
+                          for _ in range(lex.choice((2, 2, 2, 2, 3)))).capitalize()] = None
         # Zipf's law, exponent s: the r-th most frequent word has frequency ~ 1 / r^s (cumulated once, for choices).
         self.lists = {kind: (words, list(itertools.accumulate(1.0 / (r ** s) for r in range(1, len(words) + 1))))
                       for kind, words, s in (("noun", nouns, 1.1), ("trans", trans, 0.8), ("intrans", intrans, 0.8),
-                                             ("adj", adjs, 0.8), ("name", names, 1.1))}
+                                             ("adj", adjs, 0.8), ("name", list(names), 1.1))}
 
     def pick(self, kind):
         words, cum_weights = self.lists[kind]
@@ -443,7 +435,7 @@ class _ToyGrammar:
         acc = (lambda w: w + ("k" if w[-1] in "aeiou" else "ek")) if case == "acc" else (lambda w: w)  # accusative
         if kind < 0.08:  # a proper name
             name = self.pick("name")
-            return [name], [acc(_translit(name))], "3sg"
+            return [name], [acc(name.lower().translate(_TRANSLIT).capitalize())], "3sg"  # transliterated
         if kind < 0.26 and modifier is None:  # a pronoun
             person, obj, tgt = _PRONOUNS[pron := r.choice(list(_PRONOUNS))]
             return [pron if case == "nom" else obj], [acc(tgt)], person
@@ -733,18 +725,17 @@ def _lines(open_text, name, steps):
 
 
 def _tsv_pairs(open_text, name, src, tgt):
-    """Pairs from a TED all_talks_*.tsv (a header of language codes, one talk sentence a row)."""
+    """Yields the pairs of a TED all_talks_*.tsv (a header of language codes, one talk sentence a row)."""
     with open_text(name) as rows:
         header = next(rows, "").rstrip("\r\n").split("\t")
         if src not in header or tgt not in header:
             raise DataError(f"{name}: no column {src!r} or {tgt!r}; it has {' '.join(header)}")
-        i, j, pairs = header.index(src), header.index(tgt), []
+        i, j = header.index(src), header.index(tgt)
         for row in rows:
             cols = row.rstrip("\r\n").split("\t") + ["", ""]
             s, t = cols[i].strip(), cols[j].strip()
             if s and t and "NULL" not in s and "NULL" not in t:  # as ted_reader.py
-                pairs.append((s, t))
-    return pairs
+                yield s, t
 
 
 def _clean(pairs, lo=1, hi=175, ratio=1.5):
@@ -883,12 +874,9 @@ def lm_windows(stream, length, context):
     n, stride = stream.numel() - 1, length - context
     if not 0 <= context < length:
         raise DataError(f"--context {context}: at most {length - 1}, less than the window (--seq-len {length})")
-    if n < 1:
-        raise DataError("no text to predict")
     size = length + stride * len(range(length, n, stride))  # the first window scores `length` targets, others `stride`
-    x, y = torch.full((size,), PAD), torch.full((size,), PAD)  # the last window may be short: PAD-padded
-    x[:n], y[:n] = stream[:-1], stream[1:]  # as lm_segments; then window k holds the inputs from k * stride on
-    x, y = x.unfold(0, length, stride).contiguous(), y.unfold(0, length, stride).contiguous()
+    flat = lm_segments(stream, size)  # the text as one segment of `size`, PAD-padded: the last window may be short
+    x, y = (t[0].unfold(0, length, stride).contiguous() for t in (flat.x, flat.y))  # window k starts at k * stride
     y[1:, :context] = PAD  # in every window but the first, the first `context` targets: scored by the one before
     return Segments(x, y)
 

@@ -98,7 +98,13 @@ def test_toy_vocabulary_has_a_long_tail(toy):
 
 
 def test_names_are_transliterated():
-    assert data._translit("Wyxcoj") == "Vikskoy"
+    """A proper name is rewritten letter by letter in the target (c,q->k w->v y->i j->y x->ks)."""
+    import random
+    grammar = data._ToyGrammar(random.Random(5))
+    grammar.lists["name"] = (["Wyxcoj"], [1.0])  # the only name
+    pairs = [grammar.sentence() for _ in range(300)]
+    assert any("Wyxcoj" in s for s, _ in pairs)
+    assert all(("Wyxcoj" in s) == ("Vikskoy" in t) for s, t in pairs)  # in the target, with its case ending if any
 
 
 # --- reading a corpus: every error names the file ---------------------------
