@@ -140,8 +140,8 @@ def greedy_search(model, src, max_len=None):
     active = torch.arange(B, device=dev)  # (n,) original index of each row
     y = torch.full((B,), BOS, dtype=torch.long, device=dev)  # (n,) last token
     hist = torch.empty(B, 0, dtype=torch.long, device=dev)  # (n, t) tokens so far
-    results, t = [None] * B, 0
-    while True:
+    results = [None] * B
+    for t in range(int(limit.max()) + 1):  # at t = the largest limit every row is done
         done = y.eq(EOS) | (limit[active] <= t)  # (n,) emitted EOS, or at the length limit
         if done.any():
             for i in done.nonzero().flatten().tolist():
@@ -156,7 +156,6 @@ def greedy_search(model, src, max_len=None):
             logp[:, EOS] = NEG_INF  # Code: EOS is never the first token
         y = logp.argmax(-1)  # (n,)  masked words have log P = -inf: never chosen
         hist = torch.cat([hist, y[:, None]], dim=1)
-        t += 1
     return results
 
 
@@ -185,8 +184,8 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
     score = torch.full((B, K), NEG_INF, device=dev)  # (n, K) final score of a finished beam
     finished = torch.zeros(B, K, dtype=torch.bool, device=dev)  # (n, K)
     hist = torch.empty(B, K, 0, dtype=torch.long, device=dev)  # (n, K, t) tokens so far
-    results, t = [None] * B, 0  # every hypothesis has t tokens
-    while True:
+    results = [None] * B
+    for t in range(int(limit.max()) + 1):  # every hypothesis has t tokens; at the largest limit all are finished
         at_limit = (limit[active] <= t)[:, None] & ~finished  # (n, K) close alive beams at the limit
         score = torch.where(at_limit, cum / length_penalty(max(t, 1), alpha, penalty), score)  # logP / lp(t), no EOS
         finished = finished | at_limit
@@ -224,7 +223,6 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
         hist = torch.cat([hist.gather(1, parent[:, :, None].expand(-1, -1, t)), word[:, :, None]], dim=2)
         cache.select((torch.arange(n, device=dev)[:, None] * K + parent).flatten())  # each beam: its parent's cache
         y = word.masked_fill(finished, EOS).flatten()  # finished rows are fed EOS, output ignored
-        t += 1
     return results
 
 
