@@ -181,7 +181,7 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
     y = torch.full((B * K,), BOS, dtype=torch.long, device=dev)  # (n*K,) last token of each beam
     cum = torch.full((B, K), NEG_INF, device=dev)  # (n, K) log P(y | x) of each beam
     cum[:, 0] = 0.0  # Note: at step 0 only beam 0 is live, so the K beams are not K copies
-    score = torch.full((B, K), NEG_INF, device=dev)  # (n, K) final score of a finished beam
+    score = torch.full((B, K), NEG_INF, device=dev)  # (n, K) final score of a finished beam (-inf while alive)
     finished = torch.zeros(B, K, dtype=torch.bool, device=dev)  # (n, K)
     hist = torch.empty(B, K, 0, dtype=torch.long, device=dev)  # (n, K, t) tokens so far
     results = [None] * B
@@ -210,14 +210,12 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
         ext = cum.view(n * K, 1) + logp  # (n*K, V)  log P(y w | x)
         ext.masked_fill_(finished.view(n * K, 1), NEG_INF)  # finished beams do not extend
         ext_scores = (ext / length_penalty(t + 1, alpha, penalty)).view(n, K * V)  # (n, K*V)  c / lp(t+1)
-        keep_scores = score.masked_fill(~finished, NEG_INF)  # (n, K)  finished beams compete as they are
-        top, idx = torch.cat([ext_scores, keep_scores], dim=1).topk(K, dim=1)  # (n, K)
+        top, idx = torch.cat([ext_scores, score], dim=1).topk(K, dim=1)  # (n, K); finished beams compete as they are
         is_ext = idx < K * V  # (n, K) an extension (else a kept finished beam)
         parent = torch.where(is_ext, idx // V, idx - K * V)  # (n, K) the beam it comes from
         dead = top.eq(NEG_INF)  # (n, K) only when fewer than K finite candidates exist; emits PAD, not a masked word
         word = torch.where(is_ext & ~dead, idx % V, PAD)  # (n, K) appended token
-        ext_cum = ext.view(n, K * V).gather(1, idx.clamp(max=K * V - 1))  # (n, K)
-        cum = torch.where(is_ext, ext_cum, cum.gather(1, parent))  # (n, K)
+        cum = ext.view(n, K * V).gather(1, idx.clamp(max=K * V - 1))  # (n, K) log P(y | x), unread once finished
         finished = ~is_ext | word.eq(EOS) | dead  # (n, K)
         score = top.masked_fill(~finished, NEG_INF)  # EOS: c / lp(t+1); kept: unchanged
         hist = torch.cat([hist.gather(1, parent[:, :, None].expand(-1, -1, t)), word[:, :, None]], dim=2)
