@@ -512,15 +512,14 @@ def g_values(model):
     "final" (or "final (temp.)": the decoder's final g under FixNorm); kind "ScaleNorm", "QKNorm", ..."""
     out = []
     for name, value in model.learned_scales().items():
-        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        owner = model.get_submodule(name.rsplit(".", 1)[0])  # every g is a norm's or an attention module's
         parts = name.split(".")
         if parts[0] in ("encoder", "decoder"):
-            stack, layer, sub = parts[0], int(parts[1]), _SUBLAYER.get(parts[2], parts[2])
-        elif stack := {"enc_final_norm": "encoder", "dec_final_norm": "decoder"}.get(parts[0]):  # a stack's final norm
+            stack, layer, sub = parts[0], int(parts[1]), _SUBLAYER[parts[2]]
+        else:  # a stack's final norm
+            stack = {"enc_final_norm": "encoder", "dec_final_norm": "decoder"}[parts[0]]
             fixnorm = stack == "decoder" and model.cfg.fixnorm  # FixNorm: logit = g cos(h, e_w) + b_w
             layer, sub = len(getattr(model, stack)), "final (temp.)" if fixnorm else "final"
-        else:
-            stack, layer, sub = "-", -1, parts[0]
         kind = "QKNorm" if isinstance(owner, MultiHeadAttention) else type(owner).__name__
         out.append({"name": name, "stack": stack, "layer": layer, "sublayer": sub, "kind": kind, "value": value})
     return sorted(out, key=lambda r: (r["stack"] != "encoder", r["layer"]))  # encoder first, by depth (stable)
