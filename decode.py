@@ -349,12 +349,11 @@ def lm_perplexity(model, tokenizer, lines, seq_len, batch_tokens=4096, bf16=True
 def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, seed=0):
     """The prefix continued until EOS or max_tokens, each token predicted from the last seq_len: the most
     probable one (temperature 0, greedy) or drawn from softmax(logits / temperature) (--sample)."""
-    device = next(model.parameters()).device
     ids, rng = [EOS] + tokenizer.encode(prefix), torch.Generator().manual_seed(seed)
     start = len(ids)
     with evaluating(model):
         for _ in range(max_tokens):
-            x = torch.tensor([ids[-seq_len:]], device=device)  # the context the model was trained with
+            x = torch.tensor([ids[-seq_len:]], device=model.embed.device)  # the context the model was trained with
             logits = model.logits(None, x)[0, -1].float().cpu()  # (V,) -inf at PAD and BOS
             nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=rng)) \
                 if temperature > 0 else int(logits.argmax())
@@ -605,15 +604,14 @@ def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0
     module = getattr(layers[layer], attr)
     if not 0 <= head < model.cfg.heads:
         raise DataError(f"--head {head}: the model has heads 0..{model.cfg.heads - 1}")
-    device = next(model.parameters()).device
     if not (x := tokenizer.encode(src_line)):
         raise DataError("--attention: the source sentence is empty")
-    src = torch.tensor([x], device=device)  # (1, S)
+    src = torch.tensor([x], device=model.embed.device)  # (1, S)
     old = (module.keep_weights, module.last_weights)  # both restored after
     try:
         with evaluating(model):
             y = greedy_search(model, src)[0] if tgt_line is None else tokenizer.encode(tgt_line)
-            tgt_in = torch.tensor([[BOS] + y], device=device)  # (1, T)  BOS y_1..y_m
+            tgt_in = torch.tensor([[BOS] + y], device=src.device)  # (1, T)  BOS y_1..y_m
             module.keep_weights = True  # the written-out attention path, which returns the weights
             model.logits(src, tgt_in)
             w = module.last_weights[0, head].float().cpu()  # (Tq, Tk)
