@@ -740,9 +740,8 @@ def plot_series(run_dirs):
             g = evals[-1]["g"]
             scale = sorted((k for k in g if not qknorm(k)), key=depth)  # ScaleNorm g's by depth
             add("learned g by depth (last evaluation)", name, [*enumerate(g[k] for k in scale)])
-            qk = [(r["step"], [v for k, v in r["g"].items() if qknorm(k)]) for r in evals]
-            qk = [(x, sum(gs) / len(gs)) for x, gs in qk if gs]
-            add("QKNorm g (mean over modules)", name, qk)
+            qk = [(r["step"], [v for k, v in r["g"].items() if qknorm(k)]) for r in evals]  # (step, its QKNorm g's)
+            add("QKNorm g (mean over modules)", name, [(x, sum(gs) / len(gs)) for x, gs in qk if gs])
         first = "encoder.0.norm_attn" if any("encoder.0.norm_attn" in r.get("batch_norm_stats", {}) for r in rows) \
             else "decoder.0.norm_self"  # a language model has no encoder
         stats = [(r["step"], s) for r in rows for n, s in r.get("batch_norm_stats", {}).items() if n == first]
