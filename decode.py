@@ -59,7 +59,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemaining
 from rich.table import Table
 from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.significance import PairedTest
-from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 import data
 from data import DataError, alpha_range, checkpoints, count, fraction, positive, positive_int, read_checkpoint, threads
@@ -282,12 +281,10 @@ def bleu(hyps, refs, lowercase=False):
 
 
 def tokenized_bleu(hyps, refs, already_tokenized=False, lowercase=False):
-    """multi-bleu.perl-style BLEU (with .signature): 13a-tokenize both sides unless already_tokenized, then
-    tokenize="none". Note: smooth_method="none" as in multi-bleu.perl (0 when an n-gram order has no match)."""
-    if not already_tokenized:
-        tok = Tokenizer13a()
-        hyps, refs = [tok(h.rstrip()) for h in hyps], [tok(r.rstrip()) for r in refs]
-    return _score(BLEU(tokenize="none", smooth_method="none", lowercase=lowercase, force=True), hyps, refs)
+    """multi-bleu.perl-style BLEU (with .signature): 13a-tokenize both sides (tokenize="13a") unless already_tokenized
+    (tokenize="none"). Note: smooth_method="none" as in multi-bleu.perl (0 when an n-gram order has no match)."""
+    tokenize = "none" if already_tokenized else "13a"
+    return _score(BLEU(tokenize=tokenize, smooth_method="none", lowercase=lowercase, force=True), hyps, refs)
 
 
 def chrf(hyps, refs, lowercase=False):
