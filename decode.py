@@ -386,9 +386,8 @@ def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=1234
     caller_seed = os.environ.get("SACREBLEU_SEED")
     os.environ["SACREBLEU_SEED"] = "None" if seed is None else str(int(seed))  # where SacreBLEU reads its seed
     try:
-        test = PairedTest([("baseline", base), ("system", sys_)], {"BLEU": metric}, [refs],
-                          test_type="bs", n_samples=n_samples)
-        signatures, scores = test()
+        signatures, scores = PairedTest([("baseline", base), ("system", sys_)], {"BLEU": metric}, [refs],
+                                        test_type="bs", n_samples=n_samples)()  # made (reads the seed), then run
     finally:  # the environment as the caller had it
         os.environ.pop("SACREBLEU_SEED") if caller_seed is None else os.environ.update(SACREBLEU_SEED=caller_seed)
     b, s = scores["BLEU"]  # sacrebleu Result objects: score, p_value, mean, ci
