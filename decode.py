@@ -59,7 +59,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemaining
 from rich.table import Table
 from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.significance import PairedTest
-from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 import data
 from data import DataError, alpha_range, checkpoints, count, fraction, positive, positive_int, read_checkpoint, threads
@@ -140,8 +139,8 @@ def greedy_search(model, src, max_len=None):
     active = torch.arange(B, device=dev)  # (n,) original index of each row
     y = torch.full((B,), BOS, dtype=torch.long, device=dev)  # (n,) last token
     hist = torch.empty(B, 0, dtype=torch.long, device=dev)  # (n, t) tokens so far
-    results, t = [None] * B, 0
-    while True:
+    results = [None] * B
+    for t in range(int(limit.max()) + 1):  # at t = the largest limit every row is done
         done = y.eq(EOS) | (limit[active] <= t)  # (n,) emitted EOS, or at the length limit
         if done.any():
             for i in done.nonzero().flatten().tolist():
@@ -156,7 +155,6 @@ def greedy_search(model, src, max_len=None):
             logp[:, EOS] = NEG_INF  # Code: EOS is never the first token
         y = logp.argmax(-1)  # (n,)  masked words have log P = -inf: never chosen
         hist = torch.cat([hist, y[:, None]], dim=1)
-        t += 1
     return results
 
 
@@ -182,11 +180,11 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
     y = torch.full((B * K,), BOS, dtype=torch.long, device=dev)  # (n*K,) last token of each beam
     cum = torch.full((B, K), NEG_INF, device=dev)  # (n, K) log P(y | x) of each beam
     cum[:, 0] = 0.0  # Note: at step 0 only beam 0 is live, so the K beams are not K copies
-    score = torch.full((B, K), NEG_INF, device=dev)  # (n, K) final score of a finished beam
+    score = torch.full((B, K), NEG_INF, device=dev)  # (n, K) final score of a finished beam (-inf while alive)
     finished = torch.zeros(B, K, dtype=torch.bool, device=dev)  # (n, K)
     hist = torch.empty(B, K, 0, dtype=torch.long, device=dev)  # (n, K, t) tokens so far
-    results, t = [None] * B, 0  # every hypothesis has t tokens
-    while True:
+    results = [None] * B
+    for t in range(int(limit.max()) + 1):  # every hypothesis has t tokens; at the largest limit all are finished
         at_limit = (limit[active] <= t)[:, None] & ~finished  # (n, K) close alive beams at the limit
         score = torch.where(at_limit, cum / length_penalty(max(t, 1), alpha, penalty), score)  # logP / lp(t), no EOS
         finished = finished | at_limit
@@ -211,20 +209,17 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len=None, return_scores=False
         ext = cum.view(n * K, 1) + logp  # (n*K, V)  log P(y w | x)
         ext.masked_fill_(finished.view(n * K, 1), NEG_INF)  # finished beams do not extend
         ext_scores = (ext / length_penalty(t + 1, alpha, penalty)).view(n, K * V)  # (n, K*V)  c / lp(t+1)
-        keep_scores = score.masked_fill(~finished, NEG_INF)  # (n, K)  finished beams compete as they are
-        top, idx = torch.cat([ext_scores, keep_scores], dim=1).topk(K, dim=1)  # (n, K)
+        top, idx = torch.cat([ext_scores, score], dim=1).topk(K, dim=1)  # (n, K); finished beams compete as they are
         is_ext = idx < K * V  # (n, K) an extension (else a kept finished beam)
         parent = torch.where(is_ext, idx // V, idx - K * V)  # (n, K) the beam it comes from
         dead = top.eq(NEG_INF)  # (n, K) only when fewer than K finite candidates exist; emits PAD, not a masked word
         word = torch.where(is_ext & ~dead, idx % V, PAD)  # (n, K) appended token
-        ext_cum = ext.view(n, K * V).gather(1, idx.clamp(max=K * V - 1))  # (n, K)
-        cum = torch.where(is_ext, ext_cum, cum.gather(1, parent))  # (n, K)
+        cum = ext.view(n, K * V).gather(1, idx.clamp(max=K * V - 1))  # (n, K) log P(y | x), unread once finished
         finished = ~is_ext | word.eq(EOS) | dead  # (n, K)
         score = top.masked_fill(~finished, NEG_INF)  # EOS: c / lp(t+1); kept: unchanged
         hist = torch.cat([hist.gather(1, parent[:, :, None].expand(-1, -1, t)), word[:, :, None]], dim=2)
         cache.select((torch.arange(n, device=dev)[:, None] * K + parent).flatten())  # each beam: its parent's cache
         y = word.masked_fill(finished, EOS).flatten()  # finished rows are fed EOS, output ignored
-        t += 1
     return results
 
 
@@ -286,12 +281,10 @@ def bleu(hyps, refs, lowercase=False):
 
 
 def tokenized_bleu(hyps, refs, already_tokenized=False, lowercase=False):
-    """multi-bleu.perl-style BLEU (with .signature): 13a-tokenize both sides unless already_tokenized, then
-    tokenize="none". Note: smooth_method="none" as in multi-bleu.perl (0 when an n-gram order has no match)."""
-    if not already_tokenized:
-        tok = Tokenizer13a()
-        hyps, refs = [tok(h.rstrip()) for h in hyps], [tok(r.rstrip()) for r in refs]
-    return _score(BLEU(tokenize="none", smooth_method="none", lowercase=lowercase, force=True), hyps, refs)
+    """multi-bleu.perl-style BLEU (with .signature): 13a-tokenize both sides (tokenize="13a") unless already_tokenized
+    (tokenize="none"). Note: smooth_method="none" as in multi-bleu.perl (0 when an n-gram order has no match)."""
+    tokenize = "none" if already_tokenized else "13a"
+    return _score(BLEU(tokenize=tokenize, smooth_method="none", lowercase=lowercase, force=True), hyps, refs)
 
 
 def chrf(hyps, refs, lowercase=False):
@@ -353,12 +346,11 @@ def lm_perplexity(model, tokenizer, lines, seq_len, batch_tokens=4096, bf16=True
 def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, seed=0):
     """The prefix continued until EOS or max_tokens, each token predicted from the last seq_len: the most
     probable one (temperature 0, greedy) or drawn from softmax(logits / temperature) (--sample)."""
-    device = next(model.parameters()).device
     ids, rng = [EOS] + tokenizer.encode(prefix), torch.Generator().manual_seed(seed)
     start = len(ids)
     with evaluating(model):
         for _ in range(max_tokens):
-            x = torch.tensor([ids[-seq_len:]], device=device)  # the context the model was trained with
+            x = torch.tensor([ids[-seq_len:]], device=model.embed.device)  # the context the model was trained with
             logits = model.logits(None, x)[0, -1].float().cpu()  # (V,) -inf at PAD and BOS
             nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=rng)) \
                 if temperature > 0 else int(logits.argmax())
@@ -394,9 +386,8 @@ def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=1234
     caller_seed = os.environ.get("SACREBLEU_SEED")
     os.environ["SACREBLEU_SEED"] = "None" if seed is None else str(int(seed))  # where SacreBLEU reads its seed
     try:
-        test = PairedTest([("baseline", base), ("system", sys_)], {"BLEU": metric}, [refs],
-                          test_type="bs", n_samples=n_samples)
-        signatures, scores = test()
+        signatures, scores = PairedTest([("baseline", base), ("system", sys_)], {"BLEU": metric}, [refs],
+                                        test_type="bs", n_samples=n_samples)()  # made (reads the seed), then run
     finally:  # the environment as the caller had it
         os.environ.pop("SACREBLEU_SEED") if caller_seed is None else os.environ.update(SACREBLEU_SEED=caller_seed)
     b, s = scores["BLEU"]  # sacrebleu Result objects: score, p_value, mean, ci
@@ -516,15 +507,14 @@ def g_values(model):
     "final" (or "final (temp.)": the decoder's final g under FixNorm); kind "ScaleNorm", "QKNorm", ..."""
     out = []
     for name, value in model.learned_scales().items():
-        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        owner = model.get_submodule(name.rsplit(".", 1)[0])  # every g is a norm's or an attention module's
         parts = name.split(".")
         if parts[0] in ("encoder", "decoder"):
-            stack, layer, sub = parts[0], int(parts[1]), _SUBLAYER.get(parts[2], parts[2])
-        elif stack := {"enc_final_norm": "encoder", "dec_final_norm": "decoder"}.get(parts[0]):  # a stack's final norm
+            stack, layer, sub = parts[0], int(parts[1]), _SUBLAYER[parts[2]]
+        else:  # a stack's final norm
+            stack = {"enc_final_norm": "encoder", "dec_final_norm": "decoder"}[parts[0]]
             fixnorm = stack == "decoder" and model.cfg.fixnorm  # FixNorm: logit = g cos(h, e_w) + b_w
             layer, sub = len(getattr(model, stack)), "final (temp.)" if fixnorm else "final"
-        else:
-            stack, layer, sub = "-", -1, parts[0]
         kind = "QKNorm" if isinstance(owner, MultiHeadAttention) else type(owner).__name__
         out.append({"name": name, "stack": stack, "layer": layer, "sublayer": sub, "kind": kind, "value": value})
     return sorted(out, key=lambda r: (r["stack"] != "encoder", r["layer"]))  # encoder first, by depth (stable)
@@ -610,15 +600,14 @@ def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0
     module = getattr(layers[layer], attr)
     if not 0 <= head < model.cfg.heads:
         raise DataError(f"--head {head}: the model has heads 0..{model.cfg.heads - 1}")
-    device = next(model.parameters()).device
     if not (x := tokenizer.encode(src_line)):
         raise DataError("--attention: the source sentence is empty")
-    src = torch.tensor([x], device=device)  # (1, S)
+    src = torch.tensor([x], device=model.embed.device)  # (1, S)
     old = (module.keep_weights, module.last_weights)  # both restored after
     try:
         with evaluating(model):
             y = greedy_search(model, src)[0] if tgt_line is None else tokenizer.encode(tgt_line)
-            tgt_in = torch.tensor([[BOS] + y], device=device)  # (1, T)  BOS y_1..y_m
+            tgt_in = torch.tensor([[BOS] + y], device=src.device)  # (1, T)  BOS y_1..y_m
             module.keep_weights = True  # the written-out attention path, which returns the weights
             model.logits(src, tgt_in)
             w = module.last_weights[0, head].float().cpu()  # (Tq, Tk)
@@ -747,9 +736,8 @@ def plot_series(run_dirs):
             g = evals[-1]["g"]
             scale = sorted((k for k in g if not qknorm(k)), key=depth)  # ScaleNorm g's by depth
             add("learned g by depth (last evaluation)", name, [*enumerate(g[k] for k in scale)])
-            qk = [(r["step"], [v for k, v in r["g"].items() if qknorm(k)]) for r in evals]
-            qk = [(x, sum(gs) / len(gs)) for x, gs in qk if gs]
-            add("QKNorm g (mean over modules)", name, qk)
+            qk = [(r["step"], [v for k, v in r["g"].items() if qknorm(k)]) for r in evals]  # (step, its QKNorm g's)
+            add("QKNorm g (mean over modules)", name, [(x, sum(gs) / len(gs)) for x, gs in qk if gs])
         first = "encoder.0.norm_attn" if any("encoder.0.norm_attn" in r.get("batch_norm_stats", {}) for r in rows) \
             else "decoder.0.norm_self"  # a language model has no encoder
         stats = [(r["step"], s) for r in rows for n, s in r.get("batch_norm_stats", {}).items() if n == first]
