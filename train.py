@@ -368,8 +368,9 @@ def end_of_epoch(run):
     t0, score = time.time(), None
     if run.master:
         score, dev_loss, dev_ppl = dev_score(run)
-    if run.world > 1:  # every rank takes the same decisions: share rank 0's score (Appendix D)
-        score, s.stopped = share_epoch(run, score)
+    if run.world > 1:  # every rank takes the same decisions: rank 0's dev score and stop (Appendix D)
+        dist.broadcast_object_list(shared := [score, s.stopped], src=0)
+        score, s.stopped = shared
     if score is None:  # diverged
         return
     s.history.append(score)
@@ -1269,13 +1270,6 @@ def rank0_first(rank, world):
     finally:
         if world > 1 and rank == 0:
             dist.broadcast_object_list(refused, src=0)
-
-
-def share_epoch(run, score):
-    """At each evaluation: rank 0's dev score and stop, so that every rank decides alike."""
-    box = [score, run.state.stopped]
-    dist.broadcast_object_list(box, src=0)
-    return box
 
 
 @contextlib.contextmanager
