@@ -964,8 +964,7 @@ def matmul_flops(run, tokens=4096, seconds=1.0):
     device, d, ff = run.device, run.args.d_model, run.args.ff
     gen = torch.Generator(device=device).manual_seed(0)  # its own RNG: training's stays untouched
     dtype = torch.bfloat16 if run.step_options.bf16 else torch.float32
-    a = torch.randn(tokens, d, device=device, generator=gen).to(dtype)
-    b = torch.randn(d, ff, device=device, generator=gen).to(dtype)
+    a, b = (torch.randn(*shape, device=device, generator=gen).to(dtype) for shape in ((tokens, d), (d, ff)))
     reps = 20 if device.type == "cuda" else 1
     for _ in range(3):  # warm-up
         a @ b
