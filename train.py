@@ -1657,13 +1657,12 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
         log(f"data: dropped {dropped} training pairs longer than --max-len {args.max_len}")
     if not train:
         raise data.DataError(f"no training pair left after --max-len {args.max_len}")
-    dev = encode("dev")
     # Dev and test are never dropped (BLEU would be over other sentences); a line longer than --max-len BPE tokens is
     # cut to it for translation and the dev loss, with a count, so one huge line cannot exhaust memory at epoch end.
     for split in ("dev", "test"):
         if n := decode.count_long(tok, [x for x, _ in pairs[split]], args.max_len):
             log(f"data: {split}: {n} source lines longer than --max-len {args.max_len} BPE tokens are cut to it")
-    dev = [(x[:args.max_len], y[:args.max_len]) for x, y in dev if x]  # dev perplexity: pairs with a source
+    dev = [(x[:args.max_len], y[:args.max_len]) for x, y in encode("dev") if x]  # dev perplexity: pairs with a source
     log(f"data: {len(train)} train / {len(pairs['dev'])} dev / {len(pairs['test'])} test pairs, "
         f"vocabulary {tok.vocab_size}")
     return tok, train, dev, everything
