@@ -1150,13 +1150,12 @@ class StepLog:
 
     def step(self, batches, lr, loss, nll, gnorm, n_tgt):
         run, s, args = self.run, self.run.state, self.run.args
-        if run.world > 1:  # the whole batch's sums, so that every rank logs and stops alike
-            sums = torch.stack([loss.double(), nll.double()])
-            dist.all_reduce(sums)
-            loss, nll = sums[0], sums[1]
         flops = sum(batch_flops(run.model.cfg, b, self.n_out) for b in batches) * run.world
         numbers = [loss, nll, gnorm] + ([n_tgt] if torch.is_tensor(n_tgt) else [])  # n_tgt: under DDP
-        self.pending.append((s.step, lr, n_tgt, flops, torch.stack([x.double() for x in numbers])))
+        numbers = torch.stack([x.double() for x in numbers])
+        if run.world > 1:  # the whole batch's sums, so that every rank logs and stops alike
+            dist.all_reduce(numbers[:2])  # the loss and NLL sums, in place (n_tgt is summed already)
+        self.pending.append((s.step, lr, n_tgt, flops, numbers))
         log_now = s.step % args.log_interval == 0 or s.step == self.total
         if (log_now or s.step % args.epoch_size == 0) and self.flush() and log_now:
             self.log_window(lr)
