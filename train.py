@@ -1627,13 +1627,12 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
         proto = old.read_bytes()
     else:
         t0 = time.time()
-        if args.task == "lm" and args.bpe_size == 0:  # whitespace words (PTB's own vocabulary)
-            proto = data.WordVocab.build(pairs["train"]).proto
+        if args.bpe_size == 0:  # whitespace words (PTB's own vocabulary): --task lm alone (check_flags)
+            proto, made = data.WordVocab.build(pairs["train"]).proto, "word vocabulary made"
         else:
             sides = (pairs["train"], []) if args.task == "lm" else zip(*pairs["train"])
             proto = data.train_bpe(*sides, args.bpe_size)
-        made = "word vocabulary made" if args.bpe_size == 0 else \
-            f"trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested)"
+            made = f"trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested)"
         log(f"data: {made} in {time.time() - t0:.1f}s")
     if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list; both or neither
         data.atomic_write_all({stage / "bpe.model": proto, stage / "bpe.key": stamp(proto)})
