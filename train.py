@@ -1049,8 +1049,7 @@ def profile_steps(run, step, secs, n_tok):
     return result
 
 
-@dataclass(frozen=True)
-class Task:
+class Task(NamedTuple):  # a task of the registry TASKS, as ScheduleEntry is a schedule of SCHEDULES
     """What a task's dev score is, which way is better, and how the log prints it."""
     name: str  # as the log says it
     key: str  # its key in metrics.jsonl (dev_KEY) and results.json (best_dev_KEY)
