@@ -1498,7 +1498,7 @@ def open_run_dir(args, pairs, log, stack, master, resumed=None):
         return tmp, None, tmp
     if not str(args.out).strip():  # Path("") would be this folder
         raise data.DataError("--out is empty: give the run directory, e.g. --out runs/NAME")
-    run_dir, ckpt = Path(args.out), None
+    run_dir, ckpt = Path(args.out), resumed[0] if resumed else None  # the checkpoint resume_flags read, if any
     if run_dir.is_symlink() and not run_dir.exists():
         raise data.DataError(f"--out {run_dir}: a symbolic link to {os.readlink(run_dir)}, which does not exist")
     if run_dir.exists() and not run_dir.is_dir():
@@ -1515,7 +1515,6 @@ def open_run_dir(args, pairs, log, stack, master, resumed=None):
     hashes = {split: data.pairs_sha256(split_pairs) for split, split_pairs in pairs.items()}  # the corpus's
     if args.resume:
         may_resume(run_dir, args, *resumed, hashes)
-        ckpt = resumed[0]
         for k, v in args.changed_on_resume.items():
             log(f"resume: --{k.replace('_', '-')} {v} (changed on resume)")
     else:
