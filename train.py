@@ -179,10 +179,9 @@ def train_step(net, optimizer, batches, lr, opts: StepOptions):
                     loss, nll = net(drop(b.src), drop(b.tgt_in), b.tgt_out, opts.smoothing)  # sums over the targets
                 (loss / n_tgt).backward()  # Code: summed over non-pad targets, divided by their count
             loss_sum, nll_sum = loss_sum + loss.detach(), nll_sum + nll.detach()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     # Paper (appendix A): "Gradients are clipped when global norm exceeds 1.0"; the norm before
     # clipping is what [1] Figure 2 plots.
-    gnorm = torch.nn.utils.clip_grad_norm_(params, opts.clip if opts.clip > 0 else float("inf"))
+    gnorm = torch.nn.utils.clip_grad_norm_(net.parameters(), opts.clip if opts.clip > 0 else float("inf"))
     optimizer.step()
     return loss_sum, nll_sum, gnorm.detach(), n_tgt
 
