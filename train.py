@@ -179,10 +179,9 @@ def train_step(net, optimizer, batches, lr, opts: StepOptions):
                     loss, nll = net(drop(b.src), drop(b.tgt_in), b.tgt_out, opts.smoothing)  # sums over the targets
                 (loss / n_tgt).backward()  # Code: summed over non-pad targets, divided by their count
             loss_sum, nll_sum = loss_sum + loss.detach(), nll_sum + nll.detach()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     # Paper (appendix A): "Gradients are clipped when global norm exceeds 1.0"; the norm before
     # clipping is what [1] Figure 2 plots.
-    gnorm = torch.nn.utils.clip_grad_norm_(params, opts.clip if opts.clip > 0 else float("inf"))
+    gnorm = torch.nn.utils.clip_grad_norm_(net.parameters(), opts.clip if opts.clip > 0 else float("inf"))
     optimizer.step()
     return loss_sum, nll_sum, gnorm.detach(), n_tgt
 
@@ -368,8 +367,9 @@ def end_of_epoch(run):
     t0, score = time.time(), None
     if run.master:
         score, dev_loss, dev_ppl = dev_score(run)
-    if run.world > 1:  # every rank takes the same decisions: share rank 0's score (Appendix D)
-        score, s.stopped = share_epoch(run, score)
+    if run.world > 1:  # every rank takes the same decisions: rank 0's dev score and stop (Appendix D)
+        dist.broadcast_object_list(shared := [score, s.stopped], src=0)
+        score, s.stopped = shared
     if score is None:  # diverged
         return
     s.history.append(score)
@@ -980,8 +980,7 @@ def matmul_flops(run, tokens=4096, seconds=1.0):
     device, d, ff = run.device, run.args.d_model, run.args.ff
     gen = torch.Generator(device=device).manual_seed(0)  # its own RNG: training's stays untouched
     dtype = torch.bfloat16 if run.step_options.bf16 else torch.float32
-    a = torch.randn(tokens, d, device=device, generator=gen).to(dtype)
-    b = torch.randn(d, ff, device=device, generator=gen).to(dtype)
+    a, b = (torch.randn(*shape, device=device, generator=gen).to(dtype) for shape in ((tokens, d), (d, ff)))
     reps = 20 if device.type == "cuda" else 1
     for _ in range(3):  # warm-up
         a @ b
@@ -1066,8 +1065,7 @@ def profile_steps(run, step, secs, n_tok):
     return result
 
 
-@dataclass(frozen=True)
-class Task:
+class Task(NamedTuple):  # a task of the registry TASKS, as ScheduleEntry is a schedule of SCHEDULES
     """What a task's dev score is, which way is better, and how the log prints it."""
     name: str  # as the log says it
     key: str  # its key in metrics.jsonl (dev_KEY) and results.json (best_dev_KEY)
@@ -1167,13 +1165,12 @@ class StepLog:
 
     def step(self, batches, lr, loss, nll, gnorm, n_tgt):
         run, s, args = self.run, self.run.state, self.run.args
-        if run.world > 1:  # the whole batch's sums, so that every rank logs and stops alike
-            sums = torch.stack([loss.double(), nll.double()])
-            dist.all_reduce(sums)
-            loss, nll = sums[0], sums[1]
         flops = sum(batch_flops(run.model.cfg, b, self.n_out) for b in batches) * run.world
         numbers = [loss, nll, gnorm] + ([n_tgt] if torch.is_tensor(n_tgt) else [])  # n_tgt: under DDP
-        self.pending.append((s.step, lr, n_tgt, flops, torch.stack([x.double() for x in numbers])))
+        numbers = torch.stack([x.double() for x in numbers])
+        if run.world > 1:  # the whole batch's sums, so that every rank logs and stops alike
+            dist.all_reduce(numbers[:2])  # the loss and NLL sums, in place (n_tgt is summed already)
+        self.pending.append((s.step, lr, n_tgt, flops, numbers))
         log_now = s.step % args.log_interval == 0 or s.step == self.total
         if (log_now or s.step % args.epoch_size == 0) and self.flush() and log_now:
             self.log_window(lr)
@@ -1286,13 +1283,6 @@ def rank0_first(rank, world):
     finally:
         if world > 1 and rank == 0:
             dist.broadcast_object_list(refused, src=0)
-
-
-def share_epoch(run, score):
-    """At each evaluation: rank 0's dev score and stop, so that every rank decides alike."""
-    box = [score, run.state.stopped]
-    dist.broadcast_object_list(box, src=0)
-    return box
 
 
 @contextlib.contextmanager
@@ -1524,7 +1514,7 @@ def open_run_dir(args, pairs, log, stack, master, resumed=None):
         return tmp, None, tmp
     if not str(args.out).strip():  # Path("") would be this folder
         raise data.DataError("--out is empty: give the run directory, e.g. --out runs/NAME")
-    run_dir, ckpt = Path(args.out), None
+    run_dir, ckpt = Path(args.out), resumed[0] if resumed else None  # the checkpoint resume_flags read, if any
     if run_dir.is_symlink() and not run_dir.exists():
         raise data.DataError(f"--out {run_dir}: a symbolic link to {os.readlink(run_dir)}, which does not exist")
     if run_dir.exists() and not run_dir.is_dir():
@@ -1541,7 +1531,6 @@ def open_run_dir(args, pairs, log, stack, master, resumed=None):
     hashes = {split: data.pairs_sha256(split_pairs) for split, split_pairs in pairs.items()}  # the corpus's
     if args.resume:
         may_resume(run_dir, args, *resumed, hashes)
-        ckpt = resumed[0]
         for k, v in args.changed_on_resume.items():
             log(f"resume: --{k.replace('_', '-')} {v} (changed on resume)")
     else:
@@ -1652,13 +1641,12 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
         proto = old.read_bytes()
     else:
         t0 = time.time()
-        if args.task == "lm" and args.bpe_size == 0:  # whitespace words (PTB's own vocabulary)
-            proto = data.WordVocab.build(pairs["train"]).proto
+        if args.bpe_size == 0:  # whitespace words (PTB's own vocabulary): --task lm alone (check_flags)
+            proto, made = data.WordVocab.build(pairs["train"]).proto, "word vocabulary made"
         else:
             sides = (pairs["train"], []) if args.task == "lm" else zip(*pairs["train"])
             proto = data.train_bpe(*sides, args.bpe_size)
-        made = "word vocabulary made" if args.bpe_size == 0 else \
-            f"trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested)"
+            made = f"trained {'' if args.task == 'lm' else 'joint '}BPE ({args.bpe_size} requested)"
         log(f"data: {made} in {time.time() - t0:.1f}s")
     if stage is not None:  # bpe.model: the vocabulary, sentencepiece's model or the word list; both or neither
         data.atomic_write_all({stage / "bpe.model": proto, stage / "bpe.key": stamp(proto)})
@@ -1683,13 +1671,12 @@ def prepare_data(args, pairs, run_dir, stage, log, ckpt=None):
         log(f"data: dropped {dropped} training pairs longer than --max-len {args.max_len}")
     if not train:
         raise data.DataError(f"no training pair left after --max-len {args.max_len}")
-    dev = encode("dev")
     # Dev and test are never dropped (BLEU would be over other sentences); a line longer than --max-len BPE tokens is
     # cut to it for translation and the dev loss, with a count, so one huge line cannot exhaust memory at epoch end.
     for split in ("dev", "test"):
         if n := decode.count_long(tok, [x for x, _ in pairs[split]], args.max_len):
             log(f"data: {split}: {n} source lines longer than --max-len {args.max_len} BPE tokens are cut to it")
-    dev = [(x[:args.max_len], y[:args.max_len]) for x, y in dev if x]  # dev perplexity: pairs with a source
+    dev = [(x[:args.max_len], y[:args.max_len]) for x, y in encode("dev") if x]  # dev perplexity: pairs with a source
     log(f"data: {len(train)} train / {len(pairs['dev'])} dev / {len(pairs['test'])} test pairs, "
         f"vocabulary {tok.vocab_size}")
     return tok, train, dev, everything
