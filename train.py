@@ -503,8 +503,7 @@ def build_parser():
     add(g, "--seq-len", type=positive_int, default=32, help="--task lm: the text is cut into segments of this many "
         "tokens (the tensorized Transformer's PTB script: 32)")
     add(g, "--lm-batches", choices=["shuffled", "streams"], default="shuffled", help="--task lm: shuffled segments, "
-        "or streams: the baseline code's, the text cut into --batch-tokens / --seq-len rows, batch j every row's j-th "
-        "segment, the same order every pass (data.lm_streams)")
+        "or streams: the baseline code's rows of the text, batch j every row's j-th segment (data.lm_streams)")
     add(g, "--data", help="corpus directory holding {train,dev,test}.{SRC,TGT}; default: the built-in synthetic "
         "corpus (data.py), generated on first use")
     add(g, "--src", help="source language suffix, e.g. en (DIR/train.en)")
@@ -542,8 +541,7 @@ def build_parser():
     add(g, "--fixnorm", action=argparse.BooleanOptionalAction, default=True, help="l2-normalise the tied "
         "embedding rows ([1] section 2.3, eq. 6 with ScaleNorm; default on)")
     add(g, "--init", choices=["small", "xavier", "normal"], default="small", help="SmallInit (attention std "
-        "sqrt(2/5d), [1] section 2.2), Xavier normal ([1] eq. 4), or normal: the baseline LM code's N(0, 0.02) "
-        "weights and N(1, 0.02) gains (model.normal_init)")
+        "sqrt(2/5d), [1] section 2.2), Xavier normal ([1] eq. 4), or the baseline LM code's (model.normal_init)")
     add(g, "--qknorm", action="store_true", default=False, help="QKNorm attention: softmax(g * q^.k^) with "
         "l2-normalised q, k ([3] eqs. 2-5)")
     add(g, "--qk-length", type=length_range, help="L of g0 = log2(L^2 - L) ([3] eq. 3); default: from --qk-percentile")
@@ -888,11 +886,10 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
     **{f"pn2-released-{key}": ("ptb", f"PowerNorm Table 2: PTB, {name}, the baseline's code as it ran (unmasked, "
                                f"relative positions)", row(PN2, norm=norm, mask="none", positions="relative"))
        for key, name, norm in PN2_NORMS if key in ("layernorm", "powernorm")},
-    # The baseline's PTB script (run_ptb.sh), LN, as exactly as our flags run it: the rest is in docs/departures.md.
-    "pn2-script": ("ptb", "PowerNorm Table 2: PTB, LN, the baseline's PTB script as it ran, as closely as our flags go",
-                   row(PN2, mask="none", positions="relative", head_dim=40, attn_bias=False, init="normal",
-                       final_dropout=0.3, lm_batches="streams", label_smoothing=0.0, warmup=1, epoch_size=242,
-                       max_steps=20000, max_epochs=83)),
+    "pn2-script": ("ptb", "PowerNorm Table 2: PTB, LN, the baseline's PTB script (run_ptb.sh) as closely as our flags "
+                   "go (docs/departures.md)", row(PN2, mask="none", positions="relative", head_dim=40, attn_bias=False,
+                   init="normal", final_dropout=0.3, lm_batches="streams", label_smoothing=0.0, warmup=1,
+                   epoch_size=242, max_steps=20000, max_epochs=83)),
     # [2] A.2: WikiText-103, 6 layers, the rest as PTB's; an epoch: 101,425,671 words + 1,165,029 EOS, 26,717 batches
     **{f"pn2-wt103-{key}": ("wikitext-103", f"PowerNorm Table 2: WikiText-103, 6-layer tensorized Transformer {name}",
                             row(PN2, layers=6, epoch_size=26717, norm=norm, save_interval=5000))
