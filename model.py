@@ -502,6 +502,12 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.z_dtype), None, None, None
 
 
+def output_columns(model):
+    """The output layer's columns a training step computes (train.py's FLOPs): the target words, as target_words_loss
+    does (all V under --reference)."""
+    return int(model.allowed.sum()) if fast_paths() else model.cfg.vocab_size
+
+
 def index_target_words(model, hook=True):
     """The target words' ids (Vt,) and each word's column among them (V,), from the mask; hook: again whenever a
     checkpoint's mask is loaded."""

@@ -58,8 +58,8 @@ from torch.profiler import ProfilerActivity, profile
 import data
 import decode
 from data import alpha_range, count, fraction, in_0_1, length_range, non_negative, positive, positive_int, threads
-from model import FAST_PATHS, ModelConfig, Transformer, autocast, count_parameters, has_bf16, qk_g0
-from norms import BATCH_NORMS, NORMS, fast_paths, sync, timed
+from model import FAST_PATHS, ModelConfig, Transformer, autocast, count_parameters, has_bf16, output_columns, qk_g0
+from norms import BATCH_NORMS, NORMS, sync, timed
 
 # ---------------------------------------------------------------------------------------
 # 1. The learning rate [1, section 2.4].
@@ -963,11 +963,6 @@ def batch_flops(cfg, b, out_vocab=None):
     cross = 0 if cfg.lm else T * 2 * D * D + S * 2 * D * D + 2 * T * S * D
     dec = cfg.dec_layers * (attn + cross + T * 2 * D * FF)
     return 3 * 2 * B * (enc + dec + T * D * V)
-
-
-def output_columns(model):
-    """The output layer's columns a training step computes: the target words (all V under --reference)."""
-    return int(model.allowed.sum()) if fast_paths() else model.cfg.vocab_size
 
 
 def matmul_flops(run, tokens=4096, seconds=1.0):
