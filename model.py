@@ -340,7 +340,12 @@ class Transformer(nn.Module):
     def embed_tokens(self, tokens, E, start=0):
         # Paper [1] 2.2: "one scales the word embeddings by a large value (e.g., sqrt(d) ...)"; Code: with FixNorm too.
         # F.embedding(tokens, E) = E[tokens], with a faster backward (2-3x on the CPU; indexing's was 5% of a GPU step).
-        x = F.embedding(tokens, E) * math.sqrt(self.cfg.d_model) + positions(self, start, tokens.size(1))  # (B, L, D)
+        x = F.embedding(tokens, E) * math.sqrt(self.cfg.d_model)  # (B, L, D)
+        end = start + tokens.size(1)  # + PE(pos) for pos = start .. end - 1 (L, D), from self.pe
+        if self.cfg.positions != "relative":  # none: position enters inside the multi-linear attention (Appendix B)
+            if end > self.pe.size(0):  # self.pe grown on demand (long decodes)
+                self.pe = sinusoidal_positions(2 * end, self.cfg.d_model).to(self.pe.device)
+            x = x + self.pe[start:end]
         return dropout(x, self.cfg.dropout, self.training)
 
     def output_logits(self, h, E):
@@ -661,16 +666,6 @@ def other_self_attention(attn, h, self_kv):
         k, v = torch.cat([self_kv["k"], k], dim=2), torch.cat([self_kv["v"], v], dim=2)
     self_kv["k"], self_kv["v"] = k, v
     return attn(h, k, v, None, causal=False)  # the new query sees the whole prefix
-
-
-def positions(model, start, length):
-    """PE(pos) for pos = start .. start + length - 1 (length, D), from model.pe, grown on demand (long decodes); none
-    (0) under --positions relative, where position enters inside the multi-linear attention (Appendix B)."""
-    if model.cfg.positions == "relative":
-        return 0
-    if start + length > model.pe.size(0):
-        model.pe = sinusoidal_positions(2 * (start + length), model.cfg.d_model).to(model.pe.device)
-    return model.pe[start:start + length]
 
 
 def count_parameters(model):
