@@ -293,7 +293,8 @@ class Transformer(nn.Module):
         # Paper [1] Table 7, "ScaleNorm (g = sqrt d) + FixNorm (learned)": the output layer's g (eq. 6) stays learned.
         self.dec_final_norm = _norm(cfg, "scale" if dec_norm == "scale_fixed" else dec_norm) if cfg.prenorm else None
         tie_relative_biases(self)  # Appendix B: --positions relative's two biases, one pair for every layer
-        index_target_words(self)  # Appendix A (and again whenever a checkpoint's mask is loaded)
+        index_target_words(self)  # Appendix A, and again whenever a checkpoint's mask is loaded:
+        self.register_load_state_dict_post_hook(lambda module, keys: index_target_words(module))
         self.reset_parameters()
 
     # Why, as [1] section 2.2 explains it: Xavier normal starts attention too large: embeddings are scaled by sqrt(d),
@@ -507,13 +508,11 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.z_dtype), None, None, None
 
 
-def index_target_words(model, hook=True):
-    """The target words' ids (Vt,) and each word's column among them (V,), from the mask; hook: again whenever a
-    checkpoint's mask is loaded."""
+def index_target_words(model):
+    """The target words' ids (Vt,) and each word's column among them (V,), from the mask (Transformer.__init__ and,
+    whenever a checkpoint's mask is loaded, its load_state_dict hook)."""
     model.register_buffer("target_ids", model.allowed.nonzero().squeeze(1), persistent=False)  # (Vt,)
     model.register_buffer("target_column", (model.allowed.cumsum(0) - 1).clamp_min(0), persistent=False)  # (V,)
-    if hook:
-        model.register_load_state_dict_post_hook(lambda module, keys: index_target_words(module, hook=False))
 
 
 # =======================================================================================
