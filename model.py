@@ -293,7 +293,8 @@ class Transformer(nn.Module):
         # Paper [1] Table 7, "ScaleNorm (g = sqrt d) + FixNorm (learned)": the output layer's g (eq. 6) stays learned.
         self.dec_final_norm = _norm(cfg, "scale" if dec_norm == "scale_fixed" else dec_norm) if cfg.prenorm else None
         tie_relative_biases(self)  # Appendix B: --positions relative's two biases, one pair for every layer
-        index_target_words(self)  # Appendix A (and again whenever a checkpoint's mask is loaded)
+        index_target_words(self)  # Appendix A, and again whenever a checkpoint's mask is loaded:
+        self.register_load_state_dict_post_hook(lambda module, keys: index_target_words(module))
         self.reset_parameters()
 
     # Why, as [1] section 2.2 explains it: Xavier normal starts attention too large: embeddings are scaled by sqrt(d),
@@ -340,7 +341,12 @@ class Transformer(nn.Module):
     def embed_tokens(self, tokens, E, start=0):
         # Paper [1] 2.2: "one scales the word embeddings by a large value (e.g., sqrt(d) ...)"; Code: with FixNorm too.
         # F.embedding(tokens, E) = E[tokens], with a faster backward (2-3x on the CPU; indexing's was 5% of a GPU step).
-        x = F.embedding(tokens, E) * math.sqrt(self.cfg.d_model) + positions(self, start, tokens.size(1))  # (B, L, D)
+        x = F.embedding(tokens, E) * math.sqrt(self.cfg.d_model)  # (B, L, D)
+        end = start + tokens.size(1)  # + PE(pos) for pos = start .. end - 1 (L, D), from self.pe
+        if self.cfg.positions != "relative":  # none: position enters inside the multi-linear attention (Appendix B)
+            if end > self.pe.size(0):  # self.pe grown on demand (long decodes)
+                self.pe = sinusoidal_positions(2 * end, self.cfg.d_model).to(self.pe.device)
+            x = x + self.pe[start:end]
         return dropout(x, self.cfg.dropout, self.training)
 
     def output_logits(self, h, E):
@@ -508,13 +514,11 @@ def output_columns(model):
     return int(model.allowed.sum()) if fast_paths() else model.cfg.vocab_size
 
 
-def index_target_words(model, hook=True):
-    """The target words' ids (Vt,) and each word's column among them (V,), from the mask; hook: again whenever a
-    checkpoint's mask is loaded."""
+def index_target_words(model):
+    """The target words' ids (Vt,) and each word's column among them (V,), from the mask (Transformer.__init__ and,
+    whenever a checkpoint's mask is loaded, its load_state_dict hook)."""
     model.register_buffer("target_ids", model.allowed.nonzero().squeeze(1), persistent=False)  # (Vt,)
     model.register_buffer("target_column", (model.allowed.cumsum(0) - 1).clamp_min(0), persistent=False)  # (V,)
-    if hook:
-        model.register_load_state_dict_post_hook(lambda module, keys: index_target_words(module, hook=False))
 
 
 # =======================================================================================
@@ -667,16 +671,6 @@ def other_self_attention(attn, h, self_kv):
         k, v = torch.cat([self_kv["k"], k], dim=2), torch.cat([self_kv["v"], v], dim=2)
     self_kv["k"], self_kv["v"] = k, v
     return attn(h, k, v, None, causal=False)  # the new query sees the whole prefix
-
-
-def positions(model, start, length):
-    """PE(pos) for pos = start .. start + length - 1 (length, D), from model.pe, grown on demand (long decodes); none
-    (0) under --positions relative, where position enters inside the multi-linear attention (Appendix B)."""
-    if model.cfg.positions == "relative":
-        return 0
-    if start + length > model.pe.size(0):
-        model.pe = sinusoidal_positions(2 * (start + length), model.cfg.d_model).to(model.pe.device)
-    return model.pe[start:start + length]
 
 
 def count_parameters(model):
