@@ -711,19 +711,6 @@ def _opener(root):
     return open_text
 
 
-def _lines(open_text, name, steps):
-    """Stripped lines of one file, after the file-level steps "tags" / "xml"."""
-    with open_text(name) as f:
-        lines = f.read().removesuffix("\n").split("\n")
-    if "tags" in steps:  # train.tags.*: drop talk metadata lines, keep title/description text
-        lines = [re.sub(r"</?(title|description)>", "", l) for l in lines
-                 if not any(t in l for t in ("<url>", "<talkid>", "<keywords>"))]
-    if "xml" in steps:  # IWSLT14.*.xml: only the <seg> lines, without the tags
-        lines = [re.sub(r'<seg id="\d*">\s*|\s*</seg>\s*', "", l).replace("\u2019", "'")
-                 for l in lines if "<seg id" in l]
-    return [l.strip() for l in lines]
-
-
 def _tsv_pairs(open_text, name, src, tgt):
     """Yields the pairs of a TED all_talks_*.tsv (a header of language codes, one talk sentence a row)."""
     with open_text(name) as rows:
@@ -760,7 +747,17 @@ def _split_rows(c, split, open_text):
         if c.get("tsv"):
             rows += _tsv_pairs(open_text, spec, c["flags"]["src"], c["flags"]["tgt"])
             continue
-        texts = [_lines(open_text, f, steps) for f in spec]
+        texts = []
+        for name in spec:  # each file's stripped lines, after the file-level steps "tags" / "xml"
+            with open_text(name) as f:
+                lines = f.read().removesuffix("\n").split("\n")
+            if "tags" in steps:  # train.tags.*: drop talk metadata lines, keep title/description text
+                lines = [re.sub(r"</?(title|description)>", "", l) for l in lines
+                         if not any(t in l for t in ("<url>", "<talkid>", "<keywords>"))]
+            if "xml" in steps:  # IWSLT14.*.xml: only the <seg> lines, without the tags
+                lines = [re.sub(r'<seg id="\d*">\s*|\s*</seg>\s*', "", l).replace("\u2019", "'")
+                         for l in lines if "<seg id" in l]
+            texts.append([l.strip() for l in lines])
         if len({len(t) for t in texts}) > 1:
             raise DataError(f"{spec[0]} has {len(texts[0])} lines but {spec[1]} {len(texts[1])}")
         rows += zip(*texts)
