@@ -592,11 +592,10 @@ def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0
     """One attention map -> (weights (Tq, Tk) float CPU tensor, rows summing to 1, query_tokens, key_tokens),
     teacher-forced on tgt_line, else on the model's greedy translation. Tokens: BPE pieces labelling rows and columns
     (see above). The module's keep_weights and last_weights and the model's train/eval mode are restored after."""
-    layers, attr = {"enc": (model.encoder, "self_attn"), "dec": (model.decoder, "self_attn"),
-                    "cross": (model.decoder, "cross_attn")}[kind]  # --kind's choices
-    if not 0 <= layer < len(layers):
-        raise DataError(f"--layer {layer}: the {'encoder' if kind == 'enc' else 'decoder'} has "
-                        f"layers 0..{len(layers) - 1}")
+    stack, attr = {"enc": ("encoder", "self_attn"), "dec": ("decoder", "self_attn"),
+                   "cross": ("decoder", "cross_attn")}[kind]  # --kind's choices
+    if not 0 <= layer < len(layers := getattr(model, stack)):
+        raise DataError(f"--layer {layer}: the {stack} has layers 0..{len(layers) - 1}")
     module = getattr(layers[layer], attr)
     if not 0 <= head < model.cfg.heads:
         raise DataError(f"--head {head}: the model has heads 0..{model.cfg.heads - 1}")
