@@ -56,7 +56,7 @@ import torch
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-from rich.table import Table
+from rich.table import Column, Table
 from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.significance import PairedTest
 
@@ -410,9 +410,8 @@ def compare(args):
     names = (*args.compare, args.ref)  # BASELINE, SYSTEM, REF
     result = paired_bootstrap(*(data.read_lines(path) for path in names), args.samples, args.seed, args.tokenized,
                               args.lowercase, names=names)
-    table = Table(title=f"paired bootstrap resampling, {result['n_samples']} samples")
-    for col in ("system", "BLEU", "mean +- 95% CI", "p-value"):
-        table.add_column(col, justify="left" if col == "system" else "right")
+    table = Table("system", *(Column(col, justify="right") for col in ("BLEU", "mean +- 95% CI", "p-value")),
+                  title=f"paired bootstrap resampling, {result['n_samples']} samples")  # the numbers right-aligned
     for name, r, p in zip(names, (result["baseline"], result["system"]), ("-", f"{result['p_value']:.4f}")):
         table.add_row(str(name), f"{r['bleu']:.2f}", f"{r['mean']:.2f} +- {r['ci']:.2f}", p)
     Console().print(table)
