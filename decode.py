@@ -755,14 +755,13 @@ def plot_runs(run_dirs, out):
     rows = -(-max(len(panels), 1) // 3)
     fig.set_size_inches(15, 4 * rows)
     for i, (title, curves) in enumerate(panels.items()):
-        ax = fig.add_subplot(rows, 3, i + 1)
+        xlabel = "layer (encoder, then decoder)" if "depth" in title else "index" if "singular" in title else "step"
+        log = any(w in title for w in ("gradient", "statistic", "perplexity"))
+        ax = fig.add_subplot(rows, 3, i + 1, xlabel=xlabel, yscale="log" if log else "linear")  # as the --svd picture
         for name, xs, ys in curves:
             if xs:
                 ax.plot(xs, ys, label=name, marker="o" if "depth" in title or len(xs) == 1 else None, lw=1)  # a point
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("layer (encoder, then decoder)" if "depth" in title else
-                      "index" if "singular" in title else "step")
-        ax.set_yscale("log" if any(w in title for w in ("gradient", "statistic", "perplexity")) else "linear")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
