@@ -655,10 +655,9 @@ def save_heatmap_png(weights, rows, cols, path, title=None):
     """Saves the map as a PNG with matplotlib; True if written, False (and a note) without it."""
     if (fig := figure(path, figsize=(max(4, 0.4 * len(cols) + 2), max(3, 0.4 * len(rows) + 1.5)))) is None:
         return False  # no matplotlib: figure's note said so
-    ax = fig.add_subplot(title=title or "")
+    ax = fig.add_subplot(title=title or "", yticks=range(len(rows)), yticklabels=rows)  # as the --svd picture
     im = ax.imshow(torch.as_tensor(weights).float().numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(cols)), cols, rotation=90)
-    ax.set_yticks(range(len(rows)), rows)
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
