@@ -56,7 +56,7 @@ import torch
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-from rich.table import Table
+from rich.table import Column, Table
 from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.significance import PairedTest
 
@@ -410,9 +410,8 @@ def compare(args):
     names = (*args.compare, args.ref)  # BASELINE, SYSTEM, REF
     result = paired_bootstrap(*(data.read_lines(path) for path in names), args.samples, args.seed, args.tokenized,
                               args.lowercase, names=names)
-    table = Table(title=f"paired bootstrap resampling, {result['n_samples']} samples")
-    for col in ("system", "BLEU", "mean +- 95% CI", "p-value"):
-        table.add_column(col, justify="left" if col == "system" else "right")
+    table = Table("system", *(Column(col, justify="right") for col in ("BLEU", "mean +- 95% CI", "p-value")),
+                  title=f"paired bootstrap resampling, {result['n_samples']} samples")  # the numbers right-aligned
     for name, r, p in zip(names, (result["baseline"], result["system"]), ("-", f"{result['p_value']:.4f}")):
         table.add_row(str(name), f"{r['bleu']:.2f}", f"{r['mean']:.2f} +- {r['ci']:.2f}", p)
     Console().print(table)
@@ -592,11 +591,10 @@ def attention_weights(model, tokenizer, src_line, tgt_line=None, layer=0, head=0
     """One attention map -> (weights (Tq, Tk) float CPU tensor, rows summing to 1, query_tokens, key_tokens),
     teacher-forced on tgt_line, else on the model's greedy translation. Tokens: BPE pieces labelling rows and columns
     (see above). The module's keep_weights and last_weights and the model's train/eval mode are restored after."""
-    layers, attr = {"enc": (model.encoder, "self_attn"), "dec": (model.decoder, "self_attn"),
-                    "cross": (model.decoder, "cross_attn")}[kind]  # --kind's choices
-    if not 0 <= layer < len(layers):
-        raise DataError(f"--layer {layer}: the {'encoder' if kind == 'enc' else 'decoder'} has "
-                        f"layers 0..{len(layers) - 1}")
+    stack, attr = {"enc": ("encoder", "self_attn"), "dec": ("decoder", "self_attn"),
+                   "cross": ("decoder", "cross_attn")}[kind]  # --kind's choices
+    if not 0 <= layer < len(layers := getattr(model, stack)):
+        raise DataError(f"--layer {layer}: the {stack} has layers 0..{len(layers) - 1}")
     module = getattr(layers[layer], attr)
     if not 0 <= head < model.cfg.heads:
         raise DataError(f"--head {head}: the model has heads 0..{model.cfg.heads - 1}")
@@ -657,10 +655,9 @@ def save_heatmap_png(weights, rows, cols, path, title=None):
     """Saves the map as a PNG with matplotlib; True if written, False (and a note) without it."""
     if (fig := figure(path, figsize=(max(4, 0.4 * len(cols) + 2), max(3, 0.4 * len(rows) + 1.5)))) is None:
         return False  # no matplotlib: figure's note said so
-    ax = fig.add_subplot(title=title or "")
+    ax = fig.add_subplot(title=title or "", yticks=range(len(rows)), yticklabels=rows)  # as the --svd picture
     im = ax.imshow(torch.as_tensor(weights).float().numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(cols)), cols, rotation=90)
-    ax.set_yticks(range(len(rows)), rows)
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
@@ -757,14 +754,13 @@ def plot_runs(run_dirs, out):
     rows = -(-max(len(panels), 1) // 3)
     fig.set_size_inches(15, 4 * rows)
     for i, (title, curves) in enumerate(panels.items()):
-        ax = fig.add_subplot(rows, 3, i + 1)
+        xlabel = "layer (encoder, then decoder)" if "depth" in title else "index" if "singular" in title else "step"
+        log = any(w in title for w in ("gradient", "statistic", "perplexity"))
+        ax = fig.add_subplot(rows, 3, i + 1, xlabel=xlabel, yscale="log" if log else "linear")  # as the --svd picture
         for name, xs, ys in curves:
             if xs:
                 ax.plot(xs, ys, label=name, marker="o" if "depth" in title or len(xs) == 1 else None, lw=1)  # a point
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("layer (encoder, then decoder)" if "depth" in title else
-                      "index" if "singular" in title else "step")
-        ax.set_yscale("log" if any(w in title for w in ("gradient", "statistic", "perplexity")) else "linear")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
