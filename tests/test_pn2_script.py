@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import data
+import decode
 import train
 from model import ModelConfig, MultiLinearAttention, Transformer
 
@@ -120,9 +121,10 @@ def test_the_new_flags_are_refused_where_they_would_do_nothing(argv, flag, tmp_p
     assert not (tmp_path / "r").exists()
 
 
-def test_a_streams_run_learns_and_one_stopped_mid_pass_resumes_exactly(tmp_path, killed_run):
-    """A small run with every setting of the script: it learns, and one stopped mid-pass (SIGTERM at step 11 of
-    batches that come 10 to a pass) resumes to the same records, the batches of the same order every pass."""
+def test_a_streams_run_learns_and_one_stopped_mid_pass_resumes_exactly(tmp_path, killed_run, capsys):
+    """A small run with every setting of the script: it learns, one stopped mid-pass (SIGTERM at step 11 of batches
+    that come 10 to a pass) resumes to the same records, the batches of the same order every pass, and decode.py
+    rebuilds the model (R 8, no attention biases) to score the test text as train.py did."""
     toy = data.make_toy_corpus(tmp_path / "toy", seed=2, n_train=130, n_dev=30, n_test=30)
     text = tmp_path / "text"
     text.mkdir()
@@ -139,3 +141,7 @@ def test_a_streams_run_learns_and_one_stopped_mid_pass_resumes_exactly(tmp_path,
     assert rows("killed") == rows("whole")
     dev = [r["dev_ppl"] for r in rows("whole") if "dev_ppl" in r]
     assert len(dev) == 3 and dev[-1] < dev[0]
+    capsys.readouterr()
+    decode.main([str(tmp_path / "whole"), "--ppl", "--input", str(text / "test.txt")])
+    result = json.loads((tmp_path / "whole" / "results.json").read_text())
+    assert float(capsys.readouterr().out.split()[1]) == pytest.approx(result["test_ppl"], abs=0.006)
