@@ -526,7 +526,7 @@ def index_target_words(model):
 # the attention of PowerNorm's language models ([2] A.2: "there exists only one linear projection in
 # multi-linear attention"; [2] section 5.1: "with masking"). Per head, on a segment of L positions:
 #   [Q; K; V] = x [W^Q; W^K; W^V]                       (one projection, split in three), each (L, R)
-#   T[i, j, k] = sum_r c_r Q[i, r] K[j, r] V[k, r]      c: the core, one vector of R = D / H numbers
+#   T[i, j, k] = sum_r c_r Q[i, r] K[j, r] V[k, r]      c: the core, R = D / H numbers (or --head-dim)
 #   causal:  T[i, j, k] = 0 unless j <= i and k <= i    (position i sees no later token)
 #   out_i = W^O [vec T_1[i, :, :]; ...; vec T_H[i, :, :]] + b     (H L^2 numbers -> D, one linear layer)
 # No softmax: position i's output is a learned linear map of the (L, L) slice of the tensor.
