@@ -198,8 +198,9 @@ def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
     fewer (a one-token source alone, a text's one-token last segment) takes the next example in; the last, the one
     before.
     """
+    if rows := getattr(encoded_pairs, "rows", 0):  # lm_streams' (Appendix C): batch j is every row's j-th window
+        return [list(range(i, i + rows)) for i in range(0, len(encoded_pairs), rows)]  # in order, every pass
     lens = _lengths(encoded_pairs)  # [(S, T)], T = len(y) + 1: the decoder reads BOS + y; a language model's [(L,)]
-    shuffle = shuffle and not getattr(encoded_pairs, "ordered", False)  # lm_streams' keep their order (Appendix C)
     rng = random.Random(seed * 1000003 + epoch)
     tie = [rng.random() for _ in lens] if shuffle else list(range(len(lens)))
     order = sorted(range(len(lens)), key=lambda i: (max(lens[i]), *lens[i], tie[i]))
@@ -300,7 +301,7 @@ class Segments:
     """A stream cut into segments: inputs x (N, L) and targets y (N, L), PAD-padded at the very end."""
     x: torch.Tensor
     y: torch.Tensor
-    ordered: bool = False  # lm_streams' (Appendix C): batched in this order every pass, never shuffled
+    rows: int = 0  # lm_streams' (Appendix C): a batch is `rows` segments, in this order every pass, never shuffled
 
     def __len__(self):
         return self.x.size(0)
@@ -890,7 +891,7 @@ def lm_streams(stream, seq_len, rows):
         raise DataError(f"the text makes rows of {n} tokens, too short for one window of --seq-len {seq_len}")
     text = stream[1:1 + n * rows].view(rows, n)
     x, y = (text[:, k:k + windows * seq_len].reshape(rows, windows, seq_len).transpose(0, 1) for k in (0, 1))
-    return Segments(x.reshape(-1, seq_len), y.reshape(-1, seq_len), ordered=True)
+    return Segments(x.reshape(-1, seq_len), y.reshape(-1, seq_len), rows=rows)
 
 
 def corpus_paths(data_dir, *langs):
@@ -1183,9 +1184,8 @@ def read_checkpoint(path, device="cpu"):
     try:
         ckpt = torch.load(p, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 -- any failure is the file's; say which, in one line
-        why = "it holds objects other than tensors and plain values, and loading those could run code" \
-            if "Weights only load failed" in str(e) else \
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        why = ("it holds objects other than tensors and plain values, and loading those could run code"
+               if "Weights only load failed" in str(e) else f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
         raise DataError(f"{p}: refused, not a readable checkpoint ({why})") from None
     if not isinstance(ckpt, dict) or not all(isinstance(ckpt.get(k), dict) for k in ("model_config", "model")):
         raise DataError(f"{p}: not a checkpoint of this project (no 'model_config' and 'model' entries)")
