@@ -672,7 +672,7 @@ def resolve_flags(argv=None, log=print):
     if args.bpe_size is None:
         args.bpe_size = 0 if args.task == "lm" else 2000 if args.data is None else 8000
     if args.pn_warmup is None:  # Paper [2] appendix A: the same as the LR schedule's warmup
-        args.pn_warmup = args.warmup if SCHEDULES[args.schedule].warms_up else 0
+        args.pn_warmup = Schedule.from_args(args).warmup
     if args.lr_scale is not None:  # config.json records the peak that runs
         args.lr = args.lr_scale / math.sqrt(args.d_model * args.warmup)
     return args, given
