@@ -595,10 +595,10 @@ if __name__ == "__main__":
     if a.threads:
         torch.set_num_threads(a.threads)
     use_reference(a.reference)
-    best = benchmark(a.batch, a.length, a.d_model, a.heads, device=a.device, bf16=a.bf16 and a.device == "cuda")
+    bf16 = a.bf16 and a.device == "cuda"  # --bf16 is CUDA's: the CPU is timed in fp32
+    best = benchmark(a.batch, a.length, a.d_model, a.heads, device=a.device, bf16=bf16)
     where = torch.cuda.get_device_name() if a.device == "cuda" else f"{torch.get_num_threads()} threads"
-    print(f"forward+backward on ({a.batch}, {a.length}, {a.d_model}) "
-          f"{'bf16' if a.bf16 and a.device == 'cuda' else 'fp32'}, {where}, "
+    print(f"forward+backward on ({a.batch}, {a.length}, {a.d_model}) {'bf16' if bf16 else 'fp32'}, {where}, "
           f"best of 5 rounds x 30{', --reference' if a.reference else ''}:")
     for name, t in best.items():
         print(f"  {name:12s} {t * 1e3:8.3f} ms   {t / best['layer']:5.2f} x LayerNorm")
