@@ -712,20 +712,6 @@ def _opener(root):
     return open_text
 
 
-def _tsv_pairs(open_text, name, src, tgt):
-    """Yields the pairs of a TED all_talks_*.tsv (a header of language codes, one talk sentence a row)."""
-    with open_text(name) as rows:
-        header = next(rows, "").rstrip("\r\n").split("\t")
-        if src not in header or tgt not in header:
-            raise DataError(f"{name}: no column {src!r} or {tgt!r}; it has {' '.join(header)}")
-        i, j = header.index(src), header.index(tgt)
-        for row in rows:
-            cols = row.rstrip("\r\n").split("\t") + ["", ""]
-            s, t = cols[i].strip(), cols[j].strip()
-            if s and t and "NULL" not in s and "NULL" not in t:  # as ted_reader.py
-                yield s, t
-
-
 def _clean(pairs, lo=1, hi=175, ratio=1.5):
     """Moses clean-corpus-n.perl: 1-175 whitespace words a side, length ratio at most 1.5."""
     lens = [sorted((len(s.split()), len(t.split()))) for s, t in pairs]  # (the shorter side, the longer)
@@ -745,8 +731,18 @@ def _split_rows(c, split, open_text):
     tgt) pairs, its files read and cleaned by its steps, in order."""
     steps, rows = c.get("steps", {}).get(split, ()), []
     for spec in c["splits"][split]:  # a row's files, (text,) or (src, tgt); TED's: one .tsv of every language
-        if c.get("tsv"):
-            rows += _tsv_pairs(open_text, spec, c["flags"]["src"], c["flags"]["tgt"])
+        if c.get("tsv"):  # a TED all_talks_*.tsv: a header of language codes, one talk sentence a row
+            src, tgt = c["flags"]["src"], c["flags"]["tgt"]
+            with open_text(spec) as tsv:
+                header = next(tsv, "").rstrip("\r\n").split("\t")
+                if src not in header or tgt not in header:
+                    raise DataError(f"{spec}: no column {src!r} or {tgt!r}; it has {' '.join(header)}")
+                i, j = header.index(src), header.index(tgt)
+                for line in tsv:
+                    cols = line.rstrip("\r\n").split("\t") + ["", ""]
+                    s, t = cols[i].strip(), cols[j].strip()
+                    if s and t and "NULL" not in s and "NULL" not in t:  # as ted_reader.py
+                        rows.append((s, t))
             continue
         texts = []
         for name in spec:  # each file's stripped lines, after the file-level steps "tags" / "xml"
