@@ -176,8 +176,7 @@ def target_vocab_mask(encoded_tgt_seqs, vocab_size):
     """
     mask = torch.zeros(vocab_size, dtype=torch.bool)  # (V,)
     mask[torch.tensor([i for seq in encoded_tgt_seqs for i in seq], dtype=torch.long)] = True
-    mask[UNK] = mask[EOS] = True
-    mask[PAD] = mask[BOS] = False
+    mask[UNK] = mask[EOS] = True  # PAD and BOS: never in a target, and the model masks them (model.Transformer)
     return mask
 
 

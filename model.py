@@ -23,7 +23,7 @@ Contents
 """
 import contextlib
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -70,9 +70,6 @@ class ModelConfig:  # everything needed to rebuild a model; saved inside every c
     head_dim: Optional[int] = None  # the multi-linear attention's rank R per head (the baseline's d_head); None: D / H
     attn_bias: bool = True  # the multi-linear attention's W^QKV and W^O have biases (the baseline's have none)
     final_dropout: float = 0.0  # dropout on the decoder's output, before the output layer (the baseline LM's)
-
-    def to_dict(self):
-        return asdict(self)
 
 
 # ---------------------------------------------------------------------------------------

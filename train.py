@@ -1026,7 +1026,7 @@ def benchmark(run):
                    "achieved_flops": flops / secs, "matmul_peak_flops": matmul_peak, "mfu": flops / secs / matmul_peak,
                    "padding_share": pad, "peak_memory_mb": peak_mb, "threads": torch.get_num_threads(),
                    "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
-                   "bf16": run.step_options.bf16, "losses": losses, "model_config": cfg.to_dict()})
+                   "bf16": run.step_options.bf16, "losses": losses, "model_config": asdict(cfg)})
     run.log(f"benchmark: {args.benchmark} steps | {result['tgt_tok_per_s']:.0f} target tok/s | "
             f"{result['flops_per_tgt_token'] / 1e6:.1f} MFLOP/target token | achieved "
             f"{result['achieved_flops'] / 1e9:.1f} GFLOP/s | matmul peak {matmul_peak / 1e9:.1f} GFLOP/s | MFU "
@@ -1353,7 +1353,7 @@ def save_checkpoints(run, improved, epoch_end=True):
     s, keep, name = run.state, run.args.keep_checkpoints, partial(data.checkpoint_file, run.dir)
     # Only tensors and plain Python values: read back with torch.load(weights_only=True). The run's flags (args: its
     # run id and corpus hashes too) and its state (the step, the dev scores) are what a resume reads.
-    ckpt = {"format": data.CHECKPOINT_FORMAT, "model_config": run.model.cfg.to_dict(),
+    ckpt = {"format": data.CHECKPOINT_FORMAT, "model_config": asdict(run.model.cfg),
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
             "bpe_model_proto": (run.dir / "bpe.model").read_bytes(), "src_lang": run.langs[0], "tgt_lang": run.langs[1],
             "train_state": asdict(run.state), "args": vars(run.args), "world": run.world,

@@ -18,6 +18,7 @@ so that its outputs depend on the source and the prefix, and they end at varied 
 import io
 import math
 import sys
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -197,7 +198,7 @@ def run_dir(tmp_path_factory):
     proto = train_bpe(lines[:30], lines[30:], 60)
     tok = Tokenizer(proto)
     model = tiny_model(vocab_size=tok.vocab_size)
-    ckpt = {"format": data.CHECKPOINT_FORMAT, "model_config": model.cfg.to_dict(), "model": model.state_dict(),
+    ckpt = {"format": data.CHECKPOINT_FORMAT, "model_config": asdict(model.cfg), "model": model.state_dict(),
             "bpe_model_proto": proto, "src_lang": "src", "tgt_lang": "tgt",
             "step": 7, "dev_bleu": 0.0}
     torch.save(ckpt, root / "checkpoint_best.pt")

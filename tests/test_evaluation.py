@@ -23,6 +23,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -184,7 +185,7 @@ def test_load_checkpoint_average_of_run_dir(tmp_path, toy):
     models = [tiny_model(tok.vocab_size, seed=s, norm="power", encoder_norm="power") for s in range(3)]
     for epoch, m in enumerate(models, start=1):
         m.encoder[0].norm_attn.num_batches_tracked.fill_(100 * epoch)
-        ckpt = {"format": data.CHECKPOINT_FORMAT, "model_config": m.cfg.to_dict(), "model": m.state_dict(), "step": epoch,
+        ckpt = {"format": data.CHECKPOINT_FORMAT, "model_config": asdict(m.cfg), "model": m.state_dict(), "step": epoch,
                 "bpe_model_proto": proto}
         torch.save(ckpt, tmp_path / f"checkpoint_epoch{epoch}.pt")
     (tmp_path / "checkpoint_epoch3.pt.tmp").write_text("an interrupted save")  # ignored
@@ -324,7 +325,7 @@ def test_g_table_for_layernorm_model_is_one_line(tmp_path):
 def test_cli_g_table_and_attention(tmp_path, toy, capsys):
     tok, pairs, proto = toy
     model = tiny_model(tok.vocab_size, qknorm=True, qk_g0=4.0)
-    torch.save({"format": data.CHECKPOINT_FORMAT, "model_config": model.cfg.to_dict(), "model": model.state_dict(),
+    torch.save({"format": data.CHECKPOINT_FORMAT, "model_config": asdict(model.cfg), "model": model.state_dict(),
                 "bpe_model_proto": proto}, tmp_path / "checkpoint_best.pt")
     assert decode.main([str(tmp_path), "--g-table"]) == 0
     assert "decoder.0.cross_attn.g" in capsys.readouterr().out
