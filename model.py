@@ -488,7 +488,7 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         logp = torch.log_softmax(at_least_fp32(z), dim=-1)  # (N, C)
         w = real.to(logp.dtype)  # (N,) 1 at real positions, 0 at padding
         nll = -logp.gather(-1, target[:, None]).squeeze(-1)  # (N,)
-        loss = (1 - eps) * nll - eps * logp.mean(-1)  # (N,)
+        loss = (1 - eps) * nll - eps * logp.mean(-1) if eps else nll  # (N,); eps 0: no pass over logp for the mean
         # Exercise label_smoothing: end
         ctx.save_for_backward(logp, target, w)
         ctx.eps, ctx.z_dtype = eps, z.dtype
@@ -500,7 +500,8 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         eps, C = ctx.eps, logp.size(-1)
         grad = logp.exp()  # softmax(z)
         grad.mul_((w * (d_loss + d_nll))[:, None])  # w (dL + dNLL) softmax
-        grad.sub_((w * d_loss * eps / C)[:, None])  # - w dL eps / C
+        if eps:  # - w dL eps / C
+            grad.sub_((w * d_loss * eps / C)[:, None])
         grad.scatter_add_(-1, target[:, None], -(w * (d_loss * (1 - eps) + d_nll))[:, None])  # - onehot
         return grad.to(ctx.z_dtype), None, None, None
 
@@ -562,8 +563,8 @@ class MultiLinearAttention(nn.Module):
         self.out = nn.Linear(self.heads * self.L * self.L, d, bias=cfg.attn_bias)  # W^O; Code: no bias
         i = torch.arange(self.L)
         causal = (i[None, :, None] <= i[:, None, None]) & (i[None, None, :] <= i[:, None, None])  # [j <= i and k <= i]
-        mask = causal if cfg.mask == "causal" else torch.ones_like(causal)  # none: every (j, k) kept
-        self.register_buffer("mask", mask, persistent=False)  # (L, L, L)
+        # --mask none: no mask (None), every (j, k) kept; a mask of ones would cost a pass over T, forward and backward
+        self.register_buffer("mask", causal if cfg.mask == "causal" else None, persistent=False)  # (L, L, L)
         self.relative, self.p = cfg.positions == "relative", cfg.dropout
         if self.relative:
             self.register_buffer("pe_reversed", sinusoidal_positions(self.L, d).flip(0), persistent=False)  # (L, D)
@@ -578,7 +579,8 @@ class MultiLinearAttention(nn.Module):
         # Exercise multilinear: begin
         qk = [(q * self.core)[:, :, :, None, :] * k[:, :, None, :, :] for q, k in terms]  # (B, H, t, t, R) c_r Q K
         T = (sum(qk[1:], qk[0]).flatten(2, 3) @ v.transpose(-1, -2)).view(b, self.heads, t, t, t)  # sum_r ... V[k, r]
-        T = T * self.mask[:t, :t, :t]  # T[i, j, k] = 0 unless j, k <= i (--mask none: all kept)
+        if self.mask is not None:  # --mask none: all kept
+            T = T * self.mask[:t, :t, :t]  # T[i, j, k] = 0 unless j, k <= i
         # Exercise multilinear: end
         return T
 

@@ -663,16 +663,17 @@ def test_the_fast_paths_give_the_reference_loss_and_gradients(name):
                                rtol=1e-6, atol=1e-6)  # smoothed_ce works in float32
 
 
-def test_the_fast_loss_has_the_exact_gradient_of_the_equation():
+@pytest.mark.parametrize("eps", [0.1, 0.0])  # eps 0 skips the smoothing's passes
+def test_the_fast_loss_has_the_exact_gradient_of_the_equation(eps):
     """SmoothedCrossEntropy's written-out backward, w (softmax - q), against autograd (gradcheck), and
     its values against label_smoothed_loss, padding rows (w = 0) included."""
     torch.manual_seed(0)
     z = torch.randn(6, 9, dtype=torch.float64, requires_grad=True)
     target = torch.tensor([0, 3, 8, 2, 2, 5])
     real = torch.tensor([True, True, False, True, True, True])
-    both = lambda z: SmoothedCrossEntropy.apply(z, target, real, 0.1)  # noqa: E731
+    both = lambda z: SmoothedCrossEntropy.apply(z, target, real, eps)  # noqa: E731
     assert torch.autograd.gradcheck(both, (z,))  # d/dz of loss and of NLL, any mix of the two
-    got, ref = both(z), label_smoothed_loss(z, target, 0.1, real)
+    got, ref = both(z), label_smoothed_loss(z, target, eps, real)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     for a, b in zip(torch.autograd.grad(got[0] + 0.3 * got[1], z), torch.autograd.grad(ref[0] + 0.3 * ref[1], z)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
