@@ -4,9 +4,9 @@ Reading order: norms.py -> model.py -> data.py -> decode.py -> train.py.
 Shapes: B sentences, S source length, K beam size, V vocabulary, n the rows still decoding.
 
     python decode.py RUN                                  # stdin -> stdout, best checkpoint
-    python decode.py RUN --input test.src --ref test.tgt  # BLEU + signature on stderr
+    python decode.py RUN --input test.src --ref test.tgt  # BLEU, chrF (signatures) on stderr; --json FILE
     python decode.py RUN --average 5 --input test.src --ref test.tgt --ppl
-    python decode.py --compare baseline.hyp system.hyp --ref test.tgt   # significance
+    python decode.py --compare baseline.hyp sys1.hyp sys2.hyp --ref test.tgt   # significance (--test bs|ar)
     python decode.py RUN --attention "a source sentence" --layer 0 --head 0 --kind cross
     python decode.py RUN --g-table          python decode.py RUN --input dev.src --benchmark
     python decode.py LM_RUN --ppl --input test.txt        # a language model: perplexity of a text
@@ -18,10 +18,10 @@ Contents
   3. Greedy search
   4. Beam search (batched over sentences and beams)
   5. Translating many lines
-  6. Scores: tokenized BLEU, SacreBLEU, chrF [8, 9]
+  6. Scores: SacreBLEU's BLEU, chrF, tokenized BLEU [8, 9]
   7. Held-out loss and perplexity ([1] Table 8)
   8. A language model ([2] Table 2): perplexity of a text, and continuing a prefix
-  Appendix A: significance, paired bootstrap resampling [10]
+  Appendix A: significance: paired bootstrap resampling [10], approximate randomization
   Appendix B: checkpoints: a run directory's model, and averaging them [2]
   Appendix C: looking inside: the learned g's ([1] Figures 3-4), attention maps ([3] Figures 1-2),
               the embedding's singular values ([2] Figure 6)
@@ -361,64 +361,74 @@ def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, 
 
 
 # =======================================================================================
-# Appendix A: paired bootstrap resampling [10] (Koehn 2004), the significance test of [1] and [3]. Draw n_samples
-# test sets of the same size from the real one, with replacement, the same sentence indices for both systems, and
-# compute both corpus BLEUs on each. The spread of a system's BLEU over the draws gives its 95% confidence
-# interval; how often the difference is as large as the real one, once the draws are centred on "no difference",
-# gives the p-value:   p = (#{s : |d_s| - mean_s |d_s| > |BLEU_sys - BLEU_base|} + 1) / (n_samples + 1)
-# Note: we call SacreBLEU's own implementation (sacrebleu.significance.PairedTest, test_type="bs", a port of Moses'
+# Appendix A: significance [10] as SacreBLEU tests it: corpus BLEU and chrF, each system against one baseline.
+# Paired bootstrap resampling (Koehn 2004, the test of [1] and [3]; --test bs): draw n_samples test sets of the same
+# size from the real one, with replacement, the same sentence indices for both systems, and score both on each. The
+# spread of a system's score over the draws gives its 95% confidence interval; how often the difference is as large as
+# the real one, once the draws are centred on "no difference", gives the p-value:
+#   p = (#{s : |d_s| - mean_s |d_s| > |score_sys - score_base|} + 1) / (n_samples + 1)
+# Paired approximate randomization (Riezler and Maxwell 2005; --test ar) swaps each sentence's two outputs with
+# probability 1/2, n_samples times:   p = (#{s : |d_s| > |score_sys - score_base|} + 1) / (n_samples + 1).
+# Note: we call SacreBLEU's own implementation (sacrebleu.significance.PairedTest; "bs" ports Moses'
 # bootstrap-hypothesis-difference-significance.pl); the CI is mean +- half the 2.5%..97.5% percentile range.
 # =======================================================================================
-def paired_bootstrap(baseline_hyps, system_hyps, refs, n_samples=1000, seed=12345, already_tokenized=False,
-                     lowercase=False, names=("baseline", "system", "references")):
-    """Paired bootstrap test of system vs baseline on corpus BLEU -> dict: "baseline", "system" ({"bleu", "mean",
-    "ci", "ci_low", "ci_high"}: real BLEU, bootstrap mean, 95% half-width), "p_value", "delta" (system - baseline),
-    "n_samples", "signature", "identical" (line-for-line equal), "undecidable" (why p is 1, see below; else "").
-    names: the three texts' names in the error when their line counts differ. Note: SacreBLEU takes seed 0 as none."""
-    base, sys_, refs = list(baseline_hyps), list(system_hyps), list(refs)
-    if not (len(base) == len(sys_) == len(refs)):
-        raise DataError("line counts differ: " + ", ".join(f"{n} {len(x)}" for n, x in zip(names, (base, sys_, refs))))
-    if not refs:
-        raise DataError("paired bootstrap needs at least one sentence")
-    # The BLEU of score_report: tokenized BLEU as multi-bleu.perl (no smoothing) under --tokenized, else SacreBLEU.
-    metric = BLEU(tokenize="none", smooth_method="none", lowercase=lowercase, force=True) if already_tokenized \
-        else BLEU(lowercase=lowercase, force=True)
+def paired_test(hyps, refs, test="bs", n_samples=0, seed=12345, already_tokenized=False, lowercase=False, names=None):
+    """The systems hyps[1:] against the baseline hyps[0] -> dict: "test", "n_samples" (0: SacreBLEU's default, 1000
+    for bs, 10000 for ar), "signatures" ({metric: signature}), "rows" (the baseline's, then each system's: {metric:
+    {"score", "mean", "ci" (resampled mean, 95% half-width; None under ar, as SacreBLEU's CLI), "delta" (system -
+    baseline), "p_value" (None for the baseline), "undecidable" (why p is 1, see below; else "")}}). names: the
+    outputs' and the references' names, for the error when line counts differ. Note: SacreBLEU takes seed 0 as none."""
+    hyps, refs = [list(h) for h in hyps], list(refs)
+    names = names or [*(f"system {i}" for i in range(len(hyps))), "references"]
+    if len({len(x) for x in (*hyps, refs)}) > 1:
+        raise DataError("line counts differ: " + ", ".join(f"{n} {len(x)}" for n, x in zip(names, (*hyps, refs))))
+    if len(hyps) < 2 or not refs:
+        raise DataError("a paired test needs the baseline's output and at least one system's, of one line or more")
+    # BLEU: SacreBLEU's, or under --tokenized the report's tokenized BLEU (as multi-bleu.perl, no smoothing).
+    metrics = {"BLEU": BLEU(tokenize="none", smooth_method="none", lowercase=lowercase, force=True) if
+               already_tokenized else BLEU(lowercase=lowercase, force=True), "chrF": CHRF(lowercase=lowercase)}
     caller_seed = os.environ.get("SACREBLEU_SEED")
     os.environ["SACREBLEU_SEED"] = "None" if seed is None else str(int(seed))  # where SacreBLEU reads its seed
     try:
-        signatures, scores = PairedTest([("baseline", base), ("system", sys_)], {"BLEU": metric}, [refs],
-                                        test_type="bs", n_samples=n_samples)()  # made (reads the seed), then run
+        paired = PairedTest(list(zip(names, hyps)), metrics, [refs], test_type=test, n_samples=n_samples)  # reads it
+        signatures, scores = paired()
     finally:  # the environment as the caller had it
         os.environ.pop("SACREBLEU_SEED") if caller_seed is None else os.environ.update(SACREBLEU_SEED=caller_seed)
-    b, s = scores["BLEU"]  # sacrebleu Result objects: score, p_value, mean, ci
-    # Note: when the two BLEUs are equal (identical outputs, outputs that differ only in spacing, both at BLEU 0)
-    # the real difference is 0; SacreBLEU finds no strictly larger centred difference and returns its smallest
-    # p-value, 1 / (n_samples + 1), "significant". There is no difference to test: we report p = 1 and say why.
-    undecidable = ("the two outputs are identical" if base == sys_ else
-                   "both outputs score BLEU 0" if b.score == s.score == 0 else
-                   "the two outputs score the same BLEU" if b.score == s.score else "")
-    out = {"n_samples": n_samples, "signature": str(signatures["BLEU"]), "delta": float(s.score - b.score),
-           "p_value": 1.0 if undecidable else float(s.p_value), "identical": base == sys_, "undecidable": undecidable}
-    for name, r in (("baseline", b), ("system", s)):
-        out[name] = {"bleu": float(r.score), "mean": float(r.mean), "ci": float(r.ci),
-                     "ci_low": float(r.mean - r.ci), "ci_high": float(r.mean + r.ci)}
+    out = {"test": test, "n_samples": paired.n_samples, "signatures": {m: str(s) for m, s in signatures.items()},
+           "rows": [{} for _ in hyps]}
+    for metric, (b, *others) in ((m, r) for m, r in scores.items() if m != "System"):  # sacrebleu Result objects
+        for i, (row, h, r) in enumerate(zip(out["rows"], hyps, (b, *others))):  # b: the baseline's
+            # Note: when the two scores are equal (identical outputs, outputs that differ only in spacing, both at
+            # BLEU 0) the real difference is 0; bootstrap finds no strictly larger centred difference and returns its
+            # smallest p-value, 1 / (n_samples + 1), "significant". There is no difference to test: we report p = 1.
+            undecidable = ("the two outputs are identical" if h == hyps[0] else
+                           f"both outputs score {metric} 0" if b.score == r.score == 0 else
+                           f"the two outputs score the same {metric}" if b.score == r.score else "")
+            row[metric] = {k: None if getattr(r, k) is None else float(getattr(r, k)) for k in ("score", "mean", "ci")}
+            row[metric].update(delta=float(r.score - b.score), undecidable=undecidable,
+                               p_value=None if i == 0 else 1.0 if undecidable else float(r.p_value))
     return out
 
 
 def compare(args):
-    """--compare BASELINE SYSTEM --ref REF: the paired bootstrap table (a rich Table) and its signature on stdout."""
-    names = (*args.compare, args.ref)  # BASELINE, SYSTEM, REF
-    result = paired_bootstrap(*(data.read_lines(path) for path in names), args.samples, args.seed, args.tokenized,
-                              args.lowercase, names=names)
-    table = Table("system", *(Column(col, justify="right") for col in ("BLEU", "mean +- 95% CI", "p-value")),
-                  title=f"paired bootstrap resampling, {result['n_samples']} samples")  # the numbers right-aligned
-    for name, r, p in zip(names, (result["baseline"], result["system"]), ("-", f"{result['p_value']:.4f}")):
-        table.add_row(str(name), f"{r['bleu']:.2f}", f"{r['mean']:.2f} +- {r['ci']:.2f}", p)
+    """--compare BASELINE SYSTEM [SYSTEM ...] --ref REF: the table of paired_test (a rich Table), its signatures and
+    each system's verdict on stdout."""
+    names = (*args.compare, args.ref)  # BASELINE, SYSTEMs, REF
+    r = paired_test([data.read_lines(path) for path in args.compare], data.read_lines(args.ref), args.test,
+                    args.samples or 0, args.seed, args.tokenized, args.lowercase, names=names)
+    how = {"bs": "paired bootstrap resampling", "ar": "paired approximate randomization"}[r["test"]]
+    table = Table(Column("system", overflow="fold"), "metric", *(Column(col, justify="right") for col in (
+        "score", "mean +- 95% CI", "p-value")), title=f"{how}, {r['n_samples']} samples")  # the numbers right-aligned
+    for name, row in zip(names, r["rows"]):  # a row per system and metric; "-": none (AR gives no interval)
+        for metric, x in row.items():
+            table.add_row(str(name), metric, f"{x['score']:.2f}", "-" if x["mean"] is None else
+                          f"{x['mean']:.2f} +- {x['ci']:.2f}", "-" if x["p_value"] is None else f"{x['p_value']:.4f}")
     Console().print(table)
-    print(result["signature"])
-    verdict = (f"not significant: {result['undecidable']}, so there is no difference to test" if result["undecidable"]
-               else f"{'' if result['p_value'] < 0.05 else 'not '}significant at 0.05")
-    print(f"delta {result['delta']:+.2f} BLEU, p = {result['p_value']:.4f} ({verdict})")
+    print("\n".join(f"{metric}: {signature}" for metric, signature in r["signatures"].items()))
+    for name, row in zip(names[1:], r["rows"][1:]):
+        print(f"{name}: " + "; ".join(f"{metric} delta {x['delta']:+.2f}, p = {x['p_value']:.4f} (" + (
+            f"not significant: {x['undecidable']}, so there is no difference to test" if x["undecidable"] else
+            f"{'' if x['p_value'] < 0.05 else 'not '}significant at 0.05") + ")" for metric, x in row.items()))
 
 
 # =======================================================================================
@@ -783,12 +793,19 @@ def count_long(tokenizer, lines, max_src_len):
     return sum(len(x) > max_src_len for x in tokenizer.encode(list(lines))) if lines else 0
 
 
-def score_report(hyps, refs, already_tokenized=False, lowercase=False):
-    """One line: tokenized BLEU (multi-bleu.perl style), SacreBLEU with its signature, chrF."""
-    tb, sb = tokenized_bleu(hyps, refs, already_tokenized, lowercase), bleu(hyps, refs, lowercase)
-    how = "as given" if already_tokenized else "13a-tokenized"
-    return (f"tokenized BLEU = {tb.score:.2f} ({how}, tok:none, as multi-bleu.perl) | "
-            f"SacreBLEU {sb} | {sb.signature} | chrF2 = {chrf(hyps, refs, lowercase).score:.2f}")
+def scores(hyps, refs, already_tokenized=False, lowercase=False):
+    """Section 6's scores for --json and train.py's results.json: {"bleu", "chrf", "tokenized_bleu"}, each the dict
+    SacreBLEU's CLI writes (--format json): name, score (2 decimals), signature and its fields, BLEU's verbose_score."""
+    tb = tokenized_bleu(hyps, refs, already_tokenized, lowercase)
+    tb.name = "tokenized BLEU (unsmoothed, as multi-bleu.perl)"  # not the headline: 0 when an n-gram order has no match
+    return {key: json.loads(s.format(signature=s.signature, is_json=True)) for key, s in
+            (("bleu", bleu(hyps, refs, lowercase)), ("chrf", chrf(hyps, refs, lowercase)), ("tokenized_bleu", tb))}
+
+
+def score_report(scored):
+    """One line from scores()'s dict, the headline first, each as SacreBLEU prints it ("BLEU|nrefs:1|... = 3.40")."""
+    return " | ".join(f"{s['name']}|{s['signature']} = {s['score']:.2f} {s.get('verbose_score', '')}".rstrip()
+                      for s in scored.values())
 
 
 def build_parser():
@@ -798,8 +815,9 @@ def build_parser():
                     "(its best checkpoint, else its last); not needed with --compare")
     ap.add_argument("--input", help="source text, one sentence a line (default: stdin)")
     ap.add_argument("--output", help="where to write translations, one a line (default: stdout)")
-    ap.add_argument("--ref", help="reference translations: print tokenized BLEU, SacreBLEU with its signature, "
-                    "and chrF on stderr")
+    ap.add_argument("--ref", help="reference translations: print SacreBLEU's BLEU and chrF, then the tokenized BLEU "
+                    "(unsmoothed, as multi-bleu.perl), each with its signature, on stderr")
+    ap.add_argument("--json", metavar="FILE.json", help="with --ref: also the scores, as SacreBLEU's CLI writes them")
     ap.add_argument("--tokenized", action="store_true", help="the references (and so the outputs) are already "
                     "tokenized, e.g. the Moses-tokenized IWSLT'15 en-vi of [1] or the TED pairs as shipped: tokenized "
                     "BLEU scores them as they are, which is exactly multi-bleu.perl ([1] appendix A). Without it, raw "
@@ -836,10 +854,12 @@ def build_parser():
                          "[1] Table 8); a language model: the perplexity of the text of --input (or stdin)")
     ev.add_argument("--label-smoothing", type=fraction, default=None,
                     help="epsilon for --ppl (default: the checkpoint's training value, else 0.1)")
-    ev.add_argument("--compare", nargs=2, metavar=("BASELINE", "SYSTEM"),
-                    help="paired bootstrap resampling (Koehn 2004, SacreBLEU's implementation) of two output files "
-                         "against --ref: BLEU, 95%% CI, p-value; no checkpoint needed")
-    ev.add_argument("--samples", type=positive_int, default=1000, help="bootstrap resamples for --compare")
+    ev.add_argument("--compare", nargs="+", metavar="FILE", help="BASELINE SYSTEM [SYSTEM ...]: a paired test "
+                    "(SacreBLEU's) of each system's output file against the baseline's, on --ref: BLEU and chrF, 95%% "
+                    "CI, p-value; no checkpoint needed")
+    ev.add_argument("--test", choices=["bs", "ar"], default="bs", help="--compare's test: paired bootstrap resampling "
+                    "(Koehn 2004) or paired approximate randomization (Riezler and Maxwell 2005)")
+    ev.add_argument("--samples", type=positive_int, help="bs resamples or ar trials of --compare (default 1000, 10000)")
     ev.add_argument("--seed", type=int, default=12345,
                     help="resampling seed for --compare (SacreBLEU's default); --sample's seed")
     ev.add_argument("--attention", metavar="SOURCE", help="print the attention map of this source sentence (QKNorm "
@@ -883,20 +903,20 @@ def build_parser():
 MODEL = {"checkpoint", "average", "device", "dtype", "reference", "threads"}
 SEARCH = {"beam", "alpha", "length_penalty", "max_len_b", "max_len", "batch_tokens"}
 LOOK = MODEL | {"g_table", "attention", "attention_target", "layer", "head", "kind", "png"}  # greedy, if at all
-TRANSLATE = MODEL | SEARCH | {"input", "output", "ref", "tokenized", "lowercase", "progress", "ppl", "label_smoothing",
-                              "benchmark"}
+TRANSLATE = MODEL | SEARCH | {"input", "output", "ref", "json", "tokenized", "lowercase", "progress", "ppl",
+                              "label_smoothing", "benchmark"}
 LM = {"batch_tokens", "input", "ppl", "context", "leak", "leak_mode", "generate", "sample", "temperature", "max_tokens",
       "seed", "seq_len"}
-MODES = {"compare": {"compare", "ref", "samples", "seed", "tokenized", "lowercase"}, "plot": {"plot", "out"},
+MODES = {"compare": {"compare", "ref", "test", "samples", "seed", "tokenized", "lowercase"}, "plot": {"plot", "out"},
          "svd": MODEL | {"svd", "png"}, "g_table": LOOK, "attention": LOOK,
          "benchmark": MODEL | SEARCH | {"benchmark", "input", "ref"},
          "a translator": TRANSLATE, "a language model": MODEL - {"average"} | LM}
 # A flag that only works with another ("--sample is for --generate"), checked whatever the mode.
 NEEDS = {"out": ("plot",), "context": ("ppl",), "leak_mode": ("leak",), "sample": ("generate",),
-         "max_tokens": ("generate",), "temperature": ("sample",), "samples": ("compare",),
-         "seed": ("compare", "sample"), "tokenized": ("ref",), "lowercase": ("ref",), "label_smoothing": ("ppl",),
-         "attention_target": ("attention",), "png": ("attention", "svd"), "layer": ("attention",),
-         "head": ("attention",), "kind": ("attention",)}
+         "max_tokens": ("generate",), "temperature": ("sample",), "samples": ("compare",), "test": ("compare",),
+         "seed": ("compare", "sample"), "tokenized": ("ref",), "lowercase": ("ref",), "json": ("ref",),
+         "label_smoothing": ("ppl",), "attention_target": ("attention",), "png": ("attention", "svd"),
+         "layer": ("attention",), "head": ("attention",), "kind": ("attention",)}
 
 
 def idle_flag(mode, given):
@@ -966,6 +986,8 @@ def run(args):
             if path and out.exists() and Path(path).exists() and out.samefile(path):
                 raise DataError(f"--output {args.output}: is {flag} {path}; write the translations elsewhere")
         check_output_file(args.output, "--output")
+    if args.json:  # as --output; its name ends in .json: no text decode.py reads, and a run's results.json is refused
+        check_output_file(args.json, "--json", ".json")
     if args.png:
         figure(args.png, "--png")
     lines, refs = (data.read_lines(path) if path else None for path in (args.input, args.ref))
@@ -1031,7 +1053,10 @@ def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
             print(f"note: --tokenized, but {100 * share:.0f}% of the words of {args.ref} have punctuation attached: "
                   f"it is not tokenized, so 'tokenized BLEU' scores those as words (drop --tokenized to 13a-tokenize "
                   f"both sides first)", file=sys.stderr)
-        print(score_report(hyps, refs, args.tokenized, args.lowercase), file=sys.stderr)
+        s = scores(hyps, refs, args.tokenized, args.lowercase)  # section 6; the --json file's content
+        print(score_report(s), file=sys.stderr)
+        if args.json:  # atomically, as --output
+            data.atomic_write(Path(args.json).resolve(), json.dumps(s, indent=2) + "\n")
         if args.ppl:
             ppl = perplexity(model, tokenizer, zip(lines, refs), args.label_smoothing, args.batch_tokens, search.bf16)
             print(f"test perplexity: label-smoothed (eps {args.label_smoothing}) {ppl['smoothed_ppl']:.2f}, "

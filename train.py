@@ -429,11 +429,11 @@ def finish(run):
         search = decode.Search(args.beam, args.alpha, max_src_len=args.max_len, bf16=run.step_options.bf16,
                                penalty=args.length_penalty)
         hyps = decode.translate(run.model, run.tokenizer, [x for x, _ in run.pairs["test"]], search, args.batch_tokens)
-        score = decode.bleu(hyps, [y for _, y in run.pairs["test"]])
+        s = decode.scores(hyps, [y for _, y in run.pairs["test"]])  # decode.py --json's: BLEU, chrF, tokenized BLEU
         data.atomic_write(run.dir / "test.hyp", "".join(h + "\n" for h in hyps))
-        result.update(test_bleu=score.score, test_signature=score.signature)
-        run.log(f"test BLEU (best checkpoint, step {best['step']}, beam {args.beam}, {args.length_penalty} length "
-                f"penalty alpha {args.alpha}): {score.score:.2f}  {score.signature}")
+        result.update(test_bleu=s["bleu"]["score"], test_signature=s["bleu"]["signature"], test_chrf=s["chrf"]["score"],
+                      test_chrf_signature=s["chrf"]["signature"])
+        run.log(f"test (best checkpoint, step {best['step']}, {search}): {decode.score_report(s)}")
     append_metrics(run, {"final": result})  # metrics.jsonl's last record
     data.atomic_write(run.dir / "results.json", json.dumps(result, indent=2) + "\n")  # Appendix E: a finished run
     return result

@@ -16,7 +16,9 @@ A tiny random model is enough for all of these (no training): its weights are sc
 so that its outputs depend on the source and the prefix, and they end at varied lengths.
 """
 import io
+import json
 import math
+import subprocess
 import sys
 from dataclasses import asdict
 from functools import partial
@@ -238,11 +240,29 @@ def test_cli_translates_a_file_and_prints_bleu(run_dir, tmp_path, capsys):
     out = tmp_path / "hyp.txt"
     common = [str(root), "--input", str(root / "dev.src"), "--ref", str(root / "dev.tgt"),
               "--max-len-b", str(B_), "--device", "cpu"]
-    assert decode.main(common + ["--output", str(out), "--beam", "2"]) == 0
+    assert decode.main(common + ["--output", str(out), "--beam", "2", "--json", str(tmp_path / "scores.json")]) == 0
     hyps = out.read_text().split("\n")[:-1]
     assert hyps == translate(model, tok, lines[:12], Search(2, max_len_b=B_))
     err = capsys.readouterr().err
-    assert "BLEU = " in err and "nrefs:1|case:mixed|eff:no|tok:13a" in err and "chrF2 = " in err
+    assert "BLEU|nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp" in err and "chrF2|nrefs:1|case:mixed|eff:yes" in err
+    # --json: the scores as SacreBLEU's own CLI writes them for the same files, and as the line on stderr says
+    scores = json.loads((tmp_path / "scores.json").read_text())
+    cli = subprocess.run([sys.executable, "-m", "sacrebleu", str(root / "dev.tgt"), "-i", str(out), "-m", "bleu", "chrf",
+                          "-w", "2"], capture_output=True, text=True, check=True)
+    assert [scores["bleu"], scores["chrf"]] == json.loads(cli.stdout)
+    assert decode.score_report(scores) in err and scores["tokenized_bleu"]["name"].startswith("tokenized BLEU")
+    # checked before any work, as --output: a name that is not .json, a run's own file, a flag it needs or idles with
+    for flags, words in ((["--json", str(tmp_path / "scores.txt")], "must end in .json"),
+                         (["--json", str(root / "results.json")], "a file of the run directory"),
+                         (["--json", str(tmp_path / "nope" / "s.json")], "does not exist")):
+        with pytest.raises(SystemExit) as e:
+            decode.main(common + flags)
+        assert words in str(e.value.code), (flags, e.value.code)
+    for flags, words in ((["--json", str(tmp_path / "s.json"), "--benchmark"], "--json does nothing with --benchmark"),
+                         ([str(root), "--json", str(tmp_path / "s.json")], "--json is for --ref")):
+        with pytest.raises(SystemExit):
+            decode.main(common + flags if "--benchmark" in flags else flags)
+        assert words in capsys.readouterr().err
     assert decode.main(common + ["--benchmark"]) == 0
     err = capsys.readouterr().err
     assert "greedy (beam 1)" in err and "beam 4" in err and "sentences/s" in err
@@ -284,7 +304,7 @@ def test_bleu_helpers():
     hyps, refs = ["the cat sat on the mat ."], ["the cat sat on the mat ."]
     score = decode.bleu(hyps, refs)
     assert score.score == pytest.approx(100.0) and "tok:13a" in score.signature
-    assert "\n" not in decode.score_report(hyps, refs)
+    assert "\n" not in decode.score_report(decode.scores(hyps, refs))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -5,8 +5,11 @@ The claims, in the order of decode.py:
   - tokenized BLEU (13a-tokenize, then tokenize="none": multi-bleu.perl on tokenized
     text) equals SacreBLEU's 13a BLEU on raw text, equals tokenize="none" on text that is
     already tokenized, and is 100 for perfect output;
-  - paired bootstrap (SacreBLEU's implementation): a system against itself is not
-    significant, the references against a corrupted baseline are, with 95% intervals;
+  - the scores of --json and results.json are what SacreBLEU's own CLI writes for the same
+    files (scores and signatures), and the printed line puts SacreBLEU's BLEU first;
+  - paired bootstrap and approximate randomization (SacreBLEU's implementation) on BLEU and
+    chrF: a system against itself is not significant, the references against a corrupted
+    baseline are, with 95% intervals; every number equals `sacrebleu --paired-bs/--paired-ar`;
   - checkpoint averaging averages the floating-point tensors and copies int/bool buffers;
     load_checkpoint(run_dir, average=N) uses the N last epochs, and too few is an error;
   - perplexity with eps = 0 is exp of the mean cross entropy computed here from
@@ -22,6 +25,8 @@ import io
 import json
 import math
 import os
+import re
+import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -91,9 +96,30 @@ def test_perfect_output_scores_100_everywhere():
     assert decode.tokenized_bleu(RAW_REF, RAW_REF).score == pytest.approx(100.0)
     assert decode.tokenized_bleu(RAW_REF, RAW_REF, already_tokenized=True).score == pytest.approx(100.0)
     assert decode.chrf(RAW_REF, RAW_REF).score == pytest.approx(100.0)
-    report = decode.score_report(RAW_HYP, RAW_REF)
-    assert "\n" not in report
-    assert "tokenized BLEU = " in report and "tok:13a" in report and "chrF2 = " in report
+    report = decode.score_report(decode.scores(RAW_HYP, RAW_REF))
+    assert "\n" not in report and "tok:13a|smooth:exp" in report and "tok:13a|smooth:none" in report
+    # the headline first: SacreBLEU's BLEU, then chrF, then the tokenized BLEU, named as unsmoothed
+    assert report.index("BLEU|nrefs") < report.index("chrF2|nrefs") < report.index("tokenized BLEU (unsmoothed")
+
+
+def sacrebleu_cli(*args, seed=None):
+    """SacreBLEU's own command line (python -m sacrebleu), its stdout."""
+    env = dict(os.environ, **({} if seed is None else {"SACREBLEU_SEED": str(seed)}))
+    done = subprocess.run([sys.executable, "-m", "sacrebleu", *map(str, args)], capture_output=True, text=True,
+                          env=env, check=True)
+    return done.stdout
+
+
+def test_scores_equal_sacrebleu_cli(tmp_path):
+    """decode.scores (--json, results.json) is what `sacrebleu REF -i HYP -m bleu chrf` writes, field by field."""
+    (tmp_path / "ref").write_text("\n".join(RAW_REF) + "\n")
+    (tmp_path / "hyp").write_text("\n".join(RAW_HYP) + "\n")
+    ours = decode.scores(RAW_HYP, RAW_REF)
+    bleu, chrf = json.loads(sacrebleu_cli(tmp_path / "ref", "-i", tmp_path / "hyp", "-m", "bleu", "chrf", "-w", "2"))
+    assert ours["bleu"] == bleu and ours["chrf"] == chrf and 0 < bleu["score"] < 100
+    tokenized = json.loads(sacrebleu_cli(tmp_path / "ref", "-i", tmp_path / "hyp", "-m", "bleu", "-w", "2",
+                                         "--smooth-method", "none"))  # multi-bleu.perl: 13a, no smoothing
+    assert ours["tokenized_bleu"] == dict(tokenized, name="tokenized BLEU (unsmoothed, as multi-bleu.perl)")
 
 
 # -- paired bootstrap -------------------------------------------------------------------
@@ -112,30 +138,70 @@ def corrupt(lines, seed=1):
     return out
 
 
-def test_paired_bootstrap_identical_systems_not_significant():
+def test_paired_test_identical_systems_not_significant():
     refs = corpus()
     hyps = corrupt(refs)
-    r = decode.paired_bootstrap(hyps, list(hyps), refs, n_samples=200)
-    assert r["delta"] == 0.0 and r["identical"] and r["p_value"] == 1.0  # no difference: p = 1
-    assert r["baseline"]["bleu"] == r["system"]["bleu"]
+    for test in ("bs", "ar"):
+        r = decode.paired_test([hyps, list(hyps)], refs, test, n_samples=200)
+        for metric in ("BLEU", "chrF2"):  # no difference: p = 1, and why
+            x = r["rows"][1][metric]
+            assert x["delta"] == 0.0 and x["p_value"] == 1.0 and x["undecidable"] == "the two outputs are identical"
+            assert r["rows"][0][metric]["score"] == x["score"] and r["rows"][0][metric]["p_value"] is None
 
 
-def test_paired_bootstrap_references_beat_corrupted_baseline():
+def test_paired_test_references_beat_corrupted_baseline():
     refs = corpus()
-    r = decode.paired_bootstrap(corrupt(refs), refs, refs, n_samples=200)
-    assert r["system"]["bleu"] == pytest.approx(100.0) and r["delta"] > 10
-    assert r["p_value"] < 0.05
-    for key in ("baseline", "system"):
-        c = r[key]
-        assert c["ci"] >= 0 and c["ci_low"] <= c["mean"] <= c["ci_high"]
-    assert r["baseline"]["ci"] > 0  # a corrupted system's BLEU varies over resamples
-    again = decode.paired_bootstrap(corrupt(refs), refs, refs, n_samples=200)
+    r = decode.paired_test([corrupt(refs), refs], refs, n_samples=200)
+    base, system = r["rows"]
+    assert system["BLEU"]["score"] == pytest.approx(100.0) and system["BLEU"]["delta"] > 10
+    assert system["chrF2"]["score"] == pytest.approx(100.0) and system["chrF2"]["delta"] > 10
+    assert system["BLEU"]["p_value"] < 0.05 and system["chrF2"]["p_value"] < 0.05
+    for x in (*base.values(), *system.values()):
+        assert x["ci"] >= 0 and x["mean"] - x["ci"] <= x["mean"] <= x["mean"] + x["ci"]
+    assert base["BLEU"]["ci"] > 0 and base["chrF2"]["ci"] > 0  # a corrupted system's scores vary over resamples
+    again = decode.paired_test([corrupt(refs), refs], refs, n_samples=200)
     assert again == r  # seeded: reproducible
-    other = decode.paired_bootstrap(corrupt(refs), refs, refs, n_samples=200, seed=7)
-    assert other["baseline"]["ci"] != r["baseline"]["ci"] and "seed:7" in other["signature"]  # the seed is SacreBLEU's
+    other = decode.paired_test([corrupt(refs), refs], refs, n_samples=200, seed=7)
+    assert other["rows"][0]["BLEU"]["ci"] != base["BLEU"]["ci"] and "seed:7" in other["signatures"]["BLEU"]
     assert os.environ.get("SACREBLEU_SEED") is None  # SacreBLEU's seed is taken from the environment; ours is put back
+    ar = decode.paired_test([corrupt(refs), refs], refs, "ar", n_samples=200)
+    assert ar["rows"][1]["BLEU"]["p_value"] < 0.05 and ar["rows"][1]["BLEU"]["mean"] is None  # AR: no interval
     with pytest.raises(DecodeError, match="line counts differ"):
-        decode.paired_bootstrap(refs[:-1], refs, refs)
+        decode.paired_test([refs[:-1], refs], refs)
+
+
+def cli_table(text):
+    """The rows of SacreBLEU's --paired-bs/--paired-ar table (-f text): {system: [the cells of each metric]}."""
+    rows, name = {}, None
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("\u2502")[1:-1]]  # the box drawing's vertical bar
+        if len(cells) > 1 and cells[0] != "System":
+            name = (cells[0] or name).removeprefix("Baseline: ")
+            rows.setdefault(name, [""] * (len(cells) - 1))
+            rows[name] = [a + " " + b for a, b in zip(rows[name], cells[1:])]
+    return rows
+
+
+@pytest.mark.parametrize("test", ["bs", "ar"])
+def test_paired_test_equals_sacrebleu_cli(tmp_path, test):
+    """Every score, interval and p-value of decode.paired_test (and so of --compare) is what
+    `sacrebleu REF -i BASE SYS1 SYS2 -m bleu chrf --paired-bs` (or --paired-ar) prints for the same files and seed."""
+    refs = corpus()
+    files = {"ref": refs, "base": corrupt(refs, 1), "sys1": corrupt(refs, 2), "sys2": refs[:30] + corrupt(refs, 3)[30:]}
+    for name, lines in files.items():
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    out = sacrebleu_cli(tmp_path / "ref", "-i", *(tmp_path / n for n in ("base", "sys1", "sys2")), "-m", "bleu", "chrf",
+                        f"--paired-{test}", f"--paired-{test}-n", 200, "-w", 4, "-f", "text", "--no-color", seed=7)
+    ours = decode.paired_test([files[n] for n in ("base", "sys1", "sys2")], refs, test, 200, seed=7)
+    theirs = cli_table(out)
+    assert list(theirs) == [str(tmp_path / n) for n in ("base", "sys1", "sys2")]
+    for row, cells in zip(ours["rows"], theirs.values()):
+        for x, cell in zip(row.values(), cells):  # BLEU, chrF2
+            want = [f"{x[k]:.4f}" for k in ("score", "mean", "ci", "p_value") if x[k] is not None]
+            assert re.findall(r"\d+\.\d+", cell) == want, (cell, x)
+    assert any(row["BLEU"]["p_value"] < 0.05 for row in ours["rows"][1:])  # a table with a significant difference
+    for metric, signature in ours["signatures"].items():
+        assert re.search(rf"^ - {metric} +{re.escape(signature)}$", out, re.M), (metric, signature, out)
 
 
 def test_cli_compare_prints_table_and_names_bad_files(tmp_path, capsys):
@@ -143,17 +209,26 @@ def test_cli_compare_prints_table_and_names_bad_files(tmp_path, capsys):
     (tmp_path / "ref").write_text("\n".join(refs) + "\n")
     (tmp_path / "base").write_text("\n".join(corrupt(refs)) + "\n")
     (tmp_path / "sys").write_text("\n".join(refs) + "\n")
+    (tmp_path / "sys2").write_text("\n".join(corrupt(refs, 5)) + "\n")
     (tmp_path / "short").write_text("one line\n")
-    argv = ["--compare", str(tmp_path / "base"), str(tmp_path / "sys"), "--ref", str(tmp_path / "ref"),
-            "--samples", "100"]
-    assert decode.main(argv) == 0
-    out = capsys.readouterr().out
-    assert "p-value" in out and "95% CI" in out and "significant" in out
+    for test in ("bs", "ar"):
+        argv = ["--compare", str(tmp_path / "base"), str(tmp_path / "sys"), str(tmp_path / "sys2"), "--ref",
+                str(tmp_path / "ref"), "--samples", "100", "--test", test]
+        assert decode.main(argv) == 0
+        out = capsys.readouterr().out
+        assert "p-value" in out and "95% CI" in out and "100 samples" in out and out.count("\u2502 chrF2") == 3
+        assert f"BLEU: nrefs:1|{test}:100|seed:12345" in out and f"chrF2: nrefs:1|{test}:100|seed:12345" in out
+        verdicts = out.strip().splitlines()[-2:]  # one line per system, both metrics
+        assert verdicts[0].startswith(f"{tmp_path / 'sys'}: BLEU delta +") and "; chrF2 delta +" in verdicts[0]
+        assert verdicts[1].startswith(f"{tmp_path / 'sys2'}: BLEU delta ")
     for bad in ("short", "missing"):
         with pytest.raises(SystemExit) as e:
             decode.main(["--compare", str(tmp_path / bad), str(tmp_path / "sys"), "--ref", str(tmp_path / "ref")])
         msg = str(e.value.code)
         assert str(tmp_path / bad) in msg and "\n" not in msg and msg.startswith("decode.py: error:")
+    with pytest.raises(SystemExit) as e:  # a baseline alone: nothing to compare
+        decode.main(["--compare", str(tmp_path / "base"), "--ref", str(tmp_path / "ref")])
+    assert "at least one system's" in str(e.value.code)
 
 
 # -- checkpoint averaging -----------------------------------------------------------------
@@ -339,7 +414,8 @@ def test_cli_g_table_and_attention(tmp_path, toy, capsys):
     assert decode.main([str(tmp_path), "--input", str(tmp_path / "dev.src"), "--ref", str(tmp_path / "dev.tgt"),
                         "--output", str(tmp_path / "hyp"), "--ppl", "--beam", "1", "--max-len-b", "5"]) == 0
     err = capsys.readouterr().err
-    assert "tokenized BLEU = " in err and "test perplexity: label-smoothed (eps 0.1)" in err
+    assert "tokenized BLEU (unsmoothed, as multi-bleu.perl)|" in err
+    assert "test perplexity: label-smoothed (eps 0.1)" in err
 
 
 # -- case-insensitive BLEU and pictures (issue: PowerNorm reports case-insensitive BLEU) ------
@@ -349,8 +425,8 @@ def test_lowercase_bleu_ignores_case_and_says_so_in_its_signature():
     lc = decode.bleu(hyps, refs, lowercase=True)
     assert lc.score == pytest.approx(100.0) and "case:lc" in lc.signature
     assert decode.tokenized_bleu(hyps, refs, lowercase=True).score == pytest.approx(100.0)
-    report = decode.score_report(hyps, refs, lowercase=True)
-    assert "case:lc" in report and "chrF2 = 100.00" in report
+    report = decode.score_report(decode.scores(hyps, refs, lowercase=True))
+    assert "case:lc" in report and "chrF2|nrefs:1|case:lc" in report and "= 100.00" in report
 
 
 def _fake_run(root, name, scale_g, qk_g, bn_key=None):

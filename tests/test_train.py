@@ -348,7 +348,13 @@ def test_validation_decay_never_fires_inside_the_warmup(tmp_path, monkeypatch, s
     eval_and_decay skips annealing during warmup). Dev BLEU is driven down at every evaluation,
     inside the warmup too: the LR stays on eq. 7's warmup line until n_warmup, and only then decays."""
     bleus = iter(range(100, 0, -1))  # strictly falling: every evaluation after the first is worse
-    monkeypatch.setattr(train.decode, "bleu", lambda hyps, refs: type("S", (), {"score": float(next(bleus)), "signature": "stub"})())
+    real_bleu = train.decode.bleu
+
+    def falling(hyps, refs, lowercase=False):  # SacreBLEU's score object, its score replaced
+        score = real_bleu(hyps, refs, lowercase)
+        score.score = float(next(bleus))
+        return score
+    monkeypatch.setattr(train.decode, "bleu", falling)
     run = tmp_path / "run"
     warmup, epoch = 30, 5
     train.main(SMALL + small_corpus + ["--schedule", "valdecay", "--warmup", str(warmup), "--lr", "1e-3",
@@ -362,6 +368,21 @@ def test_validation_decay_never_fires_inside_the_warmup(tmp_path, monkeypatch, s
     assert lr[warmup + 1] == pytest.approx(peak * 0.8, rel=1e-9)
     assert lr[warmup + epoch + 1] == pytest.approx(peak * 0.8 ** 2, rel=1e-9)
     assert lr[50] == pytest.approx(peak * 0.8 ** 4, rel=1e-9)
+
+
+def test_results_json_holds_the_test_scores_decode_json_writes(tmp_path, small_corpus):
+    """results.json keeps test_bleu and test_signature, and adds test_chrf with its signature: decode.scores' numbers
+    (decode.py --json's) for test.hyp, which are SacreBLEU's CLI's (tests/test_evaluation.py)."""
+    run = tmp_path / "run"
+    train.main(SMALL + small_corpus + ["--max-steps", "4", "--out", str(run)])
+    result = json.loads((run / "results.json").read_text())
+    hyps = (run / "test.hyp").read_text().split("\n")[:-1]
+    s = decode.scores(hyps, (Path(small_corpus[1]) / "test.tgt").read_text().split("\n")[:-1])
+    assert (result["test_bleu"], result["test_signature"], result["test_chrf"], result["test_chrf_signature"]) == (
+        s["bleu"]["score"], s["bleu"]["signature"], s["chrf"]["score"], s["chrf"]["signature"])
+    assert "tok:13a|smooth:exp" in result["test_signature"] and result["test_chrf_signature"].startswith("nrefs:1|")
+    log = (run / "train.log").read_text()
+    assert "test (best checkpoint, step " in log and decode.score_report(s) in log
 
 
 def test_powernorm_warmup_follows_the_lr_warmup_unless_given():

@@ -415,11 +415,14 @@ def test_compare_never_calls_equal_scores_significant(tmp_path, capsys):
     for name, lines in (("ref", ref), ("a", ref), ("b", spaced), ("za", zero_a), ("zb", zero_b)):
         files[name] = tmp_path / name
         files[name].write_text("\n".join(lines) + "\n")
-    for a, b, why in (("a", "b", "the two outputs score the same BLEU"), ("za", "zb", "both outputs score BLEU 0")):
-        capsys.readouterr()
-        decode.main(["--compare", str(files[a]), str(files[b]), "--ref", str(files["ref"]), "--samples", "200"])
-        last = capsys.readouterr().out.strip().splitlines()[-1]
-        assert "p = 1.0000" in last and f"not significant: {why}" in last, last
+    for test in ("bs", "ar"):  # chrF ignores spaces too: the same chrF2 for "a" and "b"
+        for a, b, whys in (("a", "b", ("the same BLEU", "the same chrF2")), ("za", "zb", ("outputs score BLEU 0",))):
+            capsys.readouterr()
+            decode.main(["--compare", str(files[a]), str(files[b]), "--ref", str(files["ref"]), "--samples", "200",
+                         "--test", test])
+            last = capsys.readouterr().out.strip().splitlines()[-1]  # the system's verdict, BLEU's then chrF2's
+            assert last.startswith(f"{files[b]}: BLEU delta +0.00, p = 1.0000 (not significant: "), last
+            assert all(why in last for why in whys), last
 
 
 def test_a_checkpoint_is_written_only_with_finite_weights_and_a_finite_dev_loss(tmp_path, corpus, monkeypatch):
@@ -944,7 +947,7 @@ def test_decode_refuses_what_would_silently_do_nothing_or_mislead(finished, tmp_
     assert "case:lc" in out and "score the same BLEU" in out, out
     # tokenized BLEU scores tokenized text on purpose: no "did you forget to detokenize" warning
     with caplog.at_level("WARNING"):
-        decode.score_report(["a b ."] * 120, ["a b ."] * 120)
+        decode.score_report(decode.scores(["a b ."] * 120, ["a b ."] * 120))
     assert "detokenize" not in caplog.text.lower() and "tokenized period" not in caplog.text.lower(), caplog.text
 
 
