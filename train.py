@@ -1374,7 +1374,7 @@ def stop_signals(run):
     requested(synced), asked after each step: the signal that stops the run after it (0: none). Under torchrun every
     rank must stop at the same step: the ranks agree (the largest of their signals), at every step on the CPU, at host
     syncs (synced) on a GPU, where reading the answer would otherwise wait for the GPU at every step."""
-    box, signals = [0], (signal.SIGINT, signal.SIGTERM)
+    box = [0]
 
     def handler(signum, frame):
         if box[0]:
@@ -1388,12 +1388,10 @@ def stop_signals(run):
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             return int(agreed)
         return box[0] if run.world == 1 else 0
-    before = [signal.signal(sig, handler) for sig in signals]  # signal.signal returns the handler it replaces
-    try:
+    with contextlib.ExitStack() as previous:  # at the end, each signal gets back the handler it had before
+        for sig in (signal.SIGINT, signal.SIGTERM):  # signal.signal returns the handler it replaces
+            previous.callback(signal.signal, sig, signal.signal(sig, handler))
         yield requested
-    finally:
-        for sig, old in zip(signals, before):
-            signal.signal(sig, old)
 
 
 def restore(run, ckpt):
