@@ -54,6 +54,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.benchmark import Timer
 
 import data
 import decode
@@ -967,26 +968,15 @@ def batch_flops(cfg, b, out_vocab=None):
 
 def matmul_flops(run, tokens=4096, seconds=1.0):
     """FLOP/s of a dense (tokens x d) @ (d x ff) GEMM, the FFN's first matmul, in the step's matmul dtype (bf16
-    under CUDA autocast, else fp32), in this process: MFU's denominator. The best of 5 short windows: a busy moment on
-    a shared machine would otherwise understate the peak (and inflate MFU). On a GPU, 20 products per sync."""
+    under CUDA autocast, else fp32), in this process: MFU's denominator. torch's Timer runs it in blocks of products
+    for `seconds` (after a warm-up; on a GPU, one sync per block) and the best block counts: a busy moment on a shared
+    machine would otherwise understate the peak (and inflate MFU)."""
     device, d, ff = run.device, run.args.d_model, run.args.ff
     gen = torch.Generator(device=device).manual_seed(0)  # its own RNG: training's stays untouched
     dtype = torch.bfloat16 if run.step_options.bf16 else torch.float32
     a, b = (torch.randn(*shape, device=device, generator=gen).to(dtype) for shape in ((tokens, d), (d, ff)))
-    reps = 20 if device.type == "cuda" else 1
-    for _ in range(3):  # warm-up
-        a @ b
-    best = 0.0
-    for _ in range(5):
-        sync(device)
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / 5:
-            for _ in range(reps):
-                a @ b
-            sync(device)
-            n += reps
-        best = max(best, 2 * tokens * d * ff * n / (time.perf_counter() - t0))
-    return best
+    timer = Timer("a @ b", globals={"a": a, "b": b}, num_threads=torch.get_num_threads())  # its default is 1 thread
+    return 2 * tokens * d * ff / min(timer.blocked_autorange(min_run_time=seconds).times)
 
 
 def benchmark(run):
