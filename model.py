@@ -508,8 +508,8 @@ class SmoothedCrossEntropy(torch.autograd.Function):
 
 def output_columns(model):
     """The output layer's columns a training step computes (train.py's FLOPs): the target words, as target_words_loss
-    does (all V under --reference)."""
-    return int(model.allowed.sum()) if fast_paths() else model.cfg.vocab_size
+    does (all V under --reference). Read from the shape of target_ids: no wait for the device."""
+    return model.target_ids.numel() if fast_paths() else model.cfg.vocab_size
 
 
 def index_target_words(model):

@@ -966,6 +966,10 @@ def batch_flops(cfg, b, out_vocab=None):
     return 3 * 2 * B * (enc + dec + T * D * V)
 
 
+def step_flops(run, batches):  # a step's, for the log line and --benchmark: this rank's micro-batches x the ranks
+    return sum(batch_flops(run.model.cfg, b, output_columns(run.model)) for b in batches) * run.world
+
+
 def matmul_flops(run, tokens=4096, seconds=1.0):
     """FLOP/s of a dense (tokens x d) @ (d x ff) GEMM, the FFN's first matmul, in the step's matmul dtype (bf16
     under CUDA autocast, else fp32), in this process: MFU's denominator. torch's Timer runs it in blocks of products
@@ -989,22 +993,16 @@ def benchmark(run):
     if args.compile:  # torch.compile's own counter of the graphs it made, imported only with --compile
         from torch._dynamo.utils import counters
     graphs = int(counters["stats"]["unique_graphs"]) if args.compile else 0
-    n_out, n_tok, flops = output_columns(run.model), 0, 0.0
 
-    def step(i):
+    def step(i):  # step i's mean loss and target tokens, left on the device, and its FLOPs
         batches = run.next_batches()
         loss, _, _, n_tgt = train_step(run.net, run.optimizer, batches, run.schedule(i + 1), run.step_options)
-        return batches, loss / n_tgt, n_tgt
-    losses, warm_secs = timed(lambda: [step(i)[1] for i in range(warm)], dev)  # norms.py Appendix C
+        return loss / n_tgt, n_tgt, step_flops(run, batches)
+    warmed, warm_secs = timed(lambda: [step(i) for i in range(warm)], dev)  # norms.py Appendix C
     run.log(f"benchmark: {warm} warm-up steps{' (and compilation)' if args.compile else ''} took {warm_secs:.1f}s")
-    t0 = time.perf_counter()
-    for i in range(warm, warm + args.benchmark):
-        batches, loss, n_tgt = step(i)
-        losses.append(loss)
-        n_tok += n_tgt
-        flops += sum(batch_flops(cfg, b, n_out) for b in batches)
-    losses = torch.stack(losses).tolist()  # the one host synchronisation
-    secs, n_tok = time.perf_counter() - t0, float(n_tok)  # n_tok: a device tensor under DDP
+    steps, secs = timed(lambda: [step(i) for i in range(warm, warm + args.benchmark)], dev)
+    losses = torch.stack([loss for loss, _, _ in warmed + steps]).tolist()
+    n_tok, flops = float(sum(n for _, n, _ in steps)), sum(f for _, _, f in steps)  # n: a device tensor under DDP
     result = profile_steps(run, step, secs, n_tok) if args.profile else {}
     if args.compile:  # the graphs torch.compile made in these steps (a recompilation storm shows here)
         result["compiled_graphs"] = int(counters["stats"]["unique_graphs"]) - graphs
@@ -1013,7 +1011,8 @@ def benchmark(run):
     peak_mb = torch.cuda.max_memory_allocated(dev) / 2 ** 20 if dev.type == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB
     result.update({"steps": args.benchmark, "tgt_tok_per_s": n_tok / secs, "flops_per_tgt_token": flops / n_tok,
-                   "achieved_flops": flops / secs, "matmul_peak_flops": matmul_peak, "mfu": flops / secs / matmul_peak,
+                   "achieved_flops": flops / secs, "matmul_peak_flops": matmul_peak,
+                   "mfu": flops / secs / (matmul_peak * run.world),
                    "padding_share": pad, "peak_memory_mb": peak_mb, "threads": torch.get_num_threads(),
                    "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
                    "bf16": run.step_options.bf16, "losses": losses, "model_config": asdict(cfg)})
@@ -1032,7 +1031,7 @@ def profile_steps(run, step, secs, n_tok):
     dev, result = run.device, {}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        prof_tok = sum(float(step(i)[2]) for i in range(5))
+        prof_tok = sum(float(step(i)[1]) for i in range(5))
         sync(dev)
     events = prof.key_averages()
     if dev.type == "cuda":  # the GPU's busy time (its kernels' rows) against the step's wall time
@@ -1134,7 +1133,6 @@ class StepLog:
     def __init__(self, run, total):
         self.run, self.total, args = run, total, run.args
         self.matmul_peak = matmul_flops(run)
-        self.n_out = output_columns(run.model)
         run.log(f"speed: dense {args.d_model}x{args.ff} matmul runs at {self.matmul_peak / 1e9:.1f} GFLOP/s here "
                 f"(MFU's denominator)")
         self.bar = Progress(TextColumn("[bold]train[/]"), BarColumn(),
@@ -1147,7 +1145,7 @@ class StepLog:
 
     def step(self, batches, lr, loss, nll, gnorm, n_tgt):
         run, s, args = self.run, self.run.state, self.run.args
-        flops = sum(batch_flops(run.model.cfg, b, self.n_out) for b in batches) * run.world
+        flops = step_flops(run, batches)
         numbers = [loss, nll, gnorm] + ([n_tgt] if torch.is_tensor(n_tgt) else [])  # n_tgt: under DDP
         numbers = torch.stack([x.double() for x in numbers])
         if run.world > 1:  # the whole batch's sums, so that every rank logs and stops alike
