@@ -21,7 +21,6 @@ Contents
   [3] Henry et al. 2020, Query-Key Normalization.           [6] Vaswani et al. 2017, Attention Is All You Need.
   [7] Ma et al. 2019, A Tensorized Transformer for Language Modeling.
 """
-import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -651,9 +650,7 @@ def has_bf16(device):
 
 def autocast(device, bf16=True):
     """bf16 autocast on CUDA (--dtype bf16); fp32 on the CPU, under --dtype fp32 and --reference."""
-    if device.type == "cuda" and bf16 and fast_paths():
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and bf16 and fast_paths())
 
 
 # =======================================================================================
