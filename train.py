@@ -137,8 +137,7 @@ class Schedule:
     def decays(self):  # [1] 2.4: validation-based decay
         return SCHEDULES[self.kind].decays
 
-    def __call__(self, step, decay=1.0):
-        """The LR of step n; decay is the product of the validation decays so far."""
+    def __call__(self, step, decay=1.0):  # the LR of step n, as ScheduleEntry.lr says (decay: the decays so far)
         return SCHEDULES[self.kind].lr(self, step, decay)
 
 
