@@ -508,7 +508,7 @@ def make_toy_corpus(out_dir=TOY_DIR, seed=1, n_train=20000, n_dev=500, n_test=50
     out_dir = Path(out_dir)
     stamp = {"version": TOY_VERSION, "seed": seed, "n_train": n_train, "n_dev": n_dev, "n_test": n_test}
     stamp_path, files = out_dir / "toy_corpus.json", corpus_paths(out_dir, "src", "tgt")
-    with contextlib.suppress(FileNotFoundError, ValueError):  # no stamp, or a damaged one: rebuild
+    with contextlib.suppress(OSError, ValueError):  # no stamp, or a damaged one: rebuild
         if json.loads(stamp_path.read_text()) == stamp and all(f.exists() for fs in files.values() for f in fs):
             return out_dir
     grammar, pairs = _ToyGrammar(random.Random(seed)), {}  # source -> target, in order: each source once
@@ -782,10 +782,10 @@ def prepare(name, out_dir=None, url=None, expected=None):
     # The train.py command: the folder, the corpus's flags (those --pair NAME sets), a language model's paper row
     command = "python train.py " + " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in dict(
         data=out, **flags, preset=c.get("preset"), out=f"runs/{name}").items() if v is not None)
-    if stamp.exists() and all(p.exists() for s in SPLITS for p in files[s]) \
-            and json.loads(stamp.read_text()).get("name") == name:
-        print(f"{out}: {name} already prepared ({stamp.name}); delete it to redo\n{command}")
-        return out
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no stamp, or a damaged one: prepared again
+        if json.loads(stamp.read_text()).get("name") == name and all(p.exists() for s in SPLITS for p in files[s]):
+            print(f"{out}: {name} already prepared ({stamp.name}); delete it to redo\n{command}")
+            return out
     base, mirror = c["url"].rstrip("/").rsplit("/", 1)[-1], os.environ.get("NMT_DATA_MIRROR")
     url = url or (f"{mirror.rstrip('/')}/{base}" if mirror else c["url"])
     hint = "/path/to/" + (base if c["archive"] else "folder/with/the/files")

@@ -57,6 +57,19 @@ def test_en_vi_from_a_file_url_writes_the_split_files_and_the_command(tmp_path, 
     assert "already prepared" in capsys.readouterr().out
 
 
+def test_a_damaged_stamp_prepares_again(tmp_path, capsys):
+    """A prepared.json that is not JSON, or not a JSON object, is no stamp: the corpus is prepared again (no traceback)."""
+    src = _stanford_en_vi(tmp_path / "iwslt15.en-vi")
+    out = tmp_path / "en-vi"
+    data.prepare("en-vi", out, src.as_uri(), expected={"train": 5, "dev": 2, "test": 3})
+    for damaged in ("{half", "[1, 2]"):
+        (out / "prepared.json").write_text(damaged)
+        capsys.readouterr()
+        data.prepare("en-vi", out, src.as_uri(), expected={"train": 5, "dev": 2, "test": 3})
+        assert "already prepared" not in capsys.readouterr().out
+        assert json.loads((out / "prepared.json").read_text())["name"] == "en-vi"
+
+
 def test_en_vi_papers_counts_are_checked_exactly(tmp_path):
     src = _stanford_en_vi(tmp_path / "iwslt15.en-vi")
     with pytest.raises(DataError, match=r"iwslt15.en-vi: train has 5 pairs, expected 133,317"):  # the source read
