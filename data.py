@@ -895,7 +895,7 @@ def corpus_paths(data_dir, *langs):
 
 
 def lm_text_file(data_dir, split):  # a language model's text: DIR/split.txt; the built-in corpus's target side
-    return Path(data_dir) / f"{split}.txt" if data_dir is not None else TOY_DIR / f"{split}.tgt"
+    return corpus_paths(TOY_DIR, "tgt")[split][0] if data_dir is None else corpus_paths(data_dir, "txt")[split][0]
 
 
 def split_lines(raw, name):
