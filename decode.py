@@ -648,9 +648,7 @@ def render_heatmap(weights, rows, cols, max_label=8):
 
 def figure(path, flag=None, **size):
     """A matplotlib Figure (an optional extra, not in requirements.txt, imported only here) to draw the PNG `path`;
-    without it None and a line on stderr saying how to install it, or with `flag` (`path` checked first) DataError."""
-    if flag:
-        check_output_file(path, flag, ".png")
+    without it None and a line on stderr saying how to install it, or with `flag` DataError naming it."""
     try:
         from matplotlib import figure as matplotlib_figure  # no pyplot: no display needed, no open figure to close
         return matplotlib_figure.Figure(**size)
@@ -758,7 +756,7 @@ def plot_series(run_dirs):
 
 
 def plot_runs(run_dirs, out):
-    """--plot: draw plot_series() into out (PNG); DataError (one line) without matplotlib or a place to write."""
+    """--plot: draw plot_series() into out (PNG, checked by run); DataError (one line) without matplotlib."""
     fig = figure(out, "--out")
     panels = {t: c for t, c in plot_series(run_dirs).items() if any(xs for _, xs, _ in c)}  # only panels with data
     rows = -(-max(len(panels), 1) // 3)
@@ -972,6 +970,14 @@ def check_output_file(path, flag, suffix=None):
 
 def run(args):
     """Everything main() does, raising DataError for the user's mistakes."""
+    if args.output:  # never what decode.py reads (--input, --ref, the checkpoint), nor a file train.py wrote
+        out = Path(args.output).resolve()
+        for flag, path in (("--input", args.input), ("--ref", args.ref), ("the checkpoint", args.checkpoint)):
+            if path and out.exists() and Path(path).exists() and out.samefile(path):
+                raise DataError(f"--output {args.output}: is {flag} {path}; write the translations elsewhere")
+    for flag, suffix in (("output", None), ("json", ".json"), ("png", ".png"), ("out", ".png")):
+        if path := getattr(args, flag):  # --json's .json: no text decode.py reads; a run's results.json is refused
+            check_output_file(path, f"--{flag}", suffix)
     if args.compare:
         return compare(args)
     if args.plot:
@@ -980,15 +986,7 @@ def run(args):
     if device.type == "cuda" and not has_bf16(device):
         args.dtype = "fp32"  # this GPU only emulates bf16, slowly (model.has_bf16)
     # Every input is read and checked before any work; stdin is read last.
-    if args.output:  # never what decode.py reads (--input, --ref, the checkpoint), nor a file train.py wrote
-        out = Path(args.output).resolve()
-        for flag, path in (("--input", args.input), ("--ref", args.ref), ("the checkpoint", args.checkpoint)):
-            if path and out.exists() and Path(path).exists() and out.samefile(path):
-                raise DataError(f"--output {args.output}: is {flag} {path}; write the translations elsewhere")
-        check_output_file(args.output, "--output")
-    if args.json:  # as --output; its name ends in .json: no text decode.py reads, and a run's results.json is refused
-        check_output_file(args.json, "--json", ".json")
-    if args.png:
+    if args.png:  # it needs matplotlib
         figure(args.png, "--png")
     lines, refs = (data.read_lines(path) if path else None for path in (args.input, args.ref))
     model, tokenizer, ckpt = load_checkpoint(args.checkpoint, device, average=args.average)
