@@ -1007,17 +1007,17 @@ def run_defaults(args, ckpt, lm):
     trusted), else TwT's beam 4, alpha 0.6, gnmt and label smoothing 0.1; a language model's segment length, else 32;
     the batches of the run's dev and test, else 4096 (a language model's NLL in the same order: results.json's ppl)."""
     saved = ckpt.get("args") if isinstance(ckpt.get("args"), dict) else {}
-    flags = (("seq_len", 32, positive_int),) if lm else \
-        (("beam", 4, positive_int), ("alpha", 0.6, alpha_range), ("label_smoothing", 0.1, fraction),
-         ("length_penalty", "gnmt", lambda v: PENALTIES[PENALTIES.index(v)]))
-    for flag, default, convert in flags + (("batch_tokens", 4096, positive_int),):
+    parser = build_parser()
+    parser.exit_on_error = False  # a value the flag refuses raises argparse.ArgumentError
+    fallback = {"seq_len": 32} if lm else {"beam": 4, "alpha": 0.6, "label_smoothing": 0.1, "length_penalty": "gnmt"}
+    for flag, default in dict(fallback, batch_tokens=4096).items():
         if getattr(args, flag) is None:
-            v = saved.get(flag, default)
-            try:  # the flag's own type, on the value as the command line would give it
-                setattr(args, flag, convert(str(v)))
-            except (ValueError, argparse.ArgumentTypeError):
-                raise DataError(f"{args.checkpoint}: its saved --{flag.replace('_', '-')} {v!r} is not one "
-                                f"decode.py takes; give --{flag.replace('_', '-')}") from None
+            option, v = "--" + flag.replace("_", "-"), saved.get(flag, default)
+            try:  # the flag's own type and choices (build_parser), on the value as the command line would give it
+                setattr(args, flag, getattr(parser.parse_args([f"{option}={v}"]), flag))
+            except argparse.ArgumentError:
+                raise DataError(f"{args.checkpoint}: its saved {option} {v!r} is not one decode.py takes; "
+                                f"give {option}") from None
 
 
 def translate_and_score(args, model, tokenizer, ckpt, lines, refs):
