@@ -433,7 +433,8 @@ def finish(run):
         data.atomic_write(run.dir / "test.hyp", "".join(h + "\n" for h in hyps))
         result.update(test_bleu=s["bleu"]["score"], test_signature=s["bleu"]["signature"], test_chrf=s["chrf"]["score"],
                       test_chrf_signature=s["chrf"]["signature"])
-        run.log(f"test (best checkpoint, step {best['step']}, {search}): {decode.score_report(s)}")
+        run.log(f"test (best checkpoint, step {best['step']}, beam {args.beam}, {args.length_penalty} length penalty "
+                f"alpha {args.alpha}): {decode.score_report(s)}")
     append_metrics(run, {"final": result})  # metrics.jsonl's last record
     data.atomic_write(run.dir / "results.json", json.dumps(result, indent=2) + "\n")  # Appendix E: a finished run
     return result
