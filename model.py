@@ -86,13 +86,14 @@ def sinusoidal_positions(length, d):
 # 3. Dropout [Srivastava et al. 2014], inverted:  y = x * m / (1 - p),  m_i ~ Bernoulli(1 - p),  so E[y] = x
 # and evaluation needs no rescaling.
 # ---------------------------------------------------------------------------------------
-def dropout(x, p, training=True):
+def dropout(x, p, training=True, relu=False):
+    if training and 0 < p < 1 and fast_paths():  # Appendix A: the same distribution (p to 1/65536), 1.13x faster steps
+        return fast_dropout(x, p, relu)
+    x = F.relu(x) if relu else x  # relu: dropout(ReLU(x)), the feed-forward's (Appendix A: one pass for both)
     if not training or p == 0:
         return x
     if p >= 1:  # everything is dropped (and 1 / (1 - p) is undefined)
         return torch.zeros_like(x)
-    if fast_paths():  # Appendix A: the same distribution (p to 1/65536), 1.13x faster steps on the CPU
-        return fast_dropout(x, p)
     keep = torch.rand_like(x) >= p  # m_i ~ Bernoulli(1 - p)
     return x * keep / (1 - p)
 
@@ -187,9 +188,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.ff, cfg.d_model)
         self.dropout_p = cfg.dropout if cfg.relu_dropout is None else cfg.relu_dropout
 
-    def forward(self, x):
-        h = F.relu(self.w1(x))  # (B, T, FF)
-        return self.w2(dropout(h, self.dropout_p, self.training))  # (B, T, D)
+    def forward(self, x):  # (B, T, D) -> W1: (B, T, FF) -> ReLU, dropout -> W2: (B, T, D)
+        return self.w2(dropout(self.w1(x), self.dropout_p, self.training, relu=True))
 
 
 # ---------------------------------------------------------------------------------------
@@ -438,9 +438,9 @@ FAST_PATHS = {"norms.LayerNorm.forward": "F.layer_norm", "model.dropout": "fast_
               "F.scaled_dot_product_attention", "model.label_smoothed_loss": "target_words_loss"}  # what runs instead
 
 
-def fast_dropout(x, p):
-    """dropout(x, p) in training: the same distribution with p rounded to 1/65536, drawn from other
-    random numbers. On CUDA and under --compile, F.dropout, which the GPU and the compiler fuse.
+def fast_dropout(x, p, relu=False):
+    """dropout(x, p) in training, of ReLU(x) with relu: the same distribution with p rounded to 1/65536,
+    drawn from other random numbers. On CUDA and under --compile, F.dropout, which the GPU and the compiler fuse.
     On the CPU F.dropout draws each m_i with a Bernoulli sampler that costs ~20 multiplies per
     element (a training step with it is 1.13x slower). Here: 64 random bits per int64, read as
     four int16 u_i, uniform on [-2^15, 2^15), and
@@ -449,11 +449,13 @@ def fast_dropout(x, p):
     It draws from torch's default generator, so torch.manual_seed fixes it and --resume restores it.
     """
     if x.device.type != "cpu" or torch.compiler.is_compiling():  # compiled: the compiler fuses F.dropout
-        return F.dropout(x, p, True)
+        return F.dropout(F.relu(x) if relu else x, p, True)
     drop = round(p * 65536)  # p' = drop / 2^16
     bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-2 ** 63, None)  # all 64 bits random
     u = bits.view(torch.int16)[: x.numel()].view(x.shape)  # uniform on [-2^15, 2^15)
     keep = u >= drop - 32768  # m: True with probability 1 - p'
+    if relu:  # ReLU in the mask, ReLU(x) m = x [x > 0] m: one pass over x, not two (a PTB step ~5% faster)
+        keep &= x > 0
     # Note: bool -> float is a slow path on the CPU; the same bytes read as uint8 convert fast.
     return x * keep.view(torch.uint8).to(x.dtype).mul_(65536 / (65536 - drop))  # x * m / (1 - p')
 

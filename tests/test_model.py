@@ -597,6 +597,27 @@ def test_dropout_masks_are_independent_across_positions_and_reproducible():
 
 
 @pytest.mark.parametrize("path", ["fast", "written"])
+def test_the_feed_forwards_relu_then_dropout_in_one_call(path):
+    """dropout(x, p, relu=True) is dropout(ReLU(x), p): on the fast path ReLU is folded into the mask (m_i = 0 where
+    x_i <= 0), on the same random numbers as fast_dropout(ReLU(x)); values and gradients equal; eval and p = 0: ReLU."""
+    x = torch.randn(64, 33, dtype=torch.float64, requires_grad=True)
+    use_reference(path == "written")
+    try:
+        outs = []
+        for relu in (True, False):
+            torch.manual_seed(3)
+            y = dropout(x, 0.3, relu=relu) if relu else dropout(torch.relu(x), 0.3)
+            outs.append((y, torch.autograd.grad(y.sum(), x)[0]))
+        assert (outs[0][0] == 0).float().mean() > 0.6  # about 1 - 0.7 * 0.5 of the values are 0
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert torch.equal(dropout(x, 0.3, training=False, relu=True), torch.relu(x))
+        assert torch.equal(dropout(x, 0.0, relu=True), torch.relu(x))
+    finally:
+        use_reference(False)
+
+
+@pytest.mark.parametrize("path", ["fast", "written"])
 def test_dropout_gradient_is_the_mask_and_eval_is_the_identity(path):
     torch.manual_seed(0)
     x = torch.randn(64, 33, requires_grad=True)
