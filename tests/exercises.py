@@ -431,7 +431,8 @@ def exercises():
         Exercise("multilinear", "model.py", "MultiLinearAttention.forward",
                  "Ma et al. 2019 core-1: T[i,j,k] = sum_r c_r Q[i,r] K[j,r] V[k,r], zero unless j, k <= i",
                  "the causal tensor T",
-                 "self.mask[:t, :t, :t] is the mask: [j <= i and k <= i]; None under --mask none (nothing masked)",
+                 "self.mask[:t, :t, :t] is the mask: [j <= i and k <= i]; None under --mask none (nothing masked); "
+                 "e (relative positions; else None) adds e[j, r] to every i's Q[i, r] K[j, r]",
                  lambda d: {"x": d.randn(2, 4, 6), "seed": d.seed()}, _multilinear),
         Exercise("word_dropout", "data.py", "word_dropout", "TwT appendix A: a token becomes UNK with probability p",
                  "the random replacement, PAD untouched",

@@ -169,8 +169,9 @@ WRONG = {
                          "RuntimeError"),
     "mask_not_passed": ("residual", "if cfg.prenorm:\n    return x + dropout(f(norm(x, None)), cfg.dropout, training)\n"
                                     "return norm(x + dropout(f(x), cfg.dropout, training), None)", "pre_train["),
-    "own_causal_mask": ("multilinear", "qk = sum((q * self.core)[:, :, :, None, :] * k[:, :, None] for q, k in terms)\n"
-                                       "T = (qk.flatten(2, 3) @ v.transpose(-1, -2)).view(b, self.heads, t, t, t)\n"
+    "own_causal_mask": ("multilinear", "S = q[:, :, :, None, :] * k[:, :, None] + (0 if e is None else e[:, :, None])\n"
+                                       "T = (S.flatten(2, 3) @ (v * self.core).transpose(-1, -2))\n"
+                                       "T = T.view(b, self.heads, t, t, t)\n"
                                        "i = torch.arange(t)\n"
                                        "T = T * ((i[None, :, None] <= i[:, None, None])\n"
                                        "         & (i[None, None, :] <= i[:, None, None]))",
