@@ -576,7 +576,7 @@ class MultiLinearAttention(nn.Module):
 
     def tensor(self, q, k, v, e=None):
         """T (B, H, t, t, t) = sum_r c_r (q[i, r] k[j, r] + e[j, r]) v[k, r], masked; e: no i in it (None: 0)."""
-        b, t = v.size(0), v.size(2)  # q, v (B, H, t, R); k, e (B or 1, H, t, R)
+        b, t = v.size(0), v.size(2)  # q, k, v, e (B, H, t, R)
         # Exercise multilinear: begin
         S = q[:, :, :, None, :] * k[:, :, None, :, :]  # (B, H, t, t, R) Q[i, r] K[j, r]
         S = S if e is None else S + e[:, :, None, :, :]  # + e[j, r], the same for every i
