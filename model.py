@@ -10,17 +10,20 @@ Contents
   5. Feed-forward [6, eq. 2]
   6. The residual placement: PostNorm (eq. 2) and PreNorm (eq. 3) of [1], side by side
   7. Encoder and decoder layers
-  8. The model: tied embeddings, FixNorm, the target-vocabulary mask ([1] app. A), Xavier (eq. 4) vs SmallInit; an LM
+  8. The model: tied embeddings, FixNorm, the target-vocabulary mask ([1] app. A), Xavier (eq. 4) vs
+     SmallInit; an LM
   9. The training objective: label-smoothed cross entropy ([1] appendix A)
   Appendix A: fast paths (the same math, measured faster for a whole training step)
-  Appendix B: the multi-linear attention of the tensorized Transformer [7] (PowerNorm's language models)
+  Appendix B: the multi-linear attention of the tensorized Transformer [7] (PowerNorm's language
+  models)
   Appendix C: where the model runs: device and precision
   Appendix D: plumbing: the self-attention cache of incremental decoding, the parameter count
 
   [1] Nguyen & Salazar 2019, Transformers without Tears.     [2] Shen et al. 2020, PowerNorm.
-  [3] Henry et al. 2020, Query-Key Normalization.           [6] Vaswani et al. 2017, Attention Is All You Need.
-  [7] Ma et al. 2019, A Tensorized Transformer for Language Modeling.
+  [3] Henry et al. 2020, Query-Key Normalization.           [6] Vaswani et al. 2017, Attention Is
+  All You Need. [7] Ma et al. 2019, A Tensorized Transformer for Language Modeling.
 """
+
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -46,50 +49,64 @@ class ModelConfig:  # everything needed to rebuild a model; saved inside every c
     ff: int = 1024
     enc_layers: int = 3
     dec_layers: int = 3
-    dropout: float = 0.1  # Paper (appendix A): the same rate on sublayer outputs, ReLU, attention weights
+    # Paper (appendix A): the same rate on sublayer outputs, ReLU, attention weights
+    dropout: float = 0.1
     attn_dropout: Optional[float] = None  # None: same as dropout (the PowerNorm recipe uses 0.1)
     relu_dropout: Optional[float] = None  # None: same as dropout
     norm: str = "scale"  # --norm: every sublayer's norm (norms.NORMS)
     encoder_norm: Optional[str] = None  # --encoder-norm (PowerNorm paper: PN in the encoder only)
     decoder_norm: Optional[str] = None  # --decoder-norm
-    norm_options: dict = field(default_factory=dict)  # each norm takes those its registry entry names (PowerNorm's)
+    # each norm takes those its registry entry names (PowerNorm's)
+    norm_options: dict = field(default_factory=dict)
     prenorm: bool = True  # PreNorm (eq. 3) or PostNorm (eq. 2)
     fixnorm: bool = True  # l2-normalised embedding rows (section 2.3)
-    init: str = "small"  # "small" (SmallInit), "xavier" (Xavier normal, eq. 4) or "normal" (Appendix B's baseline)
+    # "small" (SmallInit), "xavier" (Xavier normal, eq. 4) or "normal" (Appendix B's baseline)
+    init: str = "small"
     qknorm: bool = False  # QKNorm [3]
     qk_g0: float = 1.0  # g0 = log2(L^2 - L) [3, eq. 3]: qk_g0() below
     qk_learn_g: bool = True  # False: [3] Table 6, "Without g" (g fixed at 1)
     qk_norm_v: bool = False  # [3] Table 6, "l2-normalizing V along with Q and K"
     sdpa: bool = True  # F.scaled_dot_product_attention (False: the written-out attention)
-    lm: bool = False  # a language model: the decoder alone, no encoder or cross-attention (--task lm)
-    attention: str = "softmax"  # the decoder's self-attention: softmax, or multilinear ([7], Appendix B)
+    # a language model: the decoder alone, no encoder or cross-attention (--task lm)
+    lm: bool = False
+    # the decoder's self-attention: softmax, or multilinear ([7], Appendix B)
+    attention: str = "softmax"
     seq_len: int = 0  # the segment length a multi-linear attention's output layer is built for
-    mask: str = "causal"  # the multi-linear attention's mask: causal, or none (the baseline's, Appendix B)
-    positions: str = "sinusoidal"  # at the input; or relative: the baseline's term inside the attention (Appendix B)
-    head_dim: Optional[int] = None  # the multi-linear attention's rank R per head (the baseline's d_head); None: D / H
-    attn_bias: bool = True  # the multi-linear attention's W^QKV and W^O have biases (the baseline's have none)
-    final_dropout: float = 0.0  # dropout on the decoder's output, before the output layer (the baseline LM's)
+    # the multi-linear attention's mask: causal, or none (the baseline's, Appendix B)
+    mask: str = "causal"
+    # at the input; or relative: the baseline's term inside the attention (Appendix B)
+    positions: str = "sinusoidal"
+    # the multi-linear attention's rank R per head (the baseline's d_head); None: D / H
+    head_dim: Optional[int] = None
+    # the multi-linear attention's W^QKV and W^O have biases (the baseline's have none)
+    attn_bias: bool = True
+    # dropout on the decoder's output, before the output layer (the baseline LM's)
+    final_dropout: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------
-# 2. Sinusoidal positions [6, section 3.5], sin on even and cos on odd dimensions (Code: TwT's 2021 fix; so do we):
-#   PE(pos, 2i) = sin(pos / 10000^(2i/D)),   PE(pos, 2i+1) = cos(pos / 10000^(2i/D))
+# 2. Sinusoidal positions [6, section 3.5], sin on even and cos on odd dimensions (Code: TwT's 2021
+#   fix; so do we): PE(pos, 2i) = sin(pos / 10000^(2i/D)),   PE(pos, 2i+1) = cos(pos / 10000^(2i/D))
 # ---------------------------------------------------------------------------------------
 def sinusoidal_positions(length, d):
     pos = torch.arange(length, dtype=torch.float32)[:, None]  # (L, 1)
-    inv_freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float32) / d)  # (D/2,)
+    # (D/2,)
+    inv_freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float32) / d)
     angle = pos * inv_freq  # (L, D/2)  pos / 10000^(2i/D)
-    return torch.stack([torch.sin(angle), torch.cos(angle)], -1).flatten(1)[:, :d]  # (L, D): PE(2i) sin, PE(2i+1) cos
+    # (L, D): PE(2i) sin, PE(2i+1) cos
+    return torch.stack([torch.sin(angle), torch.cos(angle)], -1).flatten(1)[:, :d]
 
 
 # ---------------------------------------------------------------------------------------
-# 3. Dropout [Srivastava et al. 2014], inverted:  y = x * m / (1 - p),  m_i ~ Bernoulli(1 - p),  so E[y] = x
-# and evaluation needs no rescaling.
+# 3. Dropout [Srivastava et al. 2014], inverted:  y = x * m / (1 - p),  m_i ~ Bernoulli(1 - p),  so
+# E[y] = x and evaluation needs no rescaling.
 # ---------------------------------------------------------------------------------------
 def dropout(x, p, training=True, relu=False):
-    if training and 0 < p < 1 and fast_paths():  # Appendix A: the same distribution (p to 1/65536), 1.13x faster steps
+    # Appendix A: the same distribution (p to 1/65536), 1.13x faster steps
+    if training and 0 < p < 1 and fast_paths():
         return fast_dropout(x, p, relu)
-    x = F.relu(x) if relu else x  # relu: dropout(ReLU(x)), the feed-forward's (Appendix A: one pass for both)
+    # relu: dropout(ReLU(x)), the feed-forward's (Appendix A: one pass for both)
+    x = F.relu(x) if relu else x
     if not training or p == 0:
         return x
     if p >= 1:  # everything is dropped (and 1 / (1 - p) is undefined)
@@ -99,17 +116,20 @@ def dropout(x, p, training=True, relu=False):
 
 
 # ---------------------------------------------------------------------------------------
-# 4. Attention [6, eq. 1]:  Attention(Q, K, V) = softmax(Q K^T * scale + mask) V,  scaled dot product: 1/sqrt(Dh)
-#   QKNorm [3, eqs. 2-5]: softmax(g * Q^ K^T) V, no 1/sqrt(Dh); Q^ = Q/||Q||, K^ = K/||K|| along Dh; g init g0
-# Why: [3] section 3: softmax sees only differences, and dot products are unbounded, so a few large logits can
-# silence every other key (a saturated, "winner-take-all" softmax). Cosines are bounded, |Q^ K^T| <= 1, but too
-# flat for a softmax to ignore a key, so a learned g scales them: logits in [-g, g], one key outweighs another
-# at most e^(2g) times. g0 = log2(L^2 - L), a rule of thumb found empirically ([3] App. B), grows with QK^T's size.
-# QKNorm's g is one scalar per attention module, shared by its heads (Code: 18 in a 6+6 model).
+# 4. Attention [6, eq. 1]:  Attention(Q, K, V) = softmax(Q K^T * scale + mask) V,  scaled dot
+#   product: 1/sqrt(Dh) QKNorm [3, eqs. 2-5]: softmax(g * Q^ K^T) V, no 1/sqrt(Dh); Q^ = Q/||Q||, K^
+#   = K/||K|| along Dh; g init g0
+# Why: [3] section 3: softmax sees only differences, and dot products are unbounded, so a few large
+# logits can silence every other key (a saturated, "winner-take-all" softmax). Cosines are bounded,
+# |Q^ K^T| <= 1, but too flat for a softmax to ignore a key, so a learned g scales them: logits in
+# [-g, g], one key outweighs another at most e^(2g) times. g0 = log2(L^2 - L), a rule of thumb found
+# empirically ([3] App. B), grows with QK^T's size. QKNorm's g is one scalar per attention module,
+# shared by its heads (Code: 18 in a 6+6 model).
 # ---------------------------------------------------------------------------------------
 def attention_math(q, k, v, key_mask=None, causal=False, scale=None, dropout_p=0.0):
-    """The written-out attention. q (B, H, Tq, Dh), k, v (B, H, Tk, Dh); key_mask bool, broadcastable to
-    (B, H, Tq, Tk), True where a key may be attended. Returns the output (B, H, Tq, Dh), the weights (B, H, Tq, Tk)."""
+    """The written-out attention. q (B, H, Tq, Dh), k, v (B, H, Tk, Dh); key_mask bool,
+    broadcastable to (B, H, Tq, Tk), True where a key may be attended. Returns the output (B, H, Tq,
+    Dh), the weights (B, H, Tq, Tk)."""
     # Exercise attention: begin
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)  Q K^T * scale
@@ -125,7 +145,8 @@ def attention_math(q, k, v, key_mask=None, causal=False, scale=None, dropout_p=0
 
 
 def qk_g0(L):
-    """QKNorm's g0 = log2(L^2 - L) [3, eq. 3], e.g. L=72 -> 12.32; L: data.length_percentile (97.5th) or --qk-length."""
+    """QKNorm's g0 = log2(L^2 - L) [3, eq. 3], e.g. L=72 -> 12.32; L: data.length_percentile
+    (97.5th) or --qk-length."""
     if not L >= 2:  # Note: L^2 - L = 2 at L = 2 (g0 = 1); below, g0 falls to 0 and then is negative
         raise ValueError(f"qk_g0 needs a length L >= 2, got {L}")
     # Exercise qk_g0: begin
@@ -149,7 +170,8 @@ class MultiHeadAttention(nn.Module):  # with optional QKNorm [3]; one module per
                 self.g = nn.Parameter(torch.tensor(float(cfg.qk_g0)))
             else:  # Paper [3] Table 6 ablation: no g (fixed at 1)
                 self.register_buffer("g", torch.tensor(1.0))
-        self.keep_weights, self.last_weights = False, None  # for decode.py's attention maps ([3] Figs 1-2)
+        # for decode.py's attention maps ([3] Figs 1-2)
+        self.keep_weights, self.last_weights = False, None
 
     def split(self, x):  # (B, L, D) -> (B, H, L, Dh)
         return x.unflatten(-1, (self.heads, -1)).transpose(1, 2)
@@ -162,16 +184,21 @@ class MultiHeadAttention(nn.Module):  # with optional QKNorm [3]; one module per
         """x (B, Tq, D) the queries' input; k, v (B, H, Tk, Dh) already projected."""
         q = self.split(self.q(x))  # (B, H, Tq, Dh)
         scale = None  # None = 1/sqrt(Dh)
-        if self.qknorm:  # Paper [3]: l2-normalise along Dh (in fp32). Code: eps 1e-12, divide by max(||q||, eps)
+        # Paper [3]: l2-normalise along Dh (in fp32). Code: eps 1e-12, divide by max(||q||, eps)
+        if self.qknorm:
             q = (self.g * F.normalize(q.float(), dim=-1, eps=1e-12)).to(v.dtype)  # g * Q^
             k = F.normalize(k.float(), dim=-1, eps=1e-12).to(v.dtype)  # K^
             if self.norm_v:
                 v = F.normalize(v.float(), dim=-1, eps=1e-12).to(q.dtype)
             scale = 1.0  # Paper [3]: no 1/sqrt(Dh); g is the scale
         p = self.dropout_p if self.training else 0.0
-        if self.sdpa and fast_paths() and not self.keep_weights:  # Appendix A: torch's fused attention kernels
-            mask = None if key_mask is None else key_mask.expand(-1, -1, q.size(2), -1)  # (B, 1, Tq, Tk)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale)
+        # Appendix A: torch's fused attention kernels
+        if self.sdpa and fast_paths() and not self.keep_weights:
+            # (B, 1, Tq, Tk)
+            mask = None if key_mask is None else key_mask.expand(-1, -1, q.size(2), -1)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale
+            )
         else:
             o, w = attention_math(q, k, v, key_mask, causal, scale, p)
             self.last_weights = w.detach() if self.keep_weights else None
@@ -193,13 +220,14 @@ class FeedForward(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# 6. The residual placement, both forms side by side [1, section 2.1]; dropout on F's output (Code: drop(f(.))):
-#   PostNorm (eq. 2):  x_{l+1} = norm(x_l + F_l(x_l))
+# 6. The residual placement, both forms side by side [1, section 2.1]; dropout on F's output (Code:
+#   drop(f(.))): PostNorm (eq. 2):  x_{l+1} = norm(x_l + F_l(x_l))
 #   PreNorm  (eq. 3):  x_{l+1} = x_l + F_l(norm(x_l))     (+ one final norm per stack)
-# Why: [1] section 2.1: a residual network trains deep because its identity path carries the gradient from the top
-# back to every layer unchanged. PostNorm puts a norm on that path after every sublayer: [1] conjectures it acts like
-# scaling x_l by some lambda_l != 1, whose products explode or vanish, so warmup is needed while they settle. PreNorm
-# keeps the path an identity: it trains without warmup, at large learning rates, with steadier gradient norms.
+# Why: [1] section 2.1: a residual network trains deep because its identity path carries the
+# gradient from the top back to every layer unchanged. PostNorm puts a norm on that path after every
+# sublayer: [1] conjectures it acts like scaling x_l by some lambda_l != 1, whose products explode
+# or vanish, so warmup is needed while they settle. PreNorm keeps the path an identity: it trains
+# without warmup, at large learning rates, with steadier gradient norms.
 # ---------------------------------------------------------------------------------------
 def residual(x, f, norm, pad_mask, cfg: ModelConfig, training):
     # Exercise residual: begin
@@ -235,19 +263,27 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, norm_name):
         super().__init__()
         self.cfg = cfg
-        self.self_attn = MultiLinearAttention(cfg) if cfg.attention == "multilinear" else MultiHeadAttention(cfg)
-        self.cross_attn = None if cfg.lm else MultiHeadAttention(cfg)  # [1] Figure 3 "decoder-encoder" attention
+        self.self_attn = (
+            MultiLinearAttention(cfg) if cfg.attention == "multilinear" else MultiHeadAttention(cfg)
+        )
+        # [1] Figure 3 "decoder-encoder" attention
+        self.cross_attn = None if cfg.lm else MultiHeadAttention(cfg)
         self.ff = FeedForward(cfg)
         self.norm_self = _norm(cfg, norm_name)
         self.norm_cross = None if cfg.lm else _norm(cfg, norm_name)
         self.norm_ff = _norm(cfg, norm_name)
 
     def forward(self, x, pad_mask, mem_kv, mem_key_mask, self_kv=None):
-        """x (B, T, D); mem_kv: the encoder output's cross-attention (k, v); self_kv: None, or decode.py's cache."""
-        def self_attn(h):  # causal: position t attends to positions <= t (unless --mask none, Appendix B)
-            if self_kv is not None or isinstance(self.self_attn, MultiLinearAttention):  # decoding's cache, or [7]
+        """x (B, T, D); mem_kv: the encoder output's cross-attention (k, v); self_kv: None, or
+        decode.py's cache."""
+
+        # causal: position t attends to positions <= t (unless --mask none, Appendix B)
+        def self_attn(h):
+            # decoding's cache, or [7]
+            if self_kv is not None or isinstance(self.self_attn, MultiLinearAttention):
                 return other_self_attention(self.self_attn, h, self_kv)  # Appendix D
-            return self.self_attn(h, *self.self_attn.project_kv(h), None, causal=True)  # k, v (B, H, T, Dh)
+            # k, v (B, H, T, Dh)
+            return self.self_attn(h, *self.self_attn.project_kv(h), None, causal=True)
 
         def cross_attn(h):
             return self.cross_attn(h, mem_kv[0], mem_kv[1], mem_key_mask)
@@ -260,13 +296,14 @@ class DecoderLayer(nn.Module):
 
 # ---------------------------------------------------------------------------------------
 # 8. The model: an encoder-decoder Transformer with one shared embedding matrix E (V, D).
-# Paper [1] appendix A: "The source and target's input and output embeddings are shared, but we mask out words
-# that are not in the target's vocabulary at the final output layer before softmax, by setting their logits to -inf."
-#   input:   x_emb = E[w] * sqrt(D) + PE(pos), then dropout
+# Paper [1] appendix A: "The source and target's input and output embeddings are shared, but we mask
+# out words that are not in the target's vocabulary at the final output layer before softmax, by
+#   setting their logits to -inf." input:   x_emb = E[w] * sqrt(D) + PE(pos), then dropout
 #   output:  logits = h E^T + b + m,   m_w = 0 if w is a target word else -inf
-# FixNorm: E's rows of unit length; PreNorm + ScaleNorm's final norm makes ||h|| = g: logit_w = g cos(h, e_w) + b_w.
-# A language model (cfg.lm, [2] Table 2) is this decoder with nothing to attend to (no encoder, no cross-attention),
-# the same embeddings, norms, residuals and output layer:   p(w_t | w_<t) = softmax(h_t E^T + b)_w
+# FixNorm: E's rows of unit length; PreNorm + ScaleNorm's final norm makes ||h|| = g: logit_w = g
+# cos(h, e_w) + b_w. A language model (cfg.lm, [2] Table 2) is this decoder with nothing to attend
+# to (no encoder, no cross-attention), the same embeddings, norms, residuals and output layer:
+# p(w_t | w_<t) = softmax(h_t E^T + b)_w
 # ---------------------------------------------------------------------------------------
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, tgt_vocab_mask=None):
@@ -276,46 +313,64 @@ class Transformer(nn.Module):
         enc_norm, dec_norm = cfg.encoder_norm or cfg.norm, cfg.decoder_norm or cfg.norm
         self.embed = nn.Parameter(torch.empty(V, d))  # E: source, target and output embedding
         self.out_bias = nn.Parameter(torch.zeros(V))  # b
-        allowed = torch.ones(V, dtype=torch.bool) if tgt_vocab_mask is None else tgt_vocab_mask.clone().bool()
+        allowed = (
+            torch.ones(V, dtype=torch.bool)
+            if tgt_vocab_mask is None
+            else tgt_vocab_mask.clone().bool()
+        )
         allowed[PAD] = allowed[BOS] = False  # Code: PAD and BOS are never predicted
         self.register_buffer("allowed", allowed)  # (V,) saved with the checkpoint
         self.register_buffer("logit_mask", torch.zeros(V).masked_fill(~allowed, float("-inf")))  # m
         self.register_buffer("pe", sinusoidal_positions(1024, d), persistent=False)
-        self.encoder = nn.ModuleList(EncoderLayer(cfg, enc_norm) for _ in range(0 if cfg.lm else cfg.enc_layers))
+        self.encoder = nn.ModuleList(
+            EncoderLayer(cfg, enc_norm) for _ in range(0 if cfg.lm else cfg.enc_layers)
+        )
         self.decoder = nn.ModuleList(DecoderLayer(cfg, dec_norm) for _ in range(cfg.dec_layers))
         # Paper [1] section 2.1: under PreNorm "one must append an additional normalization
         # after both encoder and decoder so their outputs are appropriately scaled".
         self.enc_final_norm = _norm(cfg, enc_norm) if cfg.prenorm and not cfg.lm else None
-        # Paper [1] Table 7, "ScaleNorm (g = sqrt d) + FixNorm (learned)": the output layer's g (eq. 6) stays learned.
-        self.dec_final_norm = _norm(cfg, "scale" if dec_norm == "scale_fixed" else dec_norm) if cfg.prenorm else None
-        tie_relative_biases(self)  # Appendix B: --positions relative's two biases, one pair for every layer
+        # Paper [1] Table 7, "ScaleNorm (g = sqrt d) + FixNorm (learned)": the output layer's g (eq.
+        # 6) stays learned.
+        self.dec_final_norm = (
+            _norm(cfg, "scale" if dec_norm == "scale_fixed" else dec_norm) if cfg.prenorm else None
+        )
+        # Appendix B: --positions relative's two biases, one pair for every layer
+        tie_relative_biases(self)
         index_target_words(self)  # Appendix A, and again whenever a checkpoint's mask is loaded:
         self.register_load_state_dict_post_hook(lambda module, keys: index_target_words(module))
         self.reset_parameters()
 
-    # Why, as [1] section 2.2 explains it: Xavier normal starts attention too large: embeddings are scaled by sqrt(d),
-    # and in the early steps residual sums and products q.k compound any excess, so PostNorm can fail to converge
-    # whatever the warmup ([1] Table 2). SmallInit (sqrt(2/5) ~ 0.63 on attention) trains it (PreNorm trains anyway).
+    # Why, as [1] section 2.2 explains it: Xavier normal starts attention too large: embeddings are
+    # scaled by sqrt(d), and in the early steps residual sums and products q.k compound any excess,
+    # so PostNorm can fail to converge whatever the warmup ([1] Table 2). SmallInit (sqrt(2/5) ~
+    # 0.63 on attention) trains it (PreNorm trains anyway).
     def reset_parameters(self):
-        """Initialisation [1, sections 2.2 and 3.2]. Xavier normal (eq. 4): W ~ N(0, sqrt(2 / (d_in + d_out)));
-        attention D x D gives sqrt(2/(2D)). SmallInit (section 2.2): attention weights N(0, sqrt(2/(D + 4D))).
-        Feed-forward weights are N(0, sqrt(2/(D + FF))) either way, = sqrt(2/(5D)) at the paper's FF = 4D, so under
-        SmallInit every weight has that std. Note: the paper's N(0, x) writes the std x. Biases start at 0."""
+        """Initialisation [1, sections 2.2 and 3.2]. Xavier normal (eq. 4): W ~ N(0, sqrt(2 / (d_in
+        + d_out))); attention D x D gives sqrt(2/(2D)). SmallInit (section 2.2): attention weights
+        N(0, sqrt(2/(D + 4D))). Feed-forward weights are N(0, sqrt(2/(D + FF))) either way, =
+        sqrt(2/(5D)) at the paper's FF = 4D, so under SmallInit every weight has that std. Note: the
+        paper's N(0, x) writes the std x. Biases start at 0."""
         c = self.cfg
         if c.init not in ("small", "xavier", "normal"):
             raise ValueError(f"--init must be 'small', 'xavier' or 'normal', not {c.init!r}")
-        if c.init == "normal":  # Appendix B's baseline (its train_upload.py, weights_init), not a paper's
+        # Appendix B's baseline (its train_upload.py, weights_init), not a paper's
+        if c.init == "normal":
             return normal_init(self)
         # Exercise smallinit: begin
-        attn_std = math.sqrt(2 / (5 * c.d_model)) if c.init == "small" else math.sqrt(2 / (2 * c.d_model))
+        attn_std = (
+            math.sqrt(2 / (5 * c.d_model)) if c.init == "small" else math.sqrt(2 / (2 * c.d_model))
+        )
         ff_std = math.sqrt(2 / (c.d_model + c.ff))
         # Exercise smallinit: end
         for m in self.modules():
             if isinstance(m, MultiHeadAttention):
-                # Note: W^K, W^V are one (2D, D) matrix: the std is from each D x D block's fans, not the fused shape.
+                # Note: W^K, W^V are one (2D, D) matrix: the std is from each D x D block's fans,
+                # not the fused shape.
                 inits = [(m.q, attn_std), (m.kv, attn_std), (m.out, attn_std)]
-            elif isinstance(m, MultiLinearAttention):  # W^O (H L^2 inputs, Appendix B): Xavier normal of its shape
-                inits = [(m.out, math.sqrt(2 / sum(m.out.weight.shape))), (m.qkv, attn_std)]  # W^Q, W^K, W^V as above
+            # W^O (H L^2 inputs, Appendix B): Xavier normal of its shape
+            elif isinstance(m, MultiLinearAttention):
+                # W^Q, W^K, W^V as above
+                inits = [(m.out, math.sqrt(2 / sum(m.out.weight.shape))), (m.qkv, attn_std)]
             elif isinstance(m, FeedForward):
                 inits = [(m.w1, ff_std), (m.w2, ff_std)]
             else:
@@ -325,9 +380,10 @@ class Transformer(nn.Module):
                 if lin.bias is not None:  # --no-attn-bias (Appendix B): none in W^QKV and W^O
                     nn.init.zeros_(lin.bias)
         if c.fixnorm:
-            nn.init.uniform_(self.embed, -0.01, 0.01)  # Paper 3.2: "initialized uniformly in [-0.01, 0.01]"
+            # Paper 3.2: "initialized uniformly in [-0.01, 0.01]"
+            nn.init.uniform_(self.embed, -0.01, 0.01)
         else:
-            nn.init.normal_(self.embed, 0.0, c.d_model ** -0.5)  # Paper 3.2: std sqrt(1/d)
+            nn.init.normal_(self.embed, 0.0, c.d_model**-0.5)  # Paper 3.2: std sqrt(1/d)
         nn.init.zeros_(self.out_bias)
 
     def embedding_matrix(self):
@@ -335,11 +391,13 @@ class Transformer(nn.Module):
         return fixnorm(self.embed) if self.cfg.fixnorm else self.embed
 
     def embed_tokens(self, tokens, E, start=0):
-        # Paper [1] 2.2: "one scales the word embeddings by a large value (e.g., sqrt(d) ...)"; Code: with FixNorm too.
-        # F.embedding(tokens, E) = E[tokens], with a faster backward (2-3x on the CPU; indexing's was 5% of a GPU step).
+        # Paper [1] 2.2: "one scales the word embeddings by a large value (e.g., sqrt(d) ...)";
+        # Code: with FixNorm too. F.embedding(tokens, E) = E[tokens], with a faster backward (2-3x
+        # on the CPU; indexing's was 5% of a GPU step).
         x = F.embedding(tokens, E) * math.sqrt(self.cfg.d_model)  # (B, L, D)
         end = start + tokens.size(1)  # + PE(pos) for pos = start .. end - 1 (L, D), from self.pe
-        if self.cfg.positions != "relative":  # none: position enters inside the multi-linear attention (Appendix B)
+        # none: position enters inside the multi-linear attention (Appendix B)
+        if self.cfg.positions != "relative":
             if end > self.pe.size(0):  # self.pe grown on demand (long decodes)
                 self.pe = sinusoidal_positions(2 * end, self.cfg.d_model).to(self.pe.device)
             x = x + self.pe[start:end]
@@ -360,58 +418,81 @@ class Transformer(nn.Module):
             x = self.enc_final_norm(x, src_pad)
         return x, src_pad
 
-    def memory_kv(self, memory):  # each decoder layer's cross-attention (k, v), computed once per sentence
+    # each decoder layer's cross-attention (k, v), computed once per sentence
+    def memory_kv(self, memory):
         return [layer.cross_attn.project_kv(memory) for layer in self.decoder]
 
     def decode(self, tgt_in, src_pad, E, mem_kv, self_kv=None, start=0):
-        """tgt_in (B, T) -> h (B, T, D), the decoder's output. self_kv: None, or per layer decode.py's cache."""
+        """tgt_in (B, T) -> h (B, T, D), the decoder's output. self_kv: None, or per layer
+        decode.py's cache."""
         tgt_pad = tgt_in.eq(PAD) if self_kv is None else None  # (B, T)
-        mem_key_mask = None if src_pad is None else ~src_pad[:, None, None, :]  # (B, 1, 1, S); None: an LM
+        # (B, 1, 1, S); None: an LM
+        mem_key_mask = None if src_pad is None else ~src_pad[:, None, None, :]
         x = self.embed_tokens(tgt_in, E, start)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, tgt_pad, mem_kv and mem_kv[i], mem_key_mask, None if self_kv is None else self_kv[i])
+            x = layer(
+                x,
+                tgt_pad,
+                mem_kv and mem_kv[i],
+                mem_key_mask,
+                None if self_kv is None else self_kv[i],
+            )
         if self.dec_final_norm is not None:
             x = self.dec_final_norm(x, tgt_pad)
-        return dropout(x, self.cfg.final_dropout, self.training)  # --final-dropout (0 but in the baseline LM's row)
+        # --final-dropout (0 but in the baseline LM's row)
+        return dropout(x, self.cfg.final_dropout, self.training)
 
     def hidden(self, src, tgt_in, E):
-        """Teacher-forced pass: src (B, S), tgt_in (B, T) -> the decoder's output h (B, T, D). A language model has no
-        source: src is None, tgt_in the text w_0..w_{T-1}."""
+        """Teacher-forced pass: src (B, S), tgt_in (B, T) -> the decoder's output h (B, T, D). A
+        language model has no source: src is None, tgt_in the text w_0..w_{T-1}."""
         if self.cfg.lm:  # the decoder alone, causal self-attention only
             return self.decode(tgt_in, None, E, None)
         memory, src_pad = self.encode(src, E)
         return self.decode(tgt_in, src_pad, E, self.memory_kv(memory))
 
-    def logits(self, src, tgt_in):  # (B, T, V) of a teacher-forced pass: what decoding's checks and attention maps read
+    # (B, T, V) of a teacher-forced pass: what decoding's checks and attention maps read
+    def logits(self, src, tgt_in):
         E = self.embedding_matrix()
         return self.output_logits(self.hidden(src, tgt_in, E), E)
 
     def forward(self, src, tgt_in, tgt_out, smoothing=0.0):
-        """The objective of a teacher-forced pass with references tgt_out (B, T), PAD-padded (w_1..w_T for a language
-        model): (label-smoothed loss sum, NLL sum), in forward as nanoGPT does (DDP and torch.compile cover it)."""
+        """The objective of a teacher-forced pass with references tgt_out (B, T), PAD-padded
+        (w_1..w_T for a language model): (label-smoothed loss sum, NLL sum), in forward as nanoGPT
+        does (DDP and torch.compile cover it)."""
         E = self.embedding_matrix()  # normalised once per forward
         h = self.hidden(src, tgt_in, E)
-        # Note: a reference word outside the target vocabulary (a BPE piece seen only on the source side) can never be
-        # produced: scored as UNK, the loss stays finite. Training targets are target words (data.target_vocab_mask).
+        # Note: a reference word outside the target vocabulary (a BPE piece seen only on the source
+        # side) can never be produced: scored as UNK, the loss stays finite. Training targets are
+        # target words (data.target_vocab_mask).
         tgt_out = torch.where(self.allowed[tgt_out] | tgt_out.eq(PAD), tgt_out, UNK)
-        if fast_paths():  # Appendix A: the target words' logits only, the same softmax; 1.2x faster steps
+        # Appendix A: the target words' logits only, the same softmax; 1.2x faster steps
+        if fast_paths():
             return target_words_loss(self, h, E, tgt_out, smoothing)
-        return label_smoothed_loss(self.output_logits(h, E), tgt_out, smoothing, tgt_out.ne(PAD), self.allowed)
+        return label_smoothed_loss(
+            self.output_logits(h, E), tgt_out, smoothing, tgt_out.ne(PAD), self.allowed
+        )
 
-    def learned_scales(self):  # name -> value of every scalar g (ScaleNorm's, QKNorm's), in the order built
-        return {n: p.detach().float().item() for n, p in self.named_parameters()
-                if p.dim() == 0 and n.split(".")[-1] == "g"}
+    # name -> value of every scalar g (ScaleNorm's, QKNorm's), in the order built
+    def learned_scales(self):
+        return {
+            n: p.detach().float().item()
+            for n, p in self.named_parameters()
+            if p.dim() == 0 and n.split(".")[-1] == "g"
+        }
 
 
 # ---------------------------------------------------------------------------------------
 # 9. The training objective: label-smoothed cross entropy [1 appendix A; Szegedy et al. 2016]
-#   q = (1 - eps) * onehot(y) + eps * uniform over the allowed words A     (Code: the target vocabulary only)
-#   loss = -sum_w q_w log p_w = (1 - eps) * NLL + eps * mean_{w in A} (-log p_w)      (masked words have p = 0)
-# Note: F.cross_entropy(label_smoothing=eps) on the allowed columns gives this loss (tests), not the NLL we log.
+#   q = (1 - eps) * onehot(y) + eps * uniform over the allowed words A     (Code: the target
+#   vocabulary only) loss = -sum_w q_w log p_w = (1 - eps) * NLL + eps * mean_{w in A} (-log p_w)
+#   (masked words have p = 0)
+# Note: F.cross_entropy(label_smoothing=eps) on the allowed columns gives this loss (tests), not the
+# NLL we log.
 # ---------------------------------------------------------------------------------------
 def label_smoothed_loss(logits, target, eps, real=None, allowed=None):
-    """logits (..., C), -inf where a class is not allowed; target (...) class ids; real (...) bool, the positions
-    that count (None: all); allowed (C,) bool (None: every class). Returns (loss sum, NLL sum) over them."""
+    """logits (..., C), -inf where a class is not allowed; target (...) class ids; real (...) bool,
+    the positions that count (None: all); allowed (C,) bool (None: every class). Returns (loss sum,
+    NLL sum) over them."""
     # Exercise label_smoothing: begin
     logp = torch.log_softmax(at_least_fp32(logits), dim=-1)  # (..., C)  log p_w (fp32 softmax)
     nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (...)  -log p_y
@@ -434,27 +515,36 @@ def label_smoothed_loss(logits, target, eps, real=None, allowed=None):
 # output, not its weights; with QKNorm too: g * Q^ is passed as the query with scale 1, since
 # softmax((g Q^) K^T * 1) = softmax(g * Q^ K^T).
 # =======================================================================================
-FAST_PATHS = {"norms.LayerNorm.forward": "F.layer_norm", "model.dropout": "fast_dropout", "model.attention_math":
-              "F.scaled_dot_product_attention", "model.label_smoothed_loss": "target_words_loss"}  # what runs instead
+FAST_PATHS = {
+    "norms.LayerNorm.forward": "F.layer_norm",
+    "model.dropout": "fast_dropout",
+    "model.attention_math":
+    # what runs instead
+    "F.scaled_dot_product_attention",
+    "model.label_smoothed_loss": "target_words_loss",
+}
 
 
 def fast_dropout(x, p, relu=False):
-    """dropout(x, p) in training, of ReLU(x) with relu: the same distribution with p rounded to 1/65536,
-    drawn from other random numbers. On CUDA and under --compile, F.dropout, which the GPU and the compiler fuse.
-    On the CPU F.dropout draws each m_i with a Bernoulli sampler that costs ~20 multiplies per
-    element (a training step with it is 1.13x slower). Here: 64 random bits per int64, read as
-    four int16 u_i, uniform on [-2^15, 2^15), and
+    """dropout(x, p) in training, of ReLU(x) with relu: the same distribution with p rounded to
+    1/65536, drawn from other random numbers. On CUDA and under --compile, F.dropout, which the GPU
+    and the compiler fuse. On the CPU F.dropout draws each m_i with a Bernoulli sampler that costs
+    ~20 multiplies per element (a training step with it is 1.13x slower). Here: 64 random bits per
+    int64, read as four int16 u_i, uniform on [-2^15, 2^15), and
         m_i = [u_i >= -2^15 + round(p * 2^16)]    so P(m_i = 0) = round(p * 2^16) / 2^16 =: p'
     (p to 1/65536, e.g. 0.1 -> 0.1000061), and y = x * m / (1 - p') keeps E[y] = x exactly.
     It draws from torch's default generator, so torch.manual_seed fixes it and --resume restores it.
     """
-    if x.device.type != "cpu" or torch.compiler.is_compiling():  # compiled: the compiler fuses F.dropout
+    # compiled: the compiler fuses F.dropout
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
         return F.dropout(F.relu(x) if relu else x, p, True)
     drop = round(p * 65536)  # p' = drop / 2^16
-    bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-2 ** 63, None)  # all 64 bits random
+    # all 64 bits random
+    bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
     u = bits.view(torch.int16)[: x.numel()].view(x.shape)  # uniform on [-2^15, 2^15)
     keep = u >= drop - 32768  # m: True with probability 1 - p'
-    if relu:  # ReLU in the mask, ReLU(x) m = x [x > 0] m: one pass over x, not two (a PTB step ~5% faster)
+    # ReLU in the mask, ReLU(x) m = x [x > 0] m: one pass over x, not two (a PTB step ~5% faster)
+    if relu:
         keep &= x > 0
     # Note: bool -> float is a slow path on the CPU; the same bytes read as uint8 convert fast.
     return x * keep.view(torch.uint8).to(x.dtype).mul_(65536 / (65536 - drop))  # x * m / (1 - p')
@@ -466,9 +556,11 @@ def target_words_loss(model, h, E, tgt_out, eps):
     words is the same one. Saves the V - Vt masked columns of the output layer and of the softmax
     (Multi30k en-de: Vt/V ~ 0.7); with the loss's written-out backward below, a whole training step
     measured 1.2x faster."""
-    z = F.linear(h, E[model.target_ids].to(h.dtype), model.out_bias[model.target_ids].to(h.dtype))  # (B, T, Vt)
-    return SmoothedCrossEntropy.apply(z.flatten(0, 1), model.target_column[tgt_out].flatten(),
-                                      tgt_out.ne(PAD).flatten(), eps)
+    # (B, T, Vt)
+    z = F.linear(h, E[model.target_ids].to(h.dtype), model.out_bias[model.target_ids].to(h.dtype))
+    return SmoothedCrossEntropy.apply(
+        z.flatten(0, 1), model.target_column[tgt_out].flatten(), tgt_out.ne(PAD).flatten(), eps
+    )
 
 
 class SmoothedCrossEntropy(torch.autograd.Function):
@@ -489,7 +581,8 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         logp = torch.log_softmax(at_least_fp32(z), dim=-1)  # (N, C)
         w = real.to(logp.dtype)  # (N,) 1 at real positions, 0 at padding
         nll = -logp.gather(-1, target[:, None]).squeeze(-1)  # (N,)
-        loss = (1 - eps) * nll - eps * logp.mean(-1) if eps else nll  # (N,); eps 0: no pass over logp for the mean
+        # (N,); eps 0: no pass over logp for the mean
+        loss = (1 - eps) * nll - eps * logp.mean(-1) if eps else nll
         # Exercise label_smoothing: end
         ctx.save_for_backward(logp, target, w)
         ctx.eps, ctx.z_dtype = eps, z.dtype
@@ -503,50 +596,60 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         grad.mul_((w * (d_loss + d_nll))[:, None])  # w (dL + dNLL) softmax
         if eps:  # - w dL eps / C
             grad.sub_((w * d_loss * eps / C)[:, None])
-        grad.scatter_add_(-1, target[:, None], -(w * (d_loss * (1 - eps) + d_nll))[:, None])  # - onehot
+        # - onehot
+        grad.scatter_add_(-1, target[:, None], -(w * (d_loss * (1 - eps) + d_nll))[:, None])
         return grad.to(ctx.z_dtype), None, None, None
 
 
 def output_columns(model):
-    """The output layer's columns a training step computes (train.py's FLOPs): the target words, as target_words_loss
-    does (all V under --reference). Read from the shape of target_ids: no wait for the device."""
+    """The output layer's columns a training step computes (train.py's FLOPs): the target words, as
+    target_words_loss does (all V under --reference). Read from the shape of target_ids: no wait for
+    the device."""
     return model.target_ids.numel() if fast_paths() else model.cfg.vocab_size
 
 
 def index_target_words(model):
-    """The target words' ids (Vt,) and each word's column among them (V,), from the mask (Transformer.__init__ and,
-    whenever a checkpoint's mask is loaded, its load_state_dict hook)."""
-    model.register_buffer("target_ids", model.allowed.nonzero().squeeze(1), persistent=False)  # (Vt,)
-    model.register_buffer("target_column", (model.allowed.cumsum(0) - 1).clamp_min(0), persistent=False)  # (V,)
+    """The target words' ids (Vt,) and each word's column among them (V,), from the mask
+    (Transformer.__init__ and, whenever a checkpoint's mask is loaded, its load_state_dict hook)."""
+    # (Vt,)
+    model.register_buffer("target_ids", model.allowed.nonzero().squeeze(1), persistent=False)
+    # (V,)
+    model.register_buffer(
+        "target_column", (model.allowed.cumsum(0) - 1).clamp_min(0), persistent=False
+    )
 
 
 # =======================================================================================
 # Appendix B: the multi-linear attention of the tensorized Transformer [7], "core-1" (one block),
 # the attention of PowerNorm's language models ([2] A.2: "there exists only one linear projection in
 # multi-linear attention"; [2] section 5.1: "with masking"). Per head, on a segment of L positions:
-#   [Q; K; V] = x [W^Q; W^K; W^V]                       (one projection, split in three), each (L, R)
-#   T[i, j, k] = sum_r c_r Q[i, r] K[j, r] V[k, r]      c: the core, R = D / H numbers (or --head-dim)
-#   causal:  T[i, j, k] = 0 unless j <= i and k <= i    (position i sees no later token)
-#   out_i = W^O [vec T_1[i, :, :]; ...; vec T_H[i, :, :]] + b     (H L^2 numbers -> D, one linear layer)
+#   [Q; K; V] = x [W^Q; W^K; W^V]                       (one projection, split in three), each (L,
+#   R) T[i, j, k] = sum_r c_r Q[i, r] K[j, r] V[k, r]      c: the core, R = D / H numbers (or
+#   --head-dim) causal:  T[i, j, k] = 0 unless j <= i and k <= i    (position i sees no later token)
+#   out_i = W^O [vec T_1[i, :, :]; ...; vec T_H[i, :, :]] + b     (H L^2 numbers -> D, one linear
+#   layer)
 # No softmax: position i's output is a learned linear map of the (L, L) slice of the tensor.
 # W^O has L^2 inputs per head: the model is built for segments of cfg.seq_len positions; shorter
 # ones are zero-padded to L: under --mask causal, exactly the first positions of a full one.
-# Code (szhangtju/The-compression-of-Transformer, BTD-Transformer/transformer_upload.py, the baseline PowerNorm points
-# to; its BlockTensorAttn): the same tensor, the core softmax-initialised, qkv_net and o_net without biases
-# (--no-attn-bias), R = d_head = 40 in its PTB script (--head-dim); it builds a mask and never applies it, and it has
-# no positions at the input. Both are choices here, to redo its runs:
-#   --mask causal (default; [2] says its runs were "with masking") | none (the code: every position sees the whole
-#     segment, future included);
-#   --positions sinusoidal (default: added to the input, as everywhere in this project) | relative (the code's
-#     Transformer-XL term, the second of two tensors added before W^O):
-#   T[i, j, k] = sum_r c_r (Q[i, r] + u_r) K[j, r] V[k, r]  +  sum_r c_r (Q[i, r] + v_r) P[j, r] V[k, r]
-#   P = dropout(PE(L-1), ..., PE(0)) W^R   row j is PE(L-1-j) for every i: no relative shift (W^R: r_net, no bias)
-#   u, v: r_w_bias and r_r_bias, learned, one pair shared by every layer (Transformer-XL's default; the code's too).
-# Note: the code takes PE(t-1), ..., PE(0) for a segment of t positions; for a full one (every segment of training
-# and of evaluation on segments) that is the same; a shorter one takes a full one's first t rows of P, as above, so
-# that position i does not learn how many tokens follow it. The code's sinusoids are [sin; cos] halves, ours
-# interleaved (a permutation that W^R absorbs). Unmasked and relative, the model is position-blind at the input: two
-# equal tokens of one segment get equal outputs (a test checks it).
+# Code (szhangtju/The-compression-of-Transformer, BTD-Transformer/transformer_upload.py, the
+# baseline PowerNorm points to; its BlockTensorAttn): the same tensor, the core softmax-initialised,
+# qkv_net and o_net without biases (--no-attn-bias), R = d_head = 40 in its PTB script (--head-dim);
+# it builds a mask and never applies it, and it has no positions at the input. Both are choices
+# here, to redo its runs:
+#   --mask causal (default; [2] says its runs were "with masking") | none (the code: every position
+#     sees the whole segment, future included);
+#   --positions sinusoidal (default: added to the input, as everywhere in this project) | relative
+#     (the code's Transformer-XL term, the second of two tensors added before W^O):
+#   T[i, j, k] = sum_r c_r (Q[i, r] + u_r) K[j, r] V[k, r]  +  sum_r c_r (Q[i, r] + v_r) P[j, r]
+#   V[k, r] P = dropout(PE(L-1), ..., PE(0)) W^R   row j is PE(L-1-j) for every i: no relative shift
+#   (W^R: r_net, no bias) u, v: r_w_bias and r_r_bias, learned, one pair shared by every layer
+#   (Transformer-XL's default; the code's too).
+# Note: the code takes PE(t-1), ..., PE(0) for a segment of t positions; for a full one (every
+# segment of training and of evaluation on segments) that is the same; a shorter one takes a full
+# one's first t rows of P, as above, so that position i does not learn how many tokens follow it.
+# The code's sinusoids are [sin; cos] halves, ours interleaved (a permutation that W^R absorbs).
+# Unmasked and relative, the model is position-blind at the input: two equal tokens of one segment
+# get equal outputs (a test checks it).
 # =======================================================================================
 class MultiLinearAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -555,32 +658,50 @@ class MultiLinearAttention(nn.Module):
         if d % self.heads:
             raise ValueError(f"--d-model {d} is not divisible by --heads {self.heads}")
         if self.L < 1:
-            raise ValueError("the multi-linear attention needs the segment length (--seq-len) it is built for")
+            raise ValueError(
+                "the multi-linear attention needs the segment length (--seq-len) it is built for"
+            )
         if cfg.mask not in ("causal", "none") or cfg.positions not in ("sinusoidal", "relative"):
-            raise ValueError(f"--mask causal|none and --positions sinusoidal|relative, not {cfg.mask}, {cfg.positions}")
-        R = cfg.head_dim or d // self.heads  # the rank: --head-dim (the code's PTB script: d_head 40), else D / H
-        self.qkv = nn.Linear(d, 3 * self.heads * R, bias=cfg.attn_bias)  # [W^Q; W^K; W^V]; Code: no bias
-        self.core = nn.Parameter(torch.softmax(torch.randn(R), 0))  # c (R,); Code: softmax-initialised
-        self.out = nn.Linear(self.heads * self.L * self.L, d, bias=cfg.attn_bias)  # W^O; Code: no bias
+            raise ValueError(
+                f"--mask causal|none and --positions sinusoidal|relative, not {cfg.mask}, {cfg.positions}"
+            )
+        # the rank: --head-dim (the code's PTB script: d_head 40), else D / H
+        R = cfg.head_dim or d // self.heads
+        # [W^Q; W^K; W^V]; Code: no bias
+        self.qkv = nn.Linear(d, 3 * self.heads * R, bias=cfg.attn_bias)
+        # c (R,); Code: softmax-initialised
+        self.core = nn.Parameter(torch.softmax(torch.randn(R), 0))
+        # W^O; Code: no bias
+        self.out = nn.Linear(self.heads * self.L * self.L, d, bias=cfg.attn_bias)
         i = torch.arange(self.L)
-        causal = (i[None, :, None] <= i[:, None, None]) & (i[None, None, :] <= i[:, None, None])  # [j <= i and k <= i]
-        # --mask none: no mask (None), every (j, k) kept; a mask of ones would cost a pass over T, forward and backward
-        self.register_buffer("mask", causal if cfg.mask == "causal" else None, persistent=False)  # (L, L, L)
+        # [j <= i and k <= i]
+        causal = (i[None, :, None] <= i[:, None, None]) & (i[None, None, :] <= i[:, None, None])
+        # --mask none: no mask (None), every (j, k) kept; a mask of ones would cost a pass over T,
+        # forward and backward (L, L, L)
+        self.register_buffer("mask", causal if cfg.mask == "causal" else None, persistent=False)
         self.relative, self.p = cfg.positions == "relative", cfg.dropout
         if self.relative:
-            self.register_buffer("pe_reversed", sinusoidal_positions(self.L, d).flip(0), persistent=False)  # (L, D)
+            # (L, D)
+            self.register_buffer(
+                "pe_reversed", sinusoidal_positions(self.L, d).flip(0), persistent=False
+            )
             self.r_net = nn.Linear(d, self.heads * R, bias=False)  # W^R; Xavier, as W^O
             nn.init.normal_(self.r_net.weight, 0.0, math.sqrt(2 / (d + self.heads * R)))
-            self.r_w_bias, self.r_r_bias = (nn.Parameter(torch.randn(self.heads, 1, R) * 0.02)
-                                            for _ in range(2))  # u, v (H, 1, R); Code: N(0, 0.02) (init_std)
+            self.r_w_bias, self.r_r_bias = (
+                nn.Parameter(torch.randn(self.heads, 1, R) * 0.02)
+                # u, v (H, 1, R); Code: N(0, 0.02) (init_std)
+                for _ in range(2)
+            )
 
     def tensor(self, q, k, v, e=None):
-        """T (B, H, t, t, t) = sum_r c_r (q[i, r] k[j, r] + e[j, r]) v[k, r], masked; e: no i in it (None: 0)."""
+        """T (B, H, t, t, t) = sum_r c_r (q[i, r] k[j, r] + e[j, r]) v[k, r], masked; e: no i in it
+        (None: 0)."""
         b, t = v.size(0), v.size(2)  # q, k, v, e (B, H, t, R)
         # Exercise multilinear: begin
         S = q[:, :, :, None, :] * k[:, :, None, :, :]  # (B, H, t, t, R) Q[i, r] K[j, r]
         S = S if e is None else S + e[:, :, None, :, :]  # + e[j, r], the same for every i
-        T = (S.flatten(2, 3) @ (v * self.core).transpose(-1, -2)).view(b, self.heads, t, t, t)  # sum_r S c_r V[k, r]
+        # sum_r S c_r V[k, r]
+        T = (S.flatten(2, 3) @ (v * self.core).transpose(-1, -2)).view(b, self.heads, t, t, t)
         if self.mask is not None:  # --mask none: all kept
             T = T * self.mask[:t, :t, :t]  # T[i, j, k] = 0 unless j, k <= i
         # Exercise multilinear: end
@@ -590,29 +711,42 @@ class MultiLinearAttention(nn.Module):
         """x (B, t, D), t <= L -> (B, t, D)."""
         b, t, d = x.shape
         if t > self.L:
-            raise ValueError(f"a multi-linear attention built for --seq-len {self.L} got {t} positions")
-        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))  # (B, H, t, R)
-        if self.relative:  # (q + u) K + (q + v) P = q (K + P) + (u K + v P): one product by q (a PTB step ~6% faster
+            raise ValueError(
+                f"a multi-linear attention built for --seq-len {self.L} got {t} positions"
+            )
+        # (B, H, t, R)
+        q, k, v = (
+            z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1)
+        )
+        # (q + u) K + (q + v) P = q (K + P) + (u K + v P): one product by q (a PTB step ~6% faster
+        if self.relative:
             # than two, alternated --benchmark), and e = u K + v P, which no query i is in
             P = self.r_net(dropout(self.pe_reversed[:t], self.p, self.training))  # (t, D)
             P = P.to(q.dtype).view(1, t, self.heads, -1).transpose(1, 2)  # (1, H, t, R)
-        T = self.tensor(q, k + P, v, self.r_w_bias * k + self.r_r_bias * P) if self.relative else self.tensor(q, k, v)
-        T = F.pad(T, (0, self.L - t, 0, self.L - t)) if t < self.L else T  # (B, H, t, L, L): zero beyond t
+        T = (
+            self.tensor(q, k + P, v, self.r_w_bias * k + self.r_r_bias * P)
+            if self.relative
+            else self.tensor(q, k, v)
+        )
+        # (B, H, t, L, L): zero beyond t
+        T = F.pad(T, (0, self.L - t, 0, self.L - t)) if t < self.L else T
         return self.out(T.transpose(1, 2).reshape(b, t, self.heads * self.L * self.L))  # (B, t, D)
 
 
 def tie_relative_biases(model):
-    """--positions relative: every layer's u and v become the first layer's (one pair for the model, as the code)."""
+    """--positions relative: every layer's u and v become the first layer's (one pair for the model,
+    as the code)."""
     attns = [m for m in model.modules() if isinstance(m, MultiLinearAttention) and m.relative]
     for m in attns[1:]:
         m.r_w_bias, m.r_r_bias = attns[0].r_w_bias, attns[0].r_r_bias
 
 
 def normal_init(model):
-    """--init normal, the baseline's (Code: BTD-Transformer/train_upload.py, weights_init, at its init_std 0.02): every
-    weight matrix and the embedding N(0, 0.02), every norm's gain N(1, 0.02), every bias 0; u and v keep their
-    N(0, 0.02). Its core is the softmax of a torch.FloatTensor it never writes, memory read before it is written
-    (uniform in one run, uneven in another): we take the defined case of that memory zeroed, c = softmax(0) = 1/R."""
+    """--init normal, the baseline's (Code: BTD-Transformer/train_upload.py, weights_init, at its
+    init_std 0.02): every weight matrix and the embedding N(0, 0.02), every norm's gain N(1, 0.02),
+    every bias 0; u and v keep their N(0, 0.02). Its core is the softmax of a torch.FloatTensor it
+    never writes, memory read before it is written (uniform in one run, uneven in another): we take
+    the defined case of that memory zeroed, c = softmax(0) = 1/R."""
     for name, p in model.named_parameters():
         leaf = name.split(".")[-1]
         if p.dim() == 2:  # E, and every nn.Linear's weight
@@ -645,23 +779,26 @@ def pick_device(name="auto"):
 
 
 def has_bf16(device):
-    """Whether a CUDA device computes in bf16 natively (compute capability 8.0+: A100, H100, RTX 30xx+);
-    older GPUs only emulate it, slowly, and train with --dtype fp32 instead."""
+    """Whether a CUDA device computes in bf16 natively (compute capability 8.0+: A100, H100, RTX
+    30xx+); older GPUs only emulate it, slowly, and train with --dtype fp32 instead."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def autocast(device, bf16=True):
     """bf16 autocast on CUDA (--dtype bf16); fp32 on the CPU, under --dtype fp32 and --reference."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and bf16 and fast_paths())
+    return torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and bf16 and fast_paths()
+    )
 
 
 # =======================================================================================
 # Appendix D: plumbing a first reading can skip.
 # =======================================================================================
 def other_self_attention(attn, h, self_kv):
-    """The decoder's self-attention other than the plain causal one: Appendix B's multi-linear attention (its own
-    mask), or incremental decoding (decode.py): h (B, 1, D) the new step; self_kv a dict with this layer's
-    self-attention keys/values so far, which the new step's are appended to (so the prefix is never recomputed)."""
+    """The decoder's self-attention other than the plain causal one: Appendix B's multi-linear
+    attention (its own mask), or incremental decoding (decode.py): h (B, 1, D) the new step; self_kv
+    a dict with this layer's self-attention keys/values so far, which the new step's are appended to
+    (so the prefix is never recomputed)."""
     if isinstance(attn, MultiLinearAttention):
         return attn(h)
     k, v = attn.project_kv(h)  # (B, H, T, Dh)

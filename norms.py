@@ -11,8 +11,10 @@ Contents
   5. The batch-statistics norms of PowerNorm [2]: BatchNorm (Algorithm 1), PN-V (Definition 1),
      GroupScaling, PowerNorm (Definition 3, Algorithm 2, the approximate backward)
   6. No norm ([3] Table 6, "Without LayerNorm")
-  7. The registry: --norm NAME -> its class, equation and paper (a new norm: its class, one entry, its test)
-  Appendix A: batch statistics in practice: over several processes (torch.distributed), too few tokens
+  7. The registry: --norm NAME -> its class, equation and paper (a new norm: its class, one entry,
+     its test)
+  Appendix A: batch statistics in practice: over several processes (torch.distributed), too few
+  tokens
   Appendix B: diagnostics of the batch statistics ([2] Figures 2-4)
   Appendix C: the timing harness and python norms.py --benchmark
   Appendix D: PowerNorm as the authors' released code computes it (--pn-variant code)
@@ -27,6 +29,7 @@ Comment markers: ``# Paper:`` is what a paper says, ``# Note:`` is ours, ``# Cod
 authors' released code does: tnq177/transformers_without_tears (TwT), sIncerass/powernorm
 (PowerNorm, a fairseq fork: fairseq/modules/norms/mask_powernorm.py), CyndxAI/QKNorm.
 """
+
 import argparse
 import math
 import time
@@ -45,9 +48,10 @@ import torch.nn.functional as F
 # Every norm is called as norm(x, pad_mask): x (B, T, D), pad_mask (B, T) bool, True at padding
 # (or None). Only the batch-statistics norms use the mask: padding never enters their statistics.
 # Statistics are computed in fp32 even under bf16/fp16 autocast: x^2 overflows fp16 at |x| > 256.
-# --reference (train.py, decode.py): use_reference() turns off the few fast paths (each one line from the equation
-# it speeds up, kept because a whole training step measured faster with it), so that every equation runs exactly
-# as written: a student who edits an equation and trains with --reference sees the effect.
+# --reference (train.py, decode.py): use_reference() turns off the few fast paths (each one line
+# from the equation it speeds up, kept because a whole training step measured faster with it), so
+# that every equation runs exactly as written: a student who edits an equation and trains with
+# --reference sees the effect.
 # ---------------------------------------------------------------------------------------
 _fast_paths = True
 
@@ -71,13 +75,16 @@ def at_least_fp32(x):
 # ---------------------------------------------------------------------------------------
 # 2. LayerNorm [5]:  y = gamma * (x - mu) / sqrt(sigma^2 + eps) + beta
 #      mu = mean_i x_i,  sigma^2 = mean_i (x_i - mu)^2       (over the D features of one token)
-# Why: each token is centred and scaled by its own statistics, so its output never depends on the other
-# sentences of the batch (BatchNorm's does): the Transformer's norm, the baseline of [1] and [2], and kept by [3].
+# Why: each token is centred and scaled by its own statistics, so its output never depends on the
+# other sentences of the batch (BatchNorm's does): the Transformer's norm, the baseline of [1] and
+# [2], and kept by [3].
 # ---------------------------------------------------------------------------------------
-class LayerNorm(nn.LayerNorm):  # torch's parameters: weight gamma (ones), bias beta (zeros); eps 1e-5 (Code: as in TwT)
+# torch's parameters: weight gamma (ones), bias beta (zeros); eps 1e-5 (Code: as in TwT)
+class LayerNorm(nn.LayerNorm):
     def forward(self, x, pad_mask=None):
         if fast_paths():  # PyTorch's fused kernel, the same equation (tests); the written-out one
-            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)  # costs 5-8% of a step
+            # costs 5-8% of a step
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
         xf = at_least_fp32(x)
         mu = xf.mean(-1, keepdim=True)  # (B, T, 1)  mu
         var = (xf - mu).pow(2).mean(-1, keepdim=True)  # (B, T, 1)  sigma^2 (biased)
@@ -85,13 +92,15 @@ class LayerNorm(nn.LayerNorm):  # torch's parameters: weight gamma (ones), bias 
 
 
 # ---------------------------------------------------------------------------------------
-# 3. ScaleNorm [1, eq. 5]:  ScaleNorm(x; g) = g * x / ||x||   (each token onto the sphere of radius g)
-# Why: [1] section 2.3: a norm need not fix a mean and a variance (what helps is a smoother loss landscape, after
-# Santurkar et al. 2018). ScaleNorm keeps only each token's direction, on a sphere of learned radius g: the one
-# "global scale" a sublayer's activations should have (in a run g tends to grow with depth: decode.py --g-table).
-# One scalar in place of LayerNorm's 2D gains and biases, and fewer operations ([1]: 3d, not 7d; ~5% faster).
-# One scalar g, initialised to sqrt(D); learn_g=False keeps it there ([1] Table 7, "ScaleNorm (g = sqrt d)";
-# not in the authors' code). Code: eps *clamps* the norm, g x / max(||x||, eps), it is not added; eps 1e-5.
+# 3. ScaleNorm [1, eq. 5]:  ScaleNorm(x; g) = g * x / ||x||   (each token onto the sphere of radius
+#    g)
+# Why: [1] section 2.3: a norm need not fix a mean and a variance (what helps is a smoother loss
+# landscape, after Santurkar et al. 2018). ScaleNorm keeps only each token's direction, on a sphere
+# of learned radius g: the one "global scale" a sublayer's activations should have (in a run g tends
+# to grow with depth: decode.py --g-table). One scalar in place of LayerNorm's 2D gains and biases,
+# and fewer operations ([1]: 3d, not 7d; ~5% faster). One scalar g, initialised to sqrt(D);
+# learn_g=False keeps it there ([1] Table 7, "ScaleNorm (g = sqrt d)"; not in the authors' code).
+# Code: eps *clamps* the norm, g x / max(||x||, eps), it is not added; eps 1e-5.
 # ---------------------------------------------------------------------------------------
 class ScaleNorm(nn.Module):
     def __init__(self, d, eps=1e-5, learn_g=True):
@@ -113,14 +122,17 @@ class ScaleNorm(nn.Module):
 
 
 # FixNorm [1, section 2.3; Nguyen & Chiang 2018]:  FixNorm(w) = g * w / ||w||, g fixed
-# Why: at the output layer large inner products sharpen the softmax, and frequent words (long embeddings) crowd
-# out rare ones. With unit rows and ||x|| = g a logit is g times a cosine: words compete by direction alone, which
-# [1] and Nguyen & Chiang 2018 find helps rare words (and faster learning early in training, [1] Figure 1).
+# Why: at the output layer large inner products sharpen the softmax, and frequent words (long
+# embeddings) crowd out rare ones. With unit rows and ||x|| = g a logit is g times a cosine: words
+# compete by direction alone, which
+# [1] and Nguyen & Chiang 2018 find helps rare words (and faster learning early in training, [1]
+# Figure 1).
 # Paper (eq. 6): with ScaleNorm + FixNorm the final linear layer computes
 #     g * (w . x) / (||w|| ||x||)     (cosine normalization with a learned scale g).
-# Code: FixNorm has no g of its own: each row of the embedding matrix (V, D) is l2-normalised on every
-# forward (w / ||w||, below: ||fixnorm(w)_v|| = 1), and the decoder's final PreNorm ScaleNorm makes ||x|| = g,
-# so logit_w = g cos(x, w) + b_w: the final ScaleNorm's g *is* eq. 6's g (an inverse softmax temperature).
+# Code: FixNorm has no g of its own: each row of the embedding matrix (V, D) is l2-normalised on
+# every forward (w / ||w||, below: ||fixnorm(w)_v|| = 1), and the decoder's final PreNorm ScaleNorm
+# makes ||x|| = g, so logit_w = g cos(x, w) + b_w: the final ScaleNorm's g *is* eq. 6's g (an
+# inverse softmax temperature).
 def fixnorm(weight, eps=1e-12):
     # Exercise fixnorm: begin
     return weight / torch.linalg.vector_norm(weight, dim=-1, keepdim=True).clamp_min(eps)
@@ -128,10 +140,11 @@ def fixnorm(weight, eps=1e-12):
 
 
 # ---------------------------------------------------------------------------------------
-# 4. RMSNorm [4]:  y_i = g_i * x_i / RMS(x),  RMS(x) = sqrt(mean_i x_i^2 + eps),  g_i init 1 (no centring, no bias)
-#    TwT section 4.2: tying the g_i of RMSNorm and dividing by sqrt(D) gives ScaleNorm.
-# Why: [4]: LayerNorm's re-centring is not what makes it work; its re-scaling is, so RMSNorm keeps only that
-# (the output does not change when x is scaled) and saves the mean and the bias.
+# 4. RMSNorm [4]:  y_i = g_i * x_i / RMS(x),  RMS(x) = sqrt(mean_i x_i^2 + eps),  g_i init 1 (no
+#    centring, no bias) TwT section 4.2: tying the g_i of RMSNorm and dividing by sqrt(D) gives
+#    ScaleNorm.
+# Why: [4]: LayerNorm's re-centring is not what makes it work; its re-scaling is, so RMSNorm keeps
+# only that (the output does not change when x is scaled) and saves the mean and the bias.
 # ---------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
     def __init__(self, d, eps=1e-8):  # Note: eps 1e-8 as in [4]'s released code
@@ -148,14 +161,17 @@ class RMSNorm(nn.Module):
 
 
 # =======================================================================================
-# 5. The batch-statistics norms of PowerNorm [2]: per-channel statistics over the N <= B*T *real* tokens of a batch
-# (real_tokens: not padding). Paper [2, footnote 1]: "the batch size actually corresponds to all non-padded words".
-# In Appendix A: real_tokens, these statistics under torchrun, too few tokens; in B: [2] Figures 2-4's diagnostics.
+# 5. The batch-statistics norms of PowerNorm [2]: per-channel statistics over the N <= B*T *real*
+# tokens of a batch (real_tokens: not padding). Paper [2, footnote 1]: "the batch size actually
+# corresponds to all non-padded words". In Appendix A: real_tokens, these statistics under torchrun,
+# too few tokens; in B: [2] Figures 2-4's diagnostics.
 # =======================================================================================
 def batch_mean(v, real):
-    """The per-channel mean of v (B, T, D) over the real tokens (real (B, T) True), and their number N (0-dim)."""
+    """The per-channel mean of v (B, T, D) over the real tokens (real (B, T) True), and their number
+    N (0-dim)."""
     masked = torch.where(real.unsqueeze(-1), v, 0.0)  # (B, T, D)  padding contributes 0
-    total, n = sum_over_ranks(masked.flatten(0, -2).sum(0), real.sum().to(v.dtype))  # (D,), ()  (one process: as is)
+    # (D,), ()  (one process: as is)
+    total, n = sum_over_ranks(masked.flatten(0, -2).sum(0), real.sum().to(v.dtype))
     return total / n, n
 
 
@@ -163,40 +179,54 @@ def batch_mean(v, real):
 # BatchNorm for Transformers [2, Algorithm 1] ("Transformer_BN"), over the real tokens:
 #   mu_B = 1/N sum_i x_i,  sigma_B^2 = 1/N sum_i (x_i - mu_B)^2     (per channel, N real tokens)
 #   y = gamma * (x - mu_B) / sqrt(sigma_B^2 + eps) + beta
-# Why: [2] section 3 asks why BatchNorm, the norm of vision, costs a Transformer 1.1-1.4 BLEU. Its answer: the batch
-# statistics of text fluctuate far more than those of images. mu_B, sigma_B^2 stray from the running statistics that
-# inference uses, with outliers that persist through training, and so do their gradient terms g_mu, g_sigma^2 (eq. 3).
-# See it in a run: train.py logs dist_mu, dist_sigma2, g_mu, g_sigma2 (Appendix B; decode.py --plot draws them).
-# Equals torch.nn.BatchNorm1d on x[~pad_mask] (N, D): the same buffers and defaults (eps 1e-5, momentum 0.1, i.e.
-# the paper's alpha = 0.9). Padding is normalized with the real tokens' statistics and never enters them. Plain
-# autograd gives eq. 3 (both statistics get gradient). Note: a nonzero dL/dy at padding would reach the real
-# tokens through mu_B and sigma_B; in the Transformer it is zero (loss and attention mask padding).
-# Code: the authors' BN first RMS-scales each token over all D channels, overwrites padding rows with the real
-# rows' mean, then runs ordinary BN (momentum 0.05) over all B*T rows, shrinking the variance by N / (B*T).
+# Why: [2] section 3 asks why BatchNorm, the norm of vision, costs a Transformer 1.1-1.4 BLEU. Its
+# answer: the batch statistics of text fluctuate far more than those of images. mu_B, sigma_B^2
+# stray from the running statistics that inference uses, with outliers that persist through
+# training, and so do their gradient terms g_mu, g_sigma^2 (eq. 3). See it in a run: train.py logs
+# dist_mu, dist_sigma2, g_mu, g_sigma2 (Appendix B; decode.py --plot draws them). Equals
+# torch.nn.BatchNorm1d on x[~pad_mask] (N, D): the same buffers and defaults (eps 1e-5, momentum
+# 0.1, i.e. the paper's alpha = 0.9). Padding is normalized with the real tokens' statistics and
+# never enters them. Plain autograd gives eq. 3 (both statistics get gradient). Note: a nonzero
+# dL/dy at padding would reach the real tokens through mu_B and sigma_B; in the Transformer it is
+# zero (loss and attention mask padding).
+# Code: the authors' BN first RMS-scales each token over all D channels, overwrites padding rows
+# with the real rows' mean, then runs ordinary BN (momentum 0.05) over all B*T rows, shrinking the
+# variance by N / (B*T).
 # ---------------------------------------------------------------------------------------
-class BatchNorm(nn.BatchNorm1d):  # torch's parameters and buffers, as the banner says: the same names, init, defaults
+# torch's parameters and buffers, as the banner says: the same names, init, defaults
+class BatchNorm(nn.BatchNorm1d):
     def __init__(self, num_features, eps=1e-5, momentum=0.1):
-        super().__init__(num_features, eps, momentum)  # weight gamma, bias beta; running_mean mu, running_var sigma^2
+        # weight gamma, bias beta; running_mean mu, running_var sigma^2
+        super().__init__(num_features, eps, momentum)
         self.track, self.stats = False, {}
 
     def forward(self, x, pad_mask=None):
         xf = at_least_fp32(x)  # statistics in fp32 under autocast
-        if not self.training:  # Paper (inference): y = gamma * (x - mu) / sigma + beta, running statistics only
-            y = self.weight * (xf - self.running_mean) / torch.sqrt(self.running_var + self.eps) + self.bias
+        # Paper (inference): y = gamma * (x - mu) / sigma + beta, running statistics only
+        if not self.training:
+            y = (
+                self.weight * (xf - self.running_mean) / torch.sqrt(self.running_var + self.eps)
+                + self.bias
+            )
             return y.to(x.dtype)
         real = real_tokens(xf, pad_mask)
         # Exercise batchnorm: begin
         mu, n = batch_mean(xf, real)  # (D,)  Paper (Alg. 1): mu_B = 1/N sum_i x_i
-        # Note: two passes (mean, then centred squares) rather than E[x^2] - mu^2, which cancels badly.
-        var, _ = batch_mean((xf - mu).pow(2), real)  # (D,)  Paper (Alg. 1): sigma_B^2 = 1/N sum_i (x_i - mu_B)^2
-        y = self.weight * (xf - mu) / torch.sqrt(var + self.eps) + self.bias  # (B, T, D)  Paper (eqs. 1-2)
+        # Note: two passes (mean, then centred squares) rather than E[x^2] - mu^2, which cancels
+        # badly. (D,)  Paper (Alg. 1): sigma_B^2 = 1/N sum_i (x_i - mu_B)^2
+        var, _ = batch_mean((xf - mu).pow(2), real)
+        # (B, T, D)  Paper (eqs. 1-2)
+        y = self.weight * (xf - mu) / torch.sqrt(var + self.eps) + self.bias
         # Exercise batchnorm: end
         refuse_one_token(n)  # Appendix A: the running variance's N/(N-1) below needs N >= 2
-        self.stats = batch_diagnostics(self, y, xf, real, var, mu) if self.track else self.stats  # Appendix B
+        # Appendix B
+        self.stats = batch_diagnostics(self, y, xf, real, var, mu) if self.track else self.stats
         with torch.no_grad():
-            m = self.momentum  # Paper (Alg. 1): mu = alpha mu + (1 - alpha) mu_B, alpha = 1 - momentum
+            # Paper (Alg. 1): mu = alpha mu + (1 - alpha) mu_B, alpha = 1 - momentum
+            m = self.momentum
             self.running_mean.copy_((1 - m) * self.running_mean + m * mu)
-            # Note: the unbiased N/(N-1) sigma_B^2, as torch.nn.BatchNorm1d takes; Algorithm 1 writes the biased one.
+            # Note: the unbiased N/(N-1) sigma_B^2, as torch.nn.BatchNorm1d takes; Algorithm 1
+            # writes the biased one.
             self.running_var.copy_((1 - m) * self.running_var + m * var * n / (n - 1).clamp_min(1))
             self.num_batches_tracked += 1
         return y.to(x.dtype)
@@ -206,12 +236,13 @@ class BatchNorm(nn.BatchNorm1d):  # torch's parameters and buffers, as the banne
 # PN-V [2, Definition 1, eqs. 4-5]: BN without the mean, divided by the per-channel quadratic mean
 #   psi_B^2 = 1/N sum_i x_i^2   (over the real tokens, no centring)
 #   y = gamma * x / sqrt(psi_B^2 + eps) + beta
-# Why: [2] section 4.1: the mean is the statistic that fluctuates most, so PN-V stops centring and divides by the
-# quadratic mean, which fluctuates orders of magnitude less than sigma_B^2 ([2] Figure 4); the backward keeps one
-# batch term, g_psi^2 (eq. 6), in place of g_mu and g_sigma^2. It beats BatchNorm, not yet LayerNorm ([2] Table 1).
-# Plain autograd gives eq. 6 (gradient through psi_B^2); padding as in BatchNorm. Eval divides by the running
-# quadratic mean phi (starts at 1; momentum 0.1, alpha = 0.9; no N/(N-1): a mean of squares is already unbiased
-# for E[x^2]). Note: the paper gives no inference rule for PN-V; the running phi is ours (PN's EMA, eq. 10).
+# Why: [2] section 4.1: the mean is the statistic that fluctuates most, so PN-V stops centring and
+# divides by the quadratic mean, which fluctuates orders of magnitude less than sigma_B^2 ([2]
+# Figure 4); the backward keeps one batch term, g_psi^2 (eq. 6), in place of g_mu and g_sigma^2. It
+# beats BatchNorm, not yet LayerNorm ([2] Table 1). Plain autograd gives eq. 6 (gradient through
+# psi_B^2); padding as in BatchNorm. Eval divides by the running quadratic mean phi (starts at 1;
+# momentum 0.1, alpha = 0.9; no N/(N-1): a mean of squares is already unbiased for E[x^2]). Note:
+# the paper gives no inference rule for PN-V; the running phi is ours (PN's EMA, eq. 10).
 # [2] appendix A puts a "layer-scale layer" before every BN/PN; PN-V here is exactly Definition 1.
 # ---------------------------------------------------------------------------------------
 class PNV(nn.Module):
@@ -225,13 +256,17 @@ class PNV(nn.Module):
     def forward(self, x, pad_mask=None):
         xf = at_least_fp32(x)
         if not self.training:
-            return (self.weight * xf / torch.sqrt(self.running_phi + self.eps) + self.bias).to(x.dtype)
+            return (self.weight * xf / torch.sqrt(self.running_phi + self.eps) + self.bias).to(
+                x.dtype
+            )
         real = real_tokens(xf, pad_mask)
         # Exercise pnv: begin
         psi2, _ = batch_mean(xf.pow(2), real)  # (D,)  Paper (Def. 1): psi_B^2 = 1/N sum_i x_i^2
-        y = self.weight * xf / torch.sqrt(psi2 + self.eps) + self.bias  # (B, T, D)  Paper (eqs. 4-5)
+        # (B, T, D)  Paper (eqs. 4-5)
+        y = self.weight * xf / torch.sqrt(psi2 + self.eps) + self.bias
         # Exercise pnv: end
-        self.stats = batch_diagnostics(self, y, xf, real, psi2) if self.track else self.stats  # Appendix B
+        # Appendix B
+        self.stats = batch_diagnostics(self, y, xf, real, psi2) if self.track else self.stats
         with torch.no_grad():  # Note: phi = (1 - momentum) phi + momentum psi_B^2   (eq. 10's EMA)
             self.running_phi.copy_((1 - self.momentum) * self.running_phi + self.momentum * psi2)
         return y.to(x.dtype)
@@ -239,11 +274,12 @@ class PNV(nn.Module):
 
 # ---------------------------------------------------------------------------------------
 # GroupScaling [2, appendix A "layer-scale layer"; code]: RMSNorm [4] without gain, per group, in
-# front of PowerNorm (no parameters, eps 1e-5, not in the registry). In each of G contiguous groups of D/G channels:
-#   x_i <- x_i / sqrt(mean_group x_j^2 + eps)
-# Why: PN's divisor is per channel and over many batches, so it does not bound the size of one token: a token far
-# larger than the rest would pass through large. GroupScaling first brings each group of each token to unit RMS
-# ([2]: "to control the scale of the activation"), so what reaches PN has a known scale.
+# front of PowerNorm (no parameters, eps 1e-5, not in the registry). In each of G contiguous groups
+#   of D/G channels: x_i <- x_i / sqrt(mean_group x_j^2 + eps)
+# Why: PN's divisor is per channel and over many batches, so it does not bound the size of one
+# token: a token far larger than the rest would pass through large. GroupScaling first brings each
+# group of each token to unit RMS ([2]: "to control the scale of the activation"), so what reaches
+# PN has a known scale.
 # Paper: one sentence ("a layer-scale layer (Zhang & Sennrich, 2019) ... before the normalization
 # layer"). Code: G = number of attention heads; the authors say it is what keeps PN from NaNs.
 # ---------------------------------------------------------------------------------------
@@ -259,8 +295,8 @@ class GroupScaling(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# PowerNorm (PN) [2, Definition 3, Algorithm 2], GroupScaling in front. At training step t, per channel:
-#   forward:   X^ = X / psi_{t-1}                                          (eq. 8)
+# PowerNorm (PN) [2, Definition 3, Algorithm 2], GroupScaling in front. At training step t, per
+#   channel: forward:   X^ = X / psi_{t-1}                                          (eq. 8)
 #              Y  = gamma X^ + beta                                         (eq. 9)
 #              psi_t^2 = alpha_fwd psi_{t-1}^2 + (1 - alpha_fwd) psi_B^2    (eq. 10, Alg. 2's form)
 #   backward:  the statistics get no gradient; instead ("approximate backpropagation")
@@ -268,15 +304,17 @@ class GroupScaling(nn.Module):
 #              dL/dX = X^' / psi_{t-1}                                      (eq. 12)
 #              nu_t = nu_{t-1} (1 - (1 - alpha_bkw) Gamma) + (1 - alpha_bkw) Lambda   (eq. 13)
 #              Gamma = mean_i x^_i x^_i,  Lambda = mean_i dL/dx^_i x^_i
-#   inference: Y = gamma X / psi + beta   (running statistic only: a sentence's output is independent of the batch)
-# Why: [2] section 4.2: psi_B still jumps from batch to batch, so PN divides by a running average psi^2 of the past
-# batches' quadratic means (eq. 10): a slowly moving statistic, the same kind in training and at inference. The
-# exact gradient through a running average reaches back to the first step; the approximate backward takes PN-V's
-# (eq. 6: dL/dX = (dL/dX^ - Lambda X^) / psi_B) and replaces its batch term Lambda by nu, a running estimate of it
-# (eq. 13's fixed point: nu = Lambda / Gamma, Gamma ~ 1), and the gradient stays bounded ([2] Theorem 4).
-# Here psi^2 is stored as running_phi (phi = psi^2) and psi = sqrt(phi + eps); statistics in fp32.
-# Code: the released module differs in three places (PowerNormCode, Appendix D, --pn-variant code). It also stores
-# nu/(1-alpha_bkw) (we: nu); its psi_B^2, Gamma, Lambda are per GPU.
+#   inference: Y = gamma X / psi + beta   (running statistic only: a sentence's output is
+#   independent of the batch)
+# Why: [2] section 4.2: psi_B still jumps from batch to batch, so PN divides by a running average
+# psi^2 of the past batches' quadratic means (eq. 10): a slowly moving statistic, the same kind in
+# training and at inference. The exact gradient through a running average reaches back to the first
+# step; the approximate backward takes PN-V's (eq. 6: dL/dX = (dL/dX^ - Lambda X^) / psi_B) and
+# replaces its batch term Lambda by nu, a running estimate of it (eq. 13's fixed point: nu = Lambda
+# / Gamma, Gamma ~ 1), and the gradient stays bounded ([2] Theorem 4). Here psi^2 is stored as
+# running_phi (phi = psi^2) and psi = sqrt(phi + eps); statistics in fp32.
+# Code: the released module differs in three places (PowerNormCode, Appendix D, --pn-variant code).
+# It also stores nu/(1-alpha_bkw) (we: nu); its psi_B^2, Gamma, Lambda are per GPU.
 # ---------------------------------------------------------------------------------------
 class _PowerNormFunction(torch.autograd.Function):
     """Eqs. 8-9 forward and 11-13 backward of PN for one training step (nu updated in place)."""
@@ -299,14 +337,17 @@ class _PowerNormFunction(torch.autograd.Function):
         # Exercise powernorm_backward: begin
         g = weight * dy  # (B, T, D)  Paper (Alg. 2): dL/dX^ = gamma dL/dY
         g_tilde = g - nu * z  # (B, T, D)  Paper (eq. 11): X^' = dL/dX^ - nu_{t-1} X^
-        dx = g_tilde / torch.sqrt(psi2 + ctx.eps)  # (B, T, D)  Paper (eq. 12): dL/dX = X^' / psi_{t-1}
-        Gamma_t, _ = batch_mean(z * z, real)  # (D,)  Gamma = mean_i x^_i x^_i   (real tokens, footnote 1)
+        # (B, T, D)  Paper (eq. 12): dL/dX = X^' / psi_{t-1}
+        dx = g_tilde / torch.sqrt(psi2 + ctx.eps)
+        # (D,)  Gamma = mean_i x^_i x^_i   (real tokens, footnote 1)
+        Gamma_t, _ = batch_mean(z * z, real)
         Lambda_t, _ = batch_mean(g * z, real)  # (D,)  Lambda = mean_i dL/dx^_i x^_i
         # Paper (eq. 13): nu_t = nu_{t-1} (1 - (1 - alpha) Gamma) + (1 - alpha) Lambda
         nu.copy_(nu * (1 - (1 - a) * Gamma_t) + (1 - a) * Lambda_t)
         # Exercise powernorm_backward: end
         dx = torch.where(real.unsqueeze(-1), dx, 0.0)  # padding gets zero gradient
-        return dx, (dy * z).sum((0, 1)), dy.sum((0, 1)), None, None, None, None, None  # dgamma, dbeta
+        # dgamma, dbeta
+        return dx, (dy * z).sum((0, 1)), dy.sum((0, 1)), None, None, None, None, None
 
 
 class PowerNorm(nn.Module):
@@ -316,39 +357,54 @@ class PowerNorm(nn.Module):
             raise ValueError(f"num_features {num_features} is not divisible by groups {groups}")
         self.warmup, self.alpha_fwd, self.alpha_bkw, self.eps = warmup, alpha_fwd, alpha_bkw, eps
         self.track, self.stats = False, {}
-        self.group_scaling = GroupScaling(groups, eps=1e-5)  # Code: G = heads, eps 1e-5 inside the sqrt
+        # Code: G = heads, eps 1e-5 inside the sqrt
+        self.group_scaling = GroupScaling(groups, eps=1e-5)
         # Code: weight and bias are always there (whatever ``affine`` says), ones and zeros.
         self.weight = nn.Parameter(torch.ones(num_features))  # gamma
         self.bias = nn.Parameter(torch.zeros(num_features))  # beta
         self.register_buffer("running_phi", torch.ones(num_features))  # phi = psi^2, starts at 1
         self.register_buffer("running_nu", torch.zeros(num_features))  # nu (not nu/(1-alpha_bkw))
-        # Note: counts training *forwards* (as the code); train.py passes --pn-warmup x --accumulate: W updates.
+        # Note: counts training *forwards* (as the code); train.py passes --pn-warmup x
+        # --accumulate: W updates.
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
 
     def extra_repr(self):
-        return (f"{self.weight.shape[0]}, groups={self.group_scaling.groups}, warmup={self.warmup}, "
-                f"alpha_fwd={self.alpha_fwd}, alpha_bkw={self.alpha_bkw}")
+        return (
+            f"{self.weight.shape[0]}, groups={self.group_scaling.groups}, warmup={self.warmup}, "
+            f"alpha_fwd={self.alpha_fwd}, alpha_bkw={self.alpha_bkw}"
+        )
 
     def forward(self, x, pad_mask=None):
         xs = self.group_scaling(at_least_fp32(x))  # (B, T, D)  GroupScaling, plain autograd
-        if not self.training:  # Paper (inference): Y = gamma X / psi + beta   (running statistic only)
-            return (self.weight * xs / torch.sqrt(self.running_phi + self.eps) + self.bias).to(x.dtype)
+        # Paper (inference): Y = gamma X / psi + beta   (running statistic only)
+        if not self.training:
+            return (self.weight * xs / torch.sqrt(self.running_phi + self.eps) + self.bias).to(
+                x.dtype
+            )
         real = real_tokens(xs, pad_mask)  # (B, T)
         self.num_batches_tracked += 1
-        t = self.num_batches_tracked  # this step, counted from 1 (a tensor, read on its device: Appendix A)
+        # this step, counted from 1 (a tensor, read on its device: Appendix A)
+        t = self.num_batches_tracked
         with torch.no_grad():  # the statistics get no gradient (approximate backpropagation)
             psi2, _ = batch_mean(xs.pow(2), real)  # (D,)  Paper (Alg. 2): psi_B^2 = 1/N sum_i x_i^2
             phi = self.running_phi.clone()  # (D,)  psi_{t-1}^2
-        # Paper: appendix A names a warmup "for accumulating psi", W = the LR warmup; Algorithm 2 has
-        # none. Code: the batch psi_B divides while t <= W (as in PN-V), then eq. 8's psi_{t-1}.
-        fwd_psi2 = torch.where(t <= self.warmup, psi2, phi)  # Note: eqs. 11-13 (with nu) run in the warmup too
-        self.stats = powernorm_diagnostics(self, xs, real, psi2, phi, fwd_psi2) if self.track else self.stats
-        return self.step(xs, real, psi2, phi, fwd_psi2).to(x.dtype)  # PowerNormCode (Appendix D): its departures first
+        # Paper: appendix A names a warmup "for accumulating psi", W = the LR warmup; Algorithm 2
+        # has none. Code: the batch psi_B divides while t <= W (as in PN-V), then eq. 8's psi_{t-1}.
+        # Note: eqs. 11-13 (with nu) run in the warmup too
+        fwd_psi2 = torch.where(t <= self.warmup, psi2, phi)
+        self.stats = (
+            powernorm_diagnostics(self, xs, real, psi2, phi, fwd_psi2) if self.track else self.stats
+        )
+        # PowerNormCode (Appendix D): its departures first
+        return self.step(xs, real, psi2, phi, fwd_psi2).to(x.dtype)
 
-    def step(self, xs, real, psi2, phi, fwd_psi2):  # Y (eqs. 8-9; backward: 11-13), then psi_t^2 (eq. 10)
-        y = _PowerNormFunction.apply(xs, self.weight, self.bias, fwd_psi2, self.running_nu, real, self.alpha_bkw,
-                                     self.eps)
-        with torch.no_grad():  # Paper (eq. 10, as Alg. 2 writes it): psi_t^2 = alpha psi_{t-1}^2 + (1 - alpha) psi_B^2
+    # Y (eqs. 8-9; backward: 11-13), then psi_t^2 (eq. 10)
+    def step(self, xs, real, psi2, phi, fwd_psi2):
+        y = _PowerNormFunction.apply(
+            xs, self.weight, self.bias, fwd_psi2, self.running_nu, real, self.alpha_bkw, self.eps
+        )
+        # Paper (eq. 10, as Alg. 2 writes it): psi_t^2 = alpha psi_{t-1}^2 + (1 - alpha) psi_B^2
+        with torch.no_grad():
             self.running_phi.copy_(self.alpha_fwd * phi + (1 - self.alpha_fwd) * psi2)
         return y
 
@@ -362,37 +418,58 @@ class NoNorm(nn.Identity):  # nn.Identity takes the width d and ignores it
 
 
 # ---------------------------------------------------------------------------------------
-# 7. The registry: --norm NAME (and --encoder-norm/--decoder-norm) -> its entry, which the rest reads: train.py's
-# --norm choices and help, build_norm, the tests that loop over norms and check README.md's table, --benchmark.
+# 7. The registry: --norm NAME (and --encoder-norm/--decoder-norm) -> its entry, which the rest
+#    reads: train.py's
+# --norm choices and help, build_norm, the tests that loop over norms and check README.md's table,
+# --benchmark.
 # ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Norm:
     cls: type  # the module's class (BATCH_NORMS below: isinstance checks)
     equation: str  # one line, as --help prints it
     paper: str  # where it comes from
-    batch_stats: bool = False  # statistics over the batch: train.py logs Appendix B's diagnostics, decode.py leaks
-    options: tuple = ()  # the keys of ModelConfig.norm_options it takes (train.py's --pn-*); "groups": the heads
+    # statistics over the batch: train.py logs Appendix B's diagnostics, decode.py leaks
+    batch_stats: bool = False
+    # the keys of ModelConfig.norm_options it takes (train.py's --pn-*); "groups": the heads
+    options: tuple = ()
     make: Optional[Callable] = None  # make(d, **options) -> the module; None: cls(d, **options)
 
 
 NORMS = {
     "layer": Norm(LayerNorm, "y = gamma (x - mu) / sqrt(sigma^2 + eps) + beta", "Ba et al. 2016"),
     "scale": Norm(ScaleNorm, "y = g x / ||x||, one scalar g, init sqrt(D)", "TwT eq. 5"),
-    "scale_fixed": Norm(ScaleNorm, "y = sqrt(D) x / ||x||", "TwT Table 7", make=partial(ScaleNorm, learn_g=False)),
+    "scale_fixed": Norm(
+        ScaleNorm, "y = sqrt(D) x / ||x||", "TwT Table 7", make=partial(ScaleNorm, learn_g=False)
+    ),
     "rms": Norm(RMSNorm, "y = g x / sqrt(mean(x^2) + eps)", "Zhang & Sennrich 2019"),
-    "batch": Norm(BatchNorm, "y = gamma (x - mu_B) / sqrt(sigma_B^2 + eps) + beta", "PowerNorm Alg. 1", True),
-    "pnv": Norm(PNV, "y = gamma x / sqrt(psi_B^2 + eps) + beta, psi_B^2 = mean x^2", "PowerNorm Def. 1", True),
-    "power": Norm(PowerNorm, "y = gamma x / psi + beta, running psi^2, approximate backward with nu",
-                  "PowerNorm Def. 3, Alg. 2", True, options=("groups", "warmup", "alpha_fwd", "alpha_bkw", "variant"),
-                  make=lambda d, **options: power_norm(d, **options)),  # Appendix D: --pn-variant paper or code
+    "batch": Norm(
+        BatchNorm, "y = gamma (x - mu_B) / sqrt(sigma_B^2 + eps) + beta", "PowerNorm Alg. 1", True
+    ),
+    "pnv": Norm(
+        PNV,
+        "y = gamma x / sqrt(psi_B^2 + eps) + beta, psi_B^2 = mean x^2",
+        "PowerNorm Def. 1",
+        True,
+    ),
+    "power": Norm(
+        PowerNorm,
+        "y = gamma x / psi + beta, running psi^2, approximate backward with nu",
+        "PowerNorm Def. 3, Alg. 2",
+        True,
+        options=("groups", "warmup", "alpha_fwd", "alpha_bkw", "variant"),
+        # Appendix D: --pn-variant paper or code
+        make=lambda d, **options: power_norm(d, **options),
+    ),
     "none": Norm(NoNorm, "y = x", "QKNorm Table 6"),
 }
-BATCH_NORMS = tuple(dict.fromkeys(e.cls for e in NORMS.values() if e.batch_stats))  # (PowerNormCode is a PowerNorm)
+# (PowerNormCode is a PowerNorm)
+BATCH_NORMS = tuple(dict.fromkeys(e.cls for e in NORMS.values() if e.batch_stats))
 
 
 def build_norm(name, d, heads=1, norm_options=None):
-    """One norm of kind ``name`` for width d, with the options its entry names, from ``norm_options``
-    (ModelConfig.norm_options) and groups = heads (PowerNorm's GroupScaling: Code)."""
+    """One norm of kind ``name`` for width d, with the options its entry names, from
+    ``norm_options`` (ModelConfig.norm_options) and groups = heads (PowerNorm's GroupScaling:
+    Code)."""
     if name not in NORMS:
         raise ValueError(f"unknown norm {name!r}; choose one of {sorted(NORMS)}")
     entry, given = NORMS[name], {"groups": heads, **(norm_options or {})}
@@ -402,16 +479,18 @@ def build_norm(name, d, heads=1, norm_options=None):
 # =======================================================================================
 # Appendix A: batch statistics in practice: over several processes, and batches too small for them.
 #
-# Under DistributedDataParallel (torchrun) every rank holds a shard of the batch. batch_mean's sums and token
-# count go through sum_over_ranks: on one process the identity (the main text's plain masked mean); under
-# torchrun the sum over the ranks, which gives exactly the whole batch's statistics, so the ranks normalise as
-# one process with all of it would (as nn.SyncBatchNorm does). batch_mean takes masked sums, not v[real], whose
-# data-dependent shape would make the host wait and break torch.compile. Code: the authors' BN/PN never synchronise
-# statistics across GPUs. A collective inside PowerNorm's backward (batch_mean of Gamma, Lambda) is safe: every
-# rank runs the same backward graph, so they meet in the same order. Eqs. 11-13 are not linear in dL/dY (nu X^
-# does not scale with it), so every rank's dL/dY must be the whole batch's, not world x it: see train_step in
-# train.py. Also in practice: average only PowerNorm's float buffers when averaging checkpoints; phi and its
-# counter change in forward and nu in backward: do not wrap PN in activation checkpointing (forward would run twice).
+# Under DistributedDataParallel (torchrun) every rank holds a shard of the batch. batch_mean's sums
+# and token count go through sum_over_ranks: on one process the identity (the main text's plain
+# masked mean); under torchrun the sum over the ranks, which gives exactly the whole batch's
+# statistics, so the ranks normalise as one process with all of it would (as nn.SyncBatchNorm does).
+# batch_mean takes masked sums, not v[real], whose data-dependent shape would make the host wait and
+# break torch.compile. Code: the authors' BN/PN never synchronise statistics across GPUs. A
+# collective inside PowerNorm's backward (batch_mean of Gamma, Lambda) is safe: every rank runs the
+# same backward graph, so they meet in the same order. Eqs. 11-13 are not linear in dL/dY (nu X^
+# does not scale with it), so every rank's dL/dY must be the whole batch's, not world x it: see
+# train_step in train.py. Also in practice: average only PowerNorm's float buffers when averaging
+# checkpoints; phi and its counter change in forward and nu in backward: do not wrap PN in
+# activation checkpointing (forward would run twice).
 # =======================================================================================
 class _AllReduceSum(torch.autograd.Function):
     """y = sum over ranks of x, with its gradient: every rank's y is the same sum, so dL/dx on a
@@ -428,32 +507,40 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 def sum_over_ranks(*tensors):
-    """What batch_mean sums with (the banner above; the multi-process tests replace it), differentiably, in one
-    collective; a tuple. Note: counts travel as floats of the statistics' dtype: exact up to 2^24 tokens in fp32."""
+    """What batch_mean sums with (the banner above; the multi-process tests replace it),
+    differentiably, in one collective; a tuple. Note: counts travel as floats of the statistics'
+    dtype: exact up to 2^24 tokens in fp32."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return tensors
-    flat = _AllReduceSum.apply(torch.cat([t.reshape(-1) for t in tensors]))  # one message, not one per tensor
+    # one message, not one per tensor
+    flat = _AllReduceSum.apply(torch.cat([t.reshape(-1) for t in tensors]))
     return tuple(f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tensors]), tensors))
 
 
-# Too few tokens: a clear error, not NaN (Code: the authors' module divides 0 by 0). Checked on the CPU only:
-# on a GPU, reading the mask or the count would make the host wait at every norm of every step (and the
-# batcher never makes a batch of padding only).
+# Too few tokens: a clear error, not NaN (Code: the authors' module divides 0 by 0). Checked on the
+# CPU only: on a GPU, reading the mask or the count would make the host wait at every norm of every
+# step (and the batcher never makes a batch of padding only).
 def real_tokens(x, pad_mask):
-    """The (B, T) bool mask of real (non-padding) tokens of x (B, T, D); a clear error for an all-padding batch."""
+    """The (B, T) bool mask of real (non-padding) tokens of x (B, T, D); a clear error for an
+    all-padding batch."""
     if pad_mask is None:
         return torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
-    real = ~pad_mask.bool()  # (B, T)  Note: .bool() first: ~ on a uint8 mask gives 254/255 (a pitfall of the code)
+    # (B, T)  Note: .bool() first: ~ on a uint8 mask gives 254/255 (a pitfall of the code)
+    real = ~pad_mask.bool()
     if real.device.type == "cpu" and not real.any():
-        raise ValueError("batch statistics need at least one non-padding token; the batch is all padding")
+        raise ValueError(
+            "batch statistics need at least one non-padding token; the batch is all padding"
+        )
     return real
 
 
-MIN_REAL_TOKENS = 2  # BatchNorm in training; data.make_batches never forms a training batch with fewer
+# BatchNorm in training; data.make_batches never forms a training batch with fewer
+MIN_REAL_TOKENS = 2
 
 
 def refuse_one_token(n):
-    """BatchNorm in training: the unbiased running variance N/(N-1) needs N >= 2 real tokens (torch raises too)."""
+    """BatchNorm in training: the unbiased running variance N/(N-1) needs N >= 2 real tokens (torch
+    raises too)."""
     if n.device.type == "cpu" and n < MIN_REAL_TOKENS:
         raise ValueError(f"BatchNorm in training needs more than 1 real token, got {int(n)}")
 
@@ -465,47 +552,61 @@ def refuse_one_token(n):
 #             dist(a, b) = ||a - b|| / D  ([2] section 3.1): dist_mu, dist_sigma2 (BN), dist_psi2
 #   backward: the norm of the part of dL/dx_i that each batch statistic contributes, averaged over
 #             the real tokens: g_mu, g_sigma2 (BN, eq. 3), g_psi2 (PN-V, eq. 6); for PN, whose
-#             statistics get no gradient, the nu X^ term of eqs. 11-12 (g_nu, computed in the forward:
-#             nu_{t-1} is known there)
+#             statistics get no gradient, the nu X^ term of eqs. 11-12 (g_nu, computed in the
+#             forward: nu_{t-1} is known there)
 # =======================================================================================
 def dist(a, b):
     return (torch.linalg.vector_norm(a.detach() - b) / a.numel()).item()
 
 
 def batch_diagnostics(norm, y, x, real, var, mu=None):
-    """BatchNorm's (mu = mu_B, var = sigma_B^2) or, with mu None, PN-V's (var = psi_B^2: no centring, no mu terms)."""
+    """BatchNorm's (mu = mu_B, var = sigma_B^2) or, with mu None, PN-V's (var = psi_B^2: no
+    centring, no mu terms)."""
     sigma = torch.sqrt(var.detach() + norm.eps)  # sigma_B (PN-V: psi_B)
-    x_tilde = ((x.detach() if mu is None else x.detach() - mu.detach()) / sigma)[real]  # (N_r, D)  x~ (PN-V: x^)
+    # (N_r, D)  x~ (PN-V: x^)
+    x_tilde = ((x.detach() if mu is None else x.detach() - mu.detach()) / sigma)[real]
     scale = norm.weight.detach() / sigma  # (D,)
-    # Paper (eq. 3): dL/dx_i = gamma/sigma_B dL/dy_i - gamma/(sigma_B N) sum_j (dL/dy_j + dL/dy_j x~_j x~_i)
+    # Paper (eq. 3): dL/dx_i = gamma/sigma_B dL/dy_i - gamma/(sigma_B N) sum_j (dL/dy_j + dL/dy_j
+    # x~_j x~_i)
     # Paper (eq. 6): dL/dx_i = gamma/psi_B dL/dy_i - gamma/(N psi_B) sum_j dL/dy_j x^_j x^_i
-    var_term = lambda dy: scale * (dy[real] * x_tilde).mean(0) * x_tilde  # the x~_j x~_i (PN-V: x^_j x^_i) term
+    # the x~_j x~_i (PN-V: x^_j x^_i) term
+    var_term = lambda dy: scale * (dy[real] * x_tilde).mean(0) * x_tilde
     if mu is None:
         stats, terms = {"dist_psi2": dist(var, norm.running_phi)}, [("g_psi2", var_term)]
     else:
         stats = {"dist_mu": dist(mu, norm.running_mean), "dist_sigma2": dist(var, norm.running_var)}
-        terms = [("g_mu", lambda dy: (scale * dy[real].mean(0)).expand_as(x_tilde)), ("g_sigma2", var_term)]
-    if y.requires_grad:  # when dL/dy arrives: stats[name] = mean over tokens of ||term(dL/dy)|| for each (name, term)
+        terms = [
+            ("g_mu", lambda dy: (scale * dy[real].mean(0)).expand_as(x_tilde)),
+            ("g_sigma2", var_term),
+        ]
+    # when dL/dy arrives: stats[name] = mean over tokens of ||term(dL/dy)|| for each (name, term)
+    if y.requires_grad:
+
         def hook(dy):
             with torch.no_grad():
                 for name, term in terms:
                     stats[name] = torch.linalg.vector_norm(term(dy), dim=-1).mean().item()
+
         y.register_hook(hook)
     return stats
 
 
 def powernorm_diagnostics(norm, xs, real, psi2, phi, fwd_psi2):
     z = xs.detach() / torch.sqrt(fwd_psi2 + norm.eps)  # X^
-    bwd_psi2 = psi2 if isinstance(norm, PowerNormCode) else fwd_psi2  # what the backward divides by (Appendix D)
+    # what the backward divides by (Appendix D)
+    bwd_psi2 = psi2 if isinstance(norm, PowerNormCode) else fwd_psi2
     g_nu = norm.running_nu * z[real] / torch.sqrt(bwd_psi2 + norm.eps)  # (N_r, D)
-    return {"dist_psi2": dist(psi2, phi), "g_nu": torch.linalg.vector_norm(g_nu, dim=-1).mean().item()}
+    return {
+        "dist_psi2": dist(psi2, phi),
+        "g_nu": torch.linalg.vector_norm(g_nu, dim=-1).mean().item(),
+    }
 
 
 # =======================================================================================
 # Appendix C: the timing harness, and python norms.py --benchmark.
 #
-# norms.py, decode.py and train.py's warm-up time with timed() below (train.py's --benchmark synchronises once
-# around all its timed steps, as training does).
+# norms.py, decode.py and train.py's warm-up time with timed() below (train.py's --benchmark
+# synchronises once around all its timed steps, as training does).
 # Figures are printed, never asserted: these machines are shared and noisy, so compare ratios
 # measured in one run, with the candidates interleaved (round robin) so noise hits them alike.
 # =======================================================================================
@@ -526,11 +627,14 @@ def timed(fn, device=None):
 def benchmark(batch=64, length=64, d=512, heads=8, repeats=30, rounds=5, device="cpu", bf16=False):
     """Best (over rounds) seconds of one forward+backward of every norm on (batch, length, d);
     bf16: a bf16 input under CUDA autocast, as in training on a GPU."""
-    x0 = torch.randn(batch, length, d, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
+    x0 = torch.randn(
+        batch, length, d, device=device, dtype=torch.bfloat16 if bf16 else torch.float32
+    )
     pad = torch.zeros(batch, length, dtype=torch.bool, device=device)
-    pad[: batch // 2, length - length // 8:] = True  # some padding, as in a real batch
+    pad[: batch // 2, length - length // 8 :] = True  # some padding, as in a real batch
     dy = torch.randn_like(x0)
-    norms = {name: build_norm(name, d, heads, {"warmup": 1}).to(device) for name in NORMS}  # PN past its warmup
+    # PN past its warmup
+    norms = {name: build_norm(name, d, heads, {"warmup": 1}).to(device) for name in NORMS}
 
     def run(norm, x):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
@@ -558,14 +662,20 @@ def benchmark(batch=64, length=64, d=512, heads=8, repeats=30, rounds=5, device=
 #     takes the EMA step (paper: the EMA of eq. 10 at every step).
 # =======================================================================================
 class PowerNormCode(PowerNorm):
-    def step(self, xs, real, psi2, phi, fwd_psi2):  # the forward (psi_B^2 over the real tokens) and inference as PN's
-        # Code: dL/dX = X^' / psi_B at every step: eq. 12's X^' / psi_{t-1} times psi_{t-1} / psi_B, so the paper's
-        # function runs on xs with its gradient scaled by that ratio (1 in the warmup; the value stays xs exactly).
-        xs = xs.detach() + (xs - xs.detach()) * torch.sqrt((fwd_psi2 + self.eps) / (psi2 + self.eps))
+    # the forward (psi_B^2 over the real tokens) and inference as PN's
+    def step(self, xs, real, psi2, phi, fwd_psi2):
+        # Code: dL/dX = X^' / psi_B at every step: eq. 12's X^' / psi_{t-1} times psi_{t-1} / psi_B,
+        # so the paper's function runs on xs with its gradient scaled by that ratio (1 in the
+        # warmup; the value stays xs exactly).
+        xs = xs.detach() + (xs - xs.detach()) * torch.sqrt(
+            (fwd_psi2 + self.eps) / (psi2 + self.eps)
+        )
         t = self.num_batches_tracked  # this step, counted from 1
-        with torch.no_grad():  # Code: phi <- (t-1)/t phi + 1/t psi_B^2 (a cumulative mean) for t < W, then eq. 10
+        # Code: phi <- (t-1)/t phi + 1/t psi_B^2 (a cumulative mean) for t < W, then eq. 10
+        with torch.no_grad():
             phi = torch.where(t < self.warmup, phi * (t - 1) / t + psi2 / t, phi)
-        return super().step(xs, torch.ones_like(real), psi2, phi, fwd_psi2)  # Code: the backward counts padding as real
+        # Code: the backward counts padding as real
+        return super().step(xs, torch.ones_like(real), psi2, phi, fwd_psi2)
 
 
 def power_norm(d, variant="paper", **options):
@@ -580,12 +690,20 @@ if __name__ == "__main__":
     p.add_argument("--benchmark", action="store_true", help="run the benchmark (the only action)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--length", type=int, default=64)
-    p.add_argument("--d-model", type=int, default=512, help="D of the activations (base model: 512)")
+    p.add_argument(
+        "--d-model", type=int, default=512, help="D of the activations (base model: 512)"
+    )
     p.add_argument("--heads", type=int, default=8, help="PowerNorm's GroupScaling groups")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--reference", action="store_true", help="time the written-out LayerNorm in place of F.layer_norm")
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="time the written-out LayerNorm in place of F.layer_norm",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--bf16", action="store_true", help="on CUDA: a bf16 input under autocast, as training runs")
+    p.add_argument(
+        "--bf16", action="store_true", help="on CUDA: a bf16 input under autocast, as training runs"
+    )
     a = p.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
@@ -597,8 +715,12 @@ if __name__ == "__main__":
     use_reference(a.reference)
     bf16 = a.bf16 and a.device == "cuda"  # --bf16 is CUDA's: the CPU is timed in fp32
     best = benchmark(a.batch, a.length, a.d_model, a.heads, device=a.device, bf16=bf16)
-    where = torch.cuda.get_device_name() if a.device == "cuda" else f"{torch.get_num_threads()} threads"
-    print(f"forward+backward on ({a.batch}, {a.length}, {a.d_model}) {'bf16' if bf16 else 'fp32'}, {where}, "
-          f"best of 5 rounds x 30{', --reference' if a.reference else ''}:")
+    where = (
+        torch.cuda.get_device_name() if a.device == "cuda" else f"{torch.get_num_threads()} threads"
+    )
+    print(
+        f"forward+backward on ({a.batch}, {a.length}, {a.d_model}) {'bf16' if bf16 else 'fp32'}, {where}, "
+        f"best of 5 rounds x 30{', --reference' if a.reference else ''}:"
+    )
     for name, t in best.items():
         print(f"  {name:12s} {t * 1e3:8.3f} ms   {t / best['layer']:5.2f} x LayerNorm")

@@ -1,11 +1,14 @@
-"""The five chapters as a book: ``python docs/book.py`` writes docs/book/index.html and one page per chapter.
+"""The five chapters as a book: ``python docs/book.py`` writes docs/book/index.html and one page per
+chapter.
 
-Each page reads as the Annotated Transformer does: a file's comments become prose beside the code they precede, each
-section (the blocks between ``# ---`` rules) under its heading, the main text first and each appendix folded under
-its heading (HTML's own <details>: no JavaScript). The pages work offline: one self-contained file each, the code
-highlighted by Pygments (which rich installs). Nothing of a file is dropped: chapter() splits it into pieces that
-join back to it exactly (tests/test_book.py checks that, and that the pages hold every line).
+Each page reads as the Annotated Transformer does: a file's comments become prose beside the code
+they precede, each section (the blocks between ``# ---`` rules) under its heading, the main text
+first and each appendix folded under its heading (HTML's own <details>: no JavaScript). The pages
+work offline: one self-contained file each, the code highlighted by Pygments (which rich installs).
+Nothing of a file is dropped: chapter() splits it into pieces that join back to it exactly
+(tests/test_book.py checks that, and that the pages hold every line).
 """
+
 import argparse
 import html
 import re
@@ -17,17 +20,22 @@ from pygments.formatters import HtmlFormatter
 from pygments.lexers import PythonLexer
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = ["norms.py", "model.py", "data.py", "decode.py", "train.py"]  # the reading order: imports run one way
-RULE = re.compile(r"^# (-{20,}|={20,})$")  # a section's rule: --- for the main text's, === for an appendix's
-PAPERS = "../papers.md"  # where [1], [2], [3] ... point (docs/papers.md: each paper's rows and numbers)
+# the reading order: imports run one way
+CHAPTERS = ["norms.py", "model.py", "data.py", "decode.py", "train.py"]
+# a section's rule: --- for the main text's, === for an appendix's
+RULE = re.compile(r"^# (-{20,}|={20,})$")
+# where [1], [2], [3] ... point (docs/papers.md: each paper's rows and numbers)
+PAPERS = "../papers.md"
 
 
 def chapter(text):
-    """(intro, sections) of a chapter's source. intro: its docstring's lines; a section: dict(title, head: its heading's
-    lines from rule to rule, blocks, appendix: whether it is folded); a block: (comment lines before the code, code
-    lines). Every line is in exactly one piece, in order: source_of() joins them back."""
+    """(intro, sections) of a chapter's source. intro: its docstring's lines; a section: dict(title,
+    head: its heading's lines from rule to rule, blocks, appendix: whether it is folded); a block:
+    (comment lines before the code, code lines). Every line is in exactly one piece, in order:
+    source_of() joins them back."""
     lines = text.split("\n")
-    end = next(i for i in range(1, len(lines)) if lines[i].rstrip().endswith('"""')) + 1  # the module docstring
+    # the module docstring
+    end = next(i for i in range(1, len(lines)) if lines[i].rstrip().endswith('"""')) + 1
     intro, sections = lines[:end], [dict(title="", head=[], blocks=[([], [])], appendix=False)]
     i = end
     while i < len(lines):
@@ -35,12 +43,17 @@ def chapter(text):
         if RULE.match(line):  # a section's heading: the comment lines up to the next rule
             j = next(k for k in range(i + 1, len(lines)) if RULE.match(lines[k]))
             title = lines[i + 1][2:] if j > i + 1 else ""
-            appendix = title.startswith("Appendix") or (sections[-1]["appendix"] and not title[:1].isdigit())
-            sections.append(dict(title=title, head=lines[i:j + 1], blocks=[([], [])], appendix=appendix))
+            appendix = title.startswith("Appendix") or (
+                sections[-1]["appendix"] and not title[:1].isdigit()
+            )
+            sections.append(
+                dict(title=title, head=lines[i : j + 1], blocks=[([], [])], appendix=appendix)
+            )
             i = j + 1
             continue
         prose, code = sections[-1]["blocks"][-1]
-        if line.startswith("#") and not line.startswith("#!"):  # a column-0 comment: prose for the code after it
+        # a column-0 comment: prose for the code after it
+        if line.startswith("#") and not line.startswith("#!"):
             if code:
                 sections[-1]["blocks"].append(([], []))
             sections[-1]["blocks"][-1][0].append(line)
@@ -61,8 +74,8 @@ def source_of(intro, sections):
 
 
 def prose_html(comment_lines):
-    """Comment lines as prose: plain lines joined into paragraphs, indented ones (equations, tables) kept as they are;
-    a paper's reference [N] linked to the papers' page."""
+    """Comment lines as prose: plain lines joined into paragraphs, indented ones (equations, tables)
+    kept as they are; a paper's reference [N] linked to the papers' page."""
     out, para = [], []
     for line in [c[2:] if c.startswith("# ") else c[1:] for c in comment_lines]:
         if line.startswith("  ") or not line.strip():  # an equation or a table line: as written
@@ -93,15 +106,22 @@ def section_html(s, anchor):
     """A section: its heading and its prose, then each block, prose beside code."""
     head = [h for h in s["head"] if not RULE.match(h)][1:]  # the heading's prose, below its title
     blocks = list(s["blocks"])
-    if blocks and not blocks[0][0]:  # beside the section's first code, when that code has no comment of its own
+    # beside the section's first code, when that code has no comment of its own
+    if blocks and not blocks[0][0]:
         blocks[0], head = (head, blocks[0][1]), []
-    parts = [f'<section id="{anchor}">'] + ([f"<h2>{html.escape(s['title'])}</h2>"] if s["title"] else [])
+    parts = [f'<section id="{anchor}">'] + (
+        [f"<h2>{html.escape(s['title'])}</h2>"] if s["title"] else []
+    )
     if head:
-        parts.append(f'<div class="row"><div class="prose">{prose_html(head)}</div><div class="code"></div></div>')
+        parts.append(
+            f'<div class="row"><div class="prose">{prose_html(head)}</div><div class="code"></div></div>'
+        )
     for prose, code in blocks:
         if prose or any(c.strip() for c in code):
-            parts.append(f'<div class="row"><div class="prose">{prose_html(prose)}</div>'
-                         f'<div class="code">{code_html(code)}</div></div>')
+            parts.append(
+                f'<div class="row"><div class="prose">{prose_html(prose)}</div>'
+                f'<div class="code">{code_html(code)}</div></div>'
+            )
     return "\n".join(parts + ["</section>"])
 
 
@@ -121,14 +141,20 @@ summary { cursor: pointer; font-weight: bold; font-family: sans-serif; }
 
 def page(title, body, nav):
     css = STYLE + HtmlFormatter().get_style_defs(".highlight")
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f"<style>{css}</style></head>\n<body>\n<nav>{nav}</nav>\n{body}\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{css}</style></head>\n<body>\n<nav>{nav}</nav>\n{body}\n</body></html>\n"
+    )
 
 
 def chapter_page(name, text, nav):
-    """One chapter's page: the docstring, the main text's sections, then each appendix folded (closed)."""
+    """One chapter's page: the docstring, the main text's sections, then each appendix folded
+    (closed)."""
     intro, sections = chapter(text)
-    body = [f"<h1>{html.escape(name)}</h1>", f'<pre class="intro">{link(html.escape(chr(10).join(intro)))}</pre>']
+    body = [
+        f"<h1>{html.escape(name)}</h1>",
+        f'<pre class="intro">{link(html.escape(chr(10).join(intro)))}</pre>',
+    ]
     folded = None
     for n, s in enumerate(sections):
         if s["appendix"] and s["title"].startswith("Appendix"):
@@ -143,8 +169,10 @@ def chapter_page(name, text, nav):
 def contents(text):
     """(main-text section titles, appendix titles) of a chapter: the index's table of contents."""
     _, sections = chapter(text)
-    return ([s["title"] for s in sections if s["title"] and not s["appendix"]],
-            [s["title"] for s in sections if s["title"].startswith("Appendix")])
+    return (
+        [s["title"] for s in sections if s["title"] and not s["appendix"]],
+        [s["title"] for s in sections if s["title"].startswith("Appendix")],
+    )
 
 
 def build(out):
@@ -154,8 +182,11 @@ def build(out):
     home = '<a href="index.html">contents</a>'
     written = []
     for k, c in enumerate(CHAPTERS):
-        nav = home + "".join(f'<a href="{CHAPTERS[j]}.html">{label} {CHAPTERS[j]}</a>'
-                             for j, label in ((k - 1, "previous:"), (k + 1, "next:")) if 0 <= j < len(CHAPTERS))
+        nav = home + "".join(
+            f'<a href="{CHAPTERS[j]}.html">{label} {CHAPTERS[j]}</a>'
+            for j, label in ((k - 1, "previous:"), (k + 1, "next:"))
+            if 0 <= j < len(CHAPTERS)
+        )
         (out / f"{c}.html").write_text(chapter_page(c, texts[c], nav), encoding="utf-8")
         written.append(out / f"{c}.html")
     items = []
@@ -163,20 +194,26 @@ def build(out):
         main, appendices = contents(texts[c])
         lines = "".join(f"<li>{html.escape(t)}</li>" for t in main)
         folded = "".join(f"<li>{html.escape(t)}</li>" for t in appendices)
-        items.append(f'<li><a href="{c}.html"><b>Chapter {k + 1}: {c}</b></a><ul>{lines}</ul>'
-                     f'<p>Appendices (folded on the page):</p><ul>{folded}</ul></li>')
-    body = ("<h1>Normalization for Transformer translation, annotated</h1>\n<p>Read the chapters in this order: each "
-            "file imports only the ones before it. On each page the comments are the prose beside the code they "
-            "explain; the appendices (fast paths, plumbing, benchmarks) are folded under their headings. The papers "
-            f'[1]-[3] and the others cited are listed on <a href="{PAPERS}">the papers\' page</a>.</p>\n'
-            f"<ul>{''.join(items)}</ul>")
+        items.append(
+            f'<li><a href="{c}.html"><b>Chapter {k + 1}: {c}</b></a><ul>{lines}</ul>'
+            f"<p>Appendices (folded on the page):</p><ul>{folded}</ul></li>"
+        )
+    body = (
+        "<h1>Normalization for Transformer translation, annotated</h1>\n<p>Read the chapters in this order: each "
+        "file imports only the ones before it. On each page the comments are the prose beside the code they "
+        "explain; the appendices (fast paths, plumbing, benchmarks) are folded under their headings. The papers "
+        f'[1]-[3] and the others cited are listed on <a href="{PAPERS}">the papers\' page</a>.</p>\n'
+        f"<ul>{''.join(items)}</ul>"
+    )
     (out / "index.html").write_text(page("The book: contents", body, home), encoding="utf-8")
     return [out / "index.html"] + written
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(ROOT / "docs" / "book"), help="the folder to write (default docs/book)")
+    p.add_argument(
+        "--out", default=str(ROOT / "docs" / "book"), help="the folder to write (default docs/book)"
+    )
     a = p.parse_args(argv)
     for path in build(Path(a.out)):
         print(path)

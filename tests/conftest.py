@@ -1,4 +1,5 @@
 """Make the repository root importable (``import norms``, ``import model``) however pytest is run."""
+
 import os
 import sys
 
@@ -14,33 +15,77 @@ import data
 from model import EOS, ModelConfig, Transformer
 from norms import use_reference
 
-# The tests' shared material, in one place: a tiny translator run's flags (d 32, one layer, 5 steps an epoch) and
-# a small one's (d 64, two layers), the built-in corpus at two sizes, the words of the decoding tests, a tiny model.
-TINY = ["--d-model", "32", "--ff", "64", "--heads", "2", "--layers", "1", "--bpe-size", "300", "--batch-tokens", "512",
-        "--epoch-size", "5", "--threads", "1", "--log-interval", "5", "--dev-beam", "1", "--beam", "1"]
-SMALL = ["--d-model", "64", "--ff", "256", "--heads", "4", "--layers", "2", "--batch-tokens", "1024",
-         "--threads", "1", "--log-interval", "10", "--dropout", "0.1", "--bpe-size", "1000"]
+# The tests' shared material, in one place: a tiny translator run's flags (d 32, one layer, 5 steps
+# an epoch) and a small one's (d 64, two layers), the built-in corpus at two sizes, the words of the
+# decoding tests, a tiny model.
+TINY = [
+    "--d-model",
+    "32",
+    "--ff",
+    "64",
+    "--heads",
+    "2",
+    "--layers",
+    "1",
+    "--bpe-size",
+    "300",
+    "--batch-tokens",
+    "512",
+    "--epoch-size",
+    "5",
+    "--threads",
+    "1",
+    "--log-interval",
+    "5",
+    "--dev-beam",
+    "1",
+    "--beam",
+    "1",
+]
+SMALL = [
+    "--d-model",
+    "64",
+    "--ff",
+    "256",
+    "--heads",
+    "4",
+    "--layers",
+    "2",
+    "--batch-tokens",
+    "1024",
+    "--threads",
+    "1",
+    "--log-interval",
+    "10",
+    "--dropout",
+    "0.1",
+    "--bpe-size",
+    "1000",
+]
 WORDS = "the cat dog sat on a mat and ran to house big small red blue".split()
 
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
-    """The built-in language pair, 300 training pairs, 8 dev, 8 test: --data DIR --src src --tgt tgt."""
+    """The built-in language pair, 300 training pairs, 8 dev, 8 test: --data DIR --src src --tgt
+    tgt."""
     d = data.make_toy_corpus(tmp_path_factory.mktemp("toy"), n_train=300, n_dev=8, n_test=8)
     return ["--data", str(d), "--src", "src", "--tgt", "tgt"]
 
 
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory):
-    """A small copy of the built-in language pair (fast evaluation, 3000 pairs): --data DIR --src src --tgt tgt."""
+    """A small copy of the built-in language pair (fast evaluation, 3000 pairs): --data DIR --src
+    src --tgt tgt."""
     d = tmp_path_factory.mktemp("toy")
     data.make_toy_corpus(d, seed=1, n_train=3000, n_dev=40, n_test=40)
     return ["--data", str(d), "--src", "src", "--tgt", "tgt"]
 
 
 def tiny_model(vocab_size=40, seed=0, mask=None, eos_bias=2.0, scale=4.0, g=None, **cfg):
-    """A random 2+2-layer model (d 32) in eval mode; weights x scale so that the layers matter, the final g (if
-    given) sets peakiness (logit = g cos(h, e_w) + b_w), the EOS bias makes outputs end, at varied lengths."""
+    """A random 2+2-layer model (d 32) in eval mode; weights x scale so that the layers matter, the
+    final g (if given) sets peakiness (logit = g cos(h, e_w) + b_w), the EOS bias makes outputs end,
+    at varied lengths."""
     torch.manual_seed(seed)
     c = dict(vocab_size=vocab_size, d_model=32, heads=4, ff=64, enc_layers=2, dec_layers=2, **cfg)
     model = Transformer(ModelConfig(**c), tgt_vocab_mask=mask)
@@ -78,10 +123,11 @@ def gloo_unusable_reason():
 
 @pytest.fixture
 def killed_run(monkeypatch, capsys):
-    """killed_run(argv, n, sig=None): train.main(argv) interrupted at its n-th training step. sig None: inside the
-    step, as a second Ctrl-C does (the run resumes from its last checkpoint before); a signal (SIGINT, SIGTERM): sent
-    to this process as the step starts, which stops the run after that step, with its checkpoint. It exits as train.py
-    does, status 128 + the signal (its message is returned); train_step is restored for the resume."""
+    """killed_run(argv, n, sig=None): train.main(argv) interrupted at its n-th training step. sig
+    None: inside the step, as a second Ctrl-C does (the run resumes from its last checkpoint
+    before); a signal (SIGINT, SIGTERM): sent to this process as the step starts, which stops the
+    run after that step, with its checkpoint. It exits as train.py does, status 128 + the signal
+    (its message is returned); train_step is restored for the resume."""
     import train
 
     def run(argv, n, sig=None):

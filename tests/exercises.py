@@ -1,11 +1,14 @@
 """The exercise kit: the papers' equations as exercises an instructor hands out and grades.
 
-    python tests/exercises.py list                   # one line per exercise: name, file:function, equation, what
-    python tests/exercises.py make OUT [NAME ...]    # a student copy of the project in OUT, those exercises blanked
-    python tests/exercises.py grade [NAME ...]       # the self-check of this copy: PASS/FAIL per exercise
-    python tests/exercises.py grade DIR [DIR ...] [NAME ...] [--kit KIT] [--csv FILE] [--json FILE] [--points SPEC]
-                                                     # (instructor) grade students' copies from this tree
-    python tests/exercises.py record                 # (instructor) store the self-check's expected values
+    python tests/exercises.py list                   # one line per exercise: name, file:function,
+    equation, what python tests/exercises.py make OUT [NAME ...]    # a student copy of the project
+    in OUT, those exercises blanked python tests/exercises.py grade [NAME ...]       # the
+    self-check of this copy: PASS/FAIL per exercise python tests/exercises.py grade DIR [DIR ...]
+    [NAME ...] [--kit KIT] [--csv FILE] [--json FILE] [--points SPEC]
+                                                     # (instructor) grade students' copies from this
+                                                     tree
+    python tests/exercises.py record                 # (instructor) store the self-check's expected
+    values
 docs/course.md shows an instructor's workflow end to end.
 
 Each exercise is a region of the source between two visible comments,
@@ -35,6 +38,7 @@ need no solution), and a failure names the first element that differs.
   region) is that exercise's FAIL, in one line; the others are still graded. A student's code still
   runs with the grader's user rights: grade in an account or container that holds nothing else.
 """
+
 import argparse
 import ast
 import contextlib
@@ -66,17 +70,24 @@ import torch  # noqa: E402
 
 VALUES = Path(__file__).resolve().parent / "exercise_values.pt"
 SOURCES = ["norms.py", "model.py", "data.py", "decode.py", "train.py"]
-COPIED = SOURCES + ["requirements.txt", "tests/conftest.py", "tests/exercises.py", "tests/test_exercises.py"]
+COPIED = SOURCES + [
+    "requirements.txt",
+    "tests/conftest.py",
+    "tests/exercises.py",
+    "tests/test_exercises.py",
+]
 RECORD_SEED = 0  # the self-check's inputs (the values file holds their expected outputs)
 GRADE_SEED = 29  # the instructor's grade, by default: other inputs than the self-check's
 FORMAT = 2  # of the values file
 MARKER = re.compile(r"^(\s*)# Exercise (\S+): (begin|end)\s*$")
-INSTRUCTOR_ONLY = "# Instructor only: "  # + begin/end: the lines make leaves out of a student's copy
+# + begin/end: the lines make leaves out of a student's copy
+INSTRUCTOR_ONLY = "# Instructor only: "
 norms = model = data = decode = train = None  # the project's five files: load_project()
 
 
 def load_project():
-    """Imports the five files (in a grading process, inside its try: a syntax error is that exercise's FAIL)."""
+    """Imports the five files (in a grading process, inside its try: a syntax error is that
+    exercise's FAIL)."""
     global norms, model, data, decode, train
     import data  # noqa: F811
     import decode  # noqa: F811
@@ -100,7 +111,7 @@ class Draw:
         return int(torch.randint(lo, hi, (), generator=self.g))
 
     def seed(self):
-        return self.integer(0, 2 ** 31)
+        return self.integer(0, 2**31)
 
 
 def _tokens(d):
@@ -115,9 +126,10 @@ def _tokens(d):
 
 
 def _wide_tokens(d):
-    """x (2, 3, 8): another width than _tokens' 6 (where a hard-coded D shows), one token all zero (only the eps
-    keeps its output finite) and one channel at 300, whose square (90,000) is past float16's largest number
-    (65,504): in float16 the statistics must be taken in float32 (at_least_fp32), as the project's norms do."""
+    """x (2, 3, 8): another width than _tokens' 6 (where a hard-coded D shows), one token all zero
+    (only the eps keeps its output finite) and one channel at 300, whose square (90,000) is past
+    float16's largest number (65,504): in float16 the statistics must be taken in float32
+    (at_least_fp32), as the project's norms do."""
     x = d.randn(2, 3, 8)
     x[0, 0] = 0.0
     x[1, 1, 2] = 300.0
@@ -125,7 +137,8 @@ def _wide_tokens(d):
 
 
 def _affine(d, n=6):
-    """A norm's gamma and beta away from their initial 1 and 0 (where a misplaced gamma or beta shows)."""
+    """A norm's gamma and beta away from their initial 1 and 0 (where a misplaced gamma or beta
+    shows)."""
     return {"gamma": 0.5 + d.randn(n).abs(), "beta": d.randn(n)}
 
 
@@ -137,7 +150,9 @@ def _forward_backward(module, x, pad_mask=None, r_seed=1):
     """y = module(x), and dL/dx, dL/dparameters for L = sum(y * r), r fixed."""
     x = x.clone().requires_grad_(True)
     y = module(x, pad_mask) if pad_mask is not None else module(x)
-    r = torch.randn(y.shape, generator=torch.Generator().manual_seed(r_seed), dtype=torch.float64).to(y.dtype)
+    r = torch.randn(
+        y.shape, generator=torch.Generator().manual_seed(r_seed), dtype=torch.float64
+    ).to(y.dtype)
     (y * r).sum().backward()
     out = {"y": y.detach(), "dx": x.grad}
     out.update({f"d{n}": p.grad for n, p in module.named_parameters() if p.grad is not None})
@@ -146,8 +161,8 @@ def _forward_backward(module, x, pad_mask=None, r_seed=1):
 
 # --- each exercise: what the project's code gives on the inputs ---------------------------------
 def _wide_and_half(module, x):
-    """A norm of width 8 on _wide_tokens: in float64 (y8, dx8, d<parameter>8), and in float16 with float32
-    parameters (y16: the output's dtype is the input's, the statistics are not)."""
+    """A norm of width 8 on _wide_tokens: in float64 (y8, dx8, d<parameter>8), and in float16 with
+    float32 parameters (y16: the output's dtype is the input's, the statistics are not)."""
     out = {f"{k}8": v for k, v in _forward_backward(module.double(), x).items()}
     out["y16"] = module.float()(x.half()).detach()
     return out
@@ -194,7 +209,9 @@ def _batch_norm(cls, i):
 
 
 def _powernorm_backward(i):
-    m = _set_affine(norms.PowerNorm(6, groups=2, warmup=1, alpha_fwd=0.9, alpha_bkw=0.9).double().train(), i)
+    m = _set_affine(
+        norms.PowerNorm(6, groups=2, warmup=1, alpha_fwd=0.9, alpha_bkw=0.9).double().train(), i
+    )
     out = {}
     for step in range(3):  # the first inside the warmup, then the running statistic
         got = _forward_backward(m, i["x"][step], _pad_mask(), r_seed=10 + step)
@@ -205,10 +222,16 @@ def _powernorm_backward(i):
 
 def _attention(i):
     out = {}
-    cases = {"causal": dict(key_mask=i["key_mask"], causal=True),  # self-attention, scale None, no dropout
-             "cross": dict(key_mask=i["cross_mask"], scale=i["scale"], dropout_p=0.25),  # Tq != Tk, dropout
-             "big": dict(causal=True),  # logits in the hundreds: exp() alone overflows float32 (max 3.4e38 = e^88.7)
-             "bf16": dict(key_mask=i["key_mask"], causal=True)}  # bfloat16 q, k, v: the weights in q's dtype
+    # self-attention, scale None, no dropout
+    cases = {
+        "causal": dict(key_mask=i["key_mask"], causal=True),
+        # Tq != Tk, dropout
+        "cross": dict(key_mask=i["cross_mask"], scale=i["scale"], dropout_p=0.25),
+        # logits in the hundreds: exp() alone overflows float32 (max 3.4e38 = e^88.7)
+        "big": dict(causal=True),
+        # bfloat16 q, k, v: the weights in q's dtype
+        "bf16": dict(key_mask=i["key_mask"], causal=True),
+    }
     for case, kw in cases.items():
         q, k, v = (i[f"{n}_{case}"].clone().requires_grad_(True) for n in "qkv")
         torch.manual_seed(i["seed"])  # dropout's mask
@@ -224,9 +247,11 @@ def _residual(i):
     out = {}
     f = lambda h: torch.tanh(h @ i["w"])  # a sublayer
 
-    def norm(h, pad_mask):  # a norm that reads the padding mask, as BatchNorm and PowerNorm do: padding halved
+    # a norm that reads the padding mask, as BatchNorm and PowerNorm do: padding halved
+    def norm(h, pad_mask):
         pad = torch.zeros(h.shape[:-1], dtype=torch.bool) if pad_mask is None else pad_mask
         return h / (1 + h.pow(2).sum(-1, keepdim=True)) * (1 - 0.5 * pad[..., None])
+
     pad_mask = torch.tensor([[False] * 3, [False, True, True]])
     for prenorm in (True, False):
         cfg = model.ModelConfig(vocab_size=8, dropout=0.3, prenorm=prenorm)
@@ -241,11 +266,26 @@ def _smallinit(i):
     out = {}
     for init in ("small", "xavier"):
         torch.manual_seed(i["seed"])
-        m = model.Transformer(model.ModelConfig(vocab_size=16, d_model=16, ff=int(i["ff"]), heads=2, enc_layers=1,
-                                                dec_layers=1, init=init))
+        m = model.Transformer(
+            model.ModelConfig(
+                vocab_size=16,
+                d_model=16,
+                ff=int(i["ff"]),
+                heads=2,
+                enc_layers=1,
+                dec_layers=1,
+                init=init,
+            )
+        )
         a, ff = m.encoder[0].self_attn, m.encoder[0].ff
-        out.update({f"{init}_q": a.q.weight.detach(), f"{init}_out": a.out.weight.detach(),
-                    f"{init}_w1": ff.w1.weight.detach(), f"{init}_w2": ff.w2.weight.detach()})
+        out.update(
+            {
+                f"{init}_q": a.q.weight.detach(),
+                f"{init}_out": a.out.weight.detach(),
+                f"{init}_w1": ff.w1.weight.detach(),
+                f"{init}_w2": ff.w2.weight.detach(),
+            }
+        )
     return out
 
 
@@ -254,8 +294,13 @@ def _label_smoothing(i):
     (SmoothedCrossEntropy; its written-out backward reads the log p the region computes)."""
     out = {}
     logits = i["logits"].clone().requires_grad_(True)
-    loss, nll = model.label_smoothed_loss(logits.masked_fill(~i["allowed"], float("-inf")), i["target"], i["eps"],
-                                          i["real"], i["allowed"])
+    loss, nll = model.label_smoothed_loss(
+        logits.masked_fill(~i["allowed"], float("-inf")),
+        i["target"],
+        i["eps"],
+        i["real"],
+        i["allowed"],
+    )
     loss.backward()
     out.update(loss=loss.detach(), nll=nll.detach(), dlogits=logits.grad)
     logits = i["logits"].clone().requires_grad_(True)
@@ -263,22 +308,32 @@ def _label_smoothing(i):
     (loss + 0.5 * nll).backward()
     out.update(loss_all=loss.detach(), nll_all=nll.detach(), dlogits_all=logits.grad)
     z = i["logits"].flatten(0, 1).clone().requires_grad_(True)
-    loss, nll = model.SmoothedCrossEntropy.apply(z, i["target"].flatten(), i["real"].flatten(), i["eps"])
+    loss, nll = model.SmoothedCrossEntropy.apply(
+        z, i["target"].flatten(), i["real"].flatten(), i["eps"]
+    )
     (loss + 0.5 * nll).backward()
     out.update(fast_loss=loss.detach(), fast_nll=nll.detach(), fast_dz=z.grad)
-    loss, nll = model.label_smoothed_loss(i["logits_bf16"], i["target"], i["eps"], i["real"])  # log p in float32
+    # log p in float32
+    loss, nll = model.label_smoothed_loss(i["logits_bf16"], i["target"], i["eps"], i["real"])
     out.update(loss_bf16=loss.detach(), nll_bf16=nll.detach())
     return out
 
 
 def _multilinear(i):
     out = {}
-    for name, kw in (("", {}), ("_unmasked", dict(mask="none")), ("_relative", dict(positions="relative"))):
-        cfg = model.ModelConfig(vocab_size=8, d_model=6, heads=2, seq_len=4, attention="multilinear", lm=True, **kw)
+    for name, kw in (
+        ("", {}),
+        ("_unmasked", dict(mask="none")),
+        ("_relative", dict(positions="relative")),
+    ):
+        cfg = model.ModelConfig(
+            vocab_size=8, d_model=6, heads=2, seq_len=4, attention="multilinear", lm=True, **kw
+        )
         torch.manual_seed(i["seed"])
         att = model.MultiLinearAttention(cfg).double()
         out.update({f"{k}{name}": v for k, v in _forward_backward(att, i["x"]).items()})
-        out[f"y_short{name}"] = att(i["x"][:, :3]).detach()  # a segment shorter than the L it is built for
+        # a segment shorter than the L it is built for
+        out[f"y_short{name}"] = att(i["x"][:, :3]).detach()
     return out
 
 
@@ -292,18 +347,20 @@ def _word_dropout(i):
     out["after"] = x
     out["short"] = data.word_dropout(i["short"], 0.3, torch.Generator().manual_seed(i["seed"] + 4))
     g = torch.Generator().manual_seed(i["seed"] + 5)
-    out["first"], out["second"] = data.word_dropout(x, 0.3, g), data.word_dropout(x, 0.3, g)  # one generator, twice
+    # one generator, twice
+    out["first"], out["second"] = data.word_dropout(x, 0.3, g), data.word_dropout(x, 0.3, g)
     return out
 
 
 def _word_dropout_claims(i, got):
-    """None if word dropout's claims hold on the handed-back outputs, else what fails: a non-PAD token
-    becomes UNK with probability p, independently of the other positions, drawn from the generator
-    given; PAD never changes; the input is not written into."""
+    """None if word dropout's claims hold on the handed-back outputs, else what fails: a non-PAD
+    token becomes UNK with probability p, independently of the other positions, drawn from the
+    generator given; PAD never changes; the input is not written into."""
     PAD, UNK = i["pad"], i["unk"]
     before = i["x"]
     real = before != PAD
-    for name, y in got.items():  # before any claim reads them (a list or a wrong shape would stop the grader)
+    # before any claim reads them (a list or a wrong shape would stop the grader)
+    for name, y in got.items():
         x = i["short"] if name == "short" else before
         if not isinstance(y, torch.Tensor):
             return f"the output is a {type(y).__name__}, not a tensor"
@@ -324,19 +381,26 @@ def _word_dropout_claims(i, got):
         per_position = changed[:, :80].double().mean(0)  # each position's rate, over 400 sentences
         worst = int((per_position - p).abs().argmax())
         if abs(per_position[worst] - p) > 0.13:
-            return (f"position {worst} is dropped in {100 * per_position[worst]:.0f}% of the sentences, "
-                    f"not {100 * p:.0f}%")
+            return (
+                f"position {worst} is dropped in {100 * per_position[worst]:.0f}% of the sentences, "
+                f"not {100 * p:.0f}%"
+            )
         both = (changed[:, :79] & changed[:, 1:80]).double().mean().item()
         if abs(both - p * p) > 0.015:
-            return (f"neighbours are dropped together {100 * both:.1f}% of the time, not {100 * p * p:.1f}% "
-                    f"(independent)")
+            return (
+                f"neighbours are dropped together {100 * both:.1f}% of the time, not {100 * p * p:.1f}% "
+                f"(independent)"
+            )
     if not torch.equal(got["a"], got["a_again"]):
-        return "two generators with the same seed gave different masks: draw from the generator given"
+        return (
+            "two generators with the same seed gave different masks: draw from the generator given"
+        )
     if torch.equal(got["a"], got["b"]):
         return "two generators with different seeds gave the same mask: it must be random"
     if torch.equal(got["first"], got["second"]):
         return "two calls with one generator gave the same mask: draw from it (each batch its own mask)"
-    short = i["short"] != PAD  # sentences of 1, 2 and 3 tokens, 1,000 each: each token dropped alike
+    # sentences of 1, 2 and 3 tokens, 1,000 each: each token dropped alike
+    short = i["short"] != PAD
     for n in (1, 2, 3):
         rows = short.sum(1) == n
         rate = ((got["short"] != i["short"]) & short)[rows].sum().item() / (n * rows.sum().item())
@@ -358,8 +422,15 @@ def _scalars(fn, cases):
 
 
 def _histories(d):
-    cases = [([1.0, 2.0, 3.0], 3), ([5.0, 4.0, 4.5, 3.0], 3), ([5.0, 4.0, 4.5, 4.2], 3), ([2.0, 1.0], 1),
-             ([2.0, 2.0], 1), ([3.0, 2.0, 1.0], 3), ([3.0, 3.0, 2.0, 3.0], 2)]
+    cases = [
+        ([1.0, 2.0, 3.0], 3),
+        ([5.0, 4.0, 4.5, 3.0], 3),
+        ([5.0, 4.0, 4.5, 4.2], 3),
+        ([2.0, 1.0], 1),
+        ([2.0, 2.0], 1),
+        ([3.0, 2.0, 1.0], 3),
+        ([3.0, 3.0, 2.0, 3.0], 2),
+    ]
     for _ in range(40):
         cases.append(([round(d.uniform(0, 4), 1) for _ in range(d.integer(1, 9))], d.integer(1, 5)))
     return cases
@@ -376,124 +447,267 @@ class Exercise:
     inputs: object  # Draw -> {name: value}
     run: object  # inputs -> {name: tensor}, the project's outputs
     dtype: torch.dtype = torch.float64  # the dtype the equation is written for (its tolerance)
-    claims: object = None  # (inputs, outputs) -> None or what fails (no stored values: any random draw is right)
+    # (inputs, outputs) -> None or what fails (no stored values: any random draw is right)
+    claims: object = None
 
 
 def exercises():
     return [
-        Exercise("scalenorm", "norms.py", "ScaleNorm.forward", "TwT eq. 5: g x / ||x||",
-                 "the norm of each token and the scaled output",
-                 "eps clamps the norm from below (max(||x||, eps)), not added to it; xf (at least float32) for "
-                 "the norm, the output in x's dtype",
-                 lambda d: {"x": _tokens(d), "g": d.uniform(0.5, 3), "x8": _wide_tokens(d)}, _scalenorm),
-        Exercise("fixnorm", "norms.py", "fixnorm", "TwT section 2.3 (eq. 6): w / ||w|| per embedding row",
-                 "each row divided by its l2 norm", "one norm per row (dim=-1), eps clamps it from below",
-                 lambda d: {"w": d.randn(7, 5) * (torch.arange(7) != 3)[:, None], "r": d.randn(7, 5)},  # row 3: 0
-                 _fixnorm),
-        Exercise("rmsnorm", "norms.py", "RMSNorm.forward", "Zhang & Sennrich 2019: g_i x_i / RMS(x)",
-                 "1 / RMS(x) and the output",
-                 "RMS(x) = sqrt(mean_i x_i^2 + eps): eps inside the root; xf (at least float32) for the "
-                 "statistics, the output in x's dtype",
-                 lambda d: {"x": _tokens(d), "gain": d.randn(6), "x8": _wide_tokens(d)}, _rmsnorm),
-        Exercise("batchnorm", "norms.py", "BatchNorm.forward", "PowerNorm Alg. 1: mu_B, sigma_B^2 over the real tokens",
-                 "the batch mean and variance over real tokens and the normalized output",
-                 "batch_mean(v, real) averages over the real tokens only; sigma_B^2 is the biased variance (1/N)",
-                 lambda d: {"x": _tokens(d), **_affine(d)}, lambda i: _batch_norm(norms.BatchNorm, i)),
-        Exercise("pnv", "norms.py", "PNV.forward", "PowerNorm Def. 1: psi_B^2 = mean x^2, y = gamma x / psi_B + beta",
-                 "the quadratic mean over real tokens and the output",
-                 "batch_mean(v, real) averages over the real tokens only; no centring; eps inside the root",
-                 lambda d: {"x": _tokens(d), **_affine(d)}, lambda i: _batch_norm(norms.PNV, i)),
-        Exercise("powernorm_backward", "norms.py", "_PowerNormFunction.backward",
-                 "PowerNorm Alg. 2 / eqs. 11-13: X^' = dL/dX^ - nu X^, dL/dX = X^' / psi, the update of nu",
-                 "the approximate backward and the running nu",
-                 "nu is updated in place (nu.copy_) from nu_{t-1}; Gamma and Lambda are means over the real tokens",
-                 lambda d: {"x": d.randn(3, 2, 5, 6), **_affine(d)}, _powernorm_backward),
-        Exercise("attention", "model.py", "attention_math", "Vaswani eq. 1: softmax(Q K^T / sqrt(Dh) + mask) V",
-                 "the scores, the causal and key masks, the softmax, the output",
-                 "scale is 1/sqrt(Dh) only when the caller gives None; dropout(weights, dropout_p) (weights in q's "
-                 "dtype) before @ V; the weights handed back are before dropout",
-                 lambda d: _attention_inputs(d), _attention, dtype=torch.float32),
-        Exercise("residual", "model.py", "residual", "TwT eqs. 2-3: PostNorm norm(x + F(x)), PreNorm x + F(norm(x))",
-                 "both residual placements",
-                 "dropout(F(...), cfg.dropout, training) on the sublayer's output; the norm gets pad_mask",
-                 lambda d: {"x": d.randn(2, 3, 4), "w": d.randn(4, 4), "seed": d.seed()}, _residual),
-        Exercise("smallinit", "model.py", "Transformer.reset_parameters",
-                 "TwT eq. 4 and section 2.2: Xavier std sqrt(2/(d_in + d_out)), SmallInit sqrt(2/5d)",
-                 "the attention and feed-forward standard deviations",
-                 "the std, not the variance; the feed-forward's fans are d_model and ff",
-                 lambda d: {"seed": d.seed(), "ff": 16 * (2, 3, 5, 6)[d.integer(0, 4)]}, _smallinit),  # not 4d
-        Exercise("label_smoothing", "model.py", "label_smoothed_loss",
-                 "TwT appendix A: (1 - eps) NLL + eps mean over the allowed words of -log p",
-                 "log p, the NLL, the smoothed loss over real positions (in both regions: the fast path too)",
-                 "two regions: label_smoothed_loss and SmoothedCrossEntropy.forward (its backward reads logp and "
-                 "w); log p in at least float32 (at_least_fp32)",
-                 lambda d: _label_smoothing_inputs(d), _label_smoothing),
-        Exercise("multilinear", "model.py", "MultiLinearAttention.forward",
-                 "Ma et al. 2019 core-1: T[i,j,k] = sum_r c_r Q[i,r] K[j,r] V[k,r], zero unless j, k <= i",
-                 "the causal tensor T",
-                 "self.mask[:t, :t, :t] is the mask: [j <= i and k <= i]; None under --mask none (nothing masked); "
-                 "e (relative positions; else None) adds e[j, r] to every i's Q[i, r] K[j, r]",
-                 lambda d: {"x": d.randn(2, 4, 6), "seed": d.seed()}, _multilinear),
-        Exercise("word_dropout", "data.py", "word_dropout", "TwT appendix A: a token becomes UNK with probability p",
-                 "the random replacement, PAD untouched",
-                 "draw from the generator given, one draw per position, each token independently; return a new tensor",
-                 lambda d: _word_dropout_inputs(d), _word_dropout, claims=_word_dropout_claims),
-        Exercise("qk_g0", "model.py", "qk_g0", "QKNorm eq. 3: g0 = log2(L^2 - L)", "g0 from L",
-                 "log2, not the natural log",
-                 lambda d: {"L": [2, 30, 72, 97.5] + [d.uniform(2, 500) for _ in range(4)]},
-                 lambda i: _scalars(model.qk_g0, [(L,) for L in i["L"]])),
-        Exercise("lm_segments", "data.py", "lm_segments", "a stream cut into inputs w_t and targets w_{t+1}",
-                 "the input and target segments, PAD-padded",
-                 "rows = ceil(n / seq_len): the last, shorter segment is PAD-padded, not dropped",
-                 lambda d: {"cases": [(torch.arange(11) + 3, 4)] + [
-                     (torch.randint(4, 60, (d.integer(2, 30),), generator=d.g), d.integer(1, 7)) for _ in range(3)]},
-                 _lm_segments),
-        Exercise("length_penalty", "decode.py", "length_penalty",
-                 "GNMT eq. 14: ((5 + |Y|) / 6)^alpha; fairseq: |Y|^alpha", "both penalties",
-                 "the whole (5 + |Y|) / 6 is raised to alpha",
-                 lambda d: {"cases": [(1, 0.6, "gnmt"), (7, 0.6, "gnmt"), (7, 1.0, "fairseq"), (12, 0.5, "fairseq"),
-                                      (3, 0.0, "gnmt")] + [(d.integer(1, 80), d.uniform(0, 2), kind)
-                                                           for kind in ("gnmt", "fairseq") for _ in range(3)]},
-                 lambda i: _scalars(decode.length_penalty, i["cases"])),
-        Exercise("invsqrt", "train.py", "inverse_sqrt_lr",
-                 "TwT eq. 7: lambda / sqrt(d) min(n^-0.5, n warmup^-1.5)", "the learning rate of step n",
-                 "n warmup^-1.5 during the warmup, n^-0.5 after it",
-                 lambda d: {"cases": [(1, 512, 4000, 1.0), (4000, 512, 4000, 1.0), (20000, 512, 4000, 2.0),
-                                      (10, 128, 200, 1.0)] + [(d.integer(1, 9000), 64 * d.integer(1, 9),
-                                                               d.integer(1, 4000), d.uniform(0.1, 3))
-                                                              for _ in range(6)]},
-                 lambda i: _scalars(train.inverse_sqrt_lr, i["cases"])),
-        Exercise("validation_decay", "train.py", "validation_decay",
-                 "TwT section 2.4: decay when dev BLEU is below each of the previous `patience`",
-                 "the decision from the history",
-                 "the newest score against the `patience` scores before it (not counting itself); strictly below",
-                 lambda d: {"cases": _histories(d)}, lambda i: _scalars(train.validation_decay, i["cases"])),
+        Exercise(
+            "scalenorm",
+            "norms.py",
+            "ScaleNorm.forward",
+            "TwT eq. 5: g x / ||x||",
+            "the norm of each token and the scaled output",
+            "eps clamps the norm from below (max(||x||, eps)), not added to it; xf (at least float32) for "
+            "the norm, the output in x's dtype",
+            lambda d: {"x": _tokens(d), "g": d.uniform(0.5, 3), "x8": _wide_tokens(d)},
+            _scalenorm,
+        ),
+        Exercise(
+            "fixnorm",
+            "norms.py",
+            "fixnorm",
+            "TwT section 2.3 (eq. 6): w / ||w|| per embedding row",
+            "each row divided by its l2 norm",
+            "one norm per row (dim=-1), eps clamps it from below",
+            # row 3: 0
+            lambda d: {"w": d.randn(7, 5) * (torch.arange(7) != 3)[:, None], "r": d.randn(7, 5)},
+            _fixnorm,
+        ),
+        Exercise(
+            "rmsnorm",
+            "norms.py",
+            "RMSNorm.forward",
+            "Zhang & Sennrich 2019: g_i x_i / RMS(x)",
+            "1 / RMS(x) and the output",
+            "RMS(x) = sqrt(mean_i x_i^2 + eps): eps inside the root; xf (at least float32) for the "
+            "statistics, the output in x's dtype",
+            lambda d: {"x": _tokens(d), "gain": d.randn(6), "x8": _wide_tokens(d)},
+            _rmsnorm,
+        ),
+        Exercise(
+            "batchnorm",
+            "norms.py",
+            "BatchNorm.forward",
+            "PowerNorm Alg. 1: mu_B, sigma_B^2 over the real tokens",
+            "the batch mean and variance over real tokens and the normalized output",
+            "batch_mean(v, real) averages over the real tokens only; sigma_B^2 is the biased variance (1/N)",
+            lambda d: {"x": _tokens(d), **_affine(d)},
+            lambda i: _batch_norm(norms.BatchNorm, i),
+        ),
+        Exercise(
+            "pnv",
+            "norms.py",
+            "PNV.forward",
+            "PowerNorm Def. 1: psi_B^2 = mean x^2, y = gamma x / psi_B + beta",
+            "the quadratic mean over real tokens and the output",
+            "batch_mean(v, real) averages over the real tokens only; no centring; eps inside the root",
+            lambda d: {"x": _tokens(d), **_affine(d)},
+            lambda i: _batch_norm(norms.PNV, i),
+        ),
+        Exercise(
+            "powernorm_backward",
+            "norms.py",
+            "_PowerNormFunction.backward",
+            "PowerNorm Alg. 2 / eqs. 11-13: X^' = dL/dX^ - nu X^, dL/dX = X^' / psi, the update of nu",
+            "the approximate backward and the running nu",
+            "nu is updated in place (nu.copy_) from nu_{t-1}; Gamma and Lambda are means over the real tokens",
+            lambda d: {"x": d.randn(3, 2, 5, 6), **_affine(d)},
+            _powernorm_backward,
+        ),
+        Exercise(
+            "attention",
+            "model.py",
+            "attention_math",
+            "Vaswani eq. 1: softmax(Q K^T / sqrt(Dh) + mask) V",
+            "the scores, the causal and key masks, the softmax, the output",
+            "scale is 1/sqrt(Dh) only when the caller gives None; dropout(weights, dropout_p) (weights in q's "
+            "dtype) before @ V; the weights handed back are before dropout",
+            lambda d: _attention_inputs(d),
+            _attention,
+            dtype=torch.float32,
+        ),
+        Exercise(
+            "residual",
+            "model.py",
+            "residual",
+            "TwT eqs. 2-3: PostNorm norm(x + F(x)), PreNorm x + F(norm(x))",
+            "both residual placements",
+            "dropout(F(...), cfg.dropout, training) on the sublayer's output; the norm gets pad_mask",
+            lambda d: {"x": d.randn(2, 3, 4), "w": d.randn(4, 4), "seed": d.seed()},
+            _residual,
+        ),
+        Exercise(
+            "smallinit",
+            "model.py",
+            "Transformer.reset_parameters",
+            "TwT eq. 4 and section 2.2: Xavier std sqrt(2/(d_in + d_out)), SmallInit sqrt(2/5d)",
+            "the attention and feed-forward standard deviations",
+            "the std, not the variance; the feed-forward's fans are d_model and ff",
+            # not 4d
+            lambda d: {"seed": d.seed(), "ff": 16 * (2, 3, 5, 6)[d.integer(0, 4)]},
+            _smallinit,
+        ),
+        Exercise(
+            "label_smoothing",
+            "model.py",
+            "label_smoothed_loss",
+            "TwT appendix A: (1 - eps) NLL + eps mean over the allowed words of -log p",
+            "log p, the NLL, the smoothed loss over real positions (in both regions: the fast path too)",
+            "two regions: label_smoothed_loss and SmoothedCrossEntropy.forward (its backward reads logp and "
+            "w); log p in at least float32 (at_least_fp32)",
+            lambda d: _label_smoothing_inputs(d),
+            _label_smoothing,
+        ),
+        Exercise(
+            "multilinear",
+            "model.py",
+            "MultiLinearAttention.forward",
+            "Ma et al. 2019 core-1: T[i,j,k] = sum_r c_r Q[i,r] K[j,r] V[k,r], zero unless j, k <= i",
+            "the causal tensor T",
+            "self.mask[:t, :t, :t] is the mask: [j <= i and k <= i]; None under --mask none (nothing masked); "
+            "e (relative positions; else None) adds e[j, r] to every i's Q[i, r] K[j, r]",
+            lambda d: {"x": d.randn(2, 4, 6), "seed": d.seed()},
+            _multilinear,
+        ),
+        Exercise(
+            "word_dropout",
+            "data.py",
+            "word_dropout",
+            "TwT appendix A: a token becomes UNK with probability p",
+            "the random replacement, PAD untouched",
+            "draw from the generator given, one draw per position, each token independently; return a new tensor",
+            lambda d: _word_dropout_inputs(d),
+            _word_dropout,
+            claims=_word_dropout_claims,
+        ),
+        Exercise(
+            "qk_g0",
+            "model.py",
+            "qk_g0",
+            "QKNorm eq. 3: g0 = log2(L^2 - L)",
+            "g0 from L",
+            "log2, not the natural log",
+            lambda d: {"L": [2, 30, 72, 97.5] + [d.uniform(2, 500) for _ in range(4)]},
+            lambda i: _scalars(model.qk_g0, [(L,) for L in i["L"]]),
+        ),
+        Exercise(
+            "lm_segments",
+            "data.py",
+            "lm_segments",
+            "a stream cut into inputs w_t and targets w_{t+1}",
+            "the input and target segments, PAD-padded",
+            "rows = ceil(n / seq_len): the last, shorter segment is PAD-padded, not dropped",
+            lambda d: {
+                "cases": [(torch.arange(11) + 3, 4)]
+                + [
+                    (torch.randint(4, 60, (d.integer(2, 30),), generator=d.g), d.integer(1, 7))
+                    for _ in range(3)
+                ]
+            },
+            _lm_segments,
+        ),
+        Exercise(
+            "length_penalty",
+            "decode.py",
+            "length_penalty",
+            "GNMT eq. 14: ((5 + |Y|) / 6)^alpha; fairseq: |Y|^alpha",
+            "both penalties",
+            "the whole (5 + |Y|) / 6 is raised to alpha",
+            lambda d: {
+                "cases": [
+                    (1, 0.6, "gnmt"),
+                    (7, 0.6, "gnmt"),
+                    (7, 1.0, "fairseq"),
+                    (12, 0.5, "fairseq"),
+                    (3, 0.0, "gnmt"),
+                ]
+                + [
+                    (d.integer(1, 80), d.uniform(0, 2), kind)
+                    for kind in ("gnmt", "fairseq")
+                    for _ in range(3)
+                ]
+            },
+            lambda i: _scalars(decode.length_penalty, i["cases"]),
+        ),
+        Exercise(
+            "invsqrt",
+            "train.py",
+            "inverse_sqrt_lr",
+            "TwT eq. 7: lambda / sqrt(d) min(n^-0.5, n warmup^-1.5)",
+            "the learning rate of step n",
+            "n warmup^-1.5 during the warmup, n^-0.5 after it",
+            lambda d: {
+                "cases": [
+                    (1, 512, 4000, 1.0),
+                    (4000, 512, 4000, 1.0),
+                    (20000, 512, 4000, 2.0),
+                    (10, 128, 200, 1.0),
+                ]
+                + [
+                    (
+                        d.integer(1, 9000),
+                        64 * d.integer(1, 9),
+                        d.integer(1, 4000),
+                        d.uniform(0.1, 3),
+                    )
+                    for _ in range(6)
+                ]
+            },
+            lambda i: _scalars(train.inverse_sqrt_lr, i["cases"]),
+        ),
+        Exercise(
+            "validation_decay",
+            "train.py",
+            "validation_decay",
+            "TwT section 2.4: decay when dev BLEU is below each of the previous `patience`",
+            "the decision from the history",
+            "the newest score against the `patience` scores before it (not counting itself); strictly below",
+            lambda d: {"cases": _histories(d)},
+            lambda i: _scalars(train.validation_decay, i["cases"]),
+        ),
     ]
 
 
 def _attention_inputs(d):
     f32 = dict(dtype=torch.float32)
     i = {f"{n}_causal": d.randn(2, 2, 4, 3, **f32) for n in "qkv"}
-    i.update({"q_cross": d.randn(2, 2, 3, 5, **f32), "k_cross": d.randn(2, 2, 6, 5, **f32),
-              "v_cross": d.randn(2, 2, 6, 5, **f32), "r_causal": d.randn(2, 2, 4, 3, **f32),
-              "r_cross": d.randn(2, 2, 3, 5, **f32), "scale": d.uniform(0.2, 0.9), "seed": d.seed()})
+    i.update(
+        {
+            "q_cross": d.randn(2, 2, 3, 5, **f32),
+            "k_cross": d.randn(2, 2, 6, 5, **f32),
+            "v_cross": d.randn(2, 2, 6, 5, **f32),
+            "r_causal": d.randn(2, 2, 4, 3, **f32),
+            "r_cross": d.randn(2, 2, 3, 5, **f32),
+            "scale": d.uniform(0.2, 0.9),
+            "seed": d.seed(),
+        }
+    )
     i["key_mask"] = torch.tensor([[True] * 4, [True, True, True, False]])[:, None, None, :]
     i["cross_mask"] = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])[:, None, None, :]
-    i.update({f"{n}_big": 12 * d.randn(1, 2, 4, 3, **f32) for n in "qkvr"})  # logits of 144 x N(0, 3): hundreds
+    # logits of 144 x N(0, 3): hundreds
+    i.update({f"{n}_big": 12 * d.randn(1, 2, 4, 3, **f32) for n in "qkvr"})
     i.update({f"{n}_bf16": d.randn(2, 2, 4, 3, dtype=torch.bfloat16) for n in "qkv"})
     return i
 
 
 def _label_smoothing_inputs(d):
-    return {"logits": d.randn(2, 3, 6), "target": torch.tensor([[1, 2, 0], [4, 1, 2]]),
-            "real": torch.tensor([[True, True, False], [True, True, True]]), "eps": d.uniform(0.05, 0.3),
-            "allowed": torch.tensor([True, True, True, False, True, True]), "logits_bf16": d.randn(2, 3, 6).bfloat16()}
+    return {
+        "logits": d.randn(2, 3, 6),
+        "target": torch.tensor([[1, 2, 0], [4, 1, 2]]),
+        "real": torch.tensor([[True, True, False], [True, True, True]]),
+        "eps": d.uniform(0.05, 0.3),
+        "allowed": torch.tensor([True, True, True, False, True, True]),
+        "logits_bf16": d.randn(2, 3, 6).bfloat16(),
+    }
 
 
 def _word_dropout_inputs(d):
     x = torch.randint(4, 50, (400, 100), generator=d.g)
     x[:, 80:] = data.PAD
-    short = torch.randint(4, 50, (3000, 3), generator=d.g)  # sentences of 1, 2, 3 tokens, 1,000 each
+    # sentences of 1, 2, 3 tokens, 1,000 each
+    short = torch.randint(4, 50, (3000, 3), generator=d.g)
     short[torch.arange(3) >= (torch.arange(3000) % 3 + 1)[:, None]] = data.PAD
     return {"x": x, "seed": d.seed(), "pad": data.PAD, "unk": data.UNK, "short": short}
 
@@ -504,7 +718,8 @@ def by_name():
 
 # --- running and checking one exercise ----------------------------------------------------------
 def run(ex, seed):
-    """The exercise's outputs on the inputs of `seed`, every fast path off: {name: tensor} (detached)."""
+    """The exercise's outputs on the inputs of `seed`, every fast path off: {name: tensor}
+    (detached)."""
     inputs = ex.inputs(Draw(seed, ex.name))
     norms.use_reference(True)
     try:
@@ -514,14 +729,21 @@ def run(ex, seed):
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in got.items()}
 
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)  # an output in these is compared at its own precision
+# an output in these is compared at its own precision
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def tolerance(dtype):
-    """(rtol, atol) of a comparison in dtype; float16 and bfloat16 (about 2.5 units of bfloat16's last place, 20 of
-    float16's): an output the equation computes in float32 and rounds to them, where one rounding step more or less
-    is no mistake."""
-    return (1e-6, 1e-8) if dtype == torch.float64 else (2e-2, 2e-2) if dtype in LOW_PRECISION else (1e-5, 1e-6)
+    """(rtol, atol) of a comparison in dtype; float16 and bfloat16 (about 2.5 units of bfloat16's
+    last place, 20 of float16's): an output the equation computes in float32 and rounds to them,
+    where one rounding step more or less is no mistake."""
+    return (
+        (1e-6, 1e-8)
+        if dtype == torch.float64
+        else (2e-2, 2e-2)
+        if dtype in LOW_PRECISION
+        else (1e-5, 1e-6)
+    )
 
 
 def compare(ex, got, want, seed):
@@ -538,7 +760,8 @@ def compare(ex, got, want, seed):
             return f"{key} is a {type(value).__name__}, not a tensor"
         if value.shape != expected.shape:
             return f"{key} has shape {tuple(value.shape)}, expected {tuple(expected.shape)}"
-        if value.dtype != expected.dtype:  # e.g. float32 out of a float64 input, token ids as floats
+        # e.g. float32 out of a float64 input, token ids as floats
+        if value.dtype != expected.dtype:
             return f"{key} is {str(value.dtype)[6:]}, expected {str(expected.dtype)[6:]}"
         if not expected.is_floating_point():
             bad = value != expected
@@ -548,25 +771,38 @@ def compare(ex, got, want, seed):
             bad = ~torch.isclose(value, expected, rtol=rtol, atol=atol)
         if bad.any():
             first_bad = bad.flatten().nonzero()[0, 0]
-            at = tuple(int(j) for j in torch.unravel_index(first_bad, bad.shape)) if bad.dim() else ()
+            at = (
+                tuple(int(j) for j in torch.unravel_index(first_bad, bad.shape))
+                if bad.dim()
+                else ()
+            )
             index = f"[{', '.join(map(str, at))}]" if at else ""
-            allowed = f"; allowed {atol:g} + {rtol:g} x |expected|" if expected.is_floating_point() else ""
+            allowed = (
+                f"; allowed {atol:g} + {rtol:g} x |expected|"
+                if expected.is_floating_point()
+                else ""
+            )
             first = f"the first of {int(bad.sum())} elements that differ, " if bad.sum() > 1 else ""
-            return (f"{key}{index} = {value[at].item():.10g} where {expected[at].item():.10g} is expected "
-                    f"({first}in {str(ex.dtype)[6:]}{allowed}); {case_of(ex.inputs(Draw(seed, ex.name)), key, at)}")
+            return (
+                f"{key}{index} = {value[at].item():.10g} where {expected[at].item():.10g} is expected "
+                f"({first}in {str(ex.dtype)[6:]}{allowed}); {case_of(ex.inputs(Draw(seed, ex.name)), key, at)}"
+            )
     return None
 
 
 def case_of(inputs, key, at):
-    """The inputs of an output that differs, in words: for an exercise of cases (its outputs values[i], or x{i} and
-    y{i}), that case's arguments; else the inputs named with the output's suffix (o_causal: q_causal, k_causal...;
-    y8: x8), and every scalar; else every input. Tensors by shape and dtype."""
+    """The inputs of an output that differs, in words: for an exercise of cases (its outputs
+    values[i], or x{i} and y{i}), that case's arguments; else the inputs named with the output's
+    suffix (o_causal: q_causal, k_causal...; y8: x8), and every scalar; else every input. Tensors by
+    shape and dtype."""
+
     def words(v):
         if isinstance(v, torch.Tensor):
             return f"{tuple(v.shape)} {str(v.dtype)[6:]}" if v.dim() else f"{v.item():.6g}"
         if isinstance(v, (tuple, list)):
             return "(" + ", ".join(words(x) for x in v) + ")"
         return f"{v:.6g}" if isinstance(v, float) else repr(v)
+
     cases = next((v for v in inputs.values() if isinstance(v, list)), None)
     digits = re.search(r"(\d+)$", key)
     n = at[0] if key == "values" and at else int(digits.group(1)) if digits else None
@@ -574,53 +810,84 @@ def case_of(inputs, key, at):
         return f"the case: {words(cases[n])}"
     suffix = re.search(r"(_[a-z0-9]+|\d+)$", key)
     named = {k: v for k, v in inputs.items() if suffix and k.endswith(suffix.group(1)) and k != key}
-    chosen = {**named, **{k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}} if named else inputs
+    chosen = (
+        {**named, **{k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}}
+        if named
+        else inputs
+    )
     return "the inputs: " + ", ".join(f"{k} {words(v)}" for k, v in chosen.items())
 
 
 def hint_for(ex, got, mistakes, seed):
     """The hint of the recorded mistake whose outputs `got` equal, if any."""
     for hint, outputs in mistakes:
-        if outputs is not None and set(outputs) <= set(got) and compare(ex, got, outputs, seed) is None:
+        if (
+            outputs is not None
+            and set(outputs) <= set(got)
+            and compare(ex, got, outputs, seed) is None
+        ):
             return hint
     return None
 
 
 def how_it_ended(exc):
-    """An exception raised by a student's code, in words (one line), and where: (file, line) or None."""
+    """An exception raised by a student's code, in words (one line), and where: (file, line) or
+    None."""
     if isinstance(exc, NotImplementedError) and str(exc).startswith("exercise "):
         how = "not written yet (raises NotImplementedError)"
     else:
-        text = exc.msg if isinstance(exc, SyntaxError) else str(exc).strip()  # (a SyntaxError's str has its line)
+        # (a SyntaxError's str has its line)
+        text = exc.msg if isinstance(exc, SyntaxError) else str(exc).strip()
         text = text.splitlines()[0][:200] if text else ""
-        kind = {SystemExit: "called exit", KeyboardInterrupt: "raised KeyboardInterrupt"}.get(type(exc))
-        how = f"{kind} ({text})" if kind and text else kind or f"{type(exc).__name__}{': ' + text if text else ''}"
+        kind = {SystemExit: "called exit", KeyboardInterrupt: "raised KeyboardInterrupt"}.get(
+            type(exc)
+        )
+        how = (
+            f"{kind} ({text})"
+            if kind and text
+            else kind or f"{type(exc).__name__}{': ' + text if text else ''}"
+        )
     if isinstance(exc, SyntaxError) and exc.filename and Path(exc.filename).name in SOURCES:
         return how, (Path(exc.filename).name, int(exc.lineno or 0))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).name in SOURCES]
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).name in SOURCES
+    ]
     return how, (Path(frames[-1].filename).name, int(frames[-1].lineno or 0)) if frames else None
 
 
 # --- the self-check (in a student's copy) --------------------------------------------------------
 def load_values(path=VALUES):
-    """The values file, checked: plain tensors only, every exercise present. A clear one-line refusal otherwise."""
+    """The values file, checked: plain tensors only, every exercise present. A clear one-line
+    refusal otherwise."""
     what = f"exercises.py: {path}"
     if not Path(path).is_file():
-        sys.exit(f"{what} is missing: ask your instructor for the kit's tests/exercise_values.pt (nothing was graded)")
+        sys.exit(
+            f"{what} is missing: ask your instructor for the kit's tests/exercise_values.pt (nothing was graded)"
+        )
     try:
         stored = torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 -- anything but plain tensors is refused
         sys.exit(f"{what} does not load as plain tensors ({type(e).__name__}); nothing was graded")
     names = [ex.name for ex in exercises()]
-    ok = (isinstance(stored, dict) and stored.get("format") == FORMAT and isinstance(stored.get("values"), dict)
-          and isinstance(stored.get("mistakes", {}), dict))
+    ok = (
+        isinstance(stored, dict)
+        and stored.get("format") == FORMAT
+        and isinstance(stored.get("values"), dict)
+        and isinstance(stored.get("mistakes", {}), dict)
+    )
     if not ok:
         sys.exit(f"{what} is not a values file of this kit (format {FORMAT}); nothing was graded")
-    missing = [n for n in names if not isinstance(stored["values"].get(n), dict)
-               or not all(isinstance(v, torch.Tensor) for v in stored["values"][n].values())
-               or (not stored["values"][n] and by_name()[n].claims is None)]
+    missing = [
+        n
+        for n in names
+        if not isinstance(stored["values"].get(n), dict)
+        or not all(isinstance(v, torch.Tensor) for v in stored["values"][n].values())
+        or (not stored["values"][n] and by_name()[n].claims is None)
+    ]
     if missing:
-        sys.exit(f"{what} is incomplete: no expected values for {', '.join(missing)}; nothing was graded")
+        sys.exit(
+            f"{what} is incomplete: no expected values for {', '.join(missing)}; nothing was graded"
+        )
     return stored
 
 
@@ -631,12 +898,15 @@ def self_check(names, timeout):
     stored = load_values()
     assigned = stored.get("assigned") or [ex.name for ex in exercises()]
     if not isinstance(assigned, list) or any(n not in by_name() for n in assigned):
-        sys.exit(f"exercises.py: {VALUES} records an assignment of unknown exercises; nothing was graded")
+        sys.exit(
+            f"exercises.py: {VALUES} records an assignment of unknown exercises; nothing was graded"
+        )
     todo, failed, total = list(names or assigned), 0, len(names or assigned)
     while todo:
         read_fd, write_fd = os.pipe()
         sys.stdout.flush()
-        pid = os.fork()  # this process has imported torch and none of the project's files: the child starts fresh
+        # this process has imported torch and none of the project's files: the child starts fresh
+        pid = os.fork()
         if pid == 0:
             os.close(read_fd)
             os.setsid()
@@ -668,8 +938,11 @@ def self_check(names, timeout):
         rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         todo = todo[done:]
         if todo:
-            how = how or (f"killed by {signal.Signals(-rc).name}" if rc < 0 else
-                          f"the process ended (exit status {rc}) during this check: the code exits")
+            how = how or (
+                f"killed by {signal.Signals(-rc).name}"
+                if rc < 0
+                else f"the process ended (exit status {rc}) during this check: the code exits"
+            )
             print(f"FAIL {todo[0]}: {how}", flush=True)
             failed += 1
             todo = todo[1:]
@@ -678,7 +951,8 @@ def self_check(names, timeout):
 
 
 def cmd_check(fd, names):
-    """(the self-check's forked child) one verdict line per exercise, written to the pipe `fd`. Never returns."""
+    """(the self-check's forked child) one verdict line per exercise, written to the pipe `fd`.
+    Never returns."""
     out = os.fdopen(int(fd), "w")
     stored = load_values()
     try:
@@ -696,7 +970,8 @@ def cmd_check(fd, names):
             if reason:
                 hint = hint_for(ex, got, stored.get("mistakes", {}).get(ex.name, []), RECORD_SEED)
                 reason += f". Hint: {hint}" if hint else ""
-        except BaseException as e:  # noqa: BLE001 -- a student's code ends this one check only, however it ends
+        # noqa: BLE001 -- a student's code ends this one check only, however it ends
+        except BaseException as e:
             how, where = how_it_ended(e)
             reason = how + (f" at {where[0]}:{where[1]}" if where else "")
         out.write(f"FAIL {ex.name}: {reason}\n" if reason else f"PASS {ex.name}\n")
@@ -738,20 +1013,29 @@ def region_texts(folder, ex_name, files):
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as e:
-            return None, f"{rel} cannot be read ({getattr(e, 'strerror', None) or type(e).__name__})"
+            return (
+                None,
+                f"{rel} cannot be read ({getattr(e, 'strerror', None) or type(e).__name__})",
+            )
         found, problems = regions(text)
         mine = [(b, e) for name, b, e in found if name == ex_name]
         broken = [p for p in problems if p.startswith(ex_name + "'")]
         if broken:
             return None, f"{rel}: {broken[0]}"
         if len(mine) != count:
-            return None, (f"{rel} has {len(mine)} region{'s' if len(mine) != 1 else ''} '# Exercise {ex_name}: "
-                          f"begin/end', the exercise has {count}")
+            return None, (
+                f"{rel} has {len(mine)} region{'s' if len(mine) != 1 else ''} '# Exercise {ex_name}: "
+                f"begin/end', the exercise has {count}"
+            )
         lines = text.split("\n")
         for b, e in mine:
             indent = MARKER.match(lines[b]).group(1)
-            texts.append("\n".join(line[len(indent):] if line.startswith(indent) else line
-                                   for line in lines[b + 1:e]))
+            texts.append(
+                "\n".join(
+                    line[len(indent) :] if line.startswith(indent) else line
+                    for line in lines[b + 1 : e]
+                )
+            )
             where.append((rel, b + 2))  # the region's first line, 1-based
     return (texts, where), None
 
@@ -767,7 +1051,8 @@ def solution_files(ex_name):
 
 
 def student_copy_text(text):
-    """A kit file without its instructor-only lines (the mistakes, the cheats of the tests: near-solutions)."""
+    """A kit file without its instructor-only lines (the mistakes, the cheats of the tests:
+    near-solutions)."""
     lines, out, skipping = text.split("\n"), [], False
     for line in lines:
         if line == INSTRUCTOR_ONLY + "begin":
@@ -790,28 +1075,36 @@ def build_sandbox(folder, ex_name, texts):
     for rel in SOURCES:
         lines = (ROOT / rel).read_text().split("\n")
         mine = [(b, e) for name, b, e in regions("\n".join(lines))[0] if name == ex_name]
-        bodies, texts = texts[:len(mine)], texts[len(mine):]
+        bodies, texts = texts[: len(mine)], texts[len(mine) :]
         for (b, e), body in reversed(list(zip(mine, bodies))):
             indent = MARKER.match(lines[b]).group(1)
-            lines[b + 1:e] = [indent + line if line.strip() else "" for line in body.split("\n")]
+            lines[b + 1 : e] = [indent + line if line.strip() else "" for line in body.split("\n")]
         (folder / rel).write_text("\n".join(lines))
         spans += [(rel, b + 2, e) for name, b, e in regions("\n".join(lines))[0] if name == ex_name]
     return spans
 
 
 class ForkServer:
-    """Where the grading processes start: a process that has imported torch once forks each of them (started on first
-    use, one per grade). A fresh interpreter's start is 1.5-2 s of importing torch, 70 of them in a class's grade;
-    a fork is milliseconds, and the child is as fresh for the student's code: its own process group, folder, log,
-    import path and limits, none of the project's files imported yet (cmd_serve, serve_one)."""
+    """Where the grading processes start: a process that has imported torch once forks each of them
+    (started on first use, one per grade). A fresh interpreter's start is 1.5-2 s of importing
+    torch, 70 of them in a class's grade; a fork is milliseconds, and the child is as fresh for the
+    student's code: its own process group, folder, log, import path and limits, none of the
+    project's files imported yet (cmd_serve, serve_one)."""
 
     def __init__(self):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
         env.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), "_serve"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__)), "_serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
         self.news, self.jobs, self.gone = threading.Condition(), itertools.count(), False
-        self.started, self.ended = {}, {}  # job number -> pid; pid -> exit status (-N: killed by signal N)
+        # job number -> pid; pid -> exit status (-N: killed by signal N)
+        self.started, self.ended = {}, {}
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self):
@@ -825,11 +1118,16 @@ class ForkServer:
             self.news.notify_all()
 
     def start(self, *argv, cwd, log):
-        """Forks `exercises.py *argv` run in folder cwd (its own copy of this file), output to the file log: its pid."""
+        """Forks `exercises.py *argv` run in folder cwd (its own copy of this file), output to the
+        file log: its pid."""
         with self.news:
             job = next(self.jobs)
-            self.proc.stdin.write(json.dumps({"job": job, "argv": [str(a) for a in argv], "cwd": str(cwd),
-                                              "log": str(log)}) + "\n")
+            self.proc.stdin.write(
+                json.dumps(
+                    {"job": job, "argv": [str(a) for a in argv], "cwd": str(cwd), "log": str(log)}
+                )
+                + "\n"
+            )
             self.proc.stdin.flush()
             self.news.wait_for(lambda: job in self.started or self.gone)
             if self.gone:
@@ -837,7 +1135,8 @@ class ForkServer:
             return self.started.pop(job)
 
     def wait(self, pid, timeout=None):
-        """The exit status of process pid (as Popen's returncode), or None if it still runs after timeout s."""
+        """The exit status of process pid (as Popen's returncode), or None if it still runs after
+        timeout s."""
         with self.news:
             if not self.news.wait_for(lambda: pid in self.ended or self.gone, timeout):
                 return None
@@ -857,8 +1156,9 @@ def fork_server():
 
 
 def cmd_serve():
-    """(the fork server) one JSON job a line on stdin: fork serve_one; "started JOB PID", then "ended PID STATUS".
-    When the grader ends (stdin closes), however it ends (a kill too), the children still running are killed."""
+    """(the fork server) one JSON job a line on stdin: fork serve_one; "started JOB PID", then
+    "ended PID STATUS". When the grader ends (stdin closes), however it ends (a kill too), the
+    children still running are killed."""
     buf, alive = b"", set()
     while True:
         while True:  # the children that ended
@@ -891,22 +1191,28 @@ def cmd_serve():
 
 
 def serve_one(job):
-    """(a forked grading process) run the copy's exercises.py with job's argv in its folder, as a fresh process would:
-    a session of its own (killed as a group), stdin empty, stdout and stderr to the log, the copy's folder alone on
-    the import path of the project's files. Never returns."""
+    """(a forked grading process) run the copy's exercises.py with job's argv in its folder, as a
+    fresh process would: a session of its own (killed as a group), stdin empty, stdout and stderr to
+    the log, the copy's folder alone on the import path of the project's files. Never returns."""
     try:
         os.setsid()
-        for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        for fd, path, mode in (
+            (0, os.devnull, os.O_RDONLY),
+            (1, job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+        ):
             os.dup2(os.open(path, mode, 0o600), fd)
         os.dup2(1, 2)
         os.chdir(job["cwd"])
         script = str(Path(job["cwd"]) / "tests" / "exercises.py")
-        sys.path[:] = [str(Path(script).parent)] + [p for p in sys.path if p not in (str(ROOT), str(ROOT / "tests"))]
+        sys.path[:] = [str(Path(script).parent)] + [
+            p for p in sys.path if p not in (str(ROOT), str(ROOT / "tests"))
+        ]
         sys.argv = [script] + job["argv"]
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         os._exit(0 if e.code is None else e.code if isinstance(e.code, int) else 1)
-    except BaseException:  # noqa: BLE001 -- the copy's harness itself failed: its traceback is in the log
+    # noqa: BLE001 -- the copy's harness itself failed: its traceback is in the log
+    except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
@@ -917,10 +1223,10 @@ LIVE = set()  # the pids of the grading processes running now (killed on Ctrl-C)
 
 
 def run_isolated(ex_name, texts, seed, timeout, memory=2048):
-    """One exercise with `texts` as its regions, in a fresh process with a time limit and a memory limit (`memory`
-    MB of data: what the process allocates, beyond Python's and torch's code; cmd_run sets it). Returns
-    (outputs, None, spans), or (None, how it ended, spans): a line, or (how, file, line) to be mapped
-    to the submission's lines through spans (build_sandbox)."""
+    """One exercise with `texts` as its regions, in a fresh process with a time limit and a memory
+    limit (`memory` MB of data: what the process allocates, beyond Python's and torch's code;
+    cmd_run sets it). Returns (outputs, None, spans), or (None, how it ended, spans): a line, or
+    (how, file, line) to be mapped to the submission's lines through spans (build_sandbox)."""
     with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
         box, result = Path(tmp) / "box", Path(tmp) / "box" / "result.pt"
         spans = build_sandbox(box, ex_name, texts)
@@ -939,35 +1245,70 @@ def run_isolated(ex_name, texts, seed, timeout, memory=2048):
         if timed_out:
             returncode = server.wait(pid)
         with open(Path(tmp) / "log", errors="replace") as log:
-            last = ([line for line in log.read().splitlines() if line.strip()][-1:] or [""])[0][:160]
+            last = ([line for line in log.read().splitlines() if line.strip()][-1:] or [""])[0][
+                :160
+            ]
         try:
-            got = torch.load(result, weights_only=True) if result.is_file() and not timed_out else None
+            got = (
+                torch.load(result, weights_only=True)
+                if result.is_file() and not timed_out
+                else None
+            )
         except Exception as e:  # noqa: BLE001
-            return None, f"it handed back something other than plain tensors ({type(e).__name__})", spans
+            return (
+                None,
+                f"it handed back something other than plain tensors ({type(e).__name__})",
+                spans,
+            )
     if timed_out:
         return None, f"did not finish in {timeout:g} s, the time limit (an endless loop?)", spans
     if got is None:
         if returncode < 0:
             return None, f"the process was killed by {signal.Signals(-returncode).name}", spans
-        return None, (f"the process ended (exit status {returncode}) before handing back its outputs: the code "
-                      f"exits or kills it{' (its last words: ' + last + ')' if last else ''}"), spans
-    if isinstance(got, dict) and set(got) == {"error"} and isinstance(got["error"], tuple) and len(got["error"]) == 3:
+        return (
+            None,
+            (
+                f"the process ended (exit status {returncode}) before handing back its outputs: the code "
+                f"exits or kills it{' (its last words: ' + last + ')' if last else ''}"
+            ),
+            spans,
+        )
+    if (
+        isinstance(got, dict)
+        and set(got) == {"error"}
+        and isinstance(got["error"], tuple)
+        and len(got["error"]) == 3
+    ):
         how, rel, line = got["error"]
-        if isinstance(how, str) and ("can't allocate memory" in how or how.startswith("MemoryError")):
-            tried = re.search(r"you tried to allocate (\d+) bytes", how)  # torch's allocator says how much
-            what = f"allocating {int(tried.group(1)) / 2 ** 20:,.0f} MB failed" if tried else how.split(":")[0]
+        if isinstance(how, str) and (
+            "can't allocate memory" in how or how.startswith("MemoryError")
+        ):
+            # torch's allocator says how much
+            tried = re.search(r"you tried to allocate (\d+) bytes", how)
+            what = (
+                f"allocating {int(tried.group(1)) / 2**20:,.0f} MB failed"
+                if tried
+                else how.split(":")[0]
+            )
             how = f"{what}: past the memory limit of one exercise's process, --memory {memory} MB"
         return None, (how, rel, line), spans
-    if not (isinstance(got, dict) and set(got) == {"outputs"} and isinstance(got["outputs"], dict)
-            and all(isinstance(k, str) and (v is None or isinstance(v, torch.Tensor))
-                    for k, v in got["outputs"].items())):
+    if not (
+        isinstance(got, dict)
+        and set(got) == {"outputs"}
+        and isinstance(got["outputs"], dict)
+        and all(
+            isinstance(k, str) and (v is None or isinstance(v, torch.Tensor))
+            for k, v in got["outputs"].items()
+        )
+    ):
         return None, "it handed back something other than named tensors", spans
     return got["outputs"], None, spans
 
 
 def cmd_run(name, seed, out, memory):
-    """(in a grading process) one exercise's outputs, or how its code failed, written to `out`; allocations past
-    `memory` MB of data fail (RLIMIT_DATA, soft and hard: a process without root's rights cannot lift it)."""
+    """(in a grading process) one exercise's outputs, or how its code failed, written to `out`;
+    allocations past `memory` MB of data fail (RLIMIT_DATA, soft and hard: a process without root's
+    rights cannot lift it)."""
     resource.setrlimit(resource.RLIMIT_DATA, (int(memory) << 20, int(memory) << 20))
     try:
         load_project()
@@ -980,7 +1321,8 @@ def cmd_run(name, seed, out, memory):
 
 
 class Grader:
-    """The instructor's grade: results cached by (exercise, the code of its regions), the reference run once."""
+    """The instructor's grade: results cached by (exercise, the code of its regions), the reference
+    run once."""
 
     def __init__(self, seed, timeout, jobs, memory):
         self.seed, self.timeout, self.memory = seed, timeout, memory
@@ -990,7 +1332,9 @@ class Grader:
     def submit(self, ex_name, texts):
         key = (ex_name, hashlib.sha256("\0".join(texts).encode()).hexdigest())
         if key not in self.cache:
-            self.cache[key] = self.pool.submit(run_isolated, ex_name, texts, self.seed, self.timeout, self.memory)
+            self.cache[key] = self.pool.submit(
+                run_isolated, ex_name, texts, self.seed, self.timeout, self.memory
+            )
         return self.cache[key]
 
     def reference(self, ex):
@@ -999,9 +1343,12 @@ class Grader:
         return self.expected[ex.name]
 
     def mistakes(self, ex):
-        """The instructor's mistakes of this exercise, run like a submission on this grade's inputs."""
+        """The instructor's mistakes of this exercise, run like a submission on this grade's
+        inputs."""
         if ex.name not in self.mistake_runs:
-            runs = [(hint, self.submit(ex.name, bodies)) for hint, bodies in MISTAKES.get(ex.name, [])]
+            runs = [
+                (hint, self.submit(ex.name, bodies)) for hint, bodies in MISTAKES.get(ex.name, [])
+            ]
             self.mistake_runs[ex.name] = [(hint, f.result()[0]) for hint, f in runs]
         return self.mistake_runs[ex.name]
 
@@ -1014,7 +1361,11 @@ class Grader:
             for (srel, first, last), (wrel, wline) in zip(spans, where):
                 if rel == srel and first <= line <= last:
                     return f"{text} at {wrel}:{wline + line - first}"
-            return text + (f" (in the instructor's {rel}:{line}, called with your code's results)" if rel else "")
+            return text + (
+                f" (in the instructor's {rel}:{line}, called with your code's results)"
+                if rel
+                else ""
+            )
         reason = compare(ex, outputs, self.reference(ex), self.seed)
         if reason:
             hint = hint_for(ex, outputs, self.mistakes(ex), self.seed)
@@ -1031,8 +1382,10 @@ def parse_points(spec, names):
         except ValueError:
             sys.exit(f"exercises.py grade: --points {spec}: {item!r} is not NAME=POINTS or POINTS")
         if name and name not in names:
-            sys.exit(f"exercises.py grade: --points {spec}: {name!r} is not among the exercises graded")
-        for n in ([name] if name else names):
+            sys.exit(
+                f"exercises.py grade: --points {spec}: {name!r} is not among the exercises graded"
+            )
+        for n in [name] if name else names:
             points[n] = p
     return points
 
@@ -1056,7 +1409,14 @@ def grade_submissions(folders, names, a):
         plan = []
         for n in chosen:
             found, why = region_texts(folder, n, files[n])
-            plan.append((every[n], why, grader.submit(n, found[0]) if found else None, found[1] if found else None))
+            plan.append(
+                (
+                    every[n],
+                    why,
+                    grader.submit(n, found[0]) if found else None,
+                    found[1] if found else None,
+                )
+            )
         plans.append((folder, plan))
     try:
         rows = report(plans, grader, points)
@@ -1070,8 +1430,11 @@ def grade_submissions(folders, names, a):
         print("exercises.py grade: interrupted; no gradebook written", file=sys.stderr)
         return 130
     grader.pool.shutdown()
-    print(f"graded {len(folders)} submission{'s' if len(folders) != 1 else ''} x {len(chosen)} exercises in "
-          f"{time.time() - started:.1f} s ({len(grader.cache)} distinct codes run, seed {a.seed})", file=sys.stderr)
+    print(
+        f"graded {len(folders)} submission{'s' if len(folders) != 1 else ''} x {len(chosen)} exercises in "
+        f"{time.time() - started:.1f} s ({len(grader.cache)} distinct codes run, seed {a.seed})",
+        file=sys.stderr,
+    )
     if a.csv:
         table = wide_rows(rows, chosen, points) if a.wide else rows
         with open(a.csv, "w", newline="") as f:
@@ -1098,45 +1461,70 @@ def report(plans, grader, points):
             earned = 0.0 if reason else points[ex.name]
             got += earned
             print(f"FAIL {ex.name}: {reason}" if reason else f"PASS {ex.name}", flush=True)
-            rows.append({"submission": str(folder), "exercise": ex.name, "result": "FAIL" if reason else "PASS",
-                         "points": earned, "max_points": points[ex.name], "reason": reason or ""})
+            rows.append(
+                {
+                    "submission": str(folder),
+                    "exercise": ex.name,
+                    "result": "FAIL" if reason else "PASS",
+                    "points": earned,
+                    "max_points": points[ex.name],
+                    "reason": reason or "",
+                }
+            )
         passed = sum(r["result"] == "PASS" for r in rows if r["submission"] == str(folder))
-        print(f"{folder}: {passed} of {len(plan)} exercises pass, {got:g} of {sum(points.values()):g} points",
-              flush=True)
+        print(
+            f"{folder}: {passed} of {len(plan)} exercises pass, {got:g} of {sum(points.values()):g} points",
+            flush=True,
+        )
     return rows
 
 
 def wide_rows(rows, names, points):
-    """The gradebook with a row per submission: each exercise's points (0 for a FAIL), the total, the maximum."""
+    """The gradebook with a row per submission: each exercise's points (0 for a FAIL), the total,
+    the maximum."""
     table = {}
     for r in rows:
-        table.setdefault(r["submission"], {"submission": r["submission"]})[r["exercise"]] = r["points"]
+        table.setdefault(r["submission"], {"submission": r["submission"]})[r["exercise"]] = r[
+            "points"
+        ]
     for row in table.values():
         row.update(total=sum(row[n] for n in names), max_total=sum(points[n] for n in names))
     return list(table.values())
 
 
 def feedback_names(submissions):
-    """A file name per submission: its folder's name, with the folders above it where two would be alike."""
+    """A file name per submission: its folder's name, with the folders above it where two would be
+    alike."""
     parts = {s: Path(s).resolve().parts for s in submissions}
     depth = 1
-    while depth < max(map(len, parts.values())) and \
-            len({"_".join(p[-depth:]) for p in parts.values()}) < len(parts):
+    while depth < max(map(len, parts.values())) and len(
+        {"_".join(p[-depth:]) for p in parts.values()}
+    ) < len(parts):
         depth += 1
     return {s: re.sub(r"[^\w.-]", "_", "_".join(p[-depth:])) + ".md" for s, p in parts.items()}
 
 
 def write_feedback(rows, folder, points):
-    """--feedback DIR: one Markdown file per submission, to hand back: its score, then each exercise's verdict."""
+    """--feedback DIR: one Markdown file per submission, to hand back: its score, then each
+    exercise's verdict."""
     folder.mkdir(exist_ok=True)
     subs = list(dict.fromkeys(r["submission"] for r in rows))
     for sub, name in feedback_names(subs).items():
         mine = [r for r in rows if r["submission"] == sub]
         got, most = sum(r["points"] for r in mine), sum(r["max_points"] for r in mine)
-        lines = [f"# Feedback: {Path(sub).name}", "",
-                 f"{sum(r['result'] == 'PASS' for r in mine)} of {len(mine)} exercises pass: {got:g} of {most:g} "
-                 f"points.", "", "| exercise | result | points |", "|---|---|---|"]
-        lines += [f"| {r['exercise']} | {r['result']} | {r['points']:g} of {r['max_points']:g} |" for r in mine]
+        lines = [
+            f"# Feedback: {Path(sub).name}",
+            "",
+            f"{sum(r['result'] == 'PASS' for r in mine)} of {len(mine)} exercises pass: {got:g} of {most:g} "
+            f"points.",
+            "",
+            "| exercise | result | points |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {r['exercise']} | {r['result']} | {r['points']:g} of {r['max_points']:g} |"
+            for r in mine
+        ]
         for r in (r for r in mine if r["result"] == "FAIL"):
             lines += ["", f"## {r['exercise']}: FAIL", "", r["reason"]]
         (folder / name).write_text("\n".join(lines) + "\n")
@@ -1152,7 +1540,9 @@ def assigned_of(kit):
         stored = torch.load(path, weights_only=True)
         return list(stored["assigned"])
     except Exception:  # noqa: BLE001
-        sys.exit(f"exercises.py grade: --kit {kit}: {path} records no assignment (give the exercises' names)")
+        sys.exit(
+            f"exercises.py grade: --kit {kit}: {path} records no assignment (give the exercises' names)"
+        )
 
 
 def positive(flag, kind):
@@ -1162,46 +1552,95 @@ def positive(flag, kind):
         except ValueError:
             value = None
         if value is None or not value > 0 or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a positive {'number' if kind is float else 'integer'}")
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a positive {'number' if kind is float else 'integer'}"
+            )
         return value
+
     return parse
 
 
 def cmd_grade(argv):
-    p = argparse.ArgumentParser(prog="exercises.py grade", description="Without a folder: the self-check of this copy. "
-                                "With folders: the instructor's grade of those students' copies.")
-    p.add_argument("items", nargs="*", metavar="DIR|NAME", help="students' copies, and the exercises to grade")
-    p.add_argument("--seed", type=int, default=GRADE_SEED, help="the inputs drawn (instructor's grade)")
-    p.add_argument("--timeout", type=positive("--timeout", float), default=120.0,
-                   help="seconds one exercise may run (default 120)")
-    p.add_argument("--memory", type=positive("--memory", int), default=2048, metavar="MB",
-                   help="megabytes of data one exercise's process may allocate; past it that exercise FAILs, saying "
-                   "so (default 2048: with --jobs 4, 8 GB at most)")
-    p.add_argument("--jobs", type=positive("--jobs", int), default=min(4, os.cpu_count() or 1),
-                   help="exercises graded at once (default: the CPU count, at most 4)")
+    p = argparse.ArgumentParser(
+        prog="exercises.py grade",
+        description="Without a folder: the self-check of this copy. "
+        "With folders: the instructor's grade of those students' copies.",
+    )
+    p.add_argument(
+        "items", nargs="*", metavar="DIR|NAME", help="students' copies, and the exercises to grade"
+    )
+    p.add_argument(
+        "--seed", type=int, default=GRADE_SEED, help="the inputs drawn (instructor's grade)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=positive("--timeout", float),
+        default=120.0,
+        help="seconds one exercise may run (default 120)",
+    )
+    p.add_argument(
+        "--memory",
+        type=positive("--memory", int),
+        default=2048,
+        metavar="MB",
+        help="megabytes of data one exercise's process may allocate; past it that exercise FAILs, saying "
+        "so (default 2048: with --jobs 4, 8 GB at most)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=positive("--jobs", int),
+        default=min(4, os.cpu_count() or 1),
+        help="exercises graded at once (default: the CPU count, at most 4)",
+    )
     p.add_argument("--points", help="points per exercise: 2, or batchnorm=3,pnv=2 (default 1 each)")
     p.add_argument("--csv", help="write the gradebook: one row per submission and exercise")
     p.add_argument("--json", help="the gradebook as JSON")
-    p.add_argument("--wide", action="store_true", help="with --csv: one row per submission, a column per exercise "
-                   "(its points, 0 for a FAIL) and the total, instead of a row per submission and exercise")
-    p.add_argument("--feedback", metavar="DIR", help="write one Markdown file per submission into DIR, to hand back: "
-                   "each exercise's verdict, with its hint and, for a FAIL, the failing case")
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="with --csv: one row per submission, a column per exercise "
+        "(its points, 0 for a FAIL) and the total, instead of a row per submission and exercise",
+    )
+    p.add_argument(
+        "--feedback",
+        metavar="DIR",
+        help="write one Markdown file per submission into DIR, to hand back: "
+        "each exercise's verdict, with its hint and, for a FAIL, the failing case",
+    )
     p.add_argument("--kit", help="the copy `make` wrote: grade the exercises it blanked")
     a = p.parse_args(argv)
     names = [x for x in a.items if x in by_name()]
     folders = [Path(x) for x in a.items if x not in by_name()]
     for f in folders:
         if not f.is_dir():
-            sys.exit(f"exercises.py grade: {f} is neither an exercise (python tests/exercises.py list) nor a folder")
+            sys.exit(
+                f"exercises.py grade: {f} is neither an exercise (python tests/exercises.py list) nor a folder"
+            )
     if not folders:
-        given = [f for f in ("--seed", "--jobs", "--points", "--csv", "--json", "--kit", "--wide", "--feedback",
-                             "--memory")
-                 if any(x == f or x.startswith(f + "=") for x in argv)]
+        given = [
+            f
+            for f in (
+                "--seed",
+                "--jobs",
+                "--points",
+                "--csv",
+                "--json",
+                "--kit",
+                "--wide",
+                "--feedback",
+                "--memory",
+            )
+            if any(x == f or x.startswith(f + "=") for x in argv)
+        ]
         if given:
-            sys.exit(f"exercises.py grade: {given[0]} is for grading students' copies: give their folders")
+            sys.exit(
+                f"exercises.py grade: {given[0]} is for grading students' copies: give their folders"
+            )
         return self_check(names, a.timeout)
     if STUDENT_COPY:
-        sys.exit("exercises.py grade: grading students' copies needs the solutions: run it in the instructor's tree")
+        sys.exit(
+            "exercises.py grade: grading students' copies needs the solutions: run it in the instructor's tree"
+        )
     load_project()
     return grade_submissions(folders, names, a)
 
@@ -1215,10 +1654,14 @@ def blank(text, names, equations):
             continue
         indent = lines[b][: len(lines[b]) - len(lines[b].lstrip())]
         # Comments kept: whole-line ones, and a line's trailing one where it states an equation.
-        kept = [indent + "# " + line.split("# ", 1)[1] for line in lines[b + 1:e] if "# " in line
-                and (line.strip().startswith("#") or re.search(r"Paper|eq\.|=", line.split("# ", 1)[1]))]
+        kept = [
+            indent + "# " + line.split("# ", 1)[1]
+            for line in lines[b + 1 : e]
+            if "# " in line
+            and (line.strip().startswith("#") or re.search(r"Paper|eq\.|=", line.split("# ", 1)[1]))
+        ]
         raise_ = f'{indent}raise NotImplementedError("exercise {name}: {equations[name]}")'
-        lines[b + 1:e] = kept + [raise_]
+        lines[b + 1 : e] = kept + [raise_]
     return "\n".join(lines)
 
 
@@ -1228,7 +1671,8 @@ def code_of(line):
 
 def defined_names(ex):
     """The names each region of the exercise assigns that the code after it (in its function) reads,
-    with their kind from a run of the solution: 'mu (a tensor)'; or 'returns' if the region returns."""
+    with their kind from a run of the solution: 'mu (a tensor)'; or 'returns' if the region
+    returns."""
     kinds, spans = {}, []
     for rel, _ in solution_files(ex.name):
         text = (ROOT / rel).read_text()
@@ -1236,21 +1680,44 @@ def defined_names(ex):
         for name, b, e in regions(text)[0]:
             if name != ex.name:
                 continue
-            fn = min((f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                      and f.lineno <= b + 1 and f.end_lineno >= e), key=lambda f: f.end_lineno - f.lineno)
+            fn = min(
+                (
+                    f
+                    for f in ast.walk(tree)
+                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and f.lineno <= b + 1
+                    and f.end_lineno >= e
+                ),
+                key=lambda f: f.end_lineno - f.lineno,
+            )
             inside = lambda node: b + 1 < node.lineno < e + 1
-            stored = [n.id for n in sorted((n for n in ast.walk(fn) if isinstance(n, ast.Name)
-                                            and isinstance(n.ctx, ast.Store) and inside(n)),
-                                           key=lambda n: (n.lineno, n.col_offset))]
-            read = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
-                    and n.lineno > e + 1}
+            stored = [
+                n.id
+                for n in sorted(
+                    (
+                        n
+                        for n in ast.walk(fn)
+                        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and inside(n)
+                    ),
+                    key=lambda n: (n.lineno, n.col_offset),
+                )
+            ]
+            read = {
+                n.id
+                for n in ast.walk(fn)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.lineno > e + 1
+            }
             returns = any(isinstance(n, ast.Return) and inside(n) for n in ast.walk(fn))
             names = list(dict.fromkeys(n for n in stored if n in read))
             spans.append((str(ROOT / rel), fn.lineno, e + 2, names, returns))
+
     # Each name's kind, from the solution's locals just after its region.
     def tracer(frame, event, arg):
         for path, first, after, names, _ in spans:
-            if frame.f_code.co_filename == path and frame.f_code.co_firstlineno <= first <= frame.f_lineno:
+            if (
+                frame.f_code.co_filename == path
+                and frame.f_code.co_firstlineno <= first <= frame.f_lineno
+            ):
                 if event == "line" and frame.f_lineno >= after:
                     for n in names:
                         if n in frame.f_locals and n not in kinds:
@@ -1258,6 +1725,7 @@ def defined_names(ex):
                             kind = "tensor" if isinstance(v, torch.Tensor) else type(v).__name__
                             kinds[n] = f"a{'n' * (kind[0] in 'aeiou')} {kind}"
         return tracer
+
     sys.settrace(tracer)
     try:
         run(ex, RECORD_SEED)
@@ -1268,24 +1736,40 @@ def defined_names(ex):
     parts = []
     for _, _, _, names, returns in spans:
         if names:
-            parts.append("defines: " + ", ".join(f"{n} ({kinds[n]})" if n in kinds else n for n in names))
+            parts.append(
+                "defines: " + ", ".join(f"{n} ({kinds[n]})" if n in kinds else n for n in names)
+            )
         if returns:
             parts.append("returns the function's result")
     return "; ".join(parts) or "changes nothing the code after it reads"
 
 
 def student_readme(chosen):
-    out = ["# Exercises", "",
-           "Write each exercise's code between its two comments, `# Exercise NAME: begin` and `# Exercise NAME: end`,",
-           "in place of the `raise NotImplementedError(...)`. Only the code between the markers is graded: your",
-           "instructor puts it into their own copy of the files, so what you change elsewhere does not count (and the",
-           "code after a region reads the names listed below: define them).", "",
-           "    python tests/exercises.py list",
-           "    python tests/exercises.py grade            # yours: PASS name, or FAIL name: what differs, where",
-           "    python tests/exercises.py grade NAME ...   # those only", "", "## Your exercises", ""]
+    out = [
+        "# Exercises",
+        "",
+        "Write each exercise's code between its two comments, `# Exercise NAME: begin` and `# Exercise NAME: end`,",
+        "in place of the `raise NotImplementedError(...)`. Only the code between the markers is graded: your",
+        "instructor puts it into their own copy of the files, so what you change elsewhere does not count (and the",
+        "code after a region reads the names listed below: define them).",
+        "",
+        "    python tests/exercises.py list",
+        "    python tests/exercises.py grade            # yours: PASS name, or FAIL name: what differs, where",
+        "    python tests/exercises.py grade NAME ...   # those only",
+        "",
+        "## Your exercises",
+        "",
+    ]
     for ex in chosen:
-        out += [f"### {ex.name}: {ex.file}, `{ex.function}`", "", f"- equation: {ex.equation}",
-                f"- write: {ex.writes}", f"- the code after the region: {defined_names(ex)}", f"- hint: {ex.hint}", ""]
+        out += [
+            f"### {ex.name}: {ex.file}, `{ex.function}`",
+            "",
+            f"- equation: {ex.equation}",
+            f"- write: {ex.writes}",
+            f"- the code after the region: {defined_names(ex)}",
+            f"- hint: {ex.hint}",
+            "",
+        ]
     return "\n".join(out)
 
 
@@ -1298,7 +1782,11 @@ def cmd_make(out, names):
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         sys.exit(f"exercises.py make: cannot make the folder {out}: {e.strerror or e}")
-    stored = load_values() if VALUES.is_file() else sys.exit("exercises.py make: run `record` first (no values file)")
+    stored = (
+        load_values()
+        if VALUES.is_file()
+        else sys.exit("exercises.py make: run `record` first (no values file)")
+    )
     solutions, outside = [], []  # the blanked regions' code lines, and every other code line
     for rel in COPIED:
         dest = out / rel
@@ -1308,10 +1796,14 @@ def cmd_make(out, names):
             lines, inside = text.split("\n"), set()
             for name, b, e in regions(text)[0]:
                 if name in chosen:
-                    solutions += [code_of(line) for line in lines[b + 1:e] if len(code_of(line)) >= 12]
+                    solutions += [
+                        code_of(line) for line in lines[b + 1 : e] if len(code_of(line)) >= 12
+                    ]
                     inside.update(range(b + 1, e))
             outside += [code_of(line) for n, line in enumerate(lines) if n not in inside]
-            text = blank(text, chosen, {n: ex.equation.replace('"', "'") for n, ex in chosen.items()})
+            text = blank(
+                text, chosen, {n: ex.equation.replace('"', "'") for n, ex in chosen.items()}
+            )
         elif rel in ("tests/exercises.py", "tests/test_exercises.py"):
             text = student_copy_text(text)
         dest.write_text(text)
@@ -1319,22 +1811,31 @@ def cmd_make(out, names):
     (out / "README.md").write_text(student_readme(list(chosen.values())))
     # The copy holds no solution line: no code line of a blanked region (one not also found outside
     # the regions, like `return y`) appears anywhere in it.
-    copy_text = "\n".join(code_of(line) for p in out.rglob("*.py") for line in p.read_text().split("\n"))
+    copy_text = "\n".join(
+        code_of(line) for p in out.rglob("*.py") for line in p.read_text().split("\n")
+    )
     outside = set(outside)
     leaked = [s for s in solutions if s not in outside and s in copy_text]
     if leaked:
         shutil.rmtree(out)
-        sys.exit(f"exercises.py make: a solution line is still in the copy (so none was written): {leaked[0]!r}")
-    print(f"wrote {out}: {len(chosen)} exercise{'' if len(chosen) == 1 else 's'} blanked ({', '.join(chosen)}); "
-          f"no solution line is in the copy")
+        sys.exit(
+            f"exercises.py make: a solution line is still in the copy (so none was written): {leaked[0]!r}"
+        )
+    print(
+        f"wrote {out}: {len(chosen)} exercise{'' if len(chosen) == 1 else 's'} blanked ({', '.join(chosen)}); "
+        f"no solution line is in the copy"
+    )
     return 0
 
 
 def cmd_record():
-    """The self-check's expected values, from the solutions, and each mistake's outputs (each must fail
-    its check on the self-check's inputs and on the grade's default ones, or its hint would mislead)."""
+    """The self-check's expected values, from the solutions, and each mistake's outputs (each must
+    fail its check on the self-check's inputs and on the grade's default ones, or its hint would
+    mislead)."""
     if STUDENT_COPY:
-        sys.exit("exercises.py record: this is a student copy; record the expected values in the instructor's tree")
+        sys.exit(
+            "exercises.py record: this is a student copy; record the expected values in the instructor's tree"
+        )
     values, mistakes = {}, {}
     for ex in exercises():
         values[ex.name] = {} if ex.claims else run(ex, RECORD_SEED)
@@ -1344,12 +1845,16 @@ def cmd_record():
                 outputs, error, _ = run_isolated(ex.name, bodies, seed, 300)
                 want = values[ex.name] if seed == RECORD_SEED else run(ex, seed)
                 if error is not None or compare(ex, outputs, want, seed) is None:
-                    sys.exit(f"exercises.py record: the mistake of {ex.name} hinted {hint!r} "
-                             f"{'fails to run: ' + str(error) if error else 'passes its check'} (seed {seed})")
+                    sys.exit(
+                        f"exercises.py record: the mistake of {ex.name} hinted {hint!r} "
+                        f"{'fails to run: ' + str(error) if error else 'passes its check'} (seed {seed})"
+                    )
             mistakes[ex.name].append((hint, outputs))
     torch.save({"format": FORMAT, "values": values, "mistakes": mistakes}, VALUES)
-    print(f"wrote {VALUES.relative_to(ROOT)}: {len(values)} exercises, "
-          f"{sum(map(len, mistakes.values()))} mistakes with hints (each fails its check)")
+    print(
+        f"wrote {VALUES.relative_to(ROOT)}: {len(values)} exercises, "
+        f"{sum(map(len, mistakes.values()))} mistakes with hints (each fails its check)"
+    )
     return 0
 
 
@@ -1363,7 +1868,9 @@ def chosen_exercises(names):
     every = exercises()
     unknown = [n for n in names if n not in {ex.name for ex in every}]
     if unknown:
-        sys.exit(f"exercises.py: unknown exercise {unknown[0]!r}; python tests/exercises.py list shows them")
+        sys.exit(
+            f"exercises.py: unknown exercise {unknown[0]!r}; python tests/exercises.py list shows them"
+        )
     return [ex for ex in every if not names or ex.name in names]
 
 
@@ -1388,60 +1895,137 @@ def main(argv):
 
 # --- the instructor's mistakes: each a region's code with one mistake students make, and its hint.
 # `record` checks that each fails its exercise's check; a FAIL shows the hint of the mistake whose
-# outputs the student's code gives. A student's copy gets their outputs (in the values file), not this code.
+# outputs the student's code gives. A student's copy gets their outputs (in the values file), not
+# this code.
 MISTAKES, STUDENT_COPY = {}, True
 # Instructor only: begin
 STUDENT_COPY = False
 MISTAKES = {
-    "scalenorm": [("eps is added to the norm, g x / (||x|| + eps); here it clamps it: g x / max(||x||, eps)", [
-        "n = xf.norm(dim=-1, keepdim=True)\nreturn (self.g * xf / (n + self.eps)).to(x.dtype)"])],
-    "rmsnorm": [("eps goes inside the root: sqrt(mean x^2 + eps), not sqrt(mean x^2) + eps", [
-        "r = xf.pow(2).mean(-1, keepdim=True).sqrt() + self.eps\nreturn (self.weight * xf / r).to(x.dtype)"]),
-                ("the mean of x^2 over the D channels, not the sum", [
-        "r = torch.sqrt(xf.pow(2).sum(-1, keepdim=True) + self.eps)\nreturn (self.weight * xf / r).to(x.dtype)"])],
+    "scalenorm": [
+        (
+            "eps is added to the norm, g x / (||x|| + eps); here it clamps it: g x / max(||x||, eps)",
+            [
+                "n = xf.norm(dim=-1, keepdim=True)\nreturn (self.g * xf / (n + self.eps)).to(x.dtype)"
+            ],
+        )
+    ],
+    "rmsnorm": [
+        (
+            "eps goes inside the root: sqrt(mean x^2 + eps), not sqrt(mean x^2) + eps",
+            [
+                "r = xf.pow(2).mean(-1, keepdim=True).sqrt() + self.eps\nreturn (self.weight * xf / r).to(x.dtype)"
+            ],
+        ),
+        (
+            "the mean of x^2 over the D channels, not the sum",
+            [
+                "r = torch.sqrt(xf.pow(2).sum(-1, keepdim=True) + self.eps)\nreturn (self.weight * xf / r).to(x.dtype)"
+            ],
+        ),
+    ],
     "batchnorm": [
-        ("sigma_B^2 is the biased variance, 1/N sum (x - mu)^2, not 1/(N - 1)", [
-            "mu, n = batch_mean(xf, real)\n"
-            "var = torch.where(real.unsqueeze(-1), (xf - mu) ** 2, 0.0).sum((0, 1)) / (n - 1)\n"
-            "y = self.weight * (xf - mu) / (var + self.eps).sqrt() + self.bias"]),
-        ("eps goes inside the root: sqrt(sigma_B^2 + eps)", [
-            "mu, n = batch_mean(xf, real)\nvar = batch_mean((xf - mu) ** 2, real)[0]\n"
-            "y = self.weight * (xf - mu) / (var.sqrt() + self.eps) + self.bias"]),
-        ("padding is in the statistics: average over the real tokens only (batch_mean(v, real))", [
-            "mu = xf.mean((0, 1))\nn = real.sum().to(xf.dtype)\nvar = ((xf - mu) ** 2).mean((0, 1))\n"
-            "y = self.weight * (xf - mu) / (var + self.eps).sqrt() + self.bias"])],
+        (
+            "sigma_B^2 is the biased variance, 1/N sum (x - mu)^2, not 1/(N - 1)",
+            [
+                "mu, n = batch_mean(xf, real)\n"
+                "var = torch.where(real.unsqueeze(-1), (xf - mu) ** 2, 0.0).sum((0, 1)) / (n - 1)\n"
+                "y = self.weight * (xf - mu) / (var + self.eps).sqrt() + self.bias"
+            ],
+        ),
+        (
+            "eps goes inside the root: sqrt(sigma_B^2 + eps)",
+            [
+                "mu, n = batch_mean(xf, real)\nvar = batch_mean((xf - mu) ** 2, real)[0]\n"
+                "y = self.weight * (xf - mu) / (var.sqrt() + self.eps) + self.bias"
+            ],
+        ),
+        (
+            "padding is in the statistics: average over the real tokens only (batch_mean(v, real))",
+            [
+                "mu = xf.mean((0, 1))\nn = real.sum().to(xf.dtype)\nvar = ((xf - mu) ** 2).mean((0, 1))\n"
+                "y = self.weight * (xf - mu) / (var + self.eps).sqrt() + self.bias"
+            ],
+        ),
+    ],
     "pnv": [
-        ("padding is in the statistics: average over the real tokens only (batch_mean(v, real))", [
-            "psi2 = (xf * xf).mean((0, 1))\ny = self.weight * xf / (psi2 + self.eps).sqrt() + self.bias"]),
-        ("eps goes inside the root: sqrt(psi_B^2 + eps)", [
-            "psi2 = batch_mean(xf * xf, real)[0]\ny = self.weight * xf / (psi2.sqrt() + self.eps) + self.bias"])],
+        (
+            "padding is in the statistics: average over the real tokens only (batch_mean(v, real))",
+            [
+                "psi2 = (xf * xf).mean((0, 1))\ny = self.weight * xf / (psi2 + self.eps).sqrt() + self.bias"
+            ],
+        ),
+        (
+            "eps goes inside the root: sqrt(psi_B^2 + eps)",
+            [
+                "psi2 = batch_mean(xf * xf, real)[0]\ny = self.weight * xf / (psi2.sqrt() + self.eps) + self.bias"
+            ],
+        ),
+    ],
     "attention": [
-        ("the scale the caller gives is not used (QKNorm passes 1.0)", [
-            "s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))\n"
-            "if causal:\n    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float('-inf'))\n"
-            "if key_mask is not None:\n    s = s.masked_fill(~key_mask, float('-inf'))\n"
-            "a = s.float().softmax(-1).to(q.dtype)\nreturn dropout(a, dropout_p) @ v, a"]),
-        ("dropout_p is not used: dropout(weights, dropout_p) before multiplying by V", [
-            "s = q @ k.transpose(-2, -1) * (q.size(-1) ** -0.5 if scale is None else scale)\n"
-            "if causal:\n    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float('-inf'))\n"
-            "if key_mask is not None:\n    s = s.masked_fill(~key_mask, float('-inf'))\n"
-            "a = s.float().softmax(-1).to(q.dtype)\nreturn a @ v, a"])],
-    "residual": [("the sublayer's output goes through dropout(..., cfg.dropout, training) before it is added", [
-        "if cfg.prenorm:\n    return x + f(norm(x, pad_mask))\nreturn norm(x + f(x), pad_mask)"])],
+        (
+            "the scale the caller gives is not used (QKNorm passes 1.0)",
+            [
+                "s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))\n"
+                "if causal:\n    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float('-inf'))\n"
+                "if key_mask is not None:\n    s = s.masked_fill(~key_mask, float('-inf'))\n"
+                "a = s.float().softmax(-1).to(q.dtype)\nreturn dropout(a, dropout_p) @ v, a"
+            ],
+        ),
+        (
+            "dropout_p is not used: dropout(weights, dropout_p) before multiplying by V",
+            [
+                "s = q @ k.transpose(-2, -1) * (q.size(-1) ** -0.5 if scale is None else scale)\n"
+                "if causal:\n    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float('-inf'))\n"
+                "if key_mask is not None:\n    s = s.masked_fill(~key_mask, float('-inf'))\n"
+                "a = s.float().softmax(-1).to(q.dtype)\nreturn a @ v, a"
+            ],
+        ),
+    ],
+    "residual": [
+        (
+            "the sublayer's output goes through dropout(..., cfg.dropout, training) before it is added",
+            [
+                "if cfg.prenorm:\n    return x + f(norm(x, pad_mask))\nreturn norm(x + f(x), pad_mask)"
+            ],
+        )
+    ],
     "qk_g0": [("log2, not the natural log", ["return math.log(L ** 2 - L)"])],
     "validation_decay": [
-        ("the window is off by one: the `patience` scores before the newest, history[-1 - patience:-1]", [
-            "if len(history) <= patience:\n    return False\n"
-            "return history[-1] < min(history[-patience:-1] or [1e9])"]),
-        ("the window is off by one: the `patience` scores before the newest, history[-1 - patience:-1]", [
-            "if len(history) <= patience + 1:\n    return False\nreturn history[-1] < min(history[-2 - patience:-1])"]),
-        ("strictly below: a score equal to the worst of the window does not decay", [
-            "if len(history) <= patience:\n    return False\nreturn history[-1] <= min(history[-1 - patience:-1])"])],
-    "lm_segments": [("rows = ceil(n / seq_len): the last, shorter segment is PAD-padded, not dropped", [
-        "rows = max(n // seq_len, 1)\nx, y = torch.full((rows * seq_len,), PAD), torch.full((rows * seq_len,), PAD)\n"
-        "m = min(n, rows * seq_len)\nx[:m], y[:m] = stream[:m], stream[1:m + 1]"])],
-    "length_penalty": [("the whole (5 + |Y|) / 6 is raised to alpha", [
-        "return 5.0 + length / 6.0 ** alpha if kind == 'gnmt' else float(length) ** alpha"])],
+        (
+            "the window is off by one: the `patience` scores before the newest, history[-1 - patience:-1]",
+            [
+                "if len(history) <= patience:\n    return False\n"
+                "return history[-1] < min(history[-patience:-1] or [1e9])"
+            ],
+        ),
+        (
+            "the window is off by one: the `patience` scores before the newest, history[-1 - patience:-1]",
+            [
+                "if len(history) <= patience + 1:\n    return False\nreturn history[-1] < min(history[-2 - patience:-1])"
+            ],
+        ),
+        (
+            "strictly below: a score equal to the worst of the window does not decay",
+            [
+                "if len(history) <= patience:\n    return False\nreturn history[-1] <= min(history[-1 - patience:-1])"
+            ],
+        ),
+    ],
+    "lm_segments": [
+        (
+            "rows = ceil(n / seq_len): the last, shorter segment is PAD-padded, not dropped",
+            [
+                "rows = max(n // seq_len, 1)\nx, y = torch.full((rows * seq_len,), PAD), torch.full((rows * seq_len,), PAD)\n"
+                "m = min(n, rows * seq_len)\nx[:m], y[:m] = stream[:m], stream[1:m + 1]"
+            ],
+        )
+    ],
+    "length_penalty": [
+        (
+            "the whole (5 + |Y|) / 6 is raised to alpha",
+            ["return 5.0 + length / 6.0 ** alpha if kind == 'gnmt' else float(length) ** alpha"],
+        )
+    ],
 }
 # Instructor only: end
 

@@ -1,5 +1,6 @@
-"""docs/book.py, the five chapters as HTML pages: nothing of the code lost, the main text open and every appendix
-folded, the pages readable in a real browser (where Chromium is installed)."""
+"""docs/book.py, the five chapters as HTML pages: nothing of the code lost, the main text open and
+every appendix folded, the pages readable in a real browser (where Chromium is installed)."""
+
 import html
 import re
 import shutil
@@ -40,7 +41,8 @@ def test_a_page_holds_every_line_the_main_text_open_and_every_appendix_folded(pa
         if not line.strip() or book.RULE.match(line):
             continue
         words = line.strip().lstrip("#").strip()
-        if line.lstrip().startswith("#") and not line.startswith(" "):  # prose: its words, maybe joined with others
+        # prose: its words, maybe joined with others
+        if line.lstrip().startswith("#") and not line.startswith(" "):
             assert all(w in seen for w in words.split()), (name, line)
             continue
         found = seen.find(line.strip(), at)
@@ -63,16 +65,36 @@ def test_the_index_gives_the_reading_order_and_each_chapters_contents(pages):
     for name in book.CHAPTERS:
         for title in sum(book.contents((ROOT / name).read_text(encoding="utf-8")), []):
             assert html.escape(title) in index, title
-    assert "<script" not in index and all("<script" not in p.read_text() for p in pages.glob("*.html"))
+    assert "<script" not in index and all(
+        "<script" not in p.read_text() for p in pages.glob("*.html")
+    )
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Chromium (Debian's package chromium)")
+@pytest.mark.skipif(
+    shutil.which("chromium") is None, reason="needs Chromium (Debian's package chromium)"
+)
 def test_chromium_renders_the_index_and_a_chapter(pages, tmp_path):
     """The screenshots committed as assets/book-index.png and assets/book-norms.png are these."""
     for page, png in (("index.html", "book-index.png"), ("norms.py.html", "book-norms.png")):
-        subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                        "--disable-component-update", "--disable-sync", "--no-first-run",
-                        f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1000",
-                        f"--screenshot={tmp_path / png}", (pages / page).as_uri()],
-                       capture_output=True, timeout=120, check=True)
-        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / png).stat().st_size > 20000
+        subprocess.run(
+            [
+                "chromium",
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                f"--user-data-dir={tmp_path / 'profile'}",
+                "--window-size=1400,1000",
+                f"--screenshot={tmp_path / png}",
+                (pages / page).as_uri(),
+            ],
+            capture_output=True,
+            timeout=120,
+            check=True,
+        )
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (
+            tmp_path / png
+        ).stat().st_size > 20000

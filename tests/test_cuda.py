@@ -10,6 +10,7 @@
   - --compile computes the eager step and compiles a handful of graphs, not one per shape.
 The CPU side of each claim is tested in the other files.
 """
+
 import copy
 import json
 
@@ -23,8 +24,24 @@ from model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-TINY = ["--d-model", "64", "--ff", "256", "--heads", "4", "--layers", "2", "--batch-tokens", "1024",
-        "--log-interval", "10", "--bpe-size", "1000", "--device", "cuda"]
+TINY = [
+    "--d-model",
+    "64",
+    "--ff",
+    "256",
+    "--heads",
+    "4",
+    "--layers",
+    "2",
+    "--batch-tokens",
+    "1024",
+    "--log-interval",
+    "10",
+    "--bpe-size",
+    "1000",
+    "--device",
+    "cuda",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +56,17 @@ def toy_batches(n=2, seed=0, V=60):
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        pairs = [(torch.randint(4, V, (int(torch.randint(2, 15, (1,), generator=g)),), generator=g).tolist(),
-                  torch.randint(4, V, (int(torch.randint(2, 15, (1,), generator=g)),), generator=g).tolist())
-                 for _ in range(12)]
+        pairs = [
+            (
+                torch.randint(
+                    4, V, (int(torch.randint(2, 15, (1,), generator=g)),), generator=g
+                ).tolist(),
+                torch.randint(
+                    4, V, (int(torch.randint(2, 15, (1,), generator=g)),), generator=g
+                ).tolist(),
+            )
+            for _ in range(12)
+        ]
         out.append((pairs, data.collate(pairs, range(len(pairs)))))
     return out
 
@@ -53,13 +78,17 @@ NORM_CASES = {
     "batch": dict(norm="batch", prenorm=False),
     "pnv": dict(norm="pnv"),
     "power": dict(norm="power", norm_options={"warmup": 1}),  # past its warmup at the second step
-    "power-code": dict(norm="power", norm_options={"warmup": 5, "variant": "code"}),  # the cumulative mean
+    # the cumulative mean
+    "power-code": dict(norm="power", norm_options={"warmup": 5, "variant": "code"}),
     "qknorm": dict(norm="layer", qknorm=True, qk_g0=5.0),
 }
 
 
 def rel(a, b):
-    return (torch.linalg.vector_norm((a - b).double()) / torch.linalg.vector_norm(b.double()).clamp_min(1e-30)).item()
+    return (
+        torch.linalg.vector_norm((a - b).double())
+        / torch.linalg.vector_norm(b.double()).clamp_min(1e-30)
+    ).item()
 
 
 def two_steps(model, device, bf16):
@@ -84,8 +113,16 @@ def two_steps(model, device, bf16):
 @pytest.mark.parametrize("case", list(NORM_CASES))
 def test_a_training_step_on_cuda_computes_the_cpu_step(case):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=60, d_model=32, heads=4, ff=64, enc_layers=2, dec_layers=2, dropout=0.0,
-                      **NORM_CASES[case])
+    cfg = ModelConfig(
+        vocab_size=60,
+        d_model=32,
+        heads=4,
+        ff=64,
+        enc_layers=2,
+        dec_layers=2,
+        dropout=0.0,
+        **NORM_CASES[case],
+    )
     cpu_model = Transformer(cfg)
     gpu_model = copy.deepcopy(cpu_model).cuda()
     bf16_model = copy.deepcopy(cpu_model).cuda()
@@ -99,7 +136,9 @@ def test_a_training_step_on_cuda_computes_the_cpu_step(case):
         whole = torch.cat([g.flatten() for g in ref[2].values()])
         worst = max(rel(got[2][k], ref[2][k]) * ref[2][k].norm() / whole.norm() for k in ref[2])
         error = rel(torch.cat([got[2][k].flatten() for k in ref[2]]), whole)
-        assert error < (1e-4 if tol == 1e-4 else 5e-2) and worst < tol, f"{case}: gradients {error:.2e} {worst:.2e}"
+        assert error < (1e-4 if tol == 1e-4 else 5e-2) and worst < tol, (
+            f"{case}: gradients {error:.2e} {worst:.2e}"
+        )
         for k in ref[3]:  # running statistics (BN, PN-V, PowerNorm's phi and nu)
             assert rel(got[3][k], ref[3][k]) < tol * 10, k
 
@@ -107,17 +146,24 @@ def test_a_training_step_on_cuda_computes_the_cpu_step(case):
 @pytest.mark.parametrize("case", ["scale-fixnorm", "batch", "power", "qknorm"])
 def test_the_training_step_never_waits_for_the_gpu(case):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=60, d_model=32, heads=4, ff=64, enc_layers=2, dec_layers=2, **NORM_CASES[case])
+    cfg = ModelConfig(
+        vocab_size=60, d_model=32, heads=4, ff=64, enc_layers=2, dec_layers=2, **NORM_CASES[case]
+    )
     model = Transformer(cfg).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4, fused=True)
-    options = train.StepOptions(0.1, 0.1, 1.0, torch.Generator(device="cuda").manual_seed(0), bf16=True)
+    options = train.StepOptions(
+        0.1, 0.1, 1.0, torch.Generator(device="cuda").manual_seed(0), bf16=True
+    )
     (p1, _), (p2, _) = toy_batches()
-    train.train_step(model, opt, [data.collate(p1, range(12), "cuda")], 1e-3, options)  # warm-up: Adam's state
+    # warm-up: Adam's state
+    train.train_step(model, opt, [data.collate(p1, range(12), "cuda")], 1e-3, options)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call raises
     try:
         for pairs in (p1, p2):
-            out = train.train_step(model, opt, [data.collate(pairs, range(12), "cuda")], 1e-3, options)
+            out = train.train_step(
+                model, opt, [data.collate(pairs, range(12), "cuda")], 1e-3, options
+            )
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(out[0]).item()
@@ -126,8 +172,22 @@ def test_the_training_step_never_waits_for_the_gpu(case):
 @pytest.fixture(scope="module")
 def cuda_run(corpus, tmp_path_factory):
     run = tmp_path_factory.mktemp("cuda") / "run"
-    train.main(TINY + corpus + ["--max-steps", "300", "--epoch-size", "100", "--warmup", "100", "--lr", "3e-3",
-                                "--out", str(run)])
+    train.main(
+        TINY
+        + corpus
+        + [
+            "--max-steps",
+            "300",
+            "--epoch-size",
+            "100",
+            "--warmup",
+            "100",
+            "--lr",
+            "3e-3",
+            "--out",
+            str(run),
+        ]
+    )
     return run
 
 
@@ -138,7 +198,9 @@ def test_decoding_on_cuda_gives_the_cpu_translations(cuda_run, corpus):
     for device in ("cpu", "cuda"):
         model, tok, _ = decode.load_checkpoint(str(cuda_run), torch.device(device))
         for beam in (1, 4):
-            outputs[device, beam] = decode.translate(model, tok, lines, decode.Search(beam, bf16=False))
+            outputs[device, beam] = decode.translate(
+                model, tok, lines, decode.Search(beam, bf16=False)
+            )
         outputs[device, "bf16"] = decode.translate(model, tok, lines, decode.Search(4, bf16=True))
     for beam in (1, 4):
         same = sum(a == b for a, b in zip(outputs["cpu", beam], outputs["cuda", beam]))
@@ -149,13 +211,33 @@ def test_decoding_on_cuda_gives_the_cpu_translations(cuda_run, corpus):
 
 def _records(run_dir):
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return ([(r["step"], r["loss"], r["gnorm"]) for r in rows if "gnorm" in r],
-            [(r["step"], r["dev_bleu"]) for r in rows if "dev_bleu" in r])
+    return (
+        [(r["step"], r["loss"], r["gnorm"]) for r in rows if "gnorm" in r],
+        [(r["step"], r["dev_bleu"]) for r in rows if "dev_bleu" in r],
+    )
 
 
 def test_a_run_killed_on_cuda_resumes_to_the_same_metrics(tmp_path, killed_run, corpus):
-    argv = TINY + corpus + ["--max-steps", "24", "--epoch-size", "8", "--warmup", "10", "--seed", "3",
-                            "--pn-warmup", "5", "--norm", "layer", "--encoder-norm", "power"]
+    argv = (
+        TINY
+        + corpus
+        + [
+            "--max-steps",
+            "24",
+            "--epoch-size",
+            "8",
+            "--warmup",
+            "10",
+            "--seed",
+            "3",
+            "--pn-warmup",
+            "5",
+            "--norm",
+            "layer",
+            "--encoder-norm",
+            "power",
+        ]
+    )
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     train.main(argv + ["--out", str(whole)])
     killed_run(argv + ["--out", str(killed)], 20)  # killed in its third epoch
@@ -170,10 +252,16 @@ def test_a_run_killed_on_cuda_resumes_to_the_same_metrics(tmp_path, killed_run, 
 
 
 def test_compile_computes_the_eager_step_and_compiles_a_handful_of_graphs(corpus, tmp_path):
-    argv = TINY + corpus + ["--dtype", "fp32", "--dropout", "0", "--word-dropout", "0", "--benchmark", "20"]
+    argv = (
+        TINY
+        + corpus
+        + ["--dtype", "fp32", "--dropout", "0", "--word-dropout", "0", "--benchmark", "20"]
+    )
     eager = train.main(argv + ["--out", str(tmp_path / "a")])
     compiled = train.main(argv + ["--compile", "--out", str(tmp_path / "b")])
     # 23 steps (and the warm-up's) of varied batch shapes: compiled once for symbolic shapes.
     assert 1 <= compiled["compiled_graphs"] <= 4, compiled["compiled_graphs"]
-    assert compiled["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-4)  # the same first step
-    assert compiled["losses"][-1] == pytest.approx(eager["losses"][-1], rel=2e-2)  # and still close at 23
+    # the same first step
+    assert compiled["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-4)
+    # and still close at 23
+    assert compiled["losses"][-1] == pytest.approx(eager["losses"][-1], rel=2e-2)

@@ -1,4 +1,5 @@
 """Tests for data.py: the toy corpus, reading errors, BPE, batching, word dropout, L."""
+
 import collections
 import math
 
@@ -14,8 +15,9 @@ from data import BOS, EOS, PAD, UNK, DataError
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """A small toy corpus, its BPE model and the encoded training set."""
-    d = data.make_toy_corpus(tmp_path_factory.mktemp("toy"), seed=1,
-                             n_train=6000, n_dev=200, n_test=200)
+    d = data.make_toy_corpus(
+        tmp_path_factory.mktemp("toy"), seed=1, n_train=6000, n_dev=200, n_test=200
+    )
     paths = data.corpus_paths(d, "src", "tgt")
     train, _ = data.read_parallel(*paths["train"])
     model = data.train_bpe([s for s, _ in train], [t for _, t in train], 2000)
@@ -24,6 +26,7 @@ def toy(tmp_path_factory):
 
 
 # --- toy corpus -------------------------------------------------------------
+
 
 def test_toy_corpus_is_deterministic_and_has_the_advertised_sizes(tmp_path, toy):
     a = data.make_toy_corpus(tmp_path / "a", seed=1, n_train=6000, n_dev=200, n_test=200)
@@ -81,6 +84,7 @@ def test_toy_translation_reorders_and_inflects(toy):
 def test_toy_target_is_a_function_of_the_source():
     """One reference per source: a repeated source always gets the same target."""
     import random
+
     grammar = data._ToyGrammar(random.Random(5))
     seen, repeats = {}, 0
     for _ in range(20000):
@@ -93,21 +97,24 @@ def test_toy_target_is_a_function_of_the_source():
 def test_toy_vocabulary_has_a_long_tail(toy):
     counts = collections.Counter(w for s, _ in toy[1] for w in s.split())
     rare = [w for w, c in counts.items() if c <= 2]
-    assert len(rare) > 0.3 * len(counts)           # many types seen once or twice
-    assert counts.most_common(1)[0][1] > 1000      # and a few very frequent ones
+    assert len(rare) > 0.3 * len(counts)  # many types seen once or twice
+    assert counts.most_common(1)[0][1] > 1000  # and a few very frequent ones
 
 
 def test_names_are_transliterated():
     """A proper name is rewritten letter by letter in the target (c,q->k w->v y->i j->y x->ks)."""
     import random
+
     grammar = data._ToyGrammar(random.Random(5))
     grammar.lists["name"] = (["Wyxcoj"], [1.0])  # the only name
     pairs = [grammar.sentence() for _ in range(300)]
     assert any("Wyxcoj" in s for s, _ in pairs)
-    assert all(("Wyxcoj" in s) == ("Vikskoy" in t) for s, t in pairs)  # in the target, with its case ending if any
+    # in the target, with its case ending if any
+    assert all(("Wyxcoj" in s) == ("Vikskoy" in t) for s, t in pairs)
 
 
 # --- reading a corpus: every error names the file ---------------------------
+
 
 def _write(path, content):
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -131,8 +138,8 @@ def test_line_count_mismatch_names_both_files_and_counts(tmp_path):
 
 
 def test_undecodable_bytes_name_file_line_and_offset(tmp_path):
-    s = _write(tmp_path / "train.en", "hello\nw\xf6rld\n")       # valid UTF-8
-    t = _write(tmp_path / "train.de", b"hallo\nab\xff\xfe\n")   # line 2, offset 8
+    s = _write(tmp_path / "train.en", "hello\nw\xf6rld\n")  # valid UTF-8
+    t = _write(tmp_path / "train.de", b"hallo\nab\xff\xfe\n")  # line 2, offset 8
     with pytest.raises(DataError, match=r"train\.de: line 2: .*0xff at byte offset 8"):
         data.read_parallel(s, t)
 
@@ -170,9 +177,14 @@ def test_lines_split_on_newline_only(tmp_path):
 
 # --- BPE -------------------------------------------------------------------
 
+
 def test_bpe_round_trip_and_special_ids(toy):
     _, train, tok, _ = toy
-    assert (tok.sp.pad_id(), tok.sp.unk_id(), tok.sp.bos_id(), tok.sp.eos_id()) == (0, 1, 2, 3) == (PAD, UNK, BOS, EOS)
+    assert (
+        (tok.sp.pad_id(), tok.sp.unk_id(), tok.sp.bos_id(), tok.sp.eos_id())
+        == (0, 1, 2, 3)
+        == (PAD, UNK, BOS, EOS)
+    )
     assert [tok.piece(i) for i in range(4)] == ["<pad>", "<unk>", "<s>", "</s>"]
     for s, t in train[:200]:
         assert tok.decode(tok.encode(s)) == s
@@ -186,7 +198,8 @@ def test_bpe_training_is_deterministic(toy):
     tgt = [t for _, t in toy[1][:1000]]
     a = data.train_bpe(src, tgt, 500)
     b = data.train_bpe(src, tgt, 500)
-    # Same pieces in the same order, and the same bytes (trained in memory: no file name in the model).
+    # Same pieces in the same order, and the same bytes (trained in memory: no file name in the
+    # model).
     pieces = lambda m: [data.Tokenizer(m).piece(i) for i in range(500)]
     assert pieces(a) == pieces(b) and a == b
 
@@ -202,8 +215,8 @@ def test_encode_cache_round_trip(tmp_path, toy):
     cache = tmp_path / "enc.pt"
     first = data.load_or_encode(tok, train[:300], cache)
     assert first == enc[:300] and cache.exists()
-    assert data.load_or_encode(tok, train[:300], cache) == enc[:300]   # from the cache
-    assert data.load_or_encode(tok, train[:10], cache) == enc[:10]     # other corpus: re-encoded
+    assert data.load_or_encode(tok, train[:300], cache) == enc[:300]  # from the cache
+    assert data.load_or_encode(tok, train[:10], cache) == enc[:10]  # other corpus: re-encoded
 
 
 def test_filter_long_counts_what_it_drops():
@@ -214,14 +227,16 @@ def test_filter_long_counts_what_it_drops():
 
 # --- vocabulary mask --------------------------------------------------------
 
+
 def test_target_vocab_mask():
     mask = data.target_vocab_mask([[5, 6], [6, 7]], vocab_size=10)
     assert mask.dtype == torch.bool and mask.shape == (10,)
     assert not mask[PAD] and not mask[BOS] and mask[UNK] and mask[EOS]
-    assert mask[5] and mask[7] and not mask[8]   # 8: seen only on the source side
+    assert mask[5] and mask[7] and not mask[8]  # 8: seen only on the source side
 
 
 # --- batching ---------------------------------------------------------------
+
 
 def test_batches_cover_every_example_once_within_budget(toy):
     enc = toy[3]
@@ -241,9 +256,11 @@ def test_an_overlong_pair_gets_its_own_batch():
 
 
 def test_a_training_batch_never_holds_one_real_token_on_a_side():
-    """Issue 30: a one-token source sentence alone in its batch (--batch-tokens 4) crashed BatchNorm, whose
-    statistics need two tokens. In training it joins a neighbour; evaluation's batches are as cut."""
-    enc = [([4], [5, 6]), ([4, 5], [6, 7]), ([4, 5, 6], [7]), ([4, 5], [6, 7, 8])]  # (S, T): (1, 3) (2, 3) (3, 2)...
+    """Issue 30: a one-token source sentence alone in its batch (--batch-tokens 4) crashed
+    BatchNorm, whose statistics need two tokens. In training it joins a neighbour; evaluation's
+    batches are as cut."""
+    # (S, T): (1, 3) (2, 3) (3, 2)...
+    enc = [([4], [5, 6]), ([4, 5], [6, 7]), ([4, 5, 6], [7]), ([4, 5], [6, 7, 8])]
     assert data.make_batches(enc, 4, shuffle=False) == [[0], [1], [2], [3]]
     m = tiny_model(norm="batch").train()
     for seed in range(5):
@@ -251,7 +268,10 @@ def test_a_training_batch_never_holds_one_real_token_on_a_side():
         assert sorted(i for b in batches for i in b) == [0, 1, 2, 3] and [0] not in batches
         for b in batches:
             x = data.collate(enc, b)
-            assert min(int(x.src.ne(PAD).sum()), x.n_tgt) >= 2 and m(x.src, x.tgt_in, x.tgt_out)[0].isfinite()
+            assert (
+                min(int(x.src.ne(PAD).sum()), x.n_tgt) >= 2
+                and m(x.src, x.tgt_in, x.tgt_out)[0].isfinite()
+            )
 
 
 def test_batches_are_reproducible_from_seed_and_epoch(toy):
@@ -276,14 +296,17 @@ def test_padding_share_counts_what_collate_pads(toy, multiple):
     real = padded = 0
     for b in batches:
         x = data.collate(enc, b, multiple=multiple)
-        real, padded = real + int(x.src.ne(PAD).sum()) + x.n_tgt, padded + x.src.numel() + x.tgt_out.numel()
+        real, padded = (
+            real + int(x.src.ne(PAD).sum()) + x.n_tgt,
+            padded + x.src.numel() + x.tgt_out.numel(),
+        )
     assert data.padding_share(enc, batches, multiple) == pytest.approx(1 - real / padded)
 
 
 def test_collate_shifts_the_target():
     enc = [([5, 6, 7], [8, 9]), ([5], [8, 9, 10, 11])]
     b = data.collate(enc, [0, 1])
-    assert b.src.tolist() == [[5, 6, 7], [5, PAD, PAD]]                      # (B, S)
+    assert b.src.tolist() == [[5, 6, 7], [5, PAD, PAD]]  # (B, S)
     assert b.tgt_in.tolist() == [[BOS, 8, 9, PAD, PAD], [BOS, 8, 9, 10, 11]]  # (B, T)
     assert b.tgt_out.tolist() == [[8, 9, EOS, PAD, PAD], [8, 9, 10, 11, EOS]]
     assert b.src.dtype == b.tgt_in.dtype == torch.long
@@ -292,24 +315,26 @@ def test_collate_shifts_the_target():
 
 # --- word dropout -----------------------------------------------------------
 
+
 def test_word_dropout():
     x = torch.tensor([[5, 6, 7, PAD], [BOS, 9, PAD, PAD]])
     before = x.clone()
     y = data.word_dropout(x, 0.0)
-    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()   # identity, a copy
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()  # identity, a copy
     y = data.word_dropout(x, 1.0)
-    assert torch.equal(x, before)                                # input untouched
+    assert torch.equal(x, before)  # input untouched
     assert y.tolist() == [[UNK, UNK, UNK, PAD], [UNK, UNK, PAD, PAD]]
     g = torch.Generator().manual_seed(0)
     big = torch.randint(4, 1000, (200, 500))
     big[:, 400:] = PAD
     out = data.word_dropout(big, 0.1, generator=g)
-    assert (out[:, 400:] == PAD).all()                           # PAD never changes
+    assert (out[:, 400:] == PAD).all()  # PAD never changes
     rate = (out[:, :400] == UNK).float().mean().item()
     assert abs(rate - 0.1) < 0.005
 
 
 # --- QKNorm length statistic ------------------------------------------------
+
 
 def test_length_percentile_matches_a_hand_computed_value():
     # Source lengths 1, 2, 3, 4 and target lengths 5, 6, 7, 8, pooled: 1..8.

@@ -15,6 +15,7 @@ The claims, in the order of decode.py:
 A tiny random model is enough for all of these (no training): its weights are scaled up
 so that its outputs depend on the source and the prefix, and they end at varied lengths.
 """
+
 import io
 import json
 import math
@@ -33,7 +34,9 @@ import conftest  # noqa: E402
 import data  # noqa: E402
 import decode  # noqa: E402
 from conftest import WORDS  # noqa: E402
-from decode import Search, beam_search, greedy_search, length_penalty, load_checkpoint, translate  # noqa: E402
+
+# noqa: E402
+from decode import Search, beam_search, greedy_search, length_penalty, load_checkpoint, translate
 from model import BOS, EOS, PAD, ModelConfig, Transformer  # noqa: E402
 
 V = 40
@@ -70,8 +73,8 @@ def slow_greedy(model, src_row, max_len):
 
 @torch.no_grad()
 def teacher_forced_score(model, src_row, tokens, ended, alpha, penalty="gnmt"):
-    """log P(tokens [+ EOS] | src) / lp(|Y|), |Y| counting EOS when it ended: GNMT's ((5 + |Y|) / 6)^alpha
-    or fairseq's |Y|^alpha, written out here."""
+    """log P(tokens [+ EOS] | src) / lp(|Y|), |Y| counting EOS when it ended: GNMT's ((5 + |Y|) /
+    6)^alpha or fairseq's |Y|^alpha, written out here."""
     y = tokens + [EOS] if ended else tokens
     tgt_in = torch.tensor([[BOS] + y[:-1]], device=src_row.device)
     logp = model.logits(src_row[None], tgt_in)[0].float().log_softmax(-1)  # (T, V)
@@ -88,24 +91,28 @@ def unpad(src_row):
 def test_length_penalty_convention():
     # Code (TwT): ((5 + t + 1) / 6)^alpha at step t; a hypothesis ending at step t has t+1 tokens.
     assert length_penalty(1, 0.6) == 1.0
-    assert length_penalty(7, 0.6) == pytest.approx(2.0 ** 0.6)
+    assert length_penalty(7, 0.6) == pytest.approx(2.0**0.6)
     assert length_penalty(30, 0.0) == 1.0
     assert length_penalty(7, 1.0, "fairseq") == 7.0  # fairseq: (step + 1)^alpha, step 6 is the EOS
-    assert length_penalty(4, 0.6, "fairseq") == pytest.approx(4 ** 0.6)
+    assert length_penalty(4, 0.6, "fairseq") == pytest.approx(4**0.6)
 
 
 def test_the_two_length_penalties_are_searched_for_and_rank_differently():
     """PowerNorm decodes with fairseq's |Y|^alpha, TwT with GNMT's ((5 + |Y|) / 6)^alpha: the
-    reported score is the written-out one under each, and with alpha 1 they pick different outputs."""
+    reported score is the written-out one under each, and with alpha 1 they pick different outputs.
+    """
     differ = 0
     for seed in range(3):
         model, src = tiny_model(seed=seed), random_src(B=8, seed=3 + seed)
         outputs = {}
         for penalty in ("gnmt", "fairseq"):
-            beams = beam_search(model, src, beam=4, alpha=1.0, max_len=15, return_scores=True, penalty=penalty)
+            beams = beam_search(
+                model, src, beam=4, alpha=1.0, max_len=15, return_scores=True, penalty=penalty
+            )
             for s, (b, b_score) in zip(src, beams):
-                assert b_score == pytest.approx(teacher_forced_score(model, unpad(s), b, len(b) < 15, 1.0, penalty),
-                                                abs=1e-4)
+                assert b_score == pytest.approx(
+                    teacher_forced_score(model, unpad(s), b, len(b) < 15, 1.0, penalty), abs=1e-4
+                )
             outputs[penalty] = [b for b, _ in beams]
         differ += sum(g != f for g, f in zip(outputs["gnmt"], outputs["fairseq"]))
     assert differ >= 1
@@ -125,7 +132,9 @@ def test_beam_size_1_equals_greedy():
     for seed in range(3):
         model, src = tiny_model(seed=seed, mask=mask), random_src(B=8, seed=seed + 10)
         limit = src.ne(PAD).sum(1) + 5  # a per-sentence max length (B,)
-        assert beam_search(model, src, beam=1, max_len=limit) == greedy_search(model, src, max_len=limit)
+        assert beam_search(model, src, beam=1, max_len=limit) == greedy_search(
+            model, src, max_len=limit
+        )
         if seed == 0:
             assert beam_search(model, src, beam=1) == greedy_search(model, src)  # default |x| + 50
 
@@ -152,11 +161,15 @@ def test_beam_score_at_least_greedy_and_reported_score_is_true():
 def test_batched_beam_equals_each_sentence_alone():
     model, src = tiny_model(seed=4), random_src(B=7, seed=5)
     batched = beam_search(model, src, beam=4, max_len=14, return_scores=True)
-    alone = [beam_search(model, unpad(s)[None], beam=4, max_len=14, return_scores=True)[0] for s in src]
+    alone = [
+        beam_search(model, unpad(s)[None], beam=4, max_len=14, return_scores=True)[0] for s in src
+    ]
     assert [h for h, _ in batched] == [h for h, _ in alone]
     assert [sc for _, sc in batched] == pytest.approx([sc for _, sc in alone], abs=1e-5)
     assert len({len(h) for h, _ in batched}) > 1  # sentences left the batch at different steps
-    assert greedy_search(model, src, max_len=14) == [greedy_search(model, unpad(s)[None], max_len=14)[0] for s in src]
+    assert greedy_search(model, src, max_len=14) == [
+        greedy_search(model, unpad(s)[None], max_len=14)[0] for s in src
+    ]
 
 
 def test_eos_never_first_and_no_special_or_masked_words():
@@ -195,14 +208,23 @@ def run_dir(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("run")
     g = torch.Generator().manual_seed(0)
-    lines = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (int(n),), generator=g))
-             for n in torch.randint(2, 9, (60,), generator=g)]
+    lines = [
+        " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (int(n),), generator=g))
+        for n in torch.randint(2, 9, (60,), generator=g)
+    ]
     proto = train_bpe(lines[:30], lines[30:], 60)
     tok = Tokenizer(proto)
     model = tiny_model(vocab_size=tok.vocab_size)
-    ckpt = {"format": data.CHECKPOINT_FORMAT, "model_config": asdict(model.cfg), "model": model.state_dict(),
-            "bpe_model_proto": proto, "src_lang": "src", "tgt_lang": "tgt",
-            "step": 7, "dev_bleu": 0.0}
+    ckpt = {
+        "format": data.CHECKPOINT_FORMAT,
+        "model_config": asdict(model.cfg),
+        "model": model.state_dict(),
+        "bpe_model_proto": proto,
+        "src_lang": "src",
+        "tgt_lang": "tgt",
+        "step": 7,
+        "dev_bleu": 0.0,
+    }
     torch.save(ckpt, root / "checkpoint_best.pt")
     (root / "dev.src").write_text("\n".join(lines[:12]) + "\n")
     (root / "dev.tgt").write_text("\n".join(lines[30:42]) + "\n")
@@ -217,49 +239,101 @@ def test_load_checkpoint_round_trip_from_file_and_run_dir(run_dir):
         for k, v in model.state_dict().items():
             assert torch.equal(v, loaded.state_dict()[k]), k
         assert ltok.vocab_size == tok.vocab_size and ltok.encode(lines[0]) == tok.encode(lines[0])
-        assert translate(loaded, ltok, lines[:5], Search(max_len_b=B_)) == translate(model, tok, lines[:5], Search(max_len_b=B_))
+        assert translate(loaded, ltok, lines[:5], Search(max_len_b=B_)) == translate(
+            model, tok, lines[:5], Search(max_len_b=B_)
+        )
 
 
 def test_translate_restores_order_and_handles_empty_lines(run_dir):
     _, model, tok, lines = run_dir
     inputs = lines[:9] + [""] + lines[9:12]
     model.train()  # translate() must switch to eval itself, and switch back
-    both = translate(model, tok, inputs, Search(3, max_len_b=B_), batch_tokens=20)  # several batches
+    # several batches
+    both = translate(model, tok, inputs, Search(3, max_len_b=B_), batch_tokens=20)
     assert model.training
     model.eval()
     assert both == [translate(model, tok, [line], Search(3, max_len_b=B_))[0] for line in inputs]
     assert both[9] == "" and translate(model, tok, []) == []
     assert len(set(both)) > 3  # the outputs differ, so a wrong order would show
     assert translate(model, tok, inputs, Search(1, max_len_b=B_), batch_tokens=20) == [
-        tok.decode(greedy_search(model, torch.tensor([tok.encode(line)]), len(tok.encode(line)) + B_)[0]) if line else ""
-        for line in inputs]
+        tok.decode(
+            greedy_search(model, torch.tensor([tok.encode(line)]), len(tok.encode(line)) + B_)[0]
+        )
+        if line
+        else ""
+        for line in inputs
+    ]
 
 
 def test_cli_translates_a_file_and_prints_bleu(run_dir, tmp_path, capsys):
     root, model, tok, lines = run_dir
     out = tmp_path / "hyp.txt"
-    common = [str(root), "--input", str(root / "dev.src"), "--ref", str(root / "dev.tgt"),
-              "--max-len-b", str(B_), "--device", "cpu"]
-    assert decode.main(common + ["--output", str(out), "--beam", "2", "--json", str(tmp_path / "scores.json")]) == 0
+    common = [
+        str(root),
+        "--input",
+        str(root / "dev.src"),
+        "--ref",
+        str(root / "dev.tgt"),
+        "--max-len-b",
+        str(B_),
+        "--device",
+        "cpu",
+    ]
+    assert (
+        decode.main(
+            common + ["--output", str(out), "--beam", "2", "--json", str(tmp_path / "scores.json")]
+        )
+        == 0
+    )
     hyps = out.read_text().split("\n")[:-1]
     assert hyps == translate(model, tok, lines[:12], Search(2, max_len_b=B_))
     err = capsys.readouterr().err
-    assert "BLEU|nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp" in err and "chrF2|nrefs:1|case:mixed|eff:yes" in err
-    # --json: the scores as SacreBLEU's own CLI writes them for the same files, and as the line on stderr says
+    assert (
+        "BLEU|nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp" in err
+        and "chrF2|nrefs:1|case:mixed|eff:yes" in err
+    )
+    # --json: the scores as SacreBLEU's own CLI writes them for the same files, and as the line on
+    # stderr says
     scores = json.loads((tmp_path / "scores.json").read_text())
-    cli = subprocess.run([sys.executable, "-m", "sacrebleu", str(root / "dev.tgt"), "-i", str(out), "-m", "bleu", "chrf",
-                          "-w", "2"], capture_output=True, text=True, check=True)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sacrebleu",
+            str(root / "dev.tgt"),
+            "-i",
+            str(out),
+            "-m",
+            "bleu",
+            "chrf",
+            "-w",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert [scores["bleu"], scores["chrf"]] == json.loads(cli.stdout)
-    assert decode.score_report(scores) in err and scores["tokenized_bleu"]["name"].startswith("tokenized BLEU")
-    # checked before any work, as --output: a name that is not .json, a run's own file, a flag it needs or idles with
-    for flags, words in ((["--json", str(tmp_path / "scores.txt")], "must end in .json"),
-                         (["--json", str(root / "results.json")], "a file of the run directory"),
-                         (["--json", str(tmp_path / "nope" / "s.json")], "does not exist")):
+    assert decode.score_report(scores) in err and scores["tokenized_bleu"]["name"].startswith(
+        "tokenized BLEU"
+    )
+    # checked before any work, as --output: a name that is not .json, a run's own file, a flag it
+    # needs or idles with
+    for flags, words in (
+        (["--json", str(tmp_path / "scores.txt")], "must end in .json"),
+        (["--json", str(root / "results.json")], "a file of the run directory"),
+        (["--json", str(tmp_path / "nope" / "s.json")], "does not exist"),
+    ):
         with pytest.raises(SystemExit) as e:
             decode.main(common + flags)
         assert words in str(e.value.code), (flags, e.value.code)
-    for flags, words in ((["--json", str(tmp_path / "s.json"), "--benchmark"], "--json does nothing with --benchmark"),
-                         ([str(root), "--json", str(tmp_path / "s.json")], "--json is for --ref")):
+    for flags, words in (
+        (
+            ["--json", str(tmp_path / "s.json"), "--benchmark"],
+            "--json does nothing with --benchmark",
+        ),
+        ([str(root), "--json", str(tmp_path / "s.json")], "--json is for --ref"),
+    ):
         with pytest.raises(SystemExit):
             decode.main(common + flags if "--benchmark" in flags else flags)
         assert words in capsys.readouterr().err
@@ -270,7 +344,9 @@ def test_cli_translates_a_file_and_prints_bleu(run_dir, tmp_path, capsys):
 
 def test_cli_reads_stdin_writes_stdout(run_dir, monkeypatch, capsys):
     root, model, tok, lines = run_dir
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(("\n".join(lines[:3]) + "\n").encode())))
+    monkeypatch.setattr(
+        sys, "stdin", io.TextIOWrapper(io.BytesIO(("\n".join(lines[:3]) + "\n").encode()))
+    )
     assert decode.main([str(root), "--beam", "1", "--max-len-b", str(B_), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert out.split("\n")[:-1] == translate(model, tok, lines[:3], Search(1, max_len_b=B_))
@@ -285,14 +361,22 @@ def test_cli_searches_as_the_run_did_unless_told(run_dir, tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     common = [str(run), "--input", str(root / "dev.src"), "--max-len-b", str(B_), "--device", "cpu"]
-    for saved, flags, want in [({"beam": 3, "alpha": 1.0, "length_penalty": "fairseq"}, [], (3, 1.0, "fairseq")),
-                               ({"beam": 3, "alpha": 1.0, "length_penalty": "fairseq"}, ["--beam", "2"], (2, 1.0, "fairseq")),
-                               ({}, [], (4, 0.6, "gnmt"))]:
+    for saved, flags, want in [
+        ({"beam": 3, "alpha": 1.0, "length_penalty": "fairseq"}, [], (3, 1.0, "fairseq")),
+        (
+            {"beam": 3, "alpha": 1.0, "length_penalty": "fairseq"},
+            ["--beam", "2"],
+            (2, 1.0, "fairseq"),
+        ),
+        ({}, [], (4, 0.6, "gnmt")),
+    ]:
         torch.save(dict(ckpt, args=saved), run / "checkpoint_best.pt")
         out = tmp_path / "hyp.txt"
         assert decode.main(common + flags + ["--output", str(out)]) == 0
         beam, alpha, penalty = want
-        assert out.read_text().split("\n")[:-1] == translate(model, tok, lines[:12], Search(beam, alpha, B_, penalty=penalty))
+        assert out.read_text().split("\n")[:-1] == translate(
+            model, tok, lines[:12], Search(beam, alpha, B_, penalty=penalty)
+        )
         assert f"beam {beam}, {penalty} length penalty alpha {alpha}" in capsys.readouterr().err
     torch.save(dict(ckpt, args={"beam": "4; rm -rf /"}), run / "checkpoint_best.pt")
     with pytest.raises(SystemExit) as e:
@@ -318,7 +402,9 @@ def test_cuda_search_and_bf16_translate(run_dir):
     assert len(out) == 9 and out[-1] == "" and all(out[:8])
 
 
-@pytest.mark.parametrize("case", ["missing_ckpt", "empty_dir", "not_a_ckpt", "ref_mismatch", "missing_input"])
+@pytest.mark.parametrize(
+    "case", ["missing_ckpt", "empty_dir", "not_a_ckpt", "ref_mismatch", "missing_input"]
+)
 def test_bad_inputs_give_one_line_errors_naming_the_file(run_dir, tmp_path, case):
     root = run_dir[0]
     src, ref = str(root / "dev.src"), str(root / "dev.tgt")
@@ -341,7 +427,8 @@ def test_bad_inputs_give_one_line_errors_naming_the_file(run_dir, tmp_path, case
     assert named in msg and "\n" not in msg and msg.startswith("decode.py: error:")
 
 
-# -- issue 30: a run's files, a run's checkpoints, --threads, the batch default --------------------------------
+# -- issue 30: a run's files, a run's checkpoints, --threads, the batch default
+# --------------------------------
 def _one_line_exit(argv, *words):
     """decode.main(argv) stops with one line (non-zero) holding every one of words."""
     with pytest.raises(SystemExit) as e:
@@ -356,21 +443,30 @@ def _files(folder):
 
 
 def test_output_never_replaces_a_file_any_run_wrote(run_dir, tmp_path):
-    """Issue 30: --output RUN_B/checkpoint_best.pt replaced run B's checkpoint (only the decoded run's files were
-    protected). A run's folder (config.json or a checkpoint) keeps every name a run writes; other names, and a
-    folder with no run in it, take the translations."""
+    """Issue 30: --output RUN_B/checkpoint_best.pt replaced run B's checkpoint (only the decoded
+    run's files were protected). A run's folder (config.json or a checkpoint) keeps every name a run
+    writes; other names, and a folder with no run in it, take the translations."""
     root = run_dir[0]
     b, c, mine = tmp_path / "b", tmp_path / "c", tmp_path / "mine"
     for d in (b, c, mine):
         d.mkdir()
-    (b / "checkpoint_best.pt").write_bytes((root / "checkpoint_best.pt").read_bytes())  # a run: its checkpoint
+    # a run: its checkpoint
+    (b / "checkpoint_best.pt").write_bytes((root / "checkpoint_best.pt").read_bytes())
     (b / "results.json").write_text("{}\n")
     (c / "config.json").write_text('{"run_id": "c"}\n')  # a run: its config.json
-    (tmp_path / "link.hyp").symlink_to(b / "checkpoint_best.pt")  # written through: its file would be replaced
+    # written through: its file would be replaced
+    (tmp_path / "link.hyp").symlink_to(b / "checkpoint_best.pt")
     before = _files(tmp_path)
     src = [str(root), "--input", str(root / "dev.src"), "--max-len-b", str(B_), "--output"]
-    for out in (b / "checkpoint_best.pt", b / "results.json", b / "test.hyp", b / "checkpoint_epoch3.pt",
-                c / "bpe.model", c / ".lock", tmp_path / "link.hyp"):
+    for out in (
+        b / "checkpoint_best.pt",
+        b / "results.json",
+        b / "test.hyp",
+        b / "checkpoint_epoch3.pt",
+        c / "bpe.model",
+        c / ".lock",
+        tmp_path / "link.hyp",
+    ):
         _one_line_exit(src + [str(out)], f"--output {out}", "a file of the run directory")
     assert _files(tmp_path) == before  # nothing written, nothing replaced
     for out in (b / "b.hyp", mine / "results.json"):
@@ -378,9 +474,11 @@ def test_output_never_replaces_a_file_any_run_wrote(run_dir, tmp_path):
 
 
 def test_a_checkpoint_of_another_run_is_refused_by_decode_and_resume(run_dir, tmp_path):
-    """Issue 30: a language model's checkpoint copied into a translation run's folder made decode.py take the whole
-    run for a language model. A checkpoint whose run_id is not its folder's run's (config.json) is refused."""
+    """Issue 30: a language model's checkpoint copied into a translation run's folder made decode.py
+    take the whole run for a language model. A checkpoint whose run_id is not its folder's run's
+    (config.json) is refused."""
     import train
+
     ckpt = torch.load(run_dir[0] / "checkpoint_best.pt", weights_only=True)
     run = tmp_path / "run"
     run.mkdir()
@@ -389,13 +487,19 @@ def test_a_checkpoint_of_another_run_is_refused_by_decode_and_resume(run_dir, tm
         torch.save(dict(ckpt, args={"run_id": "theirs"}), run / f"checkpoint_{name}.pt")
     before = _files(tmp_path)
     for model in (run, run / "checkpoint_best.pt"):
-        _one_line_exit([str(model), "--input", str(run_dir[0] / "dev.src")], str(run / "checkpoint_best.pt"),
-                       "another run (run_id theirs)", "run ours")
-    with pytest.raises(SystemExit) as e:  # a resume refuses it (a file train.py did not write, never replaced)
+        _one_line_exit(
+            [str(model), "--input", str(run_dir[0] / "dev.src")],
+            str(run / "checkpoint_best.pt"),
+            "another run (run_id theirs)",
+            "run ours",
+        )
+    # a resume refuses it (a file train.py did not write, never replaced)
+    with pytest.raises(SystemExit) as e:
         train.main(["--resume", str(run)])
     assert "another run" in str(e.value.code) and "move it out" in str(e.value.code), e.value.code
     assert _files(tmp_path) == before
-    torch.save(dict(ckpt, args={"run_id": "ours"}), run / "checkpoint_best.pt")  # its own run's: read
+    # its own run's: read
+    torch.save(dict(ckpt, args={"run_id": "ours"}), run / "checkpoint_best.pt")
     assert decode.load_checkpoint(run)[2]["args"]["run_id"] == "ours"
 
 
@@ -413,13 +517,21 @@ def test_threads_is_range_checked_and_set(run_dir, monkeypatch, capsys):
 
 
 def test_a_translators_batches_are_the_runs_else_4096(run_dir, tmp_path, monkeypatch):
-    """One owner of the default (run_defaults): the batches the run's own dev and test used, else 4096; given wins."""
+    """One owner of the default (run_defaults): the batches the run's own dev and test used, else
+    4096; given wins."""
     root, model, tok, lines = run_dir
     ckpt = torch.load(root / "checkpoint_best.pt", weights_only=True)
     used = []
-    monkeypatch.setattr(decode, "translate", lambda m, t, src, search, batch_tokens, *a: used.append(batch_tokens)
-                        or [""] * len(src))
-    for saved, given, want in (({"batch_tokens": 123}, [], 123), ({}, [], 4096), ({"batch_tokens": 123}, ["50"], 50)):
+    monkeypatch.setattr(
+        decode,
+        "translate",
+        lambda m, t, src, search, batch_tokens, *a: used.append(batch_tokens) or [""] * len(src),
+    )
+    for saved, given, want in (
+        ({"batch_tokens": 123}, [], 123),
+        ({}, [], 4096),
+        ({"batch_tokens": 123}, ["50"], 50),
+    ):
         torch.save(dict(ckpt, args=saved), tmp_path / "c.pt")
         flags = ["--batch-tokens", *given] if given else []
         assert decode.main([str(tmp_path / "c.pt"), "--input", str(root / "dev.src"), *flags]) == 0

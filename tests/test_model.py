@@ -7,6 +7,7 @@ QKNorm [3]. Each test checks a claim against a formula written out here.
 
 Run: python -m pytest -q tests/test_model.py   (CPU, small models, a few seconds)
 """
+
 import itertools
 import math
 from types import SimpleNamespace
@@ -16,8 +17,21 @@ import torch
 import torch.nn.functional as F
 
 from decode import decode_step, start_decoding
-from model import (BOS, EOS, PAD, FeedForward, ModelConfig, MultiHeadAttention, SmoothedCrossEntropy, Transformer,
-                   attention_math, dropout, fast_dropout, label_smoothed_loss, residual)
+from model import (
+    BOS,
+    EOS,
+    PAD,
+    FeedForward,
+    ModelConfig,
+    MultiHeadAttention,
+    SmoothedCrossEntropy,
+    Transformer,
+    attention_math,
+    dropout,
+    fast_dropout,
+    label_smoothed_loss,
+    residual,
+)
 from norms import NORMS, ScaleNorm, use_reference
 
 V = 60
@@ -70,7 +84,9 @@ def pooled_weights(model, kind):
         ffs = [m for m in model.modules() if isinstance(m, FeedForward)]
         ws = [lin.weight for m in ffs for lin in (m.w1, m.w2)]
         bs = [lin.bias for m in ffs for lin in (m.w1, m.w2)]
-    return torch.cat([w.detach().flatten() for w in ws]), torch.cat([b.detach().flatten() for b in bs])
+    return torch.cat([w.detach().flatten() for w in ws]), torch.cat(
+        [b.detach().flatten() for b in bs]
+    )
 
 
 def test_smallinit_every_weight_has_std_sqrt_2_over_5d():
@@ -115,7 +131,8 @@ def test_fixnorm_embedding_init_uniform_001_and_unit_rows():
     e = m.embed.detach()
     assert e.min().item() >= -0.01 and e.max().item() <= 0.01
     assert e.min().item() < -0.0098 and e.max().item() > 0.0098  # the whole interval is used
-    assert e.std().item() == pytest.approx(0.02 / math.sqrt(12), rel=0.03)  # std of U(-a, a) = 2a/sqrt(12)
+    # std of U(-a, a) = 2a/sqrt(12)
+    assert e.std().item() == pytest.approx(0.02 / math.sqrt(12), rel=0.03)
     E = m.embedding_matrix()
     torch.testing.assert_close(torch.linalg.vector_norm(E, dim=-1), torch.ones(V))
     # rows point the same way as the raw embedding
@@ -126,7 +143,7 @@ def test_no_fixnorm_embedding_std_inv_sqrt_d_and_unnormalised():
     """[1] 3.2: without FixNorm, N(0, sqrt(1/d)), and the matrix is used as is."""
     d = 256
     m = build(d_model=d, ff=64, fixnorm=False)
-    assert m.embed.std().item() == pytest.approx(d ** -0.5, rel=0.03)
+    assert m.embed.std().item() == pytest.approx(d**-0.5, rel=0.03)
     assert m.embedding_matrix() is m.embed
 
 
@@ -153,8 +170,9 @@ def test_eq6_logits_are_g_final_times_cosine():
     cos = F.cosine_similarity(x[:, :, None, :], m.embed.detach()[None, None], dim=-1)  # (B, T, V)
     ok = m.allowed
     assert ok.sum() > 10
-    torch.testing.assert_close((logits - m.out_bias.detach())[..., ok], g * cos[..., ok],
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        (logits - m.out_bias.detach())[..., ok], g * cos[..., ok], rtol=1e-4, atol=1e-5
+    )
     assert (logits[..., ok] - m.out_bias.detach()[ok]).abs().max() <= g * (1 + 1e-5)
 
 
@@ -201,7 +219,9 @@ def test_prenorm_has_final_norms_postnorm_has_none():
         with torch.no_grad():
             mem, src_pad = m.encode(src, m.embedding_matrix())
         norms = torch.linalg.vector_norm(mem, dim=-1)
-        torch.testing.assert_close(norms, torch.full_like(norms, last(m).g.item()), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            norms, torch.full_like(norms, last(m).g.item()), rtol=1e-5, atol=0
+        )
 
 
 def test_residual_computes_eq2_and_eq3():
@@ -218,7 +238,10 @@ def test_residual_computes_eq2_and_eq3():
     mask = torch.zeros(2, 3, dtype=torch.bool)
     eq3 = x + f(norm(x, mask))  # PreNorm:  x + F(norm(x))
     eq2 = norm(x + f(x), mask)  # PostNorm: norm(x + F(x))
-    pre, post = SimpleNamespace(prenorm=True, dropout=0.3), SimpleNamespace(prenorm=False, dropout=0.3)
+    pre, post = (
+        SimpleNamespace(prenorm=True, dropout=0.3),
+        SimpleNamespace(prenorm=False, dropout=0.3),
+    )
     torch.testing.assert_close(residual(x, f, norm, mask, pre, False), eq3)
     torch.testing.assert_close(residual(x, f, norm, mask, post, False), eq2)
     assert not torch.allclose(eq2, eq3)
@@ -242,14 +265,24 @@ def smoothed_ce(logits, target, allowed, eps):
     return loss[real].mean()
 
 
-CONFIGS = list(itertools.product([True, False], sorted(NORMS), [True, False], [True, False]))  # every registered norm
+# every registered norm
+CONFIGS = list(itertools.product([True, False], sorted(NORMS), [True, False], [True, False]))
 
 
-@pytest.mark.parametrize("prenorm,norm,fixnorm,qknorm", CONFIGS,
-                         ids=[f"{'pre' if p else 'post'}-{n}-fix{int(f)}-qk{int(q)}" for p, n, f, q in CONFIGS])
+@pytest.mark.parametrize(
+    "prenorm,norm,fixnorm,qknorm",
+    CONFIGS,
+    ids=[f"{'pre' if p else 'post'}-{n}-fix{int(f)}-qk{int(q)}" for p, n, f, q in CONFIGS],
+)
 def test_every_configuration_takes_a_finite_training_step(prenorm, norm, fixnorm, qknorm):
-    m = build(prenorm=prenorm, norm=norm, fixnorm=fixnorm, qknorm=qknorm, qk_g0=5.0,
-              init="small" if prenorm else "xavier").train()
+    m = build(
+        prenorm=prenorm,
+        norm=norm,
+        fixnorm=fixnorm,
+        qknorm=qknorm,
+        qk_g0=5.0,
+        init="small" if prenorm else "xavier",
+    ).train()
     src, tgt = batch(seed=1)
     tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:].clone()
     tgt_out[1, 3:] = PAD  # padded targets
@@ -313,7 +346,9 @@ def test_cache_select_equals_decoding_the_selected_rows():
         tgt_r = tgt[index]
         for t in range(k, tgt.size(1)):
             got = decode_step(m, tgt_r[:, t], cache)
-            torch.testing.assert_close(got[:, m.allowed], ref[t][index][:, m.allowed], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                got[:, m.allowed], ref[t][index][:, m.allowed], rtol=1e-5, atol=1e-5
+            )
     # rows can also be dropped (a finished sentence leaves the batch)
     with torch.no_grad():
         cache = start_decoding(m, src)
@@ -328,8 +363,11 @@ def test_cache_select_equals_decoding_the_selected_rows():
 # ---------------------------------------------------------------------------------------
 def qkv(seed, b=2, h=4, tq=5, tk=5, dh=8):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, h, tq, dh, generator=g), torch.randn(b, h, tk, dh, generator=g) * 2,
-            torch.randn(b, h, tk, dh, generator=g))
+    return (
+        torch.randn(b, h, tq, dh, generator=g),
+        torch.randn(b, h, tk, dh, generator=g) * 2,
+        torch.randn(b, h, tk, dh, generator=g),
+    )
 
 
 def written_attention(q, k, v, allowed, scale):
@@ -342,23 +380,30 @@ def written_attention(q, k, v, allowed, scale):
 
 def test_attention_math_equals_sdpa_with_key_mask_and_causal():
     q, k, v = qkv(0)
-    key_mask = torch.tensor([[True] * 5, [True, True, True, False, False]])[:, None, None, :]  # (B,1,1,Tk)
+    # (B,1,1,Tk)
+    key_mask = torch.tensor([[True] * 5, [True, True, True, False, False]])[:, None, None, :]
     for scale in (None, 1.0):
         o, w = attention_math(q, k, v, key_mask, False, scale)
-        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask.expand(-1, -1, 5, -1), scale=scale)
+        ref = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=key_mask.expand(-1, -1, 5, -1), scale=scale
+        )
         torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
         o2, w2 = written_attention(q, k, v, key_mask, 1 / math.sqrt(8) if scale is None else scale)
         torch.testing.assert_close(o, o2, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(w, w2, rtol=1e-5, atol=1e-6)
         assert (w[1, :, :, 3:] == 0).all()
     o, w = attention_math(q, k, v, None, True)
-    torch.testing.assert_close(o, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        o, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=1e-5, atol=1e-5
+    )
     lower = torch.ones(5, 5, dtype=torch.bool).tril()
     assert (w[..., ~lower] == 0).all() and (w[..., lower] > 0).all()
     # causal and key mask together: SDPA with the combined boolean mask
     o, w = attention_math(q, k, v, key_mask, True)
     both = key_mask & torch.ones(5, 5, dtype=torch.bool).tril()
-    torch.testing.assert_close(o, F.scaled_dot_product_attention(q, k, v, attn_mask=both), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        o, F.scaled_dot_product_attention(q, k, v, attn_mask=both), rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 5))
 
 
@@ -378,7 +423,9 @@ def test_model_sdpa_equals_written_out_attention(qknorm, prenorm):
     b = Transformer(small_cfg(sdpa=False, qknorm=qknorm, prenorm=prenorm, qk_g0=4.0))
     b.load_state_dict(a.state_dict())
     b.eval()
-    assert all(m.sdpa for m in attention_modules(a)) and not any(m.sdpa for m in attention_modules(b))
+    assert all(m.sdpa for m in attention_modules(a)) and not any(
+        m.sdpa for m in attention_modules(b)
+    )
     src, tgt = batch(seed=5)
     with torch.no_grad():
         la, lb = a.logits(src, tgt), b.logits(src, tgt)
@@ -409,7 +456,9 @@ def recompute_attention_calls(model, src, tgt):
             s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
         allowed = torch.ones_like(s, dtype=torch.bool)
         if causal:
-            allowed = allowed & torch.ones(s.shape[-2:], dtype=torch.bool).tril(s.size(-1) - s.size(-2))
+            allowed = allowed & torch.ones(s.shape[-2:], dtype=torch.bool).tril(
+                s.size(-1) - s.size(-2)
+            )
         if key_mask is not None:
             allowed = allowed & key_mask
         calls.append((mod, s, allowed, mod.last_weights, v, out))
@@ -462,11 +511,13 @@ def test_qknorm_scores_bounded_by_g():
         g = abs(mod.g.item())
         assert s.abs().max().item() <= g * (1 + 1e-5)
         w_ok = w.masked_fill(~allowed, float("nan"))
-        ratio = w_ok.nan_to_num(-1.0).amax(-1) / w_ok.nan_to_num(2.0).amin(-1)  # max / min weight per query
+        # max / min weight per query
+        ratio = w_ok.nan_to_num(-1.0).amax(-1) / w_ok.nan_to_num(2.0).amin(-1)
         assert ratio.max().item() <= math.exp(2 * g) * (1 + 1e-4)
     # the same weights without QKNorm are far from that bound (so the check can fail)
     m2 = build(qknorm=False, norm="scale").eval()
-    missing, unexpected = m2.load_state_dict(m.state_dict(), strict=False)  # same weights, no QKNorm g
+    # same weights, no QKNorm g
+    missing, unexpected = m2.load_state_dict(m.state_dict(), strict=False)
     assert not missing and all(k.endswith("attn.g") for k in unexpected)
     calls2 = recompute_attention_calls(m2, src, tgt)
     assert max(s.masked_fill(~al, 0).abs().max().item() for _, s, al, *_ in calls2) > 10
@@ -510,11 +561,16 @@ def test_qknorm_norm_v_normalises_values():
 # ---------------------------------------------------------------------------------------
 # Padding, learned scales
 # ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cfg", [dict(prenorm=True, norm="scale"),
-                                 dict(prenorm=False, norm="layer", fixnorm=False),
-                                 dict(prenorm=True, norm="rms", qknorm=True, sdpa=False),
-                                 dict(prenorm=True, norm="scale_fixed", qknorm=True)],
-                         ids=["pre-scale", "post-layer", "pre-rms-qk-math", "pre-scalefixed-qk"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(prenorm=True, norm="scale"),
+        dict(prenorm=False, norm="layer", fixnorm=False),
+        dict(prenorm=True, norm="rms", qknorm=True, sdpa=False),
+        dict(prenorm=True, norm="scale_fixed", qknorm=True),
+    ],
+    ids=["pre-scale", "post-layer", "pre-rms-qk-math", "pre-scalefixed-qk"],
+)
 def test_source_padding_does_not_change_real_outputs(cfg):
     m = build(**cfg).eval()
     src, tgt = batch(seed=9, src_lengths=(7, 3), tgt_len=6)
@@ -549,9 +605,13 @@ def test_learned_scales_returns_scalenorm_and_qknorm_g():
 def test_scale_fixed_keeps_the_fixnorm_output_g_learned():
     m = build(prenorm=True, norm="scale_fixed", fixnorm=True)
     d = m.cfg.d_model
-    inner = [mod for mod in m.modules() if isinstance(mod, ScaleNorm) and mod is not m.dec_final_norm]
-    assert all(not isinstance(mod.g, torch.nn.Parameter) and mod.g.item() == pytest.approx(math.sqrt(d))
-               for mod in inner)
+    inner = [
+        mod for mod in m.modules() if isinstance(mod, ScaleNorm) and mod is not m.dec_final_norm
+    ]
+    assert all(
+        not isinstance(mod.g, torch.nn.Parameter) and mod.g.item() == pytest.approx(math.sqrt(d))
+        for mod in inner
+    )
     assert isinstance(m.dec_final_norm.g, torch.nn.Parameter)
     assert list(m.learned_scales()) == ["dec_final_norm.g"]
 
@@ -593,13 +653,15 @@ def test_dropout_masks_are_independent_across_positions_and_reproducible():
     assert abs(agree - 0.5) < 0.01
     assert abs(a.float().mean(1) - 0.5).max() < 0.01  # every row, not only on average
     torch.manual_seed(3)
-    assert torch.equal(fast_dropout(torch.ones(4, 50_000), 0.5) != 0, a)  # the default generator fixes it
+    # the default generator fixes it
+    assert torch.equal(fast_dropout(torch.ones(4, 50_000), 0.5) != 0, a)
 
 
 @pytest.mark.parametrize("path", ["fast", "written"])
 def test_the_feed_forwards_relu_then_dropout_in_one_call(path):
-    """dropout(x, p, relu=True) is dropout(ReLU(x), p): on the fast path ReLU is folded into the mask (m_i = 0 where
-    x_i <= 0), on the same random numbers as fast_dropout(ReLU(x)); values and gradients equal; eval and p = 0: ReLU."""
+    """dropout(x, p, relu=True) is dropout(ReLU(x), p): on the fast path ReLU is folded into the
+    mask (m_i = 0 where x_i <= 0), on the same random numbers as fast_dropout(ReLU(x)); values and
+    gradients equal; eval and p = 0: ReLU."""
     x = torch.randn(64, 33, dtype=torch.float64, requires_grad=True)
     use_reference(path == "written")
     try:
@@ -668,7 +730,9 @@ def test_the_fast_paths_give_the_reference_loss_and_gradients(name):
             use_reference(ref)
             try:
                 loss, nll = m(src, tgt_in, tgt_out, 0.1)
-                results.append((loss, nll, torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)))
+                results.append(
+                    (loss, nll, torch.autograd.grad(loss, list(m.parameters()), allow_unused=True))
+                )
             finally:
                 use_reference(False)
         (fl, fn, fg), (rl, rn, rg) = results
@@ -680,14 +744,18 @@ def test_the_fast_paths_give_the_reference_loss_and_gradients(name):
     # the loss is the label-smoothed cross entropy of the masked full-vocabulary logits
     logits = m.logits(src, tgt_in)
     target = torch.where(m.allowed[tgt_out] | tgt_out.eq(PAD), tgt_out, 1)  # UNK = 1
-    torch.testing.assert_close(fl.float() / tgt_out.ne(PAD).sum(), smoothed_ce(logits, target, m.allowed, 0.1),
-                               rtol=1e-6, atol=1e-6)  # smoothed_ce works in float32
+    torch.testing.assert_close(
+        fl.float() / tgt_out.ne(PAD).sum(),
+        smoothed_ce(logits, target, m.allowed, 0.1),
+        rtol=1e-6,
+        atol=1e-6,
+    )  # smoothed_ce works in float32
 
 
 @pytest.mark.parametrize("eps", [0.1, 0.0])  # eps 0 skips the smoothing's passes
 def test_the_fast_loss_has_the_exact_gradient_of_the_equation(eps):
-    """SmoothedCrossEntropy's written-out backward, w (softmax - q), against autograd (gradcheck), and
-    its values against label_smoothed_loss, padding rows (w = 0) included."""
+    """SmoothedCrossEntropy's written-out backward, w (softmax - q), against autograd (gradcheck),
+    and its values against label_smoothed_loss, padding rows (w = 0) included."""
     torch.manual_seed(0)
     z = torch.randn(6, 9, dtype=torch.float64, requires_grad=True)
     target = torch.tensor([0, 3, 8, 2, 2, 5])
@@ -696,5 +764,7 @@ def test_the_fast_loss_has_the_exact_gradient_of_the_equation(eps):
     assert torch.autograd.gradcheck(both, (z,))  # d/dz of loss and of NLL, any mix of the two
     got, ref = both(z), label_smoothed_loss(z, target, eps, real)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
-    for a, b in zip(torch.autograd.grad(got[0] + 0.3 * got[1], z), torch.autograd.grad(ref[0] + 0.3 * ref[1], z)):
+    for a, b in zip(
+        torch.autograd.grad(got[0] + 0.3 * got[1], z), torch.autograd.grad(ref[0] + 0.3 * ref[1], z)
+    ):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -7,6 +7,7 @@ a formula written out here, independently of the code under test.
 
 Run: python -m pytest -q tests/test_norms.py   (CPU, a few seconds)
 """
+
 import json
 import math
 import re
@@ -18,7 +19,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import norms
-from norms import BATCH_NORMS, NORMS, LayerNorm, NoNorm, RMSNorm, ScaleNorm, build_norm, fixnorm, use_reference
+from norms import (
+    BATCH_NORMS,
+    NORMS,
+    LayerNorm,
+    NoNorm,
+    RMSNorm,
+    ScaleNorm,
+    build_norm,
+    fixnorm,
+    use_reference,
+)
 
 B, T, D = 3, 5, 16
 
@@ -93,8 +104,10 @@ def test_written_out_layernorm_equals_f_layer_norm_with_gradients(reference):
         ln.eps = eps
         y, ref = ln(x), F.layer_norm(x, (D,), ln.weight, ln.bias, eps)
         torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
-        for a, b in zip(torch.autograd.grad(y, (x, ln.weight, ln.bias), dy),
-                        torch.autograd.grad(ref, (x, ln.weight, ln.bias), dy)):
+        for a, b in zip(
+            torch.autograd.grad(y, (x, ln.weight, ln.bias), dy),
+            torch.autograd.grad(ref, (x, ln.weight, ln.bias), dy),
+        ):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
@@ -114,7 +127,9 @@ def test_scalenorm_output_has_norm_g():
         sn.g.fill_(2.37)  # a trained-like g, not the init sqrt(d)
     y = sn(rand(B, T, D, dtype=torch.float32), pad_mask())
     norms = torch.linalg.vector_norm(y.double(), dim=-1)  # (B, T)
-    torch.testing.assert_close(norms, torch.full((B, T), 2.37, dtype=torch.float64), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        norms, torch.full((B, T), 2.37, dtype=torch.float64), rtol=1e-6, atol=0
+    )
 
 
 def test_scalenorm_equals_eq5():
@@ -161,8 +176,9 @@ def test_scale_fixed_g_is_buffer_sqrt_d():
     assert "g" in dict(sn.named_buffers()) and "g" in sn.state_dict()
     assert sn.g.item() == pytest.approx(math.sqrt(d), rel=1e-7)
     x = rand(B, T, d, dtype=torch.float32)
-    torch.testing.assert_close(torch.linalg.vector_norm(sn(x), dim=-1),
-                               torch.full((B, T), math.sqrt(d)), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.linalg.vector_norm(sn(x), dim=-1), torch.full((B, T), math.sqrt(d)), rtol=1e-5, atol=0
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -221,7 +237,9 @@ def test_fixnorm_rows_have_unit_norm():
     torch.manual_seed(6)
     w = torch.randn(50, D, dtype=torch.float64) * torch.rand(50, 1, dtype=torch.float64) * 10
     fw = fixnorm(w)
-    torch.testing.assert_close(torch.linalg.vector_norm(fw, dim=-1), torch.ones(50, dtype=torch.float64))
+    torch.testing.assert_close(
+        torch.linalg.vector_norm(fw, dim=-1), torch.ones(50, dtype=torch.float64)
+    )
     # the direction is kept: fw * ||w|| = w
     torch.testing.assert_close(fw * torch.linalg.vector_norm(w, dim=-1, keepdim=True), w)
     # a zero row stays finite
@@ -246,8 +264,8 @@ def test_every_norm_accepts_pad_mask_and_keeps_shape(name, training):
 
 @pytest.mark.parametrize("name", sorted(NORMS))
 def test_every_norm_is_finite_under_bf16_autocast(name):
-    """Under bf16 autocast, bf16 activations of size ~300 give finite outputs that agree with the fp32
-    computation to bf16 precision (whether the statistics are fp32: the fp16 test below)."""
+    """Under bf16 autocast, bf16 activations of size ~300 give finite outputs that agree with the
+    fp32 computation to bf16 precision (whether the statistics are fp32: the fp16 test below)."""
     torch.manual_seed(8)
     norm = build_norm(name, D, heads=4).eval()  # eval: batch norms use fixed statistics
     x = rand(B, T, D, scale=300.0, dtype=torch.float32).bfloat16()
@@ -261,9 +279,10 @@ def test_every_norm_is_finite_under_bf16_autocast(name):
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("name", sorted(NORMS))
 def test_every_norm_keeps_fp32_statistics_on_fp16_activations(name, training):
-    """fp16 activations of size ~300 (x^2 overflows fp16 past 256): each norm's output, in fp16, agrees with the same
-    norm on the fp32 copy, in training (batch statistics) and evaluation. A norm computing its statistics in fp16
-    (at_least_fp32 forgotten) returns zeros or NaN here; bf16, with fp32's range, would not show it."""
+    """fp16 activations of size ~300 (x^2 overflows fp16 past 256): each norm's output, in fp16,
+    agrees with the same norm on the fp32 copy, in training (batch statistics) and evaluation. A
+    norm computing its statistics in fp16 (at_least_fp32 forgotten) returns zeros or NaN here; bf16,
+    with fp32's range, would not show it."""
     a, b = (build_norm(name, D, heads=4).train(training) for _ in range(2))
     x = rand(B, T, D, seed=5, scale=300.0, dtype=torch.float16)
     y16, y32 = a(x, pad_mask()), b(x.float(), pad_mask())
@@ -280,26 +299,32 @@ def test_build_norm_unknown_name_raises_value_error_naming_choices():
         assert repr(name) in msg or name in msg
 
 
-@pytest.mark.parametrize("name,cls", [("layer", LayerNorm), ("scale", ScaleNorm),
-                                      ("scale_fixed", ScaleNorm), ("rms", RMSNorm)])
+@pytest.mark.parametrize(
+    "name,cls",
+    [("layer", LayerNorm), ("scale", ScaleNorm), ("scale_fixed", ScaleNorm), ("rms", RMSNorm)],
+)
 def test_registry_builds_the_named_class(name, cls):
     n = build_norm(name, D, 4)
     assert type(n) is cls
-    assert (name == "scale_fixed") == (isinstance(n, ScaleNorm) and not isinstance(n.g, nn.Parameter))
+    assert (name == "scale_fixed") == (
+        isinstance(n, ScaleNorm) and not isinstance(n.g, nn.Parameter)
+    )
 
 
 # ---------------------------------------------------------------------------------------
-# The registry: a norm is its class and one entry, which the flags, the tests, the README check read.
+# The registry: a norm is its class and one entry, which the flags, the tests, the README check
+# read.
 # ---------------------------------------------------------------------------------------
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def readme_norms():
-    """The --norm values of README.md's "## The normalizations" table (its first column, in backticks)."""
+    """The --norm values of README.md's "## The normalizations" table (its first column, in
+    backticks)."""
     lines = README.read_text(encoding="utf-8").splitlines()
     assert "## The normalizations" in lines, "README.md has no '## The normalizations' section"
     names = set()
-    for line in lines[lines.index("## The normalizations") + 1:]:
+    for line in lines[lines.index("## The normalizations") + 1 :]:
         if line.startswith("## "):
             break
         cell = re.match(r"\|\s*`([^`]+)`\s*\|", line)
@@ -314,13 +339,16 @@ def missing_from_readme(names):
 
 def test_readme_table_has_a_row_for_every_registered_norm():
     missing = missing_from_readme(NORMS)
-    assert not missing, f"README.md's '## The normalizations' table has no row for --norm {', '.join(missing)}"
+    assert not missing, (
+        f"README.md's '## The normalizations' table has no row for --norm {', '.join(missing)}"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(NORMS))
 def test_every_entry_builds_its_class_and_says_what_it_computes(name):
     entry = NORMS[name]
-    norm = build_norm(name, D, 4, {"warmup": 1, "no such option": 0})  # each takes only the options it names
+    # each takes only the options it names
+    norm = build_norm(name, D, 4, {"warmup": 1, "no such option": 0})
     assert isinstance(norm, entry.cls) and isinstance(norm, nn.Module)
     assert "=" in entry.equation and "\n" not in entry.equation and entry.paper
     assert isinstance(norm, BATCH_NORMS) == entry.batch_stats
@@ -328,16 +356,20 @@ def test_every_entry_builds_its_class_and_says_what_it_computes(name):
 
 @pytest.mark.parametrize("name", sorted(NORMS))
 def test_batch_stats_says_whether_a_sentence_depends_on_the_rest_of_its_batch(name):
-    """In training a norm without batch statistics gives a sentence the output it has alone; one with them
-    (BatchNorm, PN-V, PowerNorm in its warmup) does not."""
+    """In training a norm without batch statistics gives a sentence the output it has alone; one
+    with them (BatchNorm, PN-V, PowerNorm in its warmup) does not."""
     x = rand(B, T, D, seed=14)
-    together, alone = build_norm(name, D, 4).double().train(), build_norm(name, D, 4).double().train()
+    together, alone = (
+        build_norm(name, D, 4).double().train(),
+        build_norm(name, D, 4).double().train(),
+    )
     same = torch.allclose(together(x, None)[:1], alone(x[:1], None), rtol=1e-9, atol=1e-9)
     assert same != NORMS[name].batch_stats
 
 
 class MeanAbsNorm(nn.Module):
     """A norm made up for the test below: y = g x / mean_i |x_i|, one learned scalar g."""
+
     calls = 0
 
     def __init__(self, d):
@@ -350,23 +382,64 @@ class MeanAbsNorm(nn.Module):
 
 
 def test_a_norm_added_as_a_class_and_one_entry_is_offered_trained_tested_and_missed_by_the_readme(
-        monkeypatch, tmp_path):
+    monkeypatch, tmp_path
+):
     import data
     import train
+
     monkeypatch.setitem(NORMS, "meanabs", norms.Norm(MeanAbsNorm, "y = g x / mean|x|", "a test"))
-    parser = train.build_parser()  # --norm, --encoder-norm, --decoder-norm offer it, --help explains it
-    args = parser.parse_args(["--norm", "meanabs", "--encoder-norm", "meanabs", "--decoder-norm", "meanabs"])
+    # --norm, --encoder-norm, --decoder-norm offer it, --help explains it
+    parser = train.build_parser()
+    args = parser.parse_args(
+        ["--norm", "meanabs", "--encoder-norm", "meanabs", "--decoder-norm", "meanabs"]
+    )
     assert (args.norm, args.encoder_norm, args.decoder_norm) == ("meanabs",) * 3
     assert "meanabs: y = g x / mean|x| (a test)" in " ".join(parser.format_help().split())
     # train.py trains with it: two steps, finite losses, through its forward
     monkeypatch.setattr(MeanAbsNorm, "calls", 0)
     corpus = data.make_toy_corpus(tmp_path / "corpus", n_train=300, n_dev=10, n_test=10)
     run = tmp_path / "run"
-    train.main(["--norm", "meanabs", "--d-model", "32", "--ff", "64", "--layers", "1", "--heads", "2",
-                "--batch-tokens", "512", "--max-steps", "2", "--epoch-size", "2", "--threads", "1",
-                "--bpe-size", "300", "--beam", "1", "--device", "cpu", "--data", str(corpus), "--src", "src",
-                "--tgt", "tgt", "--out", str(run)])
-    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    train.main(
+        [
+            "--norm",
+            "meanabs",
+            "--d-model",
+            "32",
+            "--ff",
+            "64",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--batch-tokens",
+            "512",
+            "--max-steps",
+            "2",
+            "--epoch-size",
+            "2",
+            "--threads",
+            "1",
+            "--bpe-size",
+            "300",
+            "--beam",
+            "1",
+            "--device",
+            "cpu",
+            "--data",
+            str(corpus),
+            "--src",
+            "src",
+            "--tgt",
+            "tgt",
+            "--out",
+            str(run),
+        ]
+    )
+    losses = [
+        r["loss"]
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    ]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
     assert MeanAbsNorm.calls > 0
     # the tests that loop over the registry take it
@@ -389,7 +462,11 @@ def test_gradcheck_float64_input_and_parameter(cls):
     torch.manual_seed(9)
     norm = cls(6).double()
     name = "g" if cls is ScaleNorm else "weight"
-    p = (torch.tensor(1.3, dtype=torch.float64) if cls is ScaleNorm else torch.randn(6, dtype=torch.float64))
+    p = (
+        torch.tensor(1.3, dtype=torch.float64)
+        if cls is ScaleNorm
+        else torch.randn(6, dtype=torch.float64)
+    )
     x = rand(2, 3, 6, seed=9).requires_grad_(True)
     f = lambda x, p: torch.func.functional_call(norm, {name: p}, (x,))  # noqa: E731
     assert torch.autograd.gradcheck(f, (x, p.requires_grad_(True)))
@@ -418,8 +495,11 @@ def hard_rows(shape=(2, 4, 6), seed=11, transpose=False):
     transpose, a strided (non-contiguous) layout."""
     torch.manual_seed(seed)
     b, t, d = shape
-    x = torch.randn(b, d, t, dtype=torch.float64).transpose(1, 2) if transpose else \
-        torch.randn(b, t, d, dtype=torch.float64)
+    x = (
+        torch.randn(b, d, t, dtype=torch.float64).transpose(1, 2)
+        if transpose
+        else torch.randn(b, t, d, dtype=torch.float64)
+    )
     with torch.no_grad():
         x[0, 1] = 0.0
         x[1, 2] *= 1e-7 / x[1, 2].norm()
@@ -443,7 +523,9 @@ def test_norms_equal_their_equations_with_gradients_on_hard_rows(cls, transpose)
     dy = torch.randn_like(x)
     y = norm(x)
     yf = eq5(x, p, norm.eps) if cls is ScaleNorm else rmsnorm_eq(x, p, norm.eps)
-    for a, b in zip((y,) + torch.autograd.grad(y, (x, p), dy), (yf,) + torch.autograd.grad(yf, (x, p), dy)):
+    for a, b in zip(
+        (y,) + torch.autograd.grad(y, (x, p), dy), (yf,) + torch.autograd.grad(yf, (x, p), dy)
+    ):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda x: norm(x), (x,))
     if cls is ScaleNorm:
@@ -459,8 +541,9 @@ def test_fixnorm_equals_its_equation_with_gradient():
     dy = torch.randn(7, 6, dtype=torch.float64)
     y, yf = fixnorm(w), fixnorm_eq(w)
     torch.testing.assert_close(y, yf, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(torch.autograd.grad(y, w, dy)[0], torch.autograd.grad(yf, w, dy)[0],
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        torch.autograd.grad(y, w, dy)[0], torch.autograd.grad(yf, w, dy)[0], rtol=1e-12, atol=1e-12
+    )
     # finite differences of step 1e-6 leave the clamp region of eps = 1e-12: check off zero
     assert torch.autograd.gradcheck(fixnorm, (w.detach()[:3].clone().requires_grad_(True),))
 

@@ -3,6 +3,7 @@
 PN has an approximate backward, so gradcheck does not apply: it is checked step by step
 against ``RefPN`` below, Algorithm 2 written out token by token without norms.py's Function.
 """
+
 import math
 
 import pytest
@@ -12,7 +13,8 @@ import norms
 from norms import NORMS, PNV, BatchNorm, GroupScaling, PowerNorm, PowerNormCode, build_norm
 
 VARIANTS = {"paper": PowerNorm, "code": PowerNormCode}
-BATCH = sorted(name for name, entry in NORMS.items() if entry.batch_stats)  # batch, pnv, power (the registry's)
+# batch, pnv, power (the registry's)
+BATCH = sorted(name for name, entry in NORMS.items() if entry.batch_stats)
 
 F64 = torch.float64
 
@@ -119,8 +121,8 @@ def group_scaling_formula(x, groups, eps=1e-5):
     size = D // groups
     parts = []
     for g in range(groups):
-        part = x[..., g * size:(g + 1) * size]
-        parts.append(part / torch.sqrt((part ** 2).sum(-1, keepdim=True) / size + eps))
+        part = x[..., g * size : (g + 1) * size]
+        parts.append(part / torch.sqrt((part**2).sum(-1, keepdim=True) / size + eps))
     return torch.cat(parts, -1)
 
 
@@ -321,7 +323,8 @@ def test_powernorm_under_bf16_autocast_keeps_fp32_statistics():
                 assert buf.dtype == torch.float32 and torch.isfinite(buf).all(), name
     assert norm.num_batches_tracked.dtype == torch.int64
     # fp16 activations with |x| > 256, where x^2 overflows fp16: test_norms.py's
-    # test_every_norm_keeps_fp32_statistics_on_fp16_activations compares every norm with its fp32 result.
+    # test_every_norm_keeps_fp32_statistics_on_fp16_activations compares every norm with its fp32
+    # result.
 
 
 def test_powernorm_counter_counts_training_forwards_only():
@@ -351,7 +354,8 @@ def test_build_norm_passes_heads_and_options():
 
 
 def test_batch_mean_is_the_plain_masked_mean_on_one_process():
-    """norms.batch_mean: the per-channel mean over the real tokens and their number (no sum over ranks here)."""
+    """norms.batch_mean: the per-channel mean over the real tokens and their number (no sum over
+    ranks here)."""
     gen = torch.Generator().manual_seed(10)
     v = torch.randn(3, 4, 5, generator=gen, dtype=F64)
     real = ~random_pad_mask(gen, 3, 4)
@@ -361,7 +365,8 @@ def test_batch_mean_is_the_plain_masked_mean_on_one_process():
 
 
 def test_batchnorm_refuses_one_real_token_in_training_and_changes_nothing():
-    """The unbiased running variance N/(N-1) needs N >= 2: one real token is a clear error, not inf."""
+    """The unbiased running variance N/(N-1) needs N >= 2: one real token is a clear error, not
+    inf."""
     norm = BatchNorm(4)
     pad = torch.ones(2, 3, dtype=torch.bool)
     pad[1, 2] = False

@@ -1,4 +1,6 @@
-"""Tests for `python data.py prepare NAME`: offline, on small fake archives laid out like the real ones."""
+"""Tests for `python data.py prepare NAME`: offline, on small fake archives laid out like the real
+ones."""
+
 import http.server
 import io
 import json
@@ -58,7 +60,8 @@ def test_en_vi_from_a_file_url_writes_the_split_files_and_the_command(tmp_path, 
 
 
 def test_a_damaged_stamp_prepares_again(tmp_path, capsys):
-    """A prepared.json that is not JSON, or not a JSON object, is no stamp: the corpus is prepared again (no traceback)."""
+    """A prepared.json that is not JSON, or not a JSON object, is no stamp: the corpus is prepared
+    again (no traceback)."""
     src = _stanford_en_vi(tmp_path / "iwslt15.en-vi")
     out = tmp_path / "en-vi"
     data.prepare("en-vi", out, src.as_uri(), expected={"train": 5, "dev": 2, "test": 3})
@@ -72,23 +75,38 @@ def test_a_damaged_stamp_prepares_again(tmp_path, capsys):
 
 def test_en_vi_papers_counts_are_checked_exactly(tmp_path):
     src = _stanford_en_vi(tmp_path / "iwslt15.en-vi")
-    with pytest.raises(DataError, match=r"iwslt15.en-vi: train has 5 pairs, expected 133,317"):  # the source read
+    # the source read
+    with pytest.raises(DataError, match=r"iwslt15.en-vi: train has 5 pairs, expected 133,317"):
         data.prepare("en-vi", tmp_path / "out", str(src))  # a local folder, read in place
     assert not (tmp_path / "out" / "prepared.json").exists()
 
 
 def _ted_archive(path):
     """A Qi et al. ted_talks.tar.gz: all_talks_{train,dev,test}.tsv, one column per language."""
+
     def tsv(rows):
         return "talk_name\ten\tgl\tar\n" + "".join("\t".join(r) + "\n" for r in rows)
-    return _tar(path, {
-        "all_talks_train.tsv": tsv([("t1", "hello .", "ola .", "marhaban ."),
-                                    ("t1", "thanks .", "__NULL__", "shukran ."),
-                                    ("t2", "yes .", "si .", ""),
-                                    ("t2", "no .", "non .", "la .")]),
-        "all_talks_dev.tsv": tsv([("t3", "dev .", "dev gl .", "__NULL__")]),
-        "all_talks_test.tsv": tsv([("t4", "test .", "proba .", "ikhtibar ."),
-                                   ("t4", "bye .", "adeus .", "maa salama .")])})
+
+    return _tar(
+        path,
+        {
+            "all_talks_train.tsv": tsv(
+                [
+                    ("t1", "hello .", "ola .", "marhaban ."),
+                    ("t1", "thanks .", "__NULL__", "shukran ."),
+                    ("t2", "yes .", "si .", ""),
+                    ("t2", "no .", "non .", "la ."),
+                ]
+            ),
+            "all_talks_dev.tsv": tsv([("t3", "dev .", "dev gl .", "__NULL__")]),
+            "all_talks_test.tsv": tsv(
+                [
+                    ("t4", "test .", "proba .", "ikhtibar ."),
+                    ("t4", "bye .", "adeus .", "maa salama ."),
+                ]
+            ),
+        },
+    )
 
 
 def test_ted_pairs_from_a_local_tar_gz(tmp_path, capsys):
@@ -101,11 +119,15 @@ def test_ted_pairs_from_a_local_tar_gz(tmp_path, capsys):
     cap = capsys.readouterr()
     # The papers' train size (10k) is approximate: a warning, not an error.
     assert "warning: gl-en train: 3 pairs" in cap.err and "not certain" in cap.err
-    # The command it prints works, and sets the corpus's flags: those --pair gl-en sets, with the folder prepared.
+    # The command it prints works, and sets the corpus's flags: those --pair gl-en sets, with the
+    # folder prepared.
     import shlex
     import train
+
     args, _ = train.resolve_flags(shlex.split(cap.out.splitlines()[-1])[2:])
-    assert {k: getattr(args, k) for k in train.PAIRS["gl-en"]} == dict(train.PAIRS["gl-en"], data=str(out))
+    assert {k: getattr(args, k) for k in train.PAIRS["gl-en"]} == dict(
+        train.PAIRS["gl-en"], data=str(out)
+    )
     out = data.prepare("ar-en", tmp_path / "ar-en", str(archive))
     assert (out / "train.ar").read_text() == "marhaban .\nshukran .\nla .\n"  # empty ar dropped
     assert (out / "dev.ar").read_text() == ""
@@ -118,21 +140,25 @@ def test_ted_missing_language_column_is_named(tmp_path):
 
 
 def test_iwslt14_de_en_follows_the_fairseq_steps(tmp_path, capsys):
-    train_de, train_en = ["<url>http://ted.com/x</url>", "<talkid>1</talkid>",
-                          "<title>Ein Titel</title>"], ["<url>http://ted.com/x</url>",
-                                                       "<talkid>1</talkid>", "<title>A Title</title>"]
+    train_de, train_en = (
+        ["<url>http://ted.com/x</url>", "<talkid>1</talkid>", "<title>Ein Titel</title>"],
+        ["<url>http://ted.com/x</url>", "<talkid>1</talkid>", "<title>A Title</title>"],
+    )
     for i in range(46):
         train_de.append(f"Satz Nummer {i} ." if i != 5 else "Eins zwei drei vier fünf sechs .")
         train_en.append(f"Sentence number {i} ." if i != 5 else "One .")  # ratio > 1.5: cleaned
     seg = '<doc docid="1">\n<seg id="{}"> {} </seg>\n</doc>\n'
-    members = {"de-en/train.tags.de-en.de": "\n".join(train_de) + "\n",
-               "de-en/train.tags.de-en.en": "\n".join(train_en) + "\n"}
+    members = {
+        "de-en/train.tags.de-en.de": "\n".join(train_de) + "\n",
+        "de-en/train.tags.de-en.en": "\n".join(train_en) + "\n",
+    }
     for t in ("TED.dev2010", "TEDX.dev2012", "TED.tst2010", "TED.tst2011", "TED.tst2012"):
         members[f"de-en/IWSLT14.{t}.de-en.de.xml"] = seg.format(1, f"Test {t} .")
         members[f"de-en/IWSLT14.{t}.de-en.en.xml"] = seg.format(1, f"It\u2019s {t} .")
     archive = _tar(tmp_path / "de-en.tgz", members)
-    out = data.prepare("de-en", tmp_path / "de-en", archive.as_uri(),
-                       expected={"train": 44, "dev": 2, "test": 5})
+    out = data.prepare(
+        "de-en", tmp_path / "de-en", archive.as_uri(), expected={"train": 44, "dev": 2, "test": 5}
+    )
     train = (out / "train.de").read_text().splitlines()
     assert train[0] == "ein titel" and "eins zwei drei vier fünf sechs ." not in train
     assert (out / "dev.en").read_text() == "sentence number 22 .\nsentence number 45 .\n"
@@ -151,7 +177,9 @@ class _RangeHandler(http.server.BaseHTTPRequestHandler):
         start = int(rng[6:-1]) if rng and self.honour_range else 0
         self.send_response(206 if start else 200)
         if start:
-            self.send_header("Content-Range", f"bytes {start}-{len(self.body) - 1}/{len(self.body)}")
+            self.send_header(
+                "Content-Range", f"bytes {start}-{len(self.body) - 1}/{len(self.body)}"
+            )
         self.send_header("Content-Length", str(len(self.body) - start))
         self.end_headers()
         self.wfile.write(self.body[start:])
@@ -207,12 +235,27 @@ def test_unreachable_network_gives_one_line_and_keeps_the_part(tmp_path):
     (out / "orig").mkdir(parents=True)
     (out / "orig" / "de-en.tgz.part").write_bytes(b"partial")
     url = f"http://127.0.0.1:{_closed_port()}/de-en.tgz"
-    r = subprocess.run([sys.executable, str(ROOT / "data.py"), "prepare", "de-en", "--dir", str(out),
-                        "--url", url], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "data.py"),
+            "prepare",
+            "de-en",
+            "--dir",
+            str(out),
+            "--url",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"data.py: cannot reach {url} (")
-    assert lines[0].endswith("no network?); download it elsewhere and pass --url /path/to/de-en.tgz")
+    assert lines[0].endswith(
+        "no network?); download it elsewhere and pass --url /path/to/de-en.tgz"
+    )
     assert "Traceback" not in r.stderr + r.stdout
     assert (out / "orig" / "de-en.tgz.part").read_bytes() == b"partial"
 
@@ -238,11 +281,15 @@ def test_unknown_name_lists_the_choices(capsys):
 def test_registry_is_complete():
     for name, c in data.CORPORA.items():
         f = c["flags"]  # its train.py flags, their one copy (train.PAIRS reads them)
-        if f.get("task") == "lm":  # a language model's text: one file a split, each with its md5, or one archive's md5
+        # a language model's text: one file a split, each with its md5, or one archive's md5
+        if f.get("task") == "lm":
             assert set(c["splits"]) == set(data.SPLITS) and f["bpe_size"] == 0  # words, no BPE
             assert set(c["md5"]) == ({"archive"} if c["archive"] else set(data.SPLITS))
             continue
-        assert f["src"] + "-" + f["tgt"] == name.removeprefix("multi30k-") or (name, f["tgt"]) == ("multi30k", "de")
+        assert f["src"] + "-" + f["tgt"] == name.removeprefix("multi30k-") or (name, f["tgt"]) == (
+            "multi30k",
+            "de",
+        )
         assert set(c["splits"]) == set(data.SPLITS)
         assert f["bpe_size"] > 0 and set(c["exact"]) <= set(c["counts"])
 
@@ -252,17 +299,23 @@ def test_multi30k_from_gzipped_files_in_a_folder(name, tgt, tmp_path, capsys):
     """The Multi30k repository ships task 1 as gzipped files (train, val, test_2016_flickr), German
     and Czech for the same English captions."""
     import gzip
+
     src = tmp_path / "raw"
     src.mkdir()
     sizes = {"train": 4, "val": 2, "test_2016_flickr": 3}
     for split, n in sizes.items():
         for lang in ("en", "de", "cs"):
-            (src / f"{split}.{lang}.gz").write_bytes(gzip.compress("".join(f"{split} {lang} {i} ä\n" for i in range(n)).encode()))
+            (src / f"{split}.{lang}.gz").write_bytes(
+                gzip.compress("".join(f"{split} {lang} {i} ä\n" for i in range(n)).encode())
+            )
     out = tmp_path / "m30k"
     data.prepare(name, out, str(src), expected={"train": 4, "dev": 2, "test": 3})
     assert (out / f"dev.{tgt}").read_text() == f"val {tgt} 0 ä\nval {tgt} 1 ä\n"
     assert len((out / "test.en").read_text().splitlines()) == 3
-    assert f"python train.py --data {out} --src en --tgt {tgt} --bpe-size 4000" in capsys.readouterr().out
+    assert (
+        f"python train.py --data {out} --src en --tgt {tgt} --bpe-size 4000"
+        in capsys.readouterr().out
+    )
 
 
 def test_prepare_help_says_what_each_corpus_is_and_where_it_departs(capsys):
@@ -276,7 +329,8 @@ def test_prepare_help_says_what_each_corpus_is_and_where_it_departs(capsys):
 
 
 def _users_corpus(folder):
-    """A folder holding a user's own corpus (no prepared.json): what prepare must not touch when it fails."""
+    """A folder holding a user's own corpus (no prepared.json): what prepare must not touch when it
+    fails."""
     folder.mkdir(parents=True)
     for name in ("train.en", "train.vi", "dev.en", "dev.vi", "test.en", "test.vi"):
         (folder / name).write_text(f"the user's own {name}\n")
@@ -284,7 +338,8 @@ def _users_corpus(folder):
 
 
 def test_a_source_missing_a_split_changes_none_of_the_folders_files(tmp_path):
-    """Issue 30: a source without tst2013.* (the test split) wrote train and dev into DIR before failing."""
+    """Issue 30: a source without tst2013.* (the test split) wrote train and dev into DIR before
+    failing."""
     src = _stanford_en_vi(tmp_path / "src")
     for f in src.glob("tst2013.*"):
         f.unlink()
@@ -298,12 +353,15 @@ def test_a_line_count_mismatch_writes_no_split(tmp_path):
     src = _stanford_en_vi(tmp_path / "src")
     mine = _users_corpus(tmp_path / "mine")
     with pytest.raises(DataError, match="expected 4"):
-        data.prepare("en-vi", tmp_path / "mine", str(src), expected={"train": 5, "dev": 2, "test": 4})
+        data.prepare(
+            "en-vi", tmp_path / "mine", str(src), expected={"train": 5, "dev": 2, "test": 4}
+        )
     assert {p.name: p.read_bytes() for p in (tmp_path / "mine").iterdir()} == mine
 
 
 def test_a_failed_write_replaces_no_file(tmp_path, monkeypatch):
-    """Every file is staged before any is moved in: a write failing on the last leaves the others as they were."""
+    """Every file is staged before any is moved in: a write failing on the last leaves the others as
+    they were."""
     paths = [tmp_path / f"{s}.txt" for s in ("train", "dev", "test")]
     for p in paths:
         p.write_text("old\n")
@@ -319,19 +377,25 @@ def test_a_failed_write_replaces_no_file(tmp_path, monkeypatch):
     with pytest.raises(data.WriteFailed, match="No space"):
         data.atomic_write_all({p: "new\n" for p in paths})
     assert [p.read_text() for p in paths] == ["old\n"] * 3
-    assert sorted(q.name for q in tmp_path.iterdir()) == ["dev.txt", "test.txt", "train.txt"]  # no temporary left
+    # no temporary left
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["dev.txt", "test.txt", "train.txt"]
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_a_bpe_size_under_what_sentencepiece_needs_is_one_line(size):
-    """Issue 30: --bpe-size 1, 2 and 3 were a sentencepiece traceback (it failed on a special piece's id)."""
-    with pytest.raises(DataError, match=rf"--bpe-size {size}: too small for this corpus, .* at least 14"):
+    """Issue 30: --bpe-size 1, 2 and 3 were a sentencepiece traceback (it failed on a special
+    piece's id)."""
+    with pytest.raises(
+        DataError, match=rf"--bpe-size {size}: too small for this corpus, .* at least 14"
+    ):
         data.train_bpe(["hello world"] * 20, ["hallo welt"] * 20, size)
 
 
 def _wikitext_zip(path, test=" = Test = \n \n the test <unk> . \n"):
-    """A wikitext-103-v1.zip laid out as the real one: wikitext-103/wiki.{train,valid,test}.tokens, blank lines in."""
+    """A wikitext-103-v1.zip laid out as the real one: wikitext-103/wiki.{train,valid,test}.tokens,
+    blank lines in."""
     import zipfile
+
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("wikitext-103/", "")
         z.writestr("wikitext-103/wiki.train.tokens", " \n = Title = \n \n the cat sat . \n")
@@ -341,36 +405,56 @@ def _wikitext_zip(path, test=" = Test = \n \n the test <unk> . \n"):
 
 
 def test_prepare_wikitext_103_from_a_zip_checks_its_md5_offline(tmp_path, monkeypatch, capsys):
-    """Issue 31: WikiText-103 from one zip (its author's mirror), the zip's md5 checked as torchtext's; offline."""
+    """Issue 31: WikiText-103 from one zip (its author's mirror), the zip's md5 checked as
+    torchtext's; offline."""
     import hashlib
+
     src = _wikitext_zip(tmp_path / "wikitext-103-v1.zip")
-    monkeypatch.setitem(data.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()})
+    monkeypatch.setitem(
+        data.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()}
+    )
     out = data.prepare("wikitext-103", tmp_path / "wt", str(src))
-    assert (out / "train.txt").read_text() == "\n= Title =\n\nthe cat sat .\n"  # blank lines kept: counts as released
+    # blank lines kept: counts as released
+    assert (out / "train.txt").read_text() == "\n= Title =\n\nthe cat sat .\n"
     assert (out / "dev.txt").read_text() == "\nthe dev @-@ line .\n"
     assert (out / "test.txt").read_text() == "= Test =\n\nthe test <unk> .\n"
     assert "--preset pn2-wt103-layernorm" in capsys.readouterr().out
-    # Over a file:// URL too (downloaded into DIR/orig), and a damaged zip is one line that changes nothing.
+    # Over a file:// URL too (downloaded into DIR/orig), and a damaged zip is one line that changes
+    # nothing.
     data.prepare("wikitext-103", tmp_path / "wt2", src.as_uri())
     assert (tmp_path / "wt2" / "orig" / "wikitext-103-v1.zip").read_bytes() == src.read_bytes()
     monkeypatch.setitem(data.CORPORA["wikitext-103"], "md5", {"archive": "0" * 32})
-    with pytest.raises(DataError, match=r"wikitext-103-v1.zip: md5 [0-9a-f]{32}, expected 0{32}: not the wikitext-103"):
+    with pytest.raises(
+        DataError,
+        match=r"wikitext-103-v1.zip: md5 [0-9a-f]{32}, expected 0{32}: not the wikitext-103",
+    ):
         data.prepare("wikitext-103", tmp_path / "wt3", str(src))
     assert not (tmp_path / "wt3").exists()
 
 
-def test_a_language_models_corpus_reads_the_mirror_and_its_stamp_names_the_corpus(tmp_path, monkeypatch, capsys):
-    """$NMT_DATA_MIRROR serves PTB and WikiText-103 as it serves the translation corpora (it was ignored for them), and
-    a folder whose prepared.json names another corpus is prepared again, not reported as done (it was)."""
+def test_a_language_models_corpus_reads_the_mirror_and_its_stamp_names_the_corpus(
+    tmp_path, monkeypatch, capsys
+):
+    """$NMT_DATA_MIRROR serves PTB and WikiText-103 as it serves the translation corpora (it was
+    ignored for them), and a folder whose prepared.json names another corpus is prepared again, not
+    reported as done (it was)."""
     import hashlib
+
     (tmp_path / "mirror").mkdir()
     src = _wikitext_zip(tmp_path / "mirror" / "wikitext-103-v1.zip")
-    monkeypatch.setitem(data.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()})
+    monkeypatch.setitem(
+        data.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()}
+    )
     monkeypatch.setenv("NMT_DATA_MIRROR", (tmp_path / "mirror").as_uri())
-    out = data.prepare("wikitext-103", tmp_path / "wt")  # no --url: the mirror's copy, fetched into DIR/orig
+    # no --url: the mirror's copy, fetched into DIR/orig
+    out = data.prepare("wikitext-103", tmp_path / "wt")
     assert (out / "orig" / "wikitext-103-v1.zip").read_bytes() == src.read_bytes()
-    assert json.loads((out / "prepared.json").read_text())["source"] == f"{(tmp_path / 'mirror').as_uri()}/{src.name}"
-    (out / "prepared.json").write_text(json.dumps({"name": "ptb"}))  # as if PTB had been prepared into this folder
+    assert (
+        json.loads((out / "prepared.json").read_text())["source"]
+        == f"{(tmp_path / 'mirror').as_uri()}/{src.name}"
+    )
+    # as if PTB had been prepared into this folder
+    (out / "prepared.json").write_text(json.dumps({"name": "ptb"}))
     (out / "train.txt").write_text("PTB's text\n")
     capsys.readouterr()
     data.prepare("wikitext-103", out)
@@ -382,17 +466,21 @@ def test_a_language_models_corpus_reads_the_mirror_and_its_stamp_names_the_corpu
 def test_a_wikitext_zip_missing_a_file_names_it(tmp_path, monkeypatch):
     import hashlib
     import zipfile
+
     src = tmp_path / "wikitext-103-v1.zip"
     with zipfile.ZipFile(src, "w") as z:
         z.writestr("wikitext-103/wiki.train.tokens", "a\n")
-    monkeypatch.setitem(data.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()})
+    monkeypatch.setitem(
+        data.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()}
+    )
     with pytest.raises(DataError, match="no file wiki.valid.tokens in it"):
         data.prepare("wikitext-103", tmp_path / "wt", str(src))
 
 
 @pytest.mark.parametrize("name", ["en-vi", "ptb"])
 def test_a_dir_that_is_a_file_is_one_line_and_the_file_is_kept(name, tmp_path, capsys):
-    """Issue 30's probe: --dir naming an existing file was a FileExistsError traceback after reading every source."""
+    """Issue 30's probe: --dir naming an existing file was a FileExistsError traceback after reading
+    every source."""
     (tmp_path / "mine").write_text("the user's file\n")
     src = _stanford_en_vi(tmp_path / "src")
     assert data.prepare_main([name, "--dir", str(tmp_path / "mine"), "--url", str(src)]) == 1
@@ -402,14 +490,20 @@ def test_a_dir_that_is_a_file_is_one_line_and_the_file_is_kept(name, tmp_path, c
 
 
 def test_sigterm_stops_prepare_as_ctrl_c_does(tmp_path, monkeypatch, capsys):
-    """SIGTERM (data.interrupt_on_sigterm) raises KeyboardInterrupt(15): prepare says how to resume and exits 143;
-    Ctrl-C's KeyboardInterrupt exits 130."""
+    """SIGTERM (data.interrupt_on_sigterm) raises KeyboardInterrupt(15): prepare says how to resume
+    and exits 143; Ctrl-C's KeyboardInterrupt exits 130."""
+
     def killed(signum):
         def opener(*a, **k):
             raise KeyboardInterrupt(signum) if signum else KeyboardInterrupt
+
         return opener
+
     src = _stanford_en_vi(tmp_path / "src")
     for signum, status in ((15, 143), (None, 130)):
         monkeypatch.setattr(data, "_opener", killed(signum))
-        assert data.prepare_main(["en-vi", "--dir", str(tmp_path / "out"), "--url", str(src)]) == status
+        assert (
+            data.prepare_main(["en-vi", "--dir", str(tmp_path / "out"), "--url", str(src)])
+            == status
+        )
         assert "interrupted; run the same command again to resume" in capsys.readouterr().err

@@ -9,6 +9,7 @@ torch.nn.init's normal_, uniform_ and kaiming_uniform_ copy their numbers from a
 scaled to the mean/std/bounds model.py asks for. Every shape, code path and init distribution is
 the row's; only the random draws are reused.
 """
+
 import json
 import math
 from unittest import mock
@@ -29,7 +30,11 @@ def _draw(n, kind):
     gives each tensor different numbers."""
     if kind not in _BANK:
         g = torch.Generator().manual_seed(0)
-        _BANK[kind] = torch.randn(1 << 22, generator=g) if kind == "normal" else torch.rand(1 << 22, generator=g)
+        _BANK[kind] = (
+            torch.randn(1 << 22, generator=g)
+            if kind == "normal"
+            else torch.rand(1 << 22, generator=g)
+        )
     bank = _BANK[kind]
     start = _BANK["cursor"] % (bank.numel() - 1)
     _BANK["cursor"] += 7919 + n
@@ -53,7 +58,8 @@ def _bank_kaiming_uniform_(tensor, a=0, mode="fan_in", nonlinearity="leaky_relu"
 
 V = 40
 PAIRS = [([5, 6, 7, 3], [8, 9]), ([10, 11], [12, 13, 14, 3]), ([4, 9, 9, 30, 31], [5, 3])]
-SEGMENTS = data.lm_segments(torch.arange(2 * 32) % 36 + 4, 32)  # two segments of --seq-len 32, the last one short
+# two segments of --seq-len 32, the last one short
+SEGMENTS = data.lm_segments(torch.arange(2 * 32) % 36 + 4, 32)
 _stepped = {}
 
 
@@ -61,24 +67,36 @@ def build_and_step(args):
     """Build the model of these flags (vocabulary 40) and take one training step, once per config."""
     cfg = train.model_config_from_args(args, vocab_size=V, qk_g0=5.0)
     uses_power = "power" in (cfg.norm, cfg.encoder_norm, cfg.decoder_norm)
-    key = repr(cfg) if uses_power else repr(cfg).replace(repr(cfg.norm_options), "")  # options only matter to PN
+    # options only matter to PN
+    key = repr(cfg) if uses_power else repr(cfg).replace(repr(cfg.norm_options), "")
     if key in _stepped:
         return _stepped[key]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with mock.patch.multiple(torch.nn.init, normal_=_bank_normal_, uniform_=_bank_uniform_,
-                                 kaiming_uniform_=_bank_kaiming_uniform_):
+        with mock.patch.multiple(
+            torch.nn.init,
+            normal_=_bank_normal_,
+            uniform_=_bank_uniform_,
+            kaiming_uniform_=_bank_kaiming_uniform_,
+        ):
             m = model.Transformer(cfg)
-        opt = torch.optim.SGD(m.parameters(), lr=1e-4)  # any optimizer: Adam's first step costs a second here
+        # any optimizer: Adam's first step costs a second here
+        opt = torch.optim.SGD(m.parameters(), lr=1e-4)
         before = m.embed.detach().clone()
         m.train()  # the batch norms use batch statistics, as in training
         options = train.StepOptions(args.word_dropout, args.label_smoothing, args.clip)
-        batch = data.collate(SEGMENTS, [0, 1]) if cfg.lm else data.collate(PAIRS, [0, 1, 2])  # a language model's text
+        # a language model's text
+        batch = data.collate(SEGMENTS, [0, 1]) if cfg.lm else data.collate(PAIRS, [0, 1, 2])
         loss, nll, gnorm, n = train.train_step(m, opt, [batch], 1e-4, options)
     finally:
         torch.set_num_threads(threads)
-    assert n == (2 * args.seq_len - 1 if cfg.lm else 11) and math.isfinite(loss.item()) and math.isfinite(gnorm.item()) and nll.item() > 0
+    assert (
+        n == (2 * args.seq_len - 1 if cfg.lm else 11)
+        and math.isfinite(loss.item())
+        and math.isfinite(gnorm.item())
+        and nll.item() > 0
+    )
     assert not torch.equal(before, m.embed), "the step did not change the embeddings"
     _stepped[key] = (len(m.encoder), len(m.decoder))
     return _stepped[key]
@@ -96,29 +114,63 @@ def test_every_preset_resolves_builds_and_takes_a_training_step(name):
             assert getattr(args, k) == v, (name, k)
     assert args.preset == name and row
     layers = build_and_step(args)
-    assert layers == (0 if args.task == "lm" else args.enc_layers or args.layers, args.dec_layers or args.layers)
+    assert layers == (
+        0 if args.task == "lm" else args.enc_layers or args.layers,
+        args.dec_layers or args.layers,
+    )
 
 
 def test_the_tables_are_all_there():
     names = list(train.PRESETS)
-    assert sum(n.startswith("twt2-") for n in names) == 12 and sum(n.startswith("twt5-") for n in names) == 6
-    assert sum(n.startswith("twt3-") for n in names) == 4 and sum(n.startswith("twt4-") for n in names) == 5
-    assert sum(n.startswith("twt7-") for n in names) == 5 and sum(n.startswith("pn1-") for n in names) == 4
-    assert sum(n.startswith("qk2-") for n in names) == 2 and sum(n.startswith("qk4-") for n in names) == 5
-    assert sum(n.startswith("qk5-") for n in names) == 7 and sum(n.startswith("qk6-") for n in names) == 6
+    assert (
+        sum(n.startswith("twt2-") for n in names) == 12
+        and sum(n.startswith("twt5-") for n in names) == 6
+    )
+    assert (
+        sum(n.startswith("twt3-") for n in names) == 4
+        and sum(n.startswith("twt4-") for n in names) == 5
+    )
+    assert (
+        sum(n.startswith("twt7-") for n in names) == 5
+        and sum(n.startswith("pn1-") for n in names) == 4
+    )
+    assert (
+        sum(n.startswith("qk2-") for n in names) == 2
+        and sum(n.startswith("qk4-") for n in names) == 5
+    )
+    assert (
+        sum(n.startswith("qk5-") for n in names) == 7
+        and sum(n.startswith("qk6-") for n in names) == 6
+    )
     for pair in {p for p, _, _ in train.PRESETS.values()}:
         assert pair in train.PAIRS and pair in data.CORPORA  # `python data.py prepare PAIR` exists
 
 
 def test_flags_given_with_a_preset_override_it_and_pair_swaps_the_corpus():
-    args, given = train.resolve_flags(["--preset", "twt3-scalenorm", "--layers", "2", "--warmup", "4000"])
-    assert (args.layers, args.warmup, args.norm, args.fixnorm, args.lr_scale) == (2, 4000, "scale", True, 1.0)
+    args, given = train.resolve_flags(
+        ["--preset", "twt3-scalenorm", "--layers", "2", "--warmup", "4000"]
+    )
+    assert (args.layers, args.warmup, args.norm, args.fixnorm, args.lr_scale) == (
+        2,
+        4000,
+        "scale",
+        True,
+        1.0,
+    )
     assert given == {"preset": "twt3-scalenorm", "layers": 2, "warmup": 4000}
     assert args.pn_warmup == 4000  # PowerNorm's warmup follows the LR warmup unless given
     args, _ = train.resolve_flags(["--preset", "twt3-scalenorm", "--pair", "gl-en"])
-    assert (args.data, args.src, args.tgt, args.bpe_size, args.layers, args.heads, args.dropout) == \
-        ("data/gl-en", "gl", "en", 3000, 4, 4, 0.4)
-    assert (args.norm, args.prenorm, args.warmup, args.d_model) == ("scale", True, 8000, 512)  # the row stays
+    assert (
+        args.data,
+        args.src,
+        args.tgt,
+        args.bpe_size,
+        args.layers,
+        args.heads,
+        args.dropout,
+    ) == ("data/gl-en", "gl", "en", 3000, 4, 4, 0.4)
+    # the row stays
+    assert (args.norm, args.prenorm, args.warmup, args.d_model) == ("scale", True, 8000, 512)
     with pytest.raises(SystemExit, match="--preset nope"):
         train.resolve_flags(["--preset", "nope"])
     with pytest.raises(SystemExit, match="--pair: invalid choice: .xx-yy."):
@@ -139,7 +191,11 @@ def test_config_json_records_every_resolved_value(tmp_path, corpus):
     saved = json.loads((run / "config.json").read_text())
     assert saved["preset"] == "qk6-no-g" and saved["qk_no_g"] is True and saved["qknorm"] is True
     assert saved["schedule"] == "warmupflat" and saved["warmup"] == 8000 and saved["layers"] == 1
-    assert set(train.DEFAULTS) <= set(saved) and saved["bpe_size"] == 300 and saved["pn_warmup"] == 8000
+    assert (
+        set(train.DEFAULTS) <= set(saved)
+        and saved["bpe_size"] == 300
+        and saved["pn_warmup"] == 8000
+    )
 
 
 def test_each_paper_decodes_with_its_own_length_penalty():
