@@ -11,9 +11,10 @@ import socket
 import pytest
 import torch
 
-import data
 from model import EOS, ModelConfig, Transformer
 from norms import use_reference
+from machinery import toy_corpus
+from machinery import train_cli
 
 # The tests' shared material, in one place: a tiny translator run's flags (d 32, one layer, 5 steps
 # an epoch) and a small one's (d 64, two layers), the built-in corpus at two sizes, the words of the
@@ -69,7 +70,7 @@ WORDS = "the cat dog sat on a mat and ran to house big small red blue".split()
 def corpus(tmp_path_factory):
     """The built-in language pair, 300 training pairs, 8 dev, 8 test: --data DIR --src src --tgt
     tgt."""
-    d = data.make_toy_corpus(tmp_path_factory.mktemp("toy"), n_train=300, n_dev=8, n_test=8)
+    d = toy_corpus.make_toy_corpus(tmp_path_factory.mktemp("toy"), n_train=300, n_dev=8, n_test=8)
     return ["--data", str(d), "--src", "src", "--tgt", "tgt"]
 
 
@@ -78,7 +79,7 @@ def small_corpus(tmp_path_factory):
     """A small copy of the built-in language pair (fast evaluation, 3000 pairs): --data DIR --src
     src --tgt tgt."""
     d = tmp_path_factory.mktemp("toy")
-    data.make_toy_corpus(d, seed=1, n_train=3000, n_dev=40, n_test=40)
+    toy_corpus.make_toy_corpus(d, seed=1, n_train=3000, n_dev=40, n_test=40)
     return ["--data", str(d), "--src", "src", "--tgt", "tgt"]
 
 
@@ -143,7 +144,7 @@ def killed_run(monkeypatch, capsys):
 
         monkeypatch.setattr(train, "train_step", dying_step)
         with pytest.raises(SystemExit) as e:
-            train.main(argv)
+            train_cli.main(argv)
         monkeypatch.setattr(train, "train_step", real_step)
         assert e.value.code == 128 + (sig or signal.SIGINT)
         return capsys.readouterr().err.strip().splitlines()[-1]

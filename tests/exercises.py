@@ -70,12 +70,18 @@ import torch  # noqa: E402
 
 VALUES = Path(__file__).resolve().parent / "exercise_values.pt"
 SOURCES = ["norms.py", "model.py", "data.py", "decode.py", "train.py"]
-COPIED = SOURCES + [
-    "requirements.txt",
-    "tests/conftest.py",
-    "tests/exercises.py",
-    "tests/test_exercises.py",
-]
+# The machinery the chapters import (flags, run folders, corpora: no exercise is in it).
+MACHINERY = sorted(f"machinery/{p.name}" for p in (ROOT / "machinery").glob("*.py"))
+COPIED = (
+    SOURCES
+    + MACHINERY
+    + [
+        "requirements.txt",
+        "tests/conftest.py",
+        "tests/exercises.py",
+        "tests/test_exercises.py",
+    ]
+)
 RECORD_SEED = 0  # the self-check's inputs (the values file holds their expected outputs)
 GRADE_SEED = 29  # the instructor's grade, by default: other inputs than the self-check's
 FORMAT = 2  # of the values file
@@ -1066,11 +1072,14 @@ def student_copy_text(text):
 
 
 def build_sandbox(folder, ex_name, texts):
-    """A copy of the instructor's five files (and this kit, without its instructor-only lines) in
+    """A copy of the instructor's five files and machinery/ (and this kit, without its instructor-only lines) in
     `folder`, the exercise's regions replaced by `texts` (in file order, then line order). Returns,
     for each replaced region, (file, its first line, its last line) there."""
     (folder / "tests").mkdir(parents=True)
     (folder / "tests" / "exercises.py").write_text(student_copy_text(Path(__file__).read_text()))
+    (folder / "machinery").mkdir()
+    for rel in MACHINERY:  # the instructor's own machinery, as it is
+        shutil.copyfile(ROOT / rel, folder / rel)
     spans, texts = [], list(texts)
     for rel in SOURCES:
         lines = (ROOT / rel).read_text().split("\n")
@@ -1806,6 +1815,8 @@ def cmd_make(out, names):
             )
         elif rel in ("tests/exercises.py", "tests/test_exercises.py"):
             text = student_copy_text(text)
+        elif rel in MACHINERY:  # no region there: every line is outside the regions
+            outside += [code_of(line) for line in text.split("\n")]
         dest.write_text(text)
     torch.save(dict(stored, assigned=list(chosen)), out / "tests" / "exercise_values.pt")
     (out / "README.md").write_text(student_readme(list(chosen.values())))

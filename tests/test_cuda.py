@@ -21,6 +21,9 @@ import data
 import decode
 import train
 from model import ModelConfig, Transformer
+from machinery import toy_corpus
+from machinery import train_cli
+from machinery import fileio
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -47,7 +50,7 @@ TINY = [
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp("toy")
-    data.make_toy_corpus(d, seed=1, n_train=3000, n_dev=40, n_test=40)
+    toy_corpus.make_toy_corpus(d, seed=1, n_train=3000, n_dev=40, n_test=40)
     return ["--data", str(d), "--src", "src", "--tgt", "tgt"]
 
 
@@ -172,7 +175,7 @@ def test_the_training_step_never_waits_for_the_gpu(case):
 @pytest.fixture(scope="module")
 def cuda_run(corpus, tmp_path_factory):
     run = tmp_path_factory.mktemp("cuda") / "run"
-    train.main(
+    train_cli.main(
         TINY
         + corpus
         + [
@@ -192,8 +195,8 @@ def cuda_run(corpus, tmp_path_factory):
 
 
 def test_decoding_on_cuda_gives_the_cpu_translations(cuda_run, corpus):
-    lines = data.read_lines(f"{corpus[1]}/dev.src")
-    refs = data.read_lines(f"{corpus[1]}/dev.tgt")
+    lines = fileio.read_lines(f"{corpus[1]}/dev.src")
+    refs = fileio.read_lines(f"{corpus[1]}/dev.tgt")
     outputs = {}
     for device in ("cpu", "cuda"):
         model, tok, _ = decode.load_checkpoint(str(cuda_run), torch.device(device))
@@ -239,9 +242,9 @@ def test_a_run_killed_on_cuda_resumes_to_the_same_metrics(tmp_path, killed_run, 
         ]
     )
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    train.main(argv + ["--out", str(whole)])
+    train_cli.main(argv + ["--out", str(whole)])
     killed_run(argv + ["--out", str(killed)], 20)  # killed in its third epoch
-    train.main(["--resume", str(killed)])
+    train_cli.main(["--resume", str(killed)])
     (steps_a, bleu_a), (steps_b, bleu_b) = _records(whole), _records(killed)
     # The GPU's atomic adds (the embedding's backward) make two runs differ in the last bits.
     assert [s[0] for s in steps_a] == [s[0] for s in steps_b] == list(range(1, 25))
@@ -257,8 +260,8 @@ def test_compile_computes_the_eager_step_and_compiles_a_handful_of_graphs(corpus
         + corpus
         + ["--dtype", "fp32", "--dropout", "0", "--word-dropout", "0", "--benchmark", "20"]
     )
-    eager = train.main(argv + ["--out", str(tmp_path / "a")])
-    compiled = train.main(argv + ["--compile", "--out", str(tmp_path / "b")])
+    eager = train_cli.main(argv + ["--out", str(tmp_path / "a")])
+    compiled = train_cli.main(argv + ["--compile", "--out", str(tmp_path / "b")])
     # 23 steps (and the warm-up's) of varied batch shapes: compiled once for symbolic shapes.
     assert 1 <= compiled["compiled_graphs"] <= 4, compiled["compiled_graphs"]
     # the same first step

@@ -9,16 +9,20 @@ import torch
 import data
 import model
 from conftest import tiny_model
-from data import BOS, EOS, PAD, UNK, DataError
+from data import BOS, EOS, PAD, UNK
+from machinery.fileio import DataError
+from machinery import toy_corpus
+from machinery import fileio
+from machinery import corpora
 
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """A small toy corpus, its BPE model and the encoded training set."""
-    d = data.make_toy_corpus(
+    d = toy_corpus.make_toy_corpus(
         tmp_path_factory.mktemp("toy"), seed=1, n_train=6000, n_dev=200, n_test=200
     )
-    paths = data.corpus_paths(d, "src", "tgt")
+    paths = fileio.corpus_paths(d, "src", "tgt")
     train, _ = data.read_parallel(*paths["train"])
     model = data.train_bpe([s for s, _ in train], [t for _, t in train], 2000)
     tok = data.Tokenizer(model)
@@ -29,8 +33,8 @@ def toy(tmp_path_factory):
 
 
 def test_toy_corpus_is_deterministic_and_has_the_advertised_sizes(tmp_path, toy):
-    a = data.make_toy_corpus(tmp_path / "a", seed=1, n_train=6000, n_dev=200, n_test=200)
-    b = data.make_toy_corpus(tmp_path / "b", seed=2, n_train=6000, n_dev=200, n_test=200)
+    a = toy_corpus.make_toy_corpus(tmp_path / "a", seed=1, n_train=6000, n_dev=200, n_test=200)
+    b = toy_corpus.make_toy_corpus(tmp_path / "b", seed=2, n_train=6000, n_dev=200, n_test=200)
     for name in ("train.src", "train.tgt", "dev.src", "test.tgt"):
         assert (a / name).read_bytes() == (toy[0] / name).read_bytes()
         assert (a / name).read_bytes() != (b / name).read_bytes()
@@ -43,11 +47,11 @@ def test_toy_corpus_is_deterministic_and_has_the_advertised_sizes(tmp_path, toy)
 
 
 def test_toy_corpus_is_idempotent(tmp_path):
-    d = data.make_toy_corpus(tmp_path, seed=3, n_train=50, n_dev=5, n_test=5)
+    d = toy_corpus.make_toy_corpus(tmp_path, seed=3, n_train=50, n_dev=5, n_test=5)
     mtime = (d / "train.src").stat().st_mtime_ns
-    data.make_toy_corpus(tmp_path, seed=3, n_train=50, n_dev=5, n_test=5)
+    toy_corpus.make_toy_corpus(tmp_path, seed=3, n_train=50, n_dev=5, n_test=5)
     assert (d / "train.src").stat().st_mtime_ns == mtime  # not rewritten
-    data.make_toy_corpus(tmp_path, seed=4, n_train=50, n_dev=5, n_test=5)
+    toy_corpus.make_toy_corpus(tmp_path, seed=4, n_train=50, n_dev=5, n_test=5)
     assert (d / "train.src").stat().st_mtime_ns != mtime  # other seed: rebuilt
 
 
@@ -85,7 +89,7 @@ def test_toy_target_is_a_function_of_the_source():
     """One reference per source: a repeated source always gets the same target."""
     import random
 
-    grammar = data._ToyGrammar(random.Random(5))
+    grammar = toy_corpus._ToyGrammar(random.Random(5))
     seen, repeats = {}, 0
     for _ in range(20000):
         s, t = grammar.sentence()
@@ -105,7 +109,7 @@ def test_names_are_transliterated():
     """A proper name is rewritten letter by letter in the target (c,q->k w->v y->i j->y x->ks)."""
     import random
 
-    grammar = data._ToyGrammar(random.Random(5))
+    grammar = toy_corpus._ToyGrammar(random.Random(5))
     grammar.lists["name"] = (["Wyxcoj"], [1.0])  # the only name
     pairs = [grammar.sentence() for _ in range(300)]
     assert any("Wyxcoj" in s for s, _ in pairs)
@@ -122,7 +126,7 @@ def _write(path, content):
 
 
 def test_missing_file_names_the_file_and_the_convention(tmp_path):
-    paths = data.corpus_paths(tmp_path, "en", "de")
+    paths = fileio.corpus_paths(tmp_path, "en", "de")
     assert paths["dev"] == (tmp_path / "dev.en", tmp_path / "dev.de")
     _write(paths["train"][0], "a\n")
     with pytest.raises(DataError, match=r"train\.de.*not found.*train\.en") as e:
@@ -213,10 +217,10 @@ def test_bpe_vocab_too_large_is_lowered(capsys):
 def test_encode_cache_round_trip(tmp_path, toy):
     _, train, tok, enc = toy
     cache = tmp_path / "enc.pt"
-    first = data.load_or_encode(tok, train[:300], cache)
+    first = corpora.load_or_encode(tok, train[:300], cache)
     assert first == enc[:300] and cache.exists()
-    assert data.load_or_encode(tok, train[:300], cache) == enc[:300]  # from the cache
-    assert data.load_or_encode(tok, train[:10], cache) == enc[:10]  # other corpus: re-encoded
+    assert corpora.load_or_encode(tok, train[:300], cache) == enc[:300]  # from the cache
+    assert corpora.load_or_encode(tok, train[:10], cache) == enc[:10]  # other corpus: re-encoded
 
 
 def test_filter_long_counts_what_it_drops():

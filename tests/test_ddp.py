@@ -41,6 +41,8 @@ import model  # noqa: E402
 import norms  # noqa: E402
 import train  # noqa: E402
 from conftest import gloo_unusable_reason  # noqa: E402
+from machinery import toy_corpus
+from machinery import train_cli
 
 TIMEOUT_S = 90  # a hung collective must fail the test, not hang it
 
@@ -303,7 +305,7 @@ def test_train_py_under_torchrun_with_two_processes(tmp_path):
     reason = gloo_unusable_reason()
     if reason:
         pytest.skip(reason)
-    corpus = data.make_toy_corpus(tmp_path / "corpus", n_train=300, n_dev=10, n_test=10)
+    corpus = toy_corpus.make_toy_corpus(tmp_path / "corpus", n_train=300, n_dev=10, n_test=10)
     run = tmp_path / "run"
     cmd = [
         sys.executable,
@@ -404,7 +406,7 @@ def test_a_torchrun_run_stopped_by_sigterm_resumes_exactly_and_only_with_as_many
     reason = gloo_unusable_reason()
     if reason:
         pytest.skip(reason)
-    corpus = data.make_toy_corpus(tmp_path / "corpus", n_train=300, n_dev=10, n_test=10)
+    corpus = toy_corpus.make_toy_corpus(tmp_path / "corpus", n_train=300, n_dev=10, n_test=10)
 
     def torchrun(*argv, wait=True):
         cmd = [
@@ -489,7 +491,7 @@ def test_a_torchrun_run_stopped_by_sigterm_resumes_exactly_and_only_with_as_many
     torchrun("--resume", str(part))
     assert steps("part") == steps("whole") and len(steps("whole")) == 60
     with pytest.raises(SystemExit) as e:
-        train.main(["--resume", str(part), "--max-steps", "70"])
+        train_cli.main(["--resume", str(part), "--max-steps", "70"])
     assert "trained on 2 processes and this is 1" in str(e.value.code)
 
 

@@ -31,13 +31,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import conftest  # noqa: E402
-import data  # noqa: E402
 import decode  # noqa: E402
 from conftest import WORDS  # noqa: E402
 
 # noqa: E402
 from decode import Search, beam_search, greedy_search, length_penalty, load_checkpoint, translate
-from model import BOS, EOS, PAD, ModelConfig, Transformer  # noqa: E402
+from model import BOS, EOS, PAD  # noqa: E402
+from machinery import rundir
+from machinery import decode_cli
+from machinery import train_cli
 
 V = 40
 
@@ -216,7 +218,7 @@ def run_dir(tmp_path_factory):
     tok = Tokenizer(proto)
     model = tiny_model(vocab_size=tok.vocab_size)
     ckpt = {
-        "format": data.CHECKPOINT_FORMAT,
+        "format": rundir.CHECKPOINT_FORMAT,
         "model_config": asdict(model.cfg),
         "model": model.state_dict(),
         "bpe_model_proto": proto,
@@ -280,7 +282,7 @@ def test_cli_translates_a_file_and_prints_bleu(run_dir, tmp_path, capsys):
         "cpu",
     ]
     assert (
-        decode.main(
+        decode_cli.main(
             common + ["--output", str(out), "--beam", "2", "--json", str(tmp_path / "scores.json")]
         )
         == 0
@@ -325,7 +327,7 @@ def test_cli_translates_a_file_and_prints_bleu(run_dir, tmp_path, capsys):
         (["--json", str(tmp_path / "nope" / "s.json")], "does not exist"),
     ):
         with pytest.raises(SystemExit) as e:
-            decode.main(common + flags)
+            decode_cli.main(common + flags)
         assert words in str(e.value.code), (flags, e.value.code)
     for flags, words in (
         (
@@ -335,9 +337,9 @@ def test_cli_translates_a_file_and_prints_bleu(run_dir, tmp_path, capsys):
         ([str(root), "--json", str(tmp_path / "s.json")], "--json is for --ref"),
     ):
         with pytest.raises(SystemExit):
-            decode.main(common + flags if "--benchmark" in flags else flags)
+            decode_cli.main(common + flags if "--benchmark" in flags else flags)
         assert words in capsys.readouterr().err
-    assert decode.main(common + ["--benchmark"]) == 0
+    assert decode_cli.main(common + ["--benchmark"]) == 0
     err = capsys.readouterr().err
     assert "greedy (beam 1)" in err and "beam 4" in err and "sentences/s" in err
 
@@ -347,7 +349,7 @@ def test_cli_reads_stdin_writes_stdout(run_dir, monkeypatch, capsys):
     monkeypatch.setattr(
         sys, "stdin", io.TextIOWrapper(io.BytesIO(("\n".join(lines[:3]) + "\n").encode()))
     )
-    assert decode.main([str(root), "--beam", "1", "--max-len-b", str(B_), "--device", "cpu"]) == 0
+    assert decode_cli.main([str(root), "--beam", "1", "--max-len-b", str(B_), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert out.split("\n")[:-1] == translate(model, tok, lines[:3], Search(1, max_len_b=B_))
 
@@ -372,7 +374,7 @@ def test_cli_searches_as_the_run_did_unless_told(run_dir, tmp_path, capsys):
     ]:
         torch.save(dict(ckpt, args=saved), run / "checkpoint_best.pt")
         out = tmp_path / "hyp.txt"
-        assert decode.main(common + flags + ["--output", str(out)]) == 0
+        assert decode_cli.main(common + flags + ["--output", str(out)]) == 0
         beam, alpha, penalty = want
         assert out.read_text().split("\n")[:-1] == translate(
             model, tok, lines[:12], Search(beam, alpha, B_, penalty=penalty)
@@ -380,7 +382,7 @@ def test_cli_searches_as_the_run_did_unless_told(run_dir, tmp_path, capsys):
         assert f"beam {beam}, {penalty} length penalty alpha {alpha}" in capsys.readouterr().err
     torch.save(dict(ckpt, args={"beam": "4; rm -rf /"}), run / "checkpoint_best.pt")
     with pytest.raises(SystemExit) as e:
-        decode.main(common)
+        decode_cli.main(common)
     assert "its saved --beam '4; rm -rf /' is not one decode.py takes" in str(e.value)
 
 
@@ -422,7 +424,7 @@ def test_bad_inputs_give_one_line_errors_naming_the_file(run_dir, tmp_path, case
     else:
         named, argv = str(tmp_path / "none.src"), [str(root), "--input", str(tmp_path / "none.src")]
     with pytest.raises(SystemExit) as e:
-        decode.main(argv)
+        decode_cli.main(argv)
     msg = str(e.value.code)
     assert named in msg and "\n" not in msg and msg.startswith("decode.py: error:")
 
@@ -432,7 +434,7 @@ def test_bad_inputs_give_one_line_errors_naming_the_file(run_dir, tmp_path, case
 def _one_line_exit(argv, *words):
     """decode.main(argv) stops with one line (non-zero) holding every one of words."""
     with pytest.raises(SystemExit) as e:
-        decode.main(argv)
+        decode_cli.main(argv)
     msg = str(e.value.code)
     assert e.value.code != 0 and "\n" not in msg and all(w in msg for w in words), msg
     return msg
@@ -470,14 +472,13 @@ def test_output_never_replaces_a_file_any_run_wrote(run_dir, tmp_path):
         _one_line_exit(src + [str(out)], f"--output {out}", "a file of the run directory")
     assert _files(tmp_path) == before  # nothing written, nothing replaced
     for out in (b / "b.hyp", mine / "results.json"):
-        assert decode.main(src + [str(out)]) == 0 and out.read_text().count("\n") == 12
+        assert decode_cli.main(src + [str(out)]) == 0 and out.read_text().count("\n") == 12
 
 
 def test_a_checkpoint_of_another_run_is_refused_by_decode_and_resume(run_dir, tmp_path):
     """Issue 30: a language model's checkpoint copied into a translation run's folder made decode.py
     take the whole run for a language model. A checkpoint whose run_id is not its folder's run's
     (config.json) is refused."""
-    import train
 
     ckpt = torch.load(run_dir[0] / "checkpoint_best.pt", weights_only=True)
     run = tmp_path / "run"
@@ -495,7 +496,7 @@ def test_a_checkpoint_of_another_run_is_refused_by_decode_and_resume(run_dir, tm
         )
     # a resume refuses it (a file train.py did not write, never replaced)
     with pytest.raises(SystemExit) as e:
-        train.main(["--resume", str(run)])
+        train_cli.main(["--resume", str(run)])
     assert "another run" in str(e.value.code) and "move it out" in str(e.value.code), e.value.code
     assert _files(tmp_path) == before
     # its own run's: read
@@ -509,11 +510,11 @@ def test_threads_is_range_checked_and_set(run_dir, monkeypatch, capsys):
     argv = [str(root), "--input", str(root / "dev.src"), "--max-len-b", str(B_)]
     for n in ("0", "100000"):
         with pytest.raises(SystemExit):
-            decode.main(argv + ["--threads", n])
+            decode_cli.main(argv + ["--threads", n])
         assert f"argument --threads: must be in [1, 1024] (got {n})" in capsys.readouterr().err
     set_to = []
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
-    assert decode.main(argv + ["--threads", "3"]) == 0 and set_to == [3]
+    assert decode_cli.main(argv + ["--threads", "3"]) == 0 and set_to == [3]
 
 
 def test_a_translators_batches_are_the_runs_else_4096(run_dir, tmp_path, monkeypatch):
@@ -534,5 +535,5 @@ def test_a_translators_batches_are_the_runs_else_4096(run_dir, tmp_path, monkeyp
     ):
         torch.save(dict(ckpt, args=saved), tmp_path / "c.pt")
         flags = ["--batch-tokens", *given] if given else []
-        assert decode.main([str(tmp_path / "c.pt"), "--input", str(root / "dev.src"), *flags]) == 0
+        assert decode_cli.main([str(tmp_path / "c.pt"), "--input", str(root / "dev.src"), *flags]) == 0
         assert used.pop() == want

@@ -38,11 +38,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import data  # noqa: E402
 import decode  # noqa: E402
 from conftest import WORDS, tiny_model  # noqa: E402
-from data import DataError as DecodeError  # noqa: E402  (decode.py raises data.DataError)
-from model import BOS, EOS, ModelConfig, MultiHeadAttention, Transformer  # noqa: E402
+  # noqa: E402  (decode.py raises data.DataError)
+from model import BOS, EOS, MultiHeadAttention  # noqa: E402
+from machinery.fileio import DataError as DecodeError
+from machinery import plots
+from machinery import decode_cli
+from machinery import rundir
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +304,7 @@ def test_cli_compare_prints_table_and_names_bad_files(tmp_path, capsys):
             "--test",
             test,
         ]
-        assert decode.main(argv) == 0
+        assert decode_cli.main(argv) == 0
         out = capsys.readouterr().out
         assert (
             "p-value" in out
@@ -321,7 +324,7 @@ def test_cli_compare_prints_table_and_names_bad_files(tmp_path, capsys):
         assert verdicts[1].startswith(f"{tmp_path / 'sys2'}: BLEU delta ")
     for bad in ("short", "missing"):
         with pytest.raises(SystemExit) as e:
-            decode.main(
+            decode_cli.main(
                 [
                     "--compare",
                     str(tmp_path / bad),
@@ -335,7 +338,7 @@ def test_cli_compare_prints_table_and_names_bad_files(tmp_path, capsys):
             str(tmp_path / bad) in msg and "\n" not in msg and msg.startswith("decode.py: error:")
         )
     with pytest.raises(SystemExit) as e:  # a baseline alone: nothing to compare
-        decode.main(["--compare", str(tmp_path / "base"), "--ref", str(tmp_path / "ref")])
+        decode_cli.main(["--compare", str(tmp_path / "base"), "--ref", str(tmp_path / "ref")])
     assert "at least one system's" in str(e.value.code)
 
 
@@ -356,7 +359,7 @@ def test_average_checkpoints_averages_floats_and_copies_int_and_bool(tmp_path):
         paths.append(tmp_path / f"checkpoint_epoch{i + 1}.pt")
         torch.save(
             {
-                "format": data.CHECKPOINT_FORMAT,
+                "format": rundir.CHECKPOINT_FORMAT,
                 "model_config": {"vocab_size": 6},
                 "model": fake_state(i),
                 "step": i,
@@ -385,7 +388,7 @@ def test_load_checkpoint_average_of_run_dir(tmp_path, toy):
     for epoch, m in enumerate(models, start=1):
         m.encoder[0].norm_attn.num_batches_tracked.fill_(100 * epoch)
         ckpt = {
-            "format": data.CHECKPOINT_FORMAT,
+            "format": rundir.CHECKPOINT_FORMAT,
             "model_config": asdict(m.cfg),
             "model": m.state_dict(),
             "step": epoch,
@@ -490,14 +493,14 @@ def test_attention_on_own_translation_and_heatmap(toy, tmp_path, monkeypatch, ca
     greedy = decode.greedy_search(model, torch.tensor([tok.encode(src)]))[0]
     assert rows == [tok.piece(i) for i in greedy] + ["</s>"]
     assert not model.decoder[0].cross_attn.keep_weights
-    text = decode.render_heatmap(w, rows, cols)
+    text = plots.render_heatmap(w, rows, cols)
     for label in rows + cols:
         # cut to max_label 8 with "~"
         assert (label if len(label) <= 8 else label[:7] + "~") in text
     assert len(text.splitlines()) == len(rows) + 2
     # Without matplotlib: False and one note, never ImportError.
     without_matplotlib(monkeypatch)
-    assert decode.save_heatmap_png(w, rows, cols, tmp_path / "a.png") is False
+    assert plots.save_heatmap_png(w, rows, cols, tmp_path / "a.png") is False
     assert not (tmp_path / "a.png").exists()
     assert "matplotlib" in capsys.readouterr().err
     with pytest.raises(DecodeError, match="layer 7"):
@@ -555,18 +558,18 @@ def test_cli_g_table_and_attention(tmp_path, toy, capsys):
     model = tiny_model(tok.vocab_size, qknorm=True, qk_g0=4.0)
     torch.save(
         {
-            "format": data.CHECKPOINT_FORMAT,
+            "format": rundir.CHECKPOINT_FORMAT,
             "model_config": asdict(model.cfg),
             "model": model.state_dict(),
             "bpe_model_proto": proto,
         },
         tmp_path / "checkpoint_best.pt",
     )
-    assert decode.main([str(tmp_path), "--g-table"]) == 0
+    assert decode_cli.main([str(tmp_path), "--g-table"]) == 0
     assert "decoder.0.cross_attn.g" in capsys.readouterr().out
     src, tgt = pairs[2]
     assert (
-        decode.main(
+        decode_cli.main(
             [
                 str(tmp_path),
                 "--attention",
@@ -588,7 +591,7 @@ def test_cli_g_table_and_attention(tmp_path, toy, capsys):
     (tmp_path / "dev.src").write_text("\n".join(s for s, _ in pairs[:6]) + "\n")
     (tmp_path / "dev.tgt").write_text("\n".join(t for _, t in pairs[:6]) + "\n")
     assert (
-        decode.main(
+        decode_cli.main(
             [
                 str(tmp_path),
                 "--input",
@@ -674,7 +677,7 @@ def _fake_run(root, name, scale_g, qk_g, bn_key=None):
 def test_plot_series_picks_each_panel_from_metrics(tmp_path):
     a = _fake_run(tmp_path, "bn", 3.0, 7.0, "dist_sigma2")
     b = _fake_run(tmp_path, "pn", 4.0, 9.0, "dist_psi2")
-    panels = decode.plot_series([a, b])
+    panels = plots.plot_series([a, b])
     assert [c[0] for c in panels["dev BLEU"]] == ["bn", "pn"] and panels["dev BLEU"][0][1:] == (
         [10, 20],
         [10.0, 20.0],
@@ -697,7 +700,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch, c
     run = _fake_run(tmp_path, "r", 3.0, 7.0)
     without_matplotlib(monkeypatch)
     with pytest.raises(SystemExit) as e:  # one line, a non-zero exit, nothing written
-        decode.main(["--plot", str(run), "--out", str(tmp_path / "p.png")])
+        decode_cli.main(["--plot", str(run), "--out", str(tmp_path / "p.png")])
     msg = str(e.value.code)
     assert "pip install matplotlib" in msg and "\n" not in msg and not (tmp_path / "p.png").exists()
 
@@ -707,7 +710,7 @@ def test_plot_writes_a_png_when_matplotlib_is_there(tmp_path):
         "matplotlib", reason="matplotlib is an optional extra (pip install matplotlib)"
     )
     runs = [str(_fake_run(tmp_path, n, 3.0, 7.0, "dist_psi2")) for n in ("a", "b")]
-    assert decode.main(["--plot", *runs, "--out", str(tmp_path / "p.png")]) == 0
+    assert decode_cli.main(["--plot", *runs, "--out", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -732,7 +735,7 @@ def test_plot_draws_a_run_with_one_evaluation_as_a_point(tmp_path, monkeypatch):
             drawn.append((ax, len(xs), k.get("marker"))) or real_plot(ax, xs, ys, **k)
         ),
     )
-    decode.main(["--plot", str(run), "--out", str(tmp_path / "p.png")])
+    decode_cli.main(["--plot", str(run), "--out", str(tmp_path / "p.png")])
     # each panel's title is set after its curves
     drawn = [(ax.get_title(), n, marker) for ax, n, marker in drawn]
     assert ("dev BLEU", 1, "o") in drawn and ("training loss", 1, "o") in drawn, drawn

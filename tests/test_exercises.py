@@ -83,7 +83,8 @@ def test_word_dropouts_claims_catch_a_fixed_pattern_and_a_generator_ignored():
 
 
 # The instructor's tree only (make leaves these out of a student's copy: the cheats below hold
-# solution lines). Instructor only: begin
+# solution lines).
+# Instructor only: begin
 def _set_region(folder, name, body, k=0):
     """Replaces the code of the k-th region of exercise `name` in folder's files with `body`."""
     spots = [

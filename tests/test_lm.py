@@ -19,6 +19,15 @@ import decode
 import norms
 import train
 from model import EOS, PAD, UNK, ModelConfig, MultiLinearAttention, Transformer
+from machinery import toy_corpus
+from machinery import train_cli
+from machinery import decode_cli
+from machinery import corpora
+from machinery import presets
+from machinery import fileio
+from machinery import logbook
+from machinery import rundir
+from machinery import plots
 
 PN_OPTIONS = {"warmup": 2, "variant": "paper", "alpha_fwd": 0.9, "alpha_bkw": 0.9}
 
@@ -173,11 +182,11 @@ def test_every_token_of_the_text_is_predicted_once_from_the_ones_before_it():
 @pytest.fixture(scope="module")
 def text(tmp_path_factory):
     """DIR/{train,dev,test}.txt: the target side of a small built-in corpus."""
-    toy = data.make_toy_corpus(
+    toy = toy_corpus.make_toy_corpus(
         tmp_path_factory.mktemp("toy"), seed=2, n_train=1500, n_dev=40, n_test=40
     )
     d = tmp_path_factory.mktemp("text")
-    for split in data.SPLITS:
+    for split in fileio.SPLITS:
         (d / f"{split}.txt").write_text((toy / f"{split}.tgt").read_text())
     return d
 
@@ -208,7 +217,7 @@ LM = [
 
 def test_a_multilinear_word_model_learns_and_its_test_perplexity_is_decodes(text, tmp_path, capsys):
     run = tmp_path / "run"
-    train.main(
+    train_cli.main(
         LM
         + [
             "--data",
@@ -239,7 +248,7 @@ def test_a_multilinear_word_model_learns_and_its_test_perplexity_is_decodes(text
     # it learned: far below a uniform guess
     assert dev[-1] < dev[0] < vocab and result["test_ppl"] < vocab / 4
     capsys.readouterr()
-    decode.main([str(run), "--ppl", "--input", str(text / "test.txt")])
+    decode_cli.main([str(run), "--ppl", "--input", str(text / "test.txt")])
     printed = float(capsys.readouterr().out.split()[1])
     assert printed == pytest.approx(result["test_ppl"], abs=0.006)  # printed with 2 decimals
     words = sum(len(l.split()) + 1 for l in (text / "test.txt").read_text().splitlines() if l)
@@ -248,12 +257,12 @@ def test_a_multilinear_word_model_learns_and_its_test_perplexity_is_decodes(text
         len(result["embedding_singular_values"]) == 32
         and result["embedding_singular_values"][0] == 1.0
     )
-    assert decode.plot_series([run])["dev perplexity"][0][2] == dev  # --plot's curve
+    assert plots.plot_series([run])["dev perplexity"][0][2] == dev  # --plot's curve
 
 
 def test_a_bpe_language_model_reports_perplexity_per_word_too(text, tmp_path, capsys):
     run = tmp_path / "run"
-    train.main(
+    train_cli.main(
         LM
         + [
             "--data",
@@ -274,17 +283,17 @@ def test_a_bpe_language_model_reports_perplexity_per_word_too(text, tmp_path, ca
     assert r["test_word_ppl"] == pytest.approx(
         r["test_ppl"] ** (r["test_tokens"] / r["test_words"]), rel=1e-9
     )
-    decode.main([str(run), "--generate", "a", "--max-tokens", "5"])
+    decode_cli.main([str(run), "--generate", "a", "--max-tokens", "5"])
     assert capsys.readouterr().out.strip()
     # an empty prefix takes it too
-    assert decode.main([str(run), "--generate", "", "--max-tokens", "3"]) == 0
+    assert decode_cli.main([str(run), "--generate", "", "--max-tokens", "3"]) == 0
     capsys.readouterr()
     # --leak on whole segments only: the text's padded last segment would score log p(PAD) = -inf
     _, tok, _ = decode.load_checkpoint(run)
     lines = [l for l in (text / "test.txt").read_text().splitlines() if l]
     # the text ends in a padded segment
     assert data.lm_segments(data.lm_stream(tok, lines), 32).y.eq(PAD).any()
-    assert decode.main([str(run), "--leak", "--input", str(text / "test.txt")]) == 0
+    assert decode_cli.main([str(run), "--leak", "--input", str(text / "test.txt")]) == 0
     out = capsys.readouterr().out
     assert "future leak" in out and "nan" not in out and "inf" not in out, out
     (tmp_path / "short.txt").write_text("a b\n")
@@ -292,7 +301,7 @@ def test_a_bpe_language_model_reports_perplexity_per_word_too(text, tmp_path, ca
         (["--input", str(tmp_path / "short.txt")], "shorter than one segment"),
         (["--input", str(text / "test.txt"), "--seq-len", "1"], "--seq-len 1"),
     ):
-        assert words in _one_line_error(lambda: decode.main([str(run), "--leak", *extra]))
+        assert words in _one_line_error(lambda: decode_cli.main([str(run), "--leak", *extra]))
 
 
 def test_a_stopped_language_model_resumes_to_the_same_metrics(text, tmp_path, killed_run):
@@ -310,13 +319,13 @@ def test_a_stopped_language_model_resumes_to_the_same_metrics(text, tmp_path, ki
         "--seed",
         "4",
     ]
-    train.main(argv + ["--out", str(tmp_path / "whole")])
+    train_cli.main(argv + ["--out", str(tmp_path / "whole")])
     killed_run(argv + ["--out", str(tmp_path / "killed")], 19, signal.SIGINT)
     assert (
-        data.read_checkpoint(tmp_path / "killed" / "checkpoint_last.pt")["train_state"]["step"]
+        rundir.read_checkpoint(tmp_path / "killed" / "checkpoint_last.pt")["train_state"]["step"]
         == 19
     )
-    train.main(["--resume", str(tmp_path / "killed")])
+    train_cli.main(["--resume", str(tmp_path / "killed")])
     # Every step's, log window's and epoch's record, but their timings and the final record
     # (train_seconds).
     timings = ("tok_per_s", "mfu")
@@ -378,8 +387,8 @@ def test_a_batchnorm_language_model_whose_text_ends_in_a_one_token_segment_train
         "6",
     ]
     # 4 passes over the text
-    train.main(argv + ["--max-steps", "12", "--out", str(tmp_path / "run")])
-    train.main(["--resume", str(tmp_path / "run"), "--max-steps", "18"])
+    train_cli.main(argv + ["--max-steps", "12", "--out", str(tmp_path / "run")])
+    train_cli.main(["--resume", str(tmp_path / "run"), "--max-steps", "18"])
     assert json.loads((tmp_path / "run" / "results.json").read_text())["steps"] == 18
 
 
@@ -394,15 +403,15 @@ def _one_line_error(fn):
 def test_bad_language_model_input_is_one_line(text, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    for split in data.SPLITS:
+    for split in fileio.SPLITS:
         (empty / f"{split}.txt").write_text("a b\n" if split != "dev" else "\n\n")
     msg = _one_line_error(
-        lambda: train.main(LM + ["--data", str(empty), "--out", str(tmp_path / "r1")])
+        lambda: train_cli.main(LM + ["--data", str(empty), "--out", str(tmp_path / "r1")])
     )
     assert "dev.txt" in msg and "no text" in msg
     (empty / "dev.txt").write_text("a b\n")
     msg = _one_line_error(
-        lambda: train.main(LM + ["--data", str(empty), "--out", str(tmp_path / "r2")])
+        lambda: train_cli.main(LM + ["--data", str(empty), "--out", str(tmp_path / "r2")])
     )
     assert "dev.txt" in msg and "shorter than one segment of --seq-len 32" in msg
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()  # nothing written
@@ -414,21 +423,21 @@ def test_bad_language_model_input_is_one_line(text, tmp_path):
         (["--task", "lm", "--attention", "multilinear", "--qknorm"], "--qknorm"),
         (["--bpe-size", "0"], "--bpe-size"),
     ):
-        assert flag in _one_line_error(lambda: train.main(argv + ["--out", str(tmp_path / "r3")]))
+        assert flag in _one_line_error(lambda: train_cli.main(argv + ["--out", str(tmp_path / "r3")]))
 
 
 def test_qknorm_on_segments_of_one_token_is_one_line(tmp_path):
     """Issue 30: a language model's QKNorm L is --seq-len, and g0 = log2(L^2 - L) needs L >= 2 (a
     traceback)."""
     argv = ["--task", "lm", "--qknorm", "--seq-len", "1"]
-    msg = _one_line_error(lambda: train.main(argv + ["--out", str(tmp_path / "r")]))
+    msg = _one_line_error(lambda: train_cli.main(argv + ["--out", str(tmp_path / "r")]))
     assert "--seq-len" in msg and "L >= 2" in msg and not (tmp_path / "r").exists()
-    train.check_flags(*train.resolve_flags(argv + ["--qk-length", "8"]))  # L given: fine
+    train_cli.check_flags(*presets.resolve_flags(argv + ["--qk-length", "8"]))  # L given: fine
 
 
 def test_decoding_a_multilinear_model_with_a_longer_segment_is_one_line(text, tmp_path, capsys):
     run = tmp_path / "run"
-    train.main(
+    train_cli.main(
         LM
         + [
             "--data",
@@ -446,15 +455,15 @@ def test_decoding_a_multilinear_model_with_a_longer_segment_is_one_line(text, tm
         ]
     )
     msg = _one_line_error(
-        lambda: decode.main(
+        lambda: decode_cli.main(
             [str(run), "--ppl", "--input", str(text / "test.txt"), "--seq-len", "16"]
         )
     )
     assert "--seq-len 16" in msg and "8" in msg
     # shorter: fine
-    decode.main([str(run), "--ppl", "--input", str(text / "test.txt"), "--seq-len", "4"])
+    decode_cli.main([str(run), "--ppl", "--input", str(text / "test.txt"), "--seq-len", "4"])
     assert "segments of 4" in capsys.readouterr().out
-    msg = _one_line_error(lambda: decode.main([str(run), "--input", str(text / "test.txt")]))
+    msg = _one_line_error(lambda: decode_cli.main([str(run), "--input", str(text / "test.txt")]))
     assert "a language model" in msg
 
 
@@ -466,18 +475,18 @@ def test_prepare_ptb_checks_each_files_md5_offline(tmp_path, monkeypatch, capsys
     for split, name in files.items():
         (src / name).write_text(f" {split} one <unk> N \n {split} two \n")
     md5 = {s: hashlib.md5((src / n).read_bytes()).hexdigest() for s, n in files.items()}
-    monkeypatch.setitem(data.CORPORA["ptb"], "md5", md5)
-    out = data.prepare("ptb", tmp_path / "ptb", str(src))
+    monkeypatch.setitem(corpora.CORPORA["ptb"], "md5", md5)
+    out = corpora.prepare("ptb", tmp_path / "ptb", str(src))
     assert (out / "dev.txt").read_text() == "dev one <unk> N\ndev two\n"
     assert "python train.py --data" in capsys.readouterr().out
-    monkeypatch.setitem(data.CORPORA["ptb"], "md5", dict(md5, test="0" * 32))
+    monkeypatch.setitem(corpora.CORPORA["ptb"], "md5", dict(md5, test="0" * 32))
     # a folder of the user's own text: a damaged test file found last changes none of it
     mine = tmp_path / "mine"
     mine.mkdir()
     for split in files:
         (mine / f"{split}.txt").write_text(f"the user's {split}\n")
-    with pytest.raises(data.DataError, match="ptb.test.txt: md5"):
-        data.prepare("ptb", mine, str(src))
+    with pytest.raises(fileio.DataError, match="ptb.test.txt: md5"):
+        corpora.prepare("ptb", mine, str(src))
     assert [(mine / f"{s}.txt").read_text() for s in files] == [f"the user's {s}\n" for s in files]
 
 
@@ -488,7 +497,7 @@ def test_the_table_2_presets_are_the_papers_language_models():
         ("pn2-pnv", "pnv"),
         ("pn2-powernorm", "power"),
     ):
-        args, _ = train.resolve_flags(["--preset", name])
+        args, _ = presets.resolve_flags(["--preset", name])
         assert (args.task, args.norm, args.attention, args.seq_len, args.layers, args.d_model) == (
             "lm",
             norm,
@@ -519,7 +528,7 @@ def test_batch_flops_of_a_language_model_and_the_multilinear_attention():
     # a language model's: no source
     batch = data.Batch(None, torch.zeros(B, T), torch.zeros(B, T), B * T)
     cfg = ModelConfig(vocab_size=V, d_model=D, heads=2, ff=FF, dec_layers=1, lm=True)
-    assert train.batch_flops(cfg, batch) == 6 * B * (
+    assert logbook.batch_flops(cfg, batch) == 6 * B * (
         T * (4 * D * D + 2 * D * FF) + 2 * T * T * D + T * D * V
     )
     cfg = ModelConfig(
@@ -532,7 +541,7 @@ def test_batch_flops_of_a_language_model_and_the_multilinear_attention():
         attention="multilinear",
         seq_len=5,
     )
-    assert train.batch_flops(cfg, batch) == 6 * B * (
+    assert logbook.batch_flops(cfg, batch) == 6 * B * (
         T * (3 * D * D + T * T * D + 2 * 25 * D + 2 * D * FF) + T * D * V
     )
 
@@ -548,29 +557,29 @@ def test_review_fixes_special_words_idle_flags_and_the_cosine_schedule(text, tmp
         (["--preset", "pn1-layernorm", "--pair", "ptb"], "--pair ptb"),
         (["--preset", "pn2-layernorm", "--pair", "de-en"], "--pair de-en"),
     ):
-        assert flag in _one_line_error(lambda: train.main(argv + ["--out", str(tmp_path / "r")]))
+        assert flag in _one_line_error(lambda: train_cli.main(argv + ["--out", str(tmp_path / "r")]))
     run = tmp_path / "run"
-    train.main(
+    train_cli.main(
         LM + ["--data", str(text), "--max-steps", "4", "--epoch-size", "4", "--out", str(run)]
     )
     assert "--beam" in _one_line_error(
-        lambda: train.main(["--resume", str(run), "--max-steps", "8", "--beam", "7"])
+        lambda: train_cli.main(["--resume", str(run), "--max-steps", "8", "--beam", "7"])
     )
-    assert "--task mt" in _one_line_error(lambda: train.main(["--pair", "ptb", "--task", "mt"]))
+    assert "--task mt" in _one_line_error(lambda: train_cli.main(["--pair", "ptb", "--task", "mt"]))
     # A resume that repeats the run's own language-model flag is checked against the run, not the
     # defaults
-    train.main(["--resume", str(run), "--max-steps", "8", "--seq-len", "32"])
+    train_cli.main(["--resume", str(run), "--max-steps", "8", "--seq-len", "32"])
     for argv, words in (
         ([str(run), "--attention", "a b"], "--attention"),
         ([str(run), "--ppl", "--input", str(text / "test.txt"), "--beam", "7"], "--beam"),
         ([str(run), "--generate", "a", "--output", str(tmp_path / "o.txt")], "--output"),
     ):
-        assert words in _one_line_error(lambda: decode.main(argv))
+        assert words in _one_line_error(lambda: decode_cli.main(argv))
     with pytest.raises(SystemExit):
-        decode.main([str(run), "--svd", "--ppl", "--input", str(text / "test.txt")])
+        decode_cli.main([str(run), "--svd", "--ppl", "--input", str(text / "test.txt")])
     assert "--input does nothing with --svd" in capsys.readouterr().err
     assert "--input" in _one_line_error(
-        lambda: decode.main([str(run), "--generate", "a", "--input", str(text / "test.txt")])
+        lambda: decode_cli.main([str(run), "--generate", "a", "--input", str(text / "test.txt")])
     )
     # cosine: eq. 7's linear warmup to the peak, then (1 + cos(pi progress)) / 2 down to 0 at the
     # last step
@@ -581,5 +590,5 @@ def test_review_fixes_special_words_idle_flags_and_the_cosine_schedule(text, tmp
         and s(600) == pytest.approx(0.5e-3)
     )
     assert s(1100) == pytest.approx(0.0, abs=1e-15) and not s.decays
-    args, _ = train.resolve_flags(["--preset", "pn2-powernorm", "--max-epochs", "2"])
+    args, _ = presets.resolve_flags(["--preset", "pn2-powernorm", "--max-epochs", "2"])
     assert train.Schedule.from_args(args).total == 2 * 243

@@ -10,7 +10,10 @@ import torch
 
 import data
 import decode
-import train
+from machinery import train_cli
+from machinery import decode_cli
+from machinery import fileio
+from machinery import presets
 
 LM = [
     "--task",
@@ -54,7 +57,7 @@ def test_every_token_is_scored_once_with_at_least_context_tokens_before_it(lengt
     if context == 0:  # the segments train.py scores, exactly
         segs = data.lm_segments(stream, length)
         assert torch.equal(w.x, segs.x) and torch.equal(w.y, segs.y)
-    with pytest.raises(data.DataError, match=f"--context {length}: at most {length - 1}"):
+    with pytest.raises(fileio.DataError, match=f"--context {length}: at most {length - 1}"):
         data.lm_windows(stream, length, length)
 
 
@@ -69,7 +72,7 @@ def learned(tmp_path_factory):
             "".join(f"k{i} m m v{i}\n" for i in (r.randrange(10) for _ in range(n)))
         )
     run = tmp_path_factory.mktemp("runs") / "kv"
-    train.main(
+    train_cli.main(
         LM
         + [
             "--data",
@@ -97,15 +100,15 @@ def test_with_context_a_model_that_learned_the_text_scores_lower(learned, capsys
     assert ctx["ppl"] < 0.97 * seg["ppl"], (ctx, seg)  # v_i sees its k_i in every window
     assert decode.lm_perplexity(model, tok, lines, 6, bf16=False, context=0) == seg
     capsys.readouterr()
-    decode.main([str(run), "--ppl", "--input", str(d / "test.txt"), "--context", "5"])
+    decode_cli.main([str(run), "--ppl", "--input", str(d / "test.txt"), "--context", "5"])
     out = capsys.readouterr().out
     assert out.startswith(
         f"perplexity {ctx['ppl']:.2f} over 1000 tokens (at least 5 tokens of context)"
     ), out
     with pytest.raises(SystemExit, match="--context 6: at most 5, less than the window"):
-        decode.main([str(run), "--ppl", "--input", str(d / "test.txt"), "--context", "6"])
+        decode_cli.main([str(run), "--ppl", "--input", str(d / "test.txt"), "--context", "6"])
     with pytest.raises(SystemExit):
-        decode.main([str(run), "--generate", "k1", "--context", "2"])
+        decode_cli.main([str(run), "--generate", "k1", "--context", "2"])
     assert "--context is for --ppl" in capsys.readouterr().err
 
 
@@ -114,7 +117,7 @@ def test_at_evaluation_a_causal_model_leaks_nothing_and_an_unmasked_one_does(
 ):
     d, causal = learned
     unmasked = tmp_path / "unmasked"
-    train.main(
+    train_cli.main(
         LM
         + [
             "--data",
@@ -136,7 +139,7 @@ def test_at_evaluation_a_causal_model_leaks_nothing_and_an_unmasked_one_does(
     moved = {}
     for name, run in (("causal", causal), ("unmasked", unmasked)):
         capsys.readouterr()
-        decode.main([str(run), "--leak", "--leak-mode", "eval", "--input", str(d / "dev.txt")])
+        decode_cli.main([str(run), "--leak", "--leak-mode", "eval", "--input", str(d / "dev.txt")])
         out = capsys.readouterr().out
         assert out.startswith("future leak (the model as evaluated)"), out
         moved[name] = float(out.split(" by ")[1].split()[0])
@@ -145,10 +148,10 @@ def test_at_evaluation_a_causal_model_leaks_nothing_and_an_unmasked_one_does(
 
 def test_the_baselines_flags_need_the_multilinear_attention_and_its_presets_set_them():
     with pytest.raises(SystemExit, match="--mask is the multi-linear attention's"):
-        train.main(["--task", "lm", "--mask", "none"])
+        train_cli.main(["--task", "lm", "--mask", "none"])
     for norm in ("layernorm", "powernorm"):
-        pair, _, flags = train.PRESETS[f"pn2-released-{norm}"]
-        causal = train.PRESETS[f"pn2-{norm}"][2]
+        pair, _, flags = presets.PRESETS[f"pn2-released-{norm}"]
+        causal = presets.PRESETS[f"pn2-{norm}"][2]
         assert pair == "ptb" and flags == dict(causal, mask="none", positions="relative")
 
 
@@ -156,7 +159,7 @@ def test_the_baselines_flags_need_the_multilinear_attention_and_its_presets_set_
 def test_generate_with_no_tokens_to_make_is_refused(learned, n, capsys):
     """Issue 30: --max-tokens 0 (and -3) printed nothing and exited 0."""
     with pytest.raises(SystemExit):
-        decode.main([str(learned[1]), "--generate", "k1", "--max-tokens", n])
+        decode_cli.main([str(learned[1]), "--generate", "k1", "--max-tokens", n])
     assert f"argument --max-tokens: must be at least 1 (got {n})" in capsys.readouterr().err
 
 
@@ -173,7 +176,7 @@ def unknown_words(tmp_path_factory):
     ):
         (d / f"{split}.txt").write_text(text)
     run = tmp_path_factory.mktemp("runs") / "unk"
-    train.main(
+    train_cli.main(
         LM
         + [
             "--data",
@@ -212,7 +215,7 @@ def test_a_language_model_reports_its_unknown_tokens(unknown_words, capsys):
     # each scored once
     assert decode.lm_perplexity(model, tok, lines, 4, bf16=False, context=2)["unk_tokens"] == 15
     capsys.readouterr()
-    assert decode.main([str(run), "--ppl", "--input", str(d / "test.txt")]) == 0
+    assert decode_cli.main([str(run), "--ppl", "--input", str(d / "test.txt")]) == 0
     assert capsys.readouterr().out.rstrip().endswith("unknown (<unk>) tokens: 15 (75.00%)")
 
 
@@ -225,7 +228,7 @@ def test_the_log_says_how_many_tokens_were_unknown(tmp_path, capsys):
         ("test", "a b c\n" * 5),
     ):
         (d / f"{split}.txt").write_text(text)
-    train.main(
+    train_cli.main(
         LM
         + [
             "--data",
@@ -251,7 +254,7 @@ def test_no_text_to_score_names_the_file(unknown_words, tmp_path, flag, text):
     empty = tmp_path / "empty.txt"
     empty.write_text(text)
     with pytest.raises(SystemExit) as e:
-        decode.main([str(unknown_words[1]), flag, "--input", str(empty)])
+        decode_cli.main([str(unknown_words[1]), flag, "--input", str(empty)])
     msg = str(e.value.code)
     assert (
         e.value.code != 0

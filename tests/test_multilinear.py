@@ -13,8 +13,9 @@ import torch
 
 import data
 import decode
-import train
 from model import ModelConfig, MultiLinearAttention, Transformer, sinusoidal_positions
+from machinery import train_cli
+from machinery import presets
 
 D, H, L = 6, 2, 4
 R = D // H
@@ -206,7 +207,7 @@ def test_a_multilinear_attention_too_large_for_memory_is_refused_in_one_line_wit
     failed to allocate: refused before anything is written, with the size it would need; the PTB
     preset's segments of 32 pass."""
     with pytest.raises(SystemExit) as e:
-        train.main(
+        train_cli.main(
             [
                 "--task",
                 "lm",
@@ -225,4 +226,4 @@ def test_a_multilinear_attention_too_large_for_memory_is_refused_in_one_line_wit
     assert not (tmp_path / "r").exists()
     for preset, seq_len in (("pn2-layernorm", "32"), ("pn2-layernorm", "384")):
         # no error
-        train.check_flags(*train.resolve_flags(["--preset", preset, "--seq-len", seq_len]))
+        train_cli.check_flags(*presets.resolve_flags(["--preset", preset, "--seq-len", seq_len]))

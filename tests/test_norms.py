@@ -30,6 +30,9 @@ from norms import (
     fixnorm,
     use_reference,
 )
+from machinery import arguments
+from machinery import toy_corpus
+from machinery import train_cli
 
 B, T, D = 3, 5, 16
 
@@ -384,12 +387,10 @@ class MeanAbsNorm(nn.Module):
 def test_a_norm_added_as_a_class_and_one_entry_is_offered_trained_tested_and_missed_by_the_readme(
     monkeypatch, tmp_path
 ):
-    import data
-    import train
 
     monkeypatch.setitem(NORMS, "meanabs", norms.Norm(MeanAbsNorm, "y = g x / mean|x|", "a test"))
     # --norm, --encoder-norm, --decoder-norm offer it, --help explains it
-    parser = train.build_parser()
+    parser = arguments.build_parser()
     args = parser.parse_args(
         ["--norm", "meanabs", "--encoder-norm", "meanabs", "--decoder-norm", "meanabs"]
     )
@@ -397,9 +398,9 @@ def test_a_norm_added_as_a_class_and_one_entry_is_offered_trained_tested_and_mis
     assert "meanabs: y = g x / mean|x| (a test)" in " ".join(parser.format_help().split())
     # train.py trains with it: two steps, finite losses, through its forward
     monkeypatch.setattr(MeanAbsNorm, "calls", 0)
-    corpus = data.make_toy_corpus(tmp_path / "corpus", n_train=300, n_dev=10, n_test=10)
+    corpus = toy_corpus.make_toy_corpus(tmp_path / "corpus", n_train=300, n_dev=10, n_test=10)
     run = tmp_path / "run"
-    train.main(
+    train_cli.main(
         [
             "--norm",
             "meanabs",
@@ -450,7 +451,7 @@ def test_a_norm_added_as_a_class_and_one_entry_is_offered_trained_tested_and_mis
     # and the README check names it until the table has a row for it
     assert missing_from_readme(NORMS) == ["meanabs"]
     monkeypatch.undo()
-    train.build_parser()  # train.py's table of flags as it was
+    arguments.build_parser()  # train.py's table of flags as it was
 
 
 # ---------------------------------------------------------------------------------------

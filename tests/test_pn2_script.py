@@ -11,9 +11,14 @@ import pytest
 import torch
 
 import data
-import decode
 import train
 from model import ModelConfig, MultiLinearAttention, Transformer
+from machinery import presets
+from machinery import train_cli
+from machinery import toy_corpus
+from machinery import decode_cli
+from machinery import fileio
+from machinery import rundir
 
 # The script: 3 layers, d 256, 1 head of d_head 40, FFN 2100, segments of 32; its vocabulary is
 # PTB's 10,000 words.
@@ -72,7 +77,7 @@ def test_lm_streams_batches_the_text_as_the_baseline_code_and_keeps_the_order_ev
 
 def test_a_text_too_short_for_one_window_a_row_is_one_line():
     with pytest.raises(
-        data.DataError, match="rows of 4 tokens, too short for one window of --seq-len 8"
+        fileio.DataError, match="rows of 4 tokens, too short for one window of --seq-len 8"
     ):
         data.lm_streams(torch.arange(13), 8, 3)
 
@@ -135,8 +140,8 @@ def test_final_dropout_drops_the_decoders_output_in_training_only():
 
 
 def test_the_preset_is_the_scripts_settings():
-    args, given = train.resolve_flags(["--preset", "pn2-script"])
-    train.check_flags(args, given)
+    args, given = presets.resolve_flags(["--preset", "pn2-script"])
+    train_cli.check_flags(args, given)
     script = dict(
         layers=3,
         d_model=256,
@@ -170,7 +175,7 @@ def test_the_preset_is_the_scripts_settings():
     )
     assert {k: getattr(args, k) for k in script} == script
     # the cosine reaches 0 at the script's max_step
-    assert train.budget(args) == (20000, "max_steps")
+    assert rundir.budget(args) == (20000, "max_steps")
     s = train.Schedule.from_args(args)
     # The script's CosineAnnealingLR(T_max = 20000), stepped after each update: update n uses
     # 2.5e-4 (1 + cos(pi (n - 1) / 20000)) / 2. Ours, with a warmup of 1 step, divides by 19999:
@@ -194,7 +199,7 @@ def test_the_preset_is_the_scripts_settings():
 )
 def test_the_new_flags_are_refused_where_they_would_do_nothing(argv, flag, tmp_path):
     with pytest.raises(SystemExit) as e:
-        train.main(argv + ["--out", str(tmp_path / "r")])
+        train_cli.main(argv + ["--out", str(tmp_path / "r")])
     assert flag in str(e.value.code) and "\n" not in str(e.value.code)
     assert not (tmp_path / "r").exists()
 
@@ -206,10 +211,10 @@ def test_a_streams_run_learns_and_one_stopped_mid_pass_resumes_exactly(
     step 11 of batches that come 10 to a pass) resumes to the same records, the batches of the same
     order every pass, and decode.py rebuilds the model (R 8, no attention biases) to score the test
     text as train.py did."""
-    toy = data.make_toy_corpus(tmp_path / "toy", seed=2, n_train=130, n_dev=30, n_test=30)
+    toy = toy_corpus.make_toy_corpus(tmp_path / "toy", seed=2, n_train=130, n_dev=30, n_test=30)
     text = tmp_path / "text"
     text.mkdir()
-    for split in data.SPLITS:
+    for split in fileio.SPLITS:
         (text / f"{split}.txt").write_text((toy / f"{split}.tgt").read_text())
     argv = [
         "--preset",
@@ -239,9 +244,9 @@ def test_a_streams_run_learns_and_one_stopped_mid_pass_resumes_exactly(
         "--log-interval",
         "4",
     ]
-    train.main(argv + ["--out", str(tmp_path / "whole")])
+    train_cli.main(argv + ["--out", str(tmp_path / "whole")])
     killed_run(argv + ["--out", str(tmp_path / "killed")], 11, signal.SIGTERM)
-    train.main(["--resume", str(tmp_path / "killed")])
+    train_cli.main(["--resume", str(tmp_path / "killed")])
     rows = lambda d: [
         {k: v for k, v in r.items() if k not in ("tok_per_s", "mfu")}
         for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())
@@ -251,6 +256,6 @@ def test_a_streams_run_learns_and_one_stopped_mid_pass_resumes_exactly(
     dev = [r["dev_ppl"] for r in rows("whole") if "dev_ppl" in r]
     assert len(dev) == 3 and dev[-1] < dev[0]
     capsys.readouterr()
-    decode.main([str(tmp_path / "whole"), "--ppl", "--input", str(text / "test.txt")])
+    decode_cli.main([str(tmp_path / "whole"), "--ppl", "--input", str(text / "test.txt")])
     result = json.loads((tmp_path / "whole" / "results.json").read_text())
     assert float(capsys.readouterr().out.split()[1]) == pytest.approx(result["test_ppl"], abs=0.006)

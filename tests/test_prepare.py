@@ -15,7 +15,11 @@ from pathlib import Path
 import pytest
 
 import data
-from data import DataError
+from machinery.fileio import DataError
+from machinery import corpora
+from machinery import presets
+from machinery import fileio
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,7 +47,7 @@ def _stanford_en_vi(folder):
 def test_en_vi_from_a_file_url_writes_the_split_files_and_the_command(tmp_path, capsys):
     src = _stanford_en_vi(tmp_path / "iwslt15.en-vi")
     out = tmp_path / "en-vi"
-    data.prepare("en-vi", out, src.as_uri(), expected={"train": 5, "dev": 2, "test": 3})
+    corpora.prepare("en-vi", out, src.as_uri(), expected={"train": 5, "dev": 2, "test": 3})
     assert (out / "train.en").read_text().splitlines()[4] == "train en 4"
     assert (out / "dev.vi").read_text() == "tst2012 vi 0 ạ\ntst2012 vi 1 ạ\n"
     assert len((out / "test.en").read_text().splitlines()) == 3
@@ -55,7 +59,7 @@ def test_en_vi_from_a_file_url_writes_the_split_files_and_the_command(tmp_path, 
     # Idempotent: the stamp makes a second run skip everything, even without the source.
     for f in src.iterdir():
         f.unlink()
-    data.prepare("en-vi", out, src.as_uri(), expected={"train": 5, "dev": 2, "test": 3})
+    corpora.prepare("en-vi", out, src.as_uri(), expected={"train": 5, "dev": 2, "test": 3})
     assert "already prepared" in capsys.readouterr().out
 
 
@@ -64,11 +68,11 @@ def test_a_damaged_stamp_prepares_again(tmp_path, capsys):
     again (no traceback)."""
     src = _stanford_en_vi(tmp_path / "iwslt15.en-vi")
     out = tmp_path / "en-vi"
-    data.prepare("en-vi", out, src.as_uri(), expected={"train": 5, "dev": 2, "test": 3})
+    corpora.prepare("en-vi", out, src.as_uri(), expected={"train": 5, "dev": 2, "test": 3})
     for damaged in ("{half", "[1, 2]"):
         (out / "prepared.json").write_text(damaged)
         capsys.readouterr()
-        data.prepare("en-vi", out, src.as_uri(), expected={"train": 5, "dev": 2, "test": 3})
+        corpora.prepare("en-vi", out, src.as_uri(), expected={"train": 5, "dev": 2, "test": 3})
         assert "already prepared" not in capsys.readouterr().out
         assert json.loads((out / "prepared.json").read_text())["name"] == "en-vi"
 
@@ -77,7 +81,7 @@ def test_en_vi_papers_counts_are_checked_exactly(tmp_path):
     src = _stanford_en_vi(tmp_path / "iwslt15.en-vi")
     # the source read
     with pytest.raises(DataError, match=r"iwslt15.en-vi: train has 5 pairs, expected 133,317"):
-        data.prepare("en-vi", tmp_path / "out", str(src))  # a local folder, read in place
+        corpora.prepare("en-vi", tmp_path / "out", str(src))  # a local folder, read in place
     assert not (tmp_path / "out" / "prepared.json").exists()
 
 
@@ -111,7 +115,7 @@ def _ted_archive(path):
 
 def test_ted_pairs_from_a_local_tar_gz(tmp_path, capsys):
     archive = _ted_archive(tmp_path / "ted_talks.tar.gz")
-    out = data.prepare("gl-en", tmp_path / "gl-en", str(archive))
+    out = corpora.prepare("gl-en", tmp_path / "gl-en", str(archive))
     assert (out / "train.gl").read_text() == "ola .\nsi .\nnon .\n"  # NULL row dropped
     assert (out / "train.en").read_text() == "hello .\nyes .\nno .\n"
     assert (out / "dev.gl").read_text() == "dev gl .\n"
@@ -122,13 +126,12 @@ def test_ted_pairs_from_a_local_tar_gz(tmp_path, capsys):
     # The command it prints works, and sets the corpus's flags: those --pair gl-en sets, with the
     # folder prepared.
     import shlex
-    import train
 
-    args, _ = train.resolve_flags(shlex.split(cap.out.splitlines()[-1])[2:])
-    assert {k: getattr(args, k) for k in train.PAIRS["gl-en"]} == dict(
-        train.PAIRS["gl-en"], data=str(out)
+    args, _ = presets.resolve_flags(shlex.split(cap.out.splitlines()[-1])[2:])
+    assert {k: getattr(args, k) for k in corpora.PAIRS["gl-en"]} == dict(
+        corpora.PAIRS["gl-en"], data=str(out)
     )
-    out = data.prepare("ar-en", tmp_path / "ar-en", str(archive))
+    out = corpora.prepare("ar-en", tmp_path / "ar-en", str(archive))
     assert (out / "train.ar").read_text() == "marhaban .\nshukran .\nla .\n"  # empty ar dropped
     assert (out / "dev.ar").read_text() == ""
 
@@ -136,7 +139,7 @@ def test_ted_pairs_from_a_local_tar_gz(tmp_path, capsys):
 def test_ted_missing_language_column_is_named(tmp_path):
     archive = _ted_archive(tmp_path / "ted_talks.tar.gz")
     with pytest.raises(DataError, match="no column 'sk'.*talk_name en gl ar"):
-        data.prepare("sk-en", tmp_path / "sk-en", str(archive))
+        corpora.prepare("sk-en", tmp_path / "sk-en", str(archive))
 
 
 def test_iwslt14_de_en_follows_the_fairseq_steps(tmp_path, capsys):
@@ -156,7 +159,7 @@ def test_iwslt14_de_en_follows_the_fairseq_steps(tmp_path, capsys):
         members[f"de-en/IWSLT14.{t}.de-en.de.xml"] = seg.format(1, f"Test {t} .")
         members[f"de-en/IWSLT14.{t}.de-en.en.xml"] = seg.format(1, f"It\u2019s {t} .")
     archive = _tar(tmp_path / "de-en.tgz", members)
-    out = data.prepare(
+    out = corpora.prepare(
         "de-en", tmp_path / "de-en", archive.as_uri(), expected={"train": 44, "dev": 2, "test": 5}
     )
     train = (out / "train.de").read_text().splitlines()
@@ -206,11 +209,11 @@ def test_download_resumes_a_truncated_part_over_http(tmp_path, server, honour_ra
     _RangeHandler.honour_range = honour_range
     dest = tmp_path / "x.tar.gz"
     (tmp_path / "x.tar.gz.part").write_bytes(_RangeHandler.body[:30000])
-    data.download(server, dest)
+    corpora.download(server, dest)
     assert dest.read_bytes() == _RangeHandler.body  # a server ignoring Range: whole file again
     assert not (tmp_path / "x.tar.gz.part").exists()
     assert _RangeHandler.ranges == ["bytes=30000-"]
-    data.download(server, dest)  # already there: no request
+    corpora.download(server, dest)  # already there: no request
     assert len(_RangeHandler.ranges) == 1
 
 
@@ -220,7 +223,7 @@ def test_download_resumes_a_truncated_part_from_a_file_url(tmp_path):
     dest = tmp_path / "out" / "src.bin"
     dest.parent.mkdir()
     (dest.parent / "src.bin.part").write_bytes(src.read_bytes()[:1234])
-    data.download(src.as_uri(), dest)
+    corpora.download(src.as_uri(), dest)
     assert dest.read_bytes() == src.read_bytes()
 
 
@@ -264,33 +267,33 @@ def test_mirror_env_var_is_used(tmp_path, monkeypatch):
     mirror = tmp_path / "mirror"
     _stanford_en_vi(mirror / "iwslt15.en-vi")
     monkeypatch.setenv("NMT_DATA_MIRROR", mirror.as_uri())
-    out = data.prepare("en-vi", tmp_path / "en-vi", expected={"train": 5, "dev": 2, "test": 3})
+    out = corpora.prepare("en-vi", tmp_path / "en-vi", expected={"train": 5, "dev": 2, "test": 3})
     assert (out / "orig" / "train.en").exists() and (out / "train.en").exists()
 
 
 def test_unknown_name_lists_the_choices(capsys):
     with pytest.raises(SystemExit) as e:
-        data.prepare_main(["xx-yy"])
+        corpora.prepare_main(["xx-yy"])
     assert e.value.code != 0
     err = capsys.readouterr().err
-    assert "invalid choice: 'xx-yy'" in err and all(n in err for n in data.CORPORA)
+    assert "invalid choice: 'xx-yy'" in err and all(n in err for n in corpora.CORPORA)
     with pytest.raises(DataError, match="choose from en-vi, gl-en"):
-        data.prepare("xx-yy")
+        corpora.prepare("xx-yy")
 
 
 def test_registry_is_complete():
-    for name, c in data.CORPORA.items():
+    for name, c in corpora.CORPORA.items():
         f = c["flags"]  # its train.py flags, their one copy (train.PAIRS reads them)
         # a language model's text: one file a split, each with its md5, or one archive's md5
         if f.get("task") == "lm":
-            assert set(c["splits"]) == set(data.SPLITS) and f["bpe_size"] == 0  # words, no BPE
-            assert set(c["md5"]) == ({"archive"} if c["archive"] else set(data.SPLITS))
+            assert set(c["splits"]) == set(fileio.SPLITS) and f["bpe_size"] == 0  # words, no BPE
+            assert set(c["md5"]) == ({"archive"} if c["archive"] else set(fileio.SPLITS))
             continue
         assert f["src"] + "-" + f["tgt"] == name.removeprefix("multi30k-") or (name, f["tgt"]) == (
             "multi30k",
             "de",
         )
-        assert set(c["splits"]) == set(data.SPLITS)
+        assert set(c["splits"]) == set(fileio.SPLITS)
         assert f["bpe_size"] > 0 and set(c["exact"]) <= set(c["counts"])
 
 
@@ -309,7 +312,7 @@ def test_multi30k_from_gzipped_files_in_a_folder(name, tgt, tmp_path, capsys):
                 gzip.compress("".join(f"{split} {lang} {i} ä\n" for i in range(n)).encode())
             )
     out = tmp_path / "m30k"
-    data.prepare(name, out, str(src), expected={"train": 4, "dev": 2, "test": 3})
+    corpora.prepare(name, out, str(src), expected={"train": 4, "dev": 2, "test": 3})
     assert (out / f"dev.{tgt}").read_text() == f"val {tgt} 0 ä\nval {tgt} 1 ä\n"
     assert len((out / "test.en").read_text().splitlines()) == 3
     assert (
@@ -320,10 +323,10 @@ def test_multi30k_from_gzipped_files_in_a_folder(name, tgt, tmp_path, capsys):
 
 def test_prepare_help_says_what_each_corpus_is_and_where_it_departs(capsys):
     with pytest.raises(SystemExit) as e:
-        data.prepare_main(["--help"])
+        corpora.prepare_main(["--help"])
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # unwrapped
-    for name, c in data.CORPORA.items():
+    for name, c in corpora.CORPORA.items():
         assert f"{name}" in text and " ".join(c["notes"].split()) in text, name
     assert "prepare-iwslt14.sh only approximately" in text
 
@@ -345,7 +348,7 @@ def test_a_source_missing_a_split_changes_none_of_the_folders_files(tmp_path):
         f.unlink()
     mine = _users_corpus(tmp_path / "mine")
     with pytest.raises(DataError, match="tst2013.en"):
-        data.prepare("en-vi", tmp_path / "mine", str(src))
+        corpora.prepare("en-vi", tmp_path / "mine", str(src))
     assert {p.name: p.read_bytes() for p in (tmp_path / "mine").iterdir()} == mine
 
 
@@ -353,7 +356,7 @@ def test_a_line_count_mismatch_writes_no_split(tmp_path):
     src = _stanford_en_vi(tmp_path / "src")
     mine = _users_corpus(tmp_path / "mine")
     with pytest.raises(DataError, match="expected 4"):
-        data.prepare(
+        corpora.prepare(
             "en-vi", tmp_path / "mine", str(src), expected={"train": 5, "dev": 2, "test": 4}
         )
     assert {p.name: p.read_bytes() for p in (tmp_path / "mine").iterdir()} == mine
@@ -374,8 +377,8 @@ def test_a_failed_write_replaces_no_file(tmp_path, monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(os, "fdopen", failing_fdopen)
-    with pytest.raises(data.WriteFailed, match="No space"):
-        data.atomic_write_all({p: "new\n" for p in paths})
+    with pytest.raises(fileio.WriteFailed, match="No space"):
+        fileio.atomic_write_all({p: "new\n" for p in paths})
     assert [p.read_text() for p in paths] == ["old\n"] * 3
     # no temporary left
     assert sorted(q.name for q in tmp_path.iterdir()) == ["dev.txt", "test.txt", "train.txt"]
@@ -411,9 +414,9 @@ def test_prepare_wikitext_103_from_a_zip_checks_its_md5_offline(tmp_path, monkey
 
     src = _wikitext_zip(tmp_path / "wikitext-103-v1.zip")
     monkeypatch.setitem(
-        data.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()}
+        corpora.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()}
     )
-    out = data.prepare("wikitext-103", tmp_path / "wt", str(src))
+    out = corpora.prepare("wikitext-103", tmp_path / "wt", str(src))
     # blank lines kept: counts as released
     assert (out / "train.txt").read_text() == "\n= Title =\n\nthe cat sat .\n"
     assert (out / "dev.txt").read_text() == "\nthe dev @-@ line .\n"
@@ -421,14 +424,14 @@ def test_prepare_wikitext_103_from_a_zip_checks_its_md5_offline(tmp_path, monkey
     assert "--preset pn2-wt103-layernorm" in capsys.readouterr().out
     # Over a file:// URL too (downloaded into DIR/orig), and a damaged zip is one line that changes
     # nothing.
-    data.prepare("wikitext-103", tmp_path / "wt2", src.as_uri())
+    corpora.prepare("wikitext-103", tmp_path / "wt2", src.as_uri())
     assert (tmp_path / "wt2" / "orig" / "wikitext-103-v1.zip").read_bytes() == src.read_bytes()
-    monkeypatch.setitem(data.CORPORA["wikitext-103"], "md5", {"archive": "0" * 32})
+    monkeypatch.setitem(corpora.CORPORA["wikitext-103"], "md5", {"archive": "0" * 32})
     with pytest.raises(
         DataError,
         match=r"wikitext-103-v1.zip: md5 [0-9a-f]{32}, expected 0{32}: not the wikitext-103",
     ):
-        data.prepare("wikitext-103", tmp_path / "wt3", str(src))
+        corpora.prepare("wikitext-103", tmp_path / "wt3", str(src))
     assert not (tmp_path / "wt3").exists()
 
 
@@ -443,11 +446,11 @@ def test_a_language_models_corpus_reads_the_mirror_and_its_stamp_names_the_corpu
     (tmp_path / "mirror").mkdir()
     src = _wikitext_zip(tmp_path / "mirror" / "wikitext-103-v1.zip")
     monkeypatch.setitem(
-        data.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()}
+        corpora.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()}
     )
     monkeypatch.setenv("NMT_DATA_MIRROR", (tmp_path / "mirror").as_uri())
     # no --url: the mirror's copy, fetched into DIR/orig
-    out = data.prepare("wikitext-103", tmp_path / "wt")
+    out = corpora.prepare("wikitext-103", tmp_path / "wt")
     assert (out / "orig" / "wikitext-103-v1.zip").read_bytes() == src.read_bytes()
     assert (
         json.loads((out / "prepared.json").read_text())["source"]
@@ -457,7 +460,7 @@ def test_a_language_models_corpus_reads_the_mirror_and_its_stamp_names_the_corpu
     (out / "prepared.json").write_text(json.dumps({"name": "ptb"}))
     (out / "train.txt").write_text("PTB's text\n")
     capsys.readouterr()
-    data.prepare("wikitext-103", out)
+    corpora.prepare("wikitext-103", out)
     assert "already prepared" not in capsys.readouterr().out
     assert (out / "train.txt").read_text() == "\n= Title =\n\nthe cat sat .\n"
     assert json.loads((out / "prepared.json").read_text())["name"] == "wikitext-103"
@@ -471,10 +474,10 @@ def test_a_wikitext_zip_missing_a_file_names_it(tmp_path, monkeypatch):
     with zipfile.ZipFile(src, "w") as z:
         z.writestr("wikitext-103/wiki.train.tokens", "a\n")
     monkeypatch.setitem(
-        data.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()}
+        corpora.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()}
     )
     with pytest.raises(DataError, match="no file wiki.valid.tokens in it"):
-        data.prepare("wikitext-103", tmp_path / "wt", str(src))
+        corpora.prepare("wikitext-103", tmp_path / "wt", str(src))
 
 
 @pytest.mark.parametrize("name", ["en-vi", "ptb"])
@@ -483,7 +486,7 @@ def test_a_dir_that_is_a_file_is_one_line_and_the_file_is_kept(name, tmp_path, c
     every source."""
     (tmp_path / "mine").write_text("the user's file\n")
     src = _stanford_en_vi(tmp_path / "src")
-    assert data.prepare_main([name, "--dir", str(tmp_path / "mine"), "--url", str(src)]) == 1
+    assert corpora.prepare_main([name, "--dir", str(tmp_path / "mine"), "--url", str(src)]) == 1
     err = capsys.readouterr().err.strip()
     assert err == f"data.py: --dir {tmp_path / 'mine'}: a file, not a folder", err
     assert (tmp_path / "mine").read_text() == "the user's file\n"
@@ -501,9 +504,9 @@ def test_sigterm_stops_prepare_as_ctrl_c_does(tmp_path, monkeypatch, capsys):
 
     src = _stanford_en_vi(tmp_path / "src")
     for signum, status in ((15, 143), (None, 130)):
-        monkeypatch.setattr(data, "_opener", killed(signum))
+        monkeypatch.setattr(corpora, "_opener", killed(signum))
         assert (
-            data.prepare_main(["en-vi", "--dir", str(tmp_path / "out"), "--url", str(src)])
+            corpora.prepare_main(["en-vi", "--dir", str(tmp_path / "out"), "--url", str(src)])
             == status
         )
         assert "interrupted; run the same command again to resume" in capsys.readouterr().err

@@ -21,6 +21,10 @@ import data
 import model
 import train
 from conftest import TINY
+from machinery import presets
+from machinery import train_cli
+from machinery import corpora
+from machinery import arguments
 
 _BANK = {"cursor": 0}
 
@@ -102,14 +106,14 @@ def build_and_step(args):
     return _stepped[key]
 
 
-@pytest.mark.parametrize("name", list(train.PRESETS))
+@pytest.mark.parametrize("name", list(presets.PRESETS))
 def test_every_preset_resolves_builds_and_takes_a_training_step(name):
-    args, given = train.resolve_flags(["--preset", name])
-    train.check_flags(args, given)
-    pair, row, flags = train.PRESETS[name]
+    args, given = presets.resolve_flags(["--preset", name])
+    train_cli.check_flags(args, given)
+    pair, row, flags = presets.PRESETS[name]
     for k, v in flags.items():  # the row's flags, exactly
         assert getattr(args, k) == v, (name, k)
-    for k, v in train.PAIRS[pair].items():  # and its pair's, where the row does not set them
+    for k, v in corpora.PAIRS[pair].items():  # and its pair's, where the row does not set them
         if k not in flags:
             assert getattr(args, k) == v, (name, k)
     assert args.preset == name and row
@@ -121,7 +125,7 @@ def test_every_preset_resolves_builds_and_takes_a_training_step(name):
 
 
 def test_the_tables_are_all_there():
-    names = list(train.PRESETS)
+    names = list(presets.PRESETS)
     assert (
         sum(n.startswith("twt2-") for n in names) == 12
         and sum(n.startswith("twt5-") for n in names) == 6
@@ -142,12 +146,12 @@ def test_the_tables_are_all_there():
         sum(n.startswith("qk5-") for n in names) == 7
         and sum(n.startswith("qk6-") for n in names) == 6
     )
-    for pair in {p for p, _, _ in train.PRESETS.values()}:
-        assert pair in train.PAIRS and pair in data.CORPORA  # `python data.py prepare PAIR` exists
+    for pair in {p for p, _, _ in presets.PRESETS.values()}:
+        assert pair in corpora.PAIRS and pair in corpora.CORPORA  # `python data.py prepare PAIR` exists
 
 
 def test_flags_given_with_a_preset_override_it_and_pair_swaps_the_corpus():
-    args, given = train.resolve_flags(
+    args, given = presets.resolve_flags(
         ["--preset", "twt3-scalenorm", "--layers", "2", "--warmup", "4000"]
     )
     assert (args.layers, args.warmup, args.norm, args.fixnorm, args.lr_scale) == (
@@ -159,7 +163,7 @@ def test_flags_given_with_a_preset_override_it_and_pair_swaps_the_corpus():
     )
     assert given == {"preset": "twt3-scalenorm", "layers": 2, "warmup": 4000}
     assert args.pn_warmup == 4000  # PowerNorm's warmup follows the LR warmup unless given
-    args, _ = train.resolve_flags(["--preset", "twt3-scalenorm", "--pair", "gl-en"])
+    args, _ = presets.resolve_flags(["--preset", "twt3-scalenorm", "--pair", "gl-en"])
     assert (
         args.data,
         args.src,
@@ -172,27 +176,27 @@ def test_flags_given_with_a_preset_override_it_and_pair_swaps_the_corpus():
     # the row stays
     assert (args.norm, args.prenorm, args.warmup, args.d_model) == ("scale", True, 8000, 512)
     with pytest.raises(SystemExit, match="--preset nope"):
-        train.resolve_flags(["--preset", "nope"])
+        presets.resolve_flags(["--preset", "nope"])
     with pytest.raises(SystemExit, match="--pair: invalid choice: .xx-yy."):
-        train.resolve_flags(["--pair", "xx-yy"])
+        presets.resolve_flags(["--pair", "xx-yy"])
 
 
 def test_preset_list_prints_every_preset(capsys):
     with pytest.raises(SystemExit) as e:
-        train.resolve_flags(["--preset", "list"])
+        presets.resolve_flags(["--preset", "list"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in train.PRESETS) and "QKNorm Table 6: without g" in out
+    assert all(name in out for name in presets.PRESETS) and "QKNorm Table 6: without g" in out
 
 
 def test_config_json_records_every_resolved_value(tmp_path, corpus):
     run = tmp_path / "run"
-    train.main(["--preset", "qk6-no-g", *corpus, *TINY, "--max-steps", "2", "--out", str(run)])
+    train_cli.main(["--preset", "qk6-no-g", *corpus, *TINY, "--max-steps", "2", "--out", str(run)])
     saved = json.loads((run / "config.json").read_text())
     assert saved["preset"] == "qk6-no-g" and saved["qk_no_g"] is True and saved["qknorm"] is True
     assert saved["schedule"] == "warmupflat" and saved["warmup"] == 8000 and saved["layers"] == 1
     assert (
-        set(train.DEFAULTS) <= set(saved)
+        set(arguments.DEFAULTS) <= set(saved)
         and saved["bpe_size"] == 300
         and saved["pn_warmup"] == 8000
     )
@@ -201,8 +205,8 @@ def test_config_json_records_every_resolved_value(tmp_path, corpus):
 def test_each_paper_decodes_with_its_own_length_penalty():
     """PowerNorm: "length penalty 1.0 following (Ott et al., 2019)", fairseq's score / |Y|^1.0;
     TwT and QKNorm: the GNMT penalty with alpha 0.6 (their released code)."""
-    for name in train.PRESETS:
-        args, _ = train.resolve_flags(["--preset", name])
+    for name in presets.PRESETS:
+        args, _ = presets.resolve_flags(["--preset", name])
         paper = name.split("-")[0]
         if paper == "pn1":
             assert (args.length_penalty, args.alpha, args.beam) == ("fairseq", 1.0, 5), name

@@ -19,6 +19,13 @@ import norms
 import train
 from conftest import SMALL, TINY  # a small (d 64, two layers) and a tiny configuration
 from model import ModelConfig, Transformer, label_smoothed_loss
+from machinery import train_cli
+from machinery import toy_corpus
+from machinery import presets
+from machinery import logbook
+from machinery import rundir
+from machinery import fileio
+from machinery import arguments
 
 
 # --- eq. 7 --------------------------------------------------------------------------------
@@ -41,7 +48,7 @@ def test_invsqrt_peaks_at_warmup_with_the_papers_value():
 
 
 def schedule(*argv):
-    return train.Schedule.from_args(train.resolve_flags(list(argv))[0])
+    return train.Schedule.from_args(presets.resolve_flags(list(argv))[0])
 
 
 def test_valdecay_is_warmup_then_flat_and_nowarmup_is_constant():
@@ -136,8 +143,8 @@ def test_batch_flops_counts_the_matmuls():
     batch = data.Batch(torch.zeros(B, S), torch.zeros(B, T), torch.zeros(B, T), B * T)
     enc = S * (4 * D * D + 2 * D * FF) + 2 * S * S * D
     dec = T * (6 * D * D + 2 * D * FF) + S * 2 * D * D + 2 * T * T * D + 2 * T * S * D
-    assert train.batch_flops(cfg, batch) == 6 * B * (enc + dec + T * D * V)
-    assert train.batch_flops(cfg, batch, out_vocab=30) == 6 * B * (enc + dec + T * D * 30)
+    assert logbook.batch_flops(cfg, batch) == 6 * B * (enc + dec + T * D * V)
+    assert logbook.batch_flops(cfg, batch, out_vocab=30) == 6 * B * (enc + dec + T * D * 30)
 
 
 # --- bad flags ------------------------------------------------------------------------------
@@ -154,7 +161,7 @@ def test_batch_flops_counts_the_matmuls():
 )
 def test_bad_flags_give_a_one_line_error_naming_the_flag(argv, flag, tmp_path):
     with pytest.raises(SystemExit) as e:
-        train.main(argv + ["--out", str(tmp_path / "run")])
+        train_cli.main(argv + ["--out", str(tmp_path / "run")])
     msg = str(e.value.code)
     assert flag in msg and "\n" not in msg
 
@@ -162,7 +169,7 @@ def test_bad_flags_give_a_one_line_error_naming_the_flag(argv, flag, tmp_path):
 def test_missing_corpus_file_is_a_one_line_error(tmp_path):
     (tmp_path / "train.en").write_text("a b\n")
     with pytest.raises(SystemExit) as e:
-        train.main(
+        train_cli.main(
             ["--data", str(tmp_path), "--src", "en", "--tgt", "de", "--out", str(tmp_path / "run")]
         )
     msg = str(e.value.code)
@@ -206,13 +213,13 @@ def test_a_run_killed_mid_epoch_resumes_to_the_same_metrics(tmp_path, killed_run
         ]
     )
     whole = tmp_path / "whole"
-    train.main(argv + ["--out", str(whole)])
+    train_cli.main(argv + ["--out", str(whole)])
 
     # The same run, killed (Ctrl-C) in the middle of its third epoch, then resumed.
     killed = tmp_path / "killed"
     killed_run(argv + ["--out", str(killed)], 20)
     assert json.loads((killed / "config.json").read_text())["max_steps"] == 24
-    train.main(["--resume", str(killed)])
+    train_cli.main(["--resume", str(killed)])
 
     assert _records(killed) == _records(whole)
     a = json.loads((whole / "results.json").read_text())
@@ -229,6 +236,7 @@ def test_an_edit_to_a_main_text_function_a_fast_path_replaces_is_named_and_runs_
     root = Path(__file__).resolve().parent.parent
     for name in ("norms.py", "model.py", "data.py", "decode.py", "train.py"):
         shutil.copyfile(root / name, tmp_path / name)
+    shutil.copytree(root / "machinery", tmp_path / "machinery")  # the programs' command lines
     text = (tmp_path / "model.py").read_text()
     head = "def attention_math(q, k, v, key_mask=None, causal=False, scale=None, dropout_p=0.0):\n"
     assert head in text
@@ -285,11 +293,11 @@ def test_sigterm_at_any_step_saves_that_step_and_the_resume_reaches_the_same_met
         ]
     )
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    train.main(argv + ["--out", str(whole)])
+    train_cli.main(argv + ["--out", str(whole)])
     msg = killed_run(argv + ["--out", str(stopped)], 8, signal.SIGTERM)
     assert msg == f"interrupted: continue with python train.py --resume {stopped}", msg
-    assert data.read_checkpoint(stopped / "checkpoint_last.pt")["train_state"]["step"] == 8
-    train.main(["--resume", str(stopped)])
+    assert rundir.read_checkpoint(stopped / "checkpoint_last.pt")["train_state"]["step"] == 8
+    train_cli.main(["--resume", str(stopped)])
     assert _records(stopped, windows=True) == _records(whole, windows=True)
     a, b = (json.loads((d / "results.json").read_text()) for d in (whole, stopped))
     assert a["best_dev_bleu"] == b["best_dev_bleu"] and a["test_bleu"] == b["test_bleu"]
@@ -316,12 +324,12 @@ def test_a_hard_kill_loses_at_most_save_interval_steps(tmp_path, killed_run, cor
         + ["--max-steps", "12", "--epoch-size", "12", "--save-interval", "3", "--seed", "6"]
     )
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    train.main(argv + ["--out", str(whole)])
+    train_cli.main(argv + ["--out", str(whole)])
     killed_run(argv + ["--out", str(killed)], 8)
-    assert data.read_checkpoint(killed / "checkpoint_last.pt")["train_state"]["step"] == 6
+    assert rundir.read_checkpoint(killed / "checkpoint_last.pt")["train_state"]["step"] == 6
     # no evaluation yet: the interval writes the last alone
     assert not (killed / "checkpoint_best.pt").exists()
-    train.main(["--resume", str(killed)])
+    train_cli.main(["--resume", str(killed)])
     assert _records(killed) == _records(whole)
 
 
@@ -331,13 +339,13 @@ def test_one_command_starts_continues_and_finishes_a_run(tmp_path, killed_run, c
     that holds another run."""
     argv = TINY + corpus + ["--max-steps", "12", "--seed", "7", "--start-or-resume"]
     whole, run = tmp_path / "whole", tmp_path / "run"
-    train.main(argv + ["--out", str(whole)])
+    train_cli.main(argv + ["--out", str(whole)])
     # the first start, stopped after step 4
     killed_run(argv + ["--out", str(run)], 4, signal.SIGTERM)
     # continued from 4, stopped after step 8
     killed_run(argv + ["--out", str(run)], 4, signal.SIGINT)
-    assert data.read_checkpoint(run / "checkpoint_last.pt")["train_state"]["step"] == 8
-    train.main(argv + ["--out", str(run)])  # continued to the end
+    assert rundir.read_checkpoint(run / "checkpoint_last.pt")["train_state"]["step"] == 8
+    train_cli.main(argv + ["--out", str(run)])  # continued to the end
     assert _records(run, windows=True) == _records(whole, windows=True)
     assert "resume: " in capsys.readouterr().out
     for flags, words in (
@@ -347,18 +355,18 @@ def test_one_command_starts_continues_and_finishes_a_run(tmp_path, killed_run, c
         (argv + ["--overwrite"], "--overwrite: not allowed with argument --start-or-resume"),
     ):
         with pytest.raises(SystemExit) as e:
-            train.main(flags + ["--out", str(run)])
+            train_cli.main(flags + ["--out", str(run)])
         assert words in str(e.value.code), e.value.code
     # another run's folder, killed before its first checkpoint: never replaced
     other = tmp_path / "other"
     killed_run(TINY + corpus + ["--max-steps", "12", "--seed", "9", "--out", str(other)], 2)
     with pytest.raises(SystemExit) as e:
-        train.main(argv + ["--out", str(other)])
+        train_cli.main(argv + ["--out", str(other)])
     assert "holds a run with other flags: --seed (9 -> 7)" in str(e.value.code), e.value.code
     # now a run of these flags, killed likewise:
     killed_run(argv[:-1] + ["--out", str(other), "--overwrite"], 2)
-    assert not data.checkpoints(other)  # --start-or-resume starts it again, from nothing
-    train.main(argv + ["--out", str(other)])
+    assert not rundir.checkpoints(other)  # --start-or-resume starts it again, from nothing
+    train_cli.main(argv + ["--out", str(other)])
     assert _records(other) == _records(whole)
 
 
@@ -373,9 +381,9 @@ def test_tensorboard_events_hold_the_records_of_metrics_jsonl(tmp_path, corpus, 
         + ["--max-steps", "6", "--epoch-size", "3", "--log-interval", "2", "--tensorboard"]
     )
     # as if not installed
-    monkeypatch.setattr(train.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(train_cli.importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(SystemExit) as e:
-        train.main(argv + ["--out", str(tmp_path / "none")])
+        train_cli.main(argv + ["--out", str(tmp_path / "none")])
     assert (
         "pip install matplotlib tensorboard" in str(e.value.code)
         and not (tmp_path / "none").exists()
@@ -386,7 +394,7 @@ def test_tensorboard_events_hold_the_records_of_metrics_jsonl(tmp_path, corpus, 
     )
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    train.main(argv + ["--out", str(tmp_path / "run")])
+    train_cli.main(argv + ["--out", str(tmp_path / "run")])
     events = EventAccumulator(str(tmp_path / "run"))
     events.Reload()
     rows = [
@@ -436,7 +444,7 @@ def test_tensorboard_events_hold_the_records_of_metrics_jsonl(tmp_path, corpus, 
 def test_every_norm_and_placement_trains_with_finite_loss(extra, tmp_path, small_corpus):
     run = tmp_path / "run"
     # 3 + 2 steps
-    result = train.main(SMALL + small_corpus + extra + ["--benchmark", "2", "--out", str(run)])
+    result = train_cli.main(SMALL + small_corpus + extra + ["--benchmark", "2", "--out", str(run)])
     # --benchmark trains real steps (and writes no run directory); the model took the flags.
     assert result["model_config"]["norm"] == extra[1] and all(
         math.isfinite(l) for l in result["losses"]
@@ -453,20 +461,20 @@ def test_a_stale_bpe_model_of_another_size_is_not_reused(tmp_path, small_corpus)
     base = (
         SMALL[: SMALL.index("--bpe-size")] + small_corpus + ["--max-steps", "1", "--out", str(run)]
     )
-    train.main(base + ["--bpe-size", "300"])
+    train_cli.main(base + ["--bpe-size", "300"])
     assert spm.SentencePieceProcessor(model_file=str(run / "bpe.model")).get_piece_size() == 300
     for f in run.iterdir():
         if not f.name.startswith(("bpe.", "train.enc", "dev.enc", "config.json")):
             # the run's own config.json (a folder with run files and none is refused), BPE and
             # caches
             f.unlink()
-    train.main(base + ["--bpe-size", "400", "--overwrite"])
+    train_cli.main(base + ["--bpe-size", "400", "--overwrite"])
     assert spm.SentencePieceProcessor(model_file=str(run / "bpe.model")).get_piece_size() == 400
 
 
 def test_short_runs_log_finite_losses_and_decreasing_loss(tmp_path, small_corpus):
     run = tmp_path / "run"
-    train.main(
+    train_cli.main(
         SMALL
         + small_corpus
         + [
@@ -496,9 +504,9 @@ def test_short_runs_log_finite_losses_and_decreasing_loss(tmp_path, small_corpus
 # --- a short run on the built-in language pair learns ---------------------------------------
 def test_a_short_training_run_raises_dev_bleu_well_above_its_start(tmp_path):
     d = tmp_path / "toy"
-    data.make_toy_corpus(d, seed=1, n_train=5000, n_dev=100, n_test=50)
+    toy_corpus.make_toy_corpus(d, seed=1, n_train=5000, n_dev=100, n_test=50)
     run = tmp_path / "run"
-    result = train.main(
+    result = train_cli.main(
         [
             "--data",
             str(d),
@@ -566,7 +574,7 @@ def test_validation_decay_never_fires_inside_the_warmup(tmp_path, monkeypatch, s
     monkeypatch.setattr(train.decode, "bleu", falling)
     run = tmp_path / "run"
     warmup, epoch = 30, 5
-    train.main(
+    train_cli.main(
         SMALL
         + small_corpus
         + [
@@ -606,7 +614,7 @@ def test_results_json_holds_the_test_scores_decode_json_writes(tmp_path, small_c
     decode.scores' numbers (decode.py --json's) for test.hyp, which are SacreBLEU's CLI's
     (tests/test_evaluation.py)."""
     run = tmp_path / "run"
-    train.main(SMALL + small_corpus + ["--max-steps", "4", "--out", str(run)])
+    train_cli.main(SMALL + small_corpus + ["--max-steps", "4", "--out", str(run)])
     result = json.loads((run / "results.json").read_text())
     hyps = (run / "test.hyp").read_text().split("\n")[:-1]
     s = decode.scores(hyps, (Path(small_corpus[1]) / "test.tgt").read_text().split("\n")[:-1])
@@ -625,18 +633,18 @@ def test_results_json_holds_the_test_scores_decode_json_writes(tmp_path, small_c
 
 def test_powernorm_warmup_follows_the_lr_warmup_unless_given():
     """[2] appendix A: "we set it identical to the warmup steps for the learning rate schedule"."""
-    args, _ = train.resolve_flags(["--norm", "power", "--warmup", "200"])
+    args, _ = presets.resolve_flags(["--norm", "power", "--warmup", "200"])
     assert args.pn_warmup == 200
-    args, _ = train.resolve_flags(["--norm", "power", "--warmup", "200", "--pn-warmup", "50"])
+    args, _ = presets.resolve_flags(["--norm", "power", "--warmup", "200", "--pn-warmup", "50"])
     assert args.pn_warmup == 50
     cfg = train.model_config_from_args(
-        train.resolve_flags(["--norm", "power", "--warmup", "300"])[0], 40
+        presets.resolve_flags(["--norm", "power", "--warmup", "300"])[0], 40
     )
     assert Transformer(cfg).encoder[0].norm_attn.warmup == 300
     # The warmup is the LR's, in updates: with --accumulate 4 an update is 4 forwards, which the
     # module counts
     cfg = train.model_config_from_args(
-        train.resolve_flags(["--norm", "power", "--warmup", "300", "--accumulate", "4"])[0], 40
+        presets.resolve_flags(["--norm", "power", "--warmup", "300", "--accumulate", "4"])[0], 40
     )
     assert Transformer(cfg).encoder[0].norm_attn.warmup == 1200
 
@@ -649,21 +657,21 @@ def test_a_new_schedule_is_a_function_and_one_entry_of_schedules(monkeypatch):
         lambda s, n, decay: s.peak / 2 ** (n // 100), False, False, "halves every 100 steps"
     )
     monkeypatch.setitem(train.SCHEDULES, "halving", halving)
-    args, _ = train.resolve_flags(["--schedule", "halving", "--lr", "0.01"])
+    args, _ = presets.resolve_flags(["--schedule", "halving", "--lr", "0.01"])
     lr = train.Schedule.from_args(args)
     assert (lr.warmup, lr.decays, lr(1), lr(250), args.pn_warmup) == (0, False, 0.01, 0.0025, 0)
-    assert "halving: halves every 100 steps" in " ".join(train.build_parser().format_help().split())
+    assert "halving: halves every 100 steps" in " ".join(arguments.build_parser().format_help().split())
     for flag, words in (
         (["--warmup", "10"], "--schedule halving does not have"),
         (["--patience", "3"], "not --schedule halving"),
     ):
         with pytest.raises(SystemExit, match=words):
-            train.check_flags(*train.resolve_flags(["--schedule", "halving", *flag]))
+            train_cli.check_flags(*presets.resolve_flags(["--schedule", "halving", *flag]))
     assert "halving" not in str(
         pytest.raises(
             SystemExit,
-            train.check_flags,
-            *train.resolve_flags(["--schedule", "invsqrt", "--patience", "3"]),
+            train_cli.check_flags,
+            *presets.resolve_flags(["--schedule", "invsqrt", "--patience", "3"]),
         ).value
     )
 
@@ -697,9 +705,9 @@ def test_a_flag_that_changes_another_is_said_on_the_first_screen(capsys):
         (["--compile", "--norm", "power"], "multiples of 8 (a change to --pn-variant code's"),
         (["--compile", "--encoder-norm", "batch"], "no batch-norm diagnostics of --norm batch"),
     ):
-        train.main(argv + ["--show"])
+        train_cli.main(argv + ["--show"])
         assert said in capsys.readouterr().out, argv
-    train.main(["--preset", "twt4-invsqrt", "--show"])
+    train_cli.main(["--preset", "twt4-invsqrt", "--show"])
     assert "note:" not in capsys.readouterr().out
 
 
@@ -755,7 +763,7 @@ def test_qknorm_L_is_measured_before_the_max_len_filter(tmp_path, small_corpus, 
     training sequence, not the longest one --max-len kept."""
     run = tmp_path / "run"
     capsys.readouterr()
-    train.main(
+    train_cli.main(
         SMALL
         + small_corpus
         + [
@@ -772,7 +780,7 @@ def test_qknorm_L_is_measured_before_the_max_len_filter(tmp_path, small_corpus, 
     )
     out = capsys.readouterr().out
     tok = data.Tokenizer((run / "bpe.model").read_bytes())
-    pairs, _ = data.read_parallel(*data.corpus_paths(small_corpus[1], "src", "tgt")["train"])
+    pairs, _ = data.read_parallel(*fileio.corpus_paths(small_corpus[1], "src", "tgt")["train"])
     longest = max(len(ids) for s, t in pairs for ids in tok.encode([s, t]))
     assert longest > 6 and f"qknorm: L = {longest:.2f} (100.0th percentile" in out
     assert "before the --max-len filter" in out
@@ -784,9 +792,9 @@ def test_mfu_takes_the_larger_matmul_probe_after_each_evaluation(
     """A probe taken while another process was busy reads the machine's matmul speed low, and MFU
     above 100%: it is taken again after each evaluation and the larger kept."""
     probes = iter([1e6, 1e12, 1e9, 1e9])  # the start, then after each evaluation
-    monkeypatch.setattr(train, "matmul_flops", lambda *a, **k: next(probes))
+    monkeypatch.setattr(logbook, "matmul_flops", lambda *a, **k: next(probes))
     run = tmp_path / "run"
-    train.main(
+    train_cli.main(
         SMALL
         + small_corpus
         + ["--max-steps", "20", "--epoch-size", "10", "--log-interval", "10", "--out", str(run)]

@@ -26,7 +26,15 @@ import torch
 import data
 import decode
 import train
+from machinery import logbook
 from conftest import TINY
+from machinery import presets
+from machinery import train_cli
+from machinery import fileio
+from machinery import toy_corpus
+from machinery import arguments
+from machinery import rundir
+from machinery import decode_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +44,7 @@ def finished(tmp_path_factory, corpus):
     """A finished run of 3 epochs (15 steps): config, metrics, 3 epoch checkpoints, best, last,
     results."""
     run = tmp_path_factory.mktemp("finished") / "run"
-    train.main(TINY + corpus + ["--max-steps", "15", "--out", str(run)])
+    train_cli.main(TINY + corpus + ["--max-steps", "15", "--out", str(run)])
     return run
 
 
@@ -82,7 +90,7 @@ def test_an_untrusted_checkpoint_runs_no_code_in_decode(finished, tmp_path):
     torch.save(dict(ckpt, extra=Payload(marker)), tmp_path / "evil.pt")
     (tmp_path / "in.txt").write_text("the dog sees a cat .\n")
     msg = one_line_error(
-        lambda: decode.main([str(tmp_path / "evil.pt"), "--input", str(tmp_path / "in.txt")]),
+        lambda: decode_cli.main([str(tmp_path / "evil.pt"), "--input", str(tmp_path / "in.txt")]),
         "evil.pt",
         "refused",
     )
@@ -96,7 +104,7 @@ def test_an_untrusted_checkpoint_runs_no_code_on_resume(finished, tmp_path, corp
     for f in run.glob("checkpoint_*.pt"):
         torch.save(dict(good, extra=Payload(marker)), f)  # every checkpoint poisoned
     one_line_error(
-        lambda: train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"]),
+        lambda: train_cli.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"]),
         "checkpoint_last.pt: refused",
         "could run code",
     )
@@ -110,7 +118,7 @@ def test_a_new_run_never_changes_an_existing_run_directory(finished, tmp_path, c
     # a bad corpus: reported before anything in the run directory is touched (metrics.jsonl was
     # deleted)
     one_line_error(
-        lambda: train.main(
+        lambda: train_cli.main(
             TINY
             + ["--data", str(tmp_path / "nowhere"), "--src", "x", "--tgt", "y", "--out", str(run)]
         ),
@@ -118,13 +126,13 @@ def test_a_new_run_never_changes_an_existing_run_directory(finished, tmp_path, c
     )
     # a new configuration into it: refused, with the two ways out
     one_line_error(
-        lambda: train.main(TINY + corpus + ["--layers", "2", "--out", str(run)]),
+        lambda: train_cli.main(TINY + corpus + ["--layers", "2", "--out", str(run)]),
         "already holds a run",
         "--resume",
         "--overwrite",
     )
     # --benchmark never writes into a run directory (it wiped the quick start's files)
-    result = train.main(TINY + corpus + ["--benchmark", "1", "--out", str(run)])
+    result = train_cli.main(TINY + corpus + ["--benchmark", "1", "--out", str(run)])
     assert result["steps"] == 1
     assert snapshot(run) == before
 
@@ -134,12 +142,12 @@ def test_overwrite_replaces_the_run_and_average_stays_within_one_run(finished, t
     old_id = json.loads((run / "config.json").read_text())["run_id"]
     stale = tmp_path / "checkpoint_epoch3.pt"
     shutil.copy(run / "checkpoint_epoch3.pt", stale)
-    train.main(
+    train_cli.main(
         TINY + corpus + ["--max-steps", "10", "--seed", "2", "--overwrite", "--out", str(run)]
     )
     config = json.loads((run / "config.json").read_text())
     assert config["run_id"] != old_id and config["seed"] == 2
-    assert [p.name for p in data.checkpoints(run, "average")] == [
+    assert [p.name for p in rundir.checkpoints(run, "average")] == [
         "checkpoint_epoch1.pt",
         "checkpoint_epoch2.pt",
     ]
@@ -151,7 +159,7 @@ def test_overwrite_replaces_the_run_and_average_stays_within_one_run(finished, t
     decode.load_checkpoint(run, average=2)  # the new run's two epochs average
     # an epoch checkpoint of the old run, left behind
     shutil.copy(stale, run / "checkpoint_epoch3.pt")
-    with pytest.raises(data.DataError, match="another run"):
+    with pytest.raises(fileio.DataError, match="another run"):
         decode.load_checkpoint(run, average=3)
 
 
@@ -161,7 +169,7 @@ def test_a_second_process_on_a_directory_in_use_is_refused(finished, tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX)  # another process's lock (flock is per open file)
         before = snapshot(run)
         one_line_error(
-            lambda: train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"]),
+            lambda: train_cli.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"]),
             "in use by another process",
         )
         assert snapshot(run) == before
@@ -171,13 +179,13 @@ def test_temporary_files_have_unique_names_and_a_kill_mid_write_keeps_the_old_fi
     tmp_path, monkeypatch
 ):
     target = tmp_path / "checkpoint_last.pt"
-    data.atomic_write(target, {"step": 1})
+    fileio.atomic_write(target, {"step": 1})
     names, real_replace = [], os.replace
     monkeypatch.setattr(
         os, "replace", lambda a, b: (names.append(Path(a).name), real_replace(a, b))
     )
-    data.atomic_write(target, {"step": 2})
-    data.atomic_write(target, {"step": 3})
+    fileio.atomic_write(target, {"step": 2})
+    fileio.atomic_write(target, {"step": 3})
     assert len(set(names)) == 2 and all(n.endswith(".tmp") for n in names)  # no shared .tmp name
     monkeypatch.setattr(os, "replace", real_replace)
 
@@ -187,7 +195,7 @@ def test_temporary_files_have_unique_names_and_a_kill_mid_write_keeps_the_old_fi
 
     monkeypatch.setattr(torch, "save", killed_save)
     with pytest.raises(KeyboardInterrupt):
-        data.atomic_write(target, {"step": 4})
+        fileio.atomic_write(target, {"step": 4})
     monkeypatch.undo()
     assert torch.load(target, weights_only=True) == {"step": 3}  # the old file, whole
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_last.pt"]  # no temporary left
@@ -199,7 +207,7 @@ def test_resume_applies_the_flags_that_may_change_and_refuses_the_others(
 ):
     run = copy_run(finished, tmp_path)
     msg = one_line_error(
-        lambda: train.main(
+        lambda: train_cli.main(
             ["--resume", str(run), "--max-steps", "25", "--d-model", "64", "--lr", "0.1"]
         ),
         "--d-model (32 -> 64)",
@@ -207,7 +215,7 @@ def test_resume_applies_the_flags_that_may_change_and_refuses_the_others(
     )
     assert "--max-steps" not in msg
     capsys.readouterr()
-    train.main(["--resume", str(run), "--max-steps", "25", "--max-epochs", "10"])
+    train_cli.main(["--resume", str(run), "--max-steps", "25", "--max-epochs", "10"])
     out = capsys.readouterr().out
     assert "resume: --max-steps 25 (changed on resume)" in out and "step     25" in out
     config = json.loads((run / "config.json").read_text())
@@ -221,8 +229,8 @@ def test_resume_says_what_it_cannot_honour(finished, tmp_path, corpus):
     run = copy_run(finished, tmp_path)
     for f in run.glob("checkpoint_*.pt"):
         f.unlink()  # a config.json but no checkpoint (the run died before its first evaluation)
-    one_line_error(lambda: train.main(["--resume", str(run)]), "nothing to resume", "--overwrite")
-    one_line_error(lambda: train.main(["--resume", str(tmp_path / "none")]), "nothing to resume")
+    one_line_error(lambda: train_cli.main(["--resume", str(run)]), "nothing to resume", "--overwrite")
+    one_line_error(lambda: train_cli.main(["--resume", str(tmp_path / "none")]), "nothing to resume")
     # an edited corpus under the same run (its new place given with --data): refused, naming the
     # split
     run = copy_run(finished, tmp_path / "e")
@@ -230,7 +238,7 @@ def test_resume_says_what_it_cannot_honour(finished, tmp_path, corpus):
     shutil.copytree(corpus[1], toy)
     (toy / "train.tgt").write_text((toy / "train.tgt").read_text().replace(" .", " !", 1))
     one_line_error(
-        lambda: train.main(["--resume", str(run), "--data", str(toy)]),
+        lambda: train_cli.main(["--resume", str(run), "--data", str(toy)]),
         "the corpus changed",
         "train",
     )
@@ -240,12 +248,12 @@ def test_resume_says_what_it_cannot_honour(finished, tmp_path, corpus):
         torch.save({k: v for k, v in torch.load(f, weights_only=True).items() if k != "format"}, f)
     before = snapshot(run)
     one_line_error(
-        lambda: train.main(["--resume", str(run)]),
+        lambda: train_cli.main(["--resume", str(run)]),
         "written by an older train.py",
         "start a new run",
     )
     # decode.py too
-    one_line_error(lambda: decode.main([str(run), "--g-table"]), "written by an older train.py")
+    one_line_error(lambda: decode_cli.main([str(run), "--g-table"]), "written by an older train.py")
     assert snapshot(run) == before
 
 
@@ -259,7 +267,7 @@ def test_resume_survives_a_half_written_metrics_line_and_refuses_a_damaged_last_
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 16, "loss": 4.2, "gno')  # the kill came mid-line
     capsys.readouterr()
-    train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])
+    train_cli.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])
     # every line is JSON
     rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "gnorm" in r] == list(range(1, 21))
@@ -271,7 +279,7 @@ def test_resume_survives_a_half_written_metrics_line_and_refuses_a_damaged_last_
     last.write_bytes(last.read_bytes()[:1000])  # a damaged last checkpoint (no atomic writer, say)
     before = snapshot(run)
     one_line_error(
-        lambda: train.main(["--resume", str(run), "--max-steps", "25"]),
+        lambda: train_cli.main(["--resume", str(run), "--max-steps", "25"]),
         "checkpoint_last.pt",
         "not a readable checkpoint",
         "move it out",
@@ -308,18 +316,18 @@ def test_resume_survives_a_half_written_metrics_line_and_refuses_a_damaged_last_
     ],
 )
 def test_every_bad_flag_fails_at_start_in_one_line(argv, flag, tmp_path):
-    one_line_error(lambda: train.main(argv + ["--out", str(tmp_path / "run")]), flag)
+    one_line_error(lambda: train_cli.main(argv + ["--out", str(tmp_path / "run")]), flag)
     assert not (tmp_path / "run").exists()  # nothing written
 
 
 def test_a_huge_dev_line_is_cut_with_a_count_not_fatal(tmp_path, capsys):
-    corpus = data.make_toy_corpus(tmp_path / "toy", n_train=300, n_dev=8, n_test=8)
+    corpus = toy_corpus.make_toy_corpus(tmp_path / "toy", n_train=300, n_dev=8, n_test=8)
     with open(corpus / "dev.src", "a") as f:
         f.write(" ".join(["Thullockmeyth"] * 3000) + "\n")  # thousands of BPE tokens
     with open(corpus / "dev.tgt", "a") as f:
         f.write("na .\n")
     capsys.readouterr()
-    result = train.main(
+    result = train_cli.main(
         TINY
         + [
             "--data",
@@ -362,7 +370,7 @@ def test_a_diverged_run_exits_non_zero_keeps_its_last_good_checkpoint_and_writes
     monkeypatch.setattr(train, "train_step", diverging_step)
     run = tmp_path / "run"
     one_line_error(
-        lambda: train.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
+        lambda: train_cli.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
         "diverged",
         "step 12",
         "checkpoint_last.pt",
@@ -403,7 +411,7 @@ def test_a_non_finite_gradient_norm_with_a_finite_loss_is_a_divergence_too(
     monkeypatch.setattr(train, "train_step", step_with_inf_gradient)
     run = tmp_path / "run"
     one_line_error(
-        lambda: train.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
+        lambda: train_cli.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
         "diverged",
         "the gradient norm became inf",
         "step 7",
@@ -423,7 +431,7 @@ def test_a_huge_but_finite_loss_is_a_warning_and_the_run_goes_on(
 
     monkeypatch.setattr(train, "train_step", exploding_step)
     capsys.readouterr()
-    result = train.main(
+    result = train_cli.main(
         TINY + corpus + ["--max-steps", "10", "--warmup", "2", "--out", str(tmp_path / "run")]
     )
     assert (
@@ -441,7 +449,7 @@ def test_decode_checks_its_output_folder_before_translating(finished, tmp_path, 
         decode, "translate", lambda *a, **k: pytest.fail("translated before checking --output")
     )
     one_line_error(
-        lambda: decode.main(
+        lambda: decode_cli.main(
             [
                 str(finished),
                 "--input",
@@ -458,9 +466,9 @@ def test_decode_checks_its_output_folder_before_translating(finished, tmp_path, 
 def test_decode_stdin_closed_or_undecodable_is_one_line(finished, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"")))
     sys.stdin.close()
-    one_line_error(lambda: decode.main([str(finished)]), "stdin is closed", "--input")
+    one_line_error(lambda: decode_cli.main([str(finished)]), "stdin is closed", "--input")
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"the dog .\nthe \xff cat .\n")))
-    one_line_error(lambda: decode.main([str(finished)]), "stdin", "line 2", "0xff")
+    one_line_error(lambda: decode_cli.main([str(finished)]), "stdin", "line 2", "0xff")
 
 
 def test_decode_names_the_line_of_undecodable_input_and_refuses_a_negative_length(
@@ -468,7 +476,7 @@ def test_decode_names_the_line_of_undecodable_input_and_refuses_a_negative_lengt
 ):
     (tmp_path / "in.txt").write_bytes(b"the dog .\nthe cat .\nthe \xe9 bird .\n")
     one_line_error(
-        lambda: decode.main([str(finished), "--input", str(tmp_path / "in.txt")]),
+        lambda: decode_cli.main([str(finished), "--input", str(tmp_path / "in.txt")]),
         "in.txt",
         "line 3",
     )
@@ -487,11 +495,11 @@ def test_overwrite_checks_every_input_before_removing_anything(finished, tmp_pat
     run = copy_run(finished, tmp_path)
     before = snapshot(run)
     one_line_error(
-        lambda: train.main(TINY + corpus + ["--max-len", "1", "--overwrite", "--out", str(run)]),
+        lambda: train_cli.main(TINY + corpus + ["--max-len", "1", "--overwrite", "--out", str(run)]),
         "no training pair left",
     )
     one_line_error(
-        lambda: train.main(TINY + corpus + ["--bpe-size", "5", "--overwrite", "--out", str(run)]),
+        lambda: train_cli.main(TINY + corpus + ["--bpe-size", "5", "--overwrite", "--out", str(run)]),
         "--bpe-size 5",
         "too small",
     )
@@ -510,7 +518,7 @@ def test_overwrite_refuses_a_folder_that_is_not_a_run_and_removes_only_the_runs_
     (theirs / "notes.txt").write_text("do not delete\n")
     before = snapshot(theirs)
     one_line_error(
-        lambda: train.main(TINY + corpus + ["--overwrite", "--out", str(theirs)]),
+        lambda: train_cli.main(TINY + corpus + ["--overwrite", "--out", str(theirs)]),
         "not a run directory of train.py",
         str(theirs),
     )
@@ -528,7 +536,7 @@ def test_overwrite_refuses_a_folder_that_is_not_a_run_and_removes_only_the_runs_
         for n, h in snapshot(run).items()
         if n in ("checkpoint_best_backup.pt", "notes.txt", "checkpoint_epoch9.pt")
     }
-    train.main(TINY + corpus + ["--max-steps", "5", "--overwrite", "--out", str(run)])
+    train_cli.main(TINY + corpus + ["--max-steps", "5", "--overwrite", "--out", str(run)])
     assert {n: h for n, h in snapshot(run).items() if n in kept} == kept
     assert not (run / "checkpoint_epoch3.pt").exists()  # the old run's own files went
 
@@ -542,17 +550,17 @@ def test_a_refused_resume_changes_nothing_and_a_deleted_bpe_model_comes_from_the
     (run / "bpe.model").write_bytes((run / "bpe.model").read_bytes()[::-1])
     before = snapshot(run)
     one_line_error(
-        lambda: train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"]),
+        lambda: train_cli.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"]),
         "bpe.model",
         "not the BPE model",
     )
     assert snapshot(run) == before
     (run / "bpe.model").unlink()  # deleted: the checkpoint holds the model
-    train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])
+    train_cli.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])
     assert (run / "bpe.model").read_bytes() == proto
     assert torch.load(run / "checkpoint_last.pt", weights_only=True)["train_state"]["step"] == 20
     # and resumes again
-    train.main(["--resume", str(run), "--max-steps", "25", "--max-epochs", "10"])
+    train_cli.main(["--resume", str(run), "--max-steps", "25", "--max-epochs", "10"])
 
 
 def test_the_next_start_removes_what_a_kill_mid_write_left(finished, tmp_path):
@@ -562,7 +570,7 @@ def test_the_next_start_removes_what_a_kill_mid_write_left(finished, tmp_path):
     (run / ".staging-abc123").mkdir()
     (run / ".staging-abc123" / "bpe.model").write_bytes(b"half")
     (run / ".my-editor.tmp").write_text("not train.py's")
-    train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])
+    train_cli.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])
     assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [
         ".lock",
         ".my-editor.tmp",
@@ -571,25 +579,25 @@ def test_the_next_start_removes_what_a_kill_mid_write_left(finished, tmp_path):
 
 # --- 8. what was asked is what runs -----------------------------------------------------------
 def test_a_flag_given_on_the_command_line_wins_over_the_preset():
-    args, _ = train.resolve_flags(["--preset", "twt3-scalenorm", "--lr", "1e-3"])
+    args, _ = presets.resolve_flags(["--preset", "twt3-scalenorm", "--lr", "1e-3"])
     assert args.lr == 1e-3 and train.Schedule.from_args(args).peak == 1e-3
     # the preset's lambda 1, recorded as its peak
-    args, _ = train.resolve_flags(["--preset", "twt3-scalenorm"])
+    args, _ = presets.resolve_flags(["--preset", "twt3-scalenorm"])
     assert args.lr == pytest.approx(1 / (512 * 8000) ** 0.5) == train.Schedule.from_args(args).peak
     one_line_error(
-        lambda: train.resolve_flags(["--lr", "1e-3", "--lr-scale", "2"]), "--lr", "--lr-scale"
+        lambda: presets.resolve_flags(["--lr", "1e-3", "--lr-scale", "2"]), "--lr", "--lr-scale"
     )
 
 
 def test_dev_and_test_lines_with_an_empty_side_are_translated_and_scored(tmp_path, capsys):
-    d = data.make_toy_corpus(tmp_path / "toy", n_train=300, n_dev=8, n_test=8)
+    d = toy_corpus.make_toy_corpus(tmp_path / "toy", n_train=300, n_dev=8, n_test=8)
     for split, side in (("dev", "src"), ("test", "src"), ("test", "tgt")):
         lines = (d / f"{split}.{side}").read_text().splitlines()
         lines[2 if side == "src" else 5] = ""
         (d / f"{split}.{side}").write_text("\n".join(lines) + "\n")
     capsys.readouterr()
     run = tmp_path / "run"
-    train.main(
+    train_cli.main(
         TINY
         + ["--data", str(d), "--src", "src", "--tgt", "tgt", "--max-steps", "5", "--out", str(run)]
     )
@@ -597,7 +605,7 @@ def test_dev_and_test_lines_with_an_empty_side_are_translated_and_scored(tmp_pat
     hyps = (run / "test.hyp").read_text().split("\n")[:-1]
     assert len(hyps) == 8 and hyps[2] == ""
     assert (
-        decode.main(
+        decode_cli.main(
             [
                 "--compare",
                 str(run / "test.hyp"),
@@ -626,7 +634,7 @@ def test_compare_never_calls_equal_scores_significant(tmp_path, capsys):
             ("za", "zb", ("outputs score BLEU 0",)),
         ):
             capsys.readouterr()
-            decode.main(
+            decode_cli.main(
                 [
                     "--compare",
                     str(files[a]),
@@ -665,7 +673,7 @@ def test_a_checkpoint_is_written_only_with_finite_weights_and_a_finite_dev_loss(
     monkeypatch.setattr(train, "train_step", blowing_up_step)
     run = tmp_path / "run"
     one_line_error(
-        lambda: train.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
+        lambda: train_cli.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
         "diverged",
         "step 10",
         "no checkpoint of it is written",
@@ -690,14 +698,14 @@ def test_train_seconds_count_every_part_of_a_resumed_run(tmp_path, corpus, monke
         return real_step(*a, **k)
 
     monkeypatch.setattr(train.time, "perf_counter", lambda: clock["t"])
-    monkeypatch.setattr(train, "matmul_flops", lambda *a, **k: 1e9)
+    monkeypatch.setattr(logbook, "matmul_flops", lambda *a, **k: 1e9)
     monkeypatch.setattr(train, "train_step", step)
     run = tmp_path / "run"
     with pytest.raises(SystemExit):
-        train.main(TINY + corpus + ["--max-steps", "15", "--out", str(run)])
-    assert train.main(["--resume", str(run)])["train_seconds"] == 15.0
+        train_cli.main(TINY + corpus + ["--max-steps", "15", "--out", str(run)])
+    assert train_cli.main(["--resume", str(run)])["train_seconds"] == 15.0
     # finished: refused, unchanged
-    one_line_error(lambda: train.main(["--resume", str(run)]), "nothing to train")
+    one_line_error(lambda: train_cli.main(["--resume", str(run)]), "nothing to train")
     assert json.loads((run / "results.json").read_text())["train_seconds"] == 15.0
 
 
@@ -708,8 +716,8 @@ def test_a_moved_but_identical_corpus_resumes(finished, tmp_path, corpus):
     for f in run.glob("checkpoint_*.pt"):  # the corpus it was trained on has moved
         ckpt = torch.load(f, weights_only=True)
         torch.save(dict(ckpt, args=dict(ckpt["args"], data=str(tmp_path / "gone"))), f)
-    one_line_error(lambda: train.main(["--resume", str(run)]), "gone", "--data")
-    train.main(
+    one_line_error(lambda: train_cli.main(["--resume", str(run)]), "gone", "--data")
+    train_cli.main(
         ["--resume", str(run), "--data", str(moved), "--max-steps", "20", "--max-epochs", "10"]
     )
     assert torch.load(run / "checkpoint_last.pt", weights_only=True)["train_state"]["step"] == 20
@@ -719,7 +727,7 @@ def test_a_moved_but_identical_corpus_resumes(finished, tmp_path, corpus):
 def test_what_cannot_be_done_is_said_not_skipped(finished, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if matplotlib were not installed
     one_line_error(
-        lambda: decode.main(
+        lambda: decode_cli.main(
             [str(finished), "--attention", "the dog .", "--png", str(tmp_path / "a.png")]
         ),
         "--png",
@@ -727,12 +735,12 @@ def test_what_cannot_be_done_is_said_not_skipped(finished, tmp_path, monkeypatch
     )
     (tmp_path / "empty.txt").write_text("")
     one_line_error(
-        lambda: decode.main([str(finished), "--benchmark", "--input", str(tmp_path / "empty.txt")]),
+        lambda: decode_cli.main([str(finished), "--benchmark", "--input", str(tmp_path / "empty.txt")]),
         "--benchmark",
         "empty.txt",
     )
     one_line_error(
-        lambda: train.main(TINY + ["--profile", "--out", str(tmp_path / "run")]),
+        lambda: train_cli.main(TINY + ["--profile", "--out", str(tmp_path / "run")]),
         "--profile",
         "--benchmark",
     )
@@ -744,13 +752,13 @@ def test_what_cannot_be_done_is_said_not_skipped(finished, tmp_path, monkeypatch
 
 def test_a_byte_order_mark_is_not_text(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbfthe dog .\nthe cat .\n")
-    assert data.read_lines(tmp_path / "a.txt") == ["the dog .", "the cat ."]
+    assert fileio.read_lines(tmp_path / "a.txt") == ["the dog .", "the cat ."]
     (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbfthe dog .\nthe \xff cat .\n")
-    with pytest.raises(data.DataError, match="line 2: invalid UTF-8 byte 0xff at byte offset 17"):
-        data.read_lines(tmp_path / "b.txt")  # offsets still count from the file's first byte
+    with pytest.raises(fileio.DataError, match="line 2: invalid UTF-8 byte 0xff at byte offset 17"):
+        fileio.read_lines(tmp_path / "b.txt")  # offsets still count from the file's first byte
     (tmp_path / "c.txt").write_bytes("the dog .\n".encode("utf-16"))  # a Windows "Unicode" file
-    with pytest.raises(data.DataError, match="UTF-16 text, not UTF-8 .*iconv -f utf-16"):
-        data.read_lines(tmp_path / "c.txt")
+    with pytest.raises(fileio.DataError, match="UTF-16 text, not UTF-8 .*iconv -f utf-16"):
+        fileio.read_lines(tmp_path / "c.txt")
 
 
 # --- 10. one line naming the flag or file, never a traceback -----------------------------------
@@ -774,7 +782,7 @@ def _link(tmp_path):
     ],
 )
 def test_bad_outs_and_values_are_one_line(make_argv, names, tmp_path, corpus):
-    one_line_error(lambda: train.main(TINY + corpus + make_argv(tmp_path)), *names)
+    one_line_error(lambda: train_cli.main(TINY + corpus + make_argv(tmp_path)), *names)
     assert not (tmp_path / "fresh").exists() and not (tmp_path / "run").exists()
 
 
@@ -797,7 +805,7 @@ def test_a_resume_reads_its_checkpoint_and_names_what_an_edited_config_json_chan
         json.dumps(edit(json.loads((run / "config.json").read_text())))
     )
     capsys.readouterr()
-    train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])
+    train_cli.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])
     assert (
         f"config.json differs from the checkpoint {said}: the checkpoint's flags hold"
         in capsys.readouterr().out
@@ -811,7 +819,7 @@ def test_a_resume_reads_its_checkpoint_and_names_what_an_edited_config_json_chan
     # written again, from the run's flags
     assert json.loads((run / "config.json").read_text())["d_model"] == 32
     # an unedited one: nothing to say
-    train.main(["--resume", str(run), "--max-steps", "25", "--max-epochs", "10"])
+    train_cli.main(["--resume", str(run), "--max-steps", "25", "--max-epochs", "10"])
     assert "differs from the checkpoint" not in capsys.readouterr().out
 
 
@@ -823,7 +831,7 @@ def test_config_starts_a_new_run_with_a_runs_flags_and_refuses_a_bad_key_in_one_
     naming it."""
     config = finished / "config.json"
     saved = json.loads(config.read_text())
-    args, given = train.resolve_flags(
+    args, given = presets.resolve_flags(
         ["--config", str(config), "--out", str(tmp_path / "b"), "--lr", "0.01"]
     )
     assert (
@@ -831,17 +839,17 @@ def test_config_starts_a_new_run_with_a_runs_flags_and_refuses_a_bad_key_in_one_
     )
     differ = [k for k, v in saved.items() if getattr(args, k, None) != v]
     assert set(differ) <= set(
-        train.RUN_RECORDS + train.ACTIONS + ("out", "config", "lr", "lr_scale")
+        rundir.RUN_RECORDS + rundir.ACTIONS + ("out", "config", "lr", "lr_scale")
     ), differ
     # --lr given: the run's --lr-scale is not used
     assert args.lr_scale is None and args.out == str(tmp_path / "b")
     capsys.readouterr()
     # shows, trains nothing
-    assert train.main(["--config", str(config), "--d-model", "48", "--show"]) is None
+    assert train_cli.main(["--config", str(config), "--d-model", "48", "--show"]) is None
     shown = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}
     assert shown["--d-model"] == ["48", "given"] and shown["--bpe-size"] == [str(saved["bpe_size"])]
     # the run, again
-    train.main(["--config", str(config), "--out", str(tmp_path / "again"), "--max-steps", "5"])
+    train_cli.main(["--config", str(config), "--out", str(tmp_path / "again"), "--max-steps", "5"])
     again = json.loads((tmp_path / "again" / "config.json").read_text())
     differ = {k for k in {**saved, **again} if again.get(k) != saved.get(k)}
     # the corpus's hashes too: the same corpus
@@ -856,7 +864,7 @@ def test_config_starts_a_new_run_with_a_runs_flags_and_refuses_a_bad_key_in_one_
     ):
         (tmp_path / "edited.json").write_text(json.dumps(edit))
         one_line_error(
-            lambda: train.main(
+            lambda: train_cli.main(
                 ["--config", str(tmp_path / "edited.json"), "--out", str(tmp_path / "c")]
             ),
             "--config",
@@ -864,12 +872,12 @@ def test_config_starts_a_new_run_with_a_runs_flags_and_refuses_a_bad_key_in_one_
         )
     (tmp_path / "broken.json").write_text("{")
     one_line_error(
-        lambda: train.main(["--config", str(tmp_path / "broken.json")]),
+        lambda: train_cli.main(["--config", str(tmp_path / "broken.json")]),
         "--config",
         "not a JSON object",
     )
     one_line_error(
-        lambda: train.main(["--config", str(tmp_path / "none.json")]), "--config", "none.json"
+        lambda: train_cli.main(["--config", str(tmp_path / "none.json")]), "--config", "none.json"
     )
     assert not (tmp_path / "c").exists()
 
@@ -884,10 +892,10 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_old_checkpoints_sur
             raise OSError(28, "No space left on device")
         return real_save(obj, f)
 
-    monkeypatch.setattr(data.torch, "save", full_disk)
+    monkeypatch.setattr(fileio.torch, "save", full_disk)
     run = tmp_path / "run"
     one_line_error(
-        lambda: train.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
+        lambda: train_cli.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
         "No space left on device",
         "intact",
         f"make room, then continue with python train.py --resume {run}",
@@ -912,12 +920,12 @@ def test_a_full_disk_before_the_first_checkpoint_never_advises_resume(
             raise OSError(28, "No space left on device", str(path))
         return real_open(path, *a, **k)
 
-    monkeypatch.setattr(data.tempfile, "mkstemp", full_disk)
+    monkeypatch.setattr(fileio.tempfile, "mkstemp", full_disk)
     # metrics.jsonl is appended to, not replaced
-    monkeypatch.setattr(data, "open", full_append, raising=False)
+    monkeypatch.setattr(fileio, "open", full_append, raising=False)
     run = tmp_path / "run"
     msg = one_line_error(
-        lambda: train.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
+        lambda: train_cli.main(TINY + corpus + ["--max-steps", "20", "--out", str(run)]),
         "No space left on device",
         full,
         "make room, then",
@@ -934,12 +942,12 @@ def test_decode_and_plot_outputs_are_checked_before_any_work(finished, tmp_path,
     )
     src = ["--input", str(tmp_path / "in.txt")]
     one_line_error(
-        lambda: decode.main([str(finished), *src, "--output", str(tmp_path)]),
+        lambda: decode_cli.main([str(finished), *src, "--output", str(tmp_path)]),
         "--output",
         "a folder",
     )
     one_line_error(
-        lambda: decode.main([str(finished), *src, "--output", "/proc/out.txt"]),
+        lambda: decode_cli.main([str(finished), *src, "--output", "/proc/out.txt"]),
         "--output",
         "cannot write",
     )
@@ -948,7 +956,7 @@ def test_decode_and_plot_outputs_are_checked_before_any_work(finished, tmp_path,
         (tmp_path / "p.jpg", "must end in .png"),
     ):
         one_line_error(
-            lambda: decode.main(["--plot", str(finished), "--out", str(out)]), "--out", why
+            lambda: decode_cli.main(["--plot", str(finished), "--out", str(out)]), "--out", why
         )
 
 
@@ -965,7 +973,7 @@ def test_decode_never_overwrites_what_it_reads_or_what_train_wrote(finished, tmp
         (run, run / "config.json", "a file of the run"),
     ):
         one_line_error(
-            lambda: decode.main(
+            lambda: decode_cli.main(
                 [str(model), "--input", str(tmp_path / "x.en"), "--output", str(output)]
             ),
             "--output",
@@ -973,7 +981,7 @@ def test_decode_never_overwrites_what_it_reads_or_what_train_wrote(finished, tmp
         )
     assert snapshot(tmp_path) == before
     assert (
-        decode.main([str(run), "--input", str(tmp_path / "x.en"), "--output", str(run / "x.hyp")])
+        decode_cli.main([str(run), "--input", str(tmp_path / "x.en"), "--output", str(run / "x.hyp")])
         == 0
     )
 
@@ -1003,7 +1011,7 @@ def test_ctrl_c_says_what_can_be_done(tmp_path, corpus, killed_run, finished, mo
     monkeypatch.setattr(train, "build_model", killed)
     for argv in (["--overwrite", "--out", str(old)], ["--out", str(tmp_path / "never")]):
         with pytest.raises(SystemExit) as e:
-            train.main(TINY + corpus + ["--max-steps", "20", *argv])
+            train_cli.main(TINY + corpus + ["--max-steps", "20", *argv])
         msg = capsys.readouterr().err.strip().splitlines()[-1]
         assert e.value.code == 130 and "the same command" in msg, msg
         assert "had not started" in msg and "--resume" not in msg, msg
@@ -1017,22 +1025,22 @@ def test_a_resume_that_would_train_nothing_is_refused_and_a_budget_stop_is_recor
     assert json.loads((run / "results.json").read_text())["stopped"] == "--max-steps 15 reached"
     before = snapshot(run)
     one_line_error(
-        lambda: train.main(["--resume", str(run), "--max-steps", "10"]), "past that --max-steps 10"
+        lambda: train_cli.main(["--resume", str(run), "--max-steps", "10"]), "past that --max-steps 10"
     )
     # finished: the same budget, or a larger one that another budget (--max-epochs 1000 x 5 steps)
     # still binds
     one_line_error(
-        lambda: train.main(["--resume", str(run)]),
+        lambda: train_cli.main(["--resume", str(run)]),
         "trained 15 steps, all that --max-steps 15 allows",
     )
     one_line_error(
-        lambda: train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "3"]),
+        lambda: train_cli.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "3"]),
         "all that --max-epochs 3 allows",
         "give a larger --max-epochs",
     )
     assert snapshot(run) == before
     # a larger budget continues
-    train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])
+    train_cli.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])
     assert torch.load(run / "checkpoint_last.pt", weights_only=True)["train_state"]["step"] == 20
 
 
@@ -1040,7 +1048,7 @@ def test_too_few_batches_for_a_step_and_the_advice_under_torchrun(
     finished, tmp_path, corpus, monkeypatch
 ):
     one_line_error(
-        lambda: train.main(TINY + corpus + ["--accumulate", "1000", "--out", str(tmp_path / "r")]),
+        lambda: train_cli.main(TINY + corpus + ["--accumulate", "1000", "--out", str(tmp_path / "r")]),
         "batches of --batch-tokens 512, fewer than the 1000 of a step",
         "--accumulate 1000",
     )
@@ -1052,14 +1060,14 @@ def test_too_few_batches_for_a_step_and_the_advice_under_torchrun(
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert (
         f"torchrun (as many processes as before, 2) train.py --resume {finished}"
-        in train.what_next(args)
+        in rundir.what_next(args)
     )
 
 
 def test_an_empty_out_is_refused_not_this_folder(tmp_path, corpus, monkeypatch):
     monkeypatch.chdir(tmp_path)
     one_line_error(
-        lambda: train.main(TINY + corpus + ["--max-steps", "5", "--out", ""]), "--out is empty"
+        lambda: train_cli.main(TINY + corpus + ["--max-steps", "5", "--out", ""]), "--out is empty"
     )
     assert list(tmp_path.iterdir()) == []
 
@@ -1070,29 +1078,29 @@ def test_a_run_killed_in_its_final_test_resumes_to_finish_it(
 ):
     """Stopped by its budget or by --stop-lr, then killed before results.json: the resume runs the
     test alone."""
-    run, real = tmp_path / "run", data.atomic_write
+    run, real = tmp_path / "run", fileio.atomic_write
 
     def killed(path, content):
         if Path(path).name == "results.json":
             raise KeyboardInterrupt
         return real(path, content)
 
-    monkeypatch.setattr(data, "atomic_write", killed)  # Ctrl-C just before results.json
+    monkeypatch.setattr(fileio, "atomic_write", killed)  # Ctrl-C just before results.json
     with pytest.raises(SystemExit):
-        train.main(TINY + corpus + ["--max-steps", "10", *flags, "--out", str(run)])
+        train_cli.main(TINY + corpus + ["--max-steps", "10", *flags, "--out", str(run)])
     assert not (run / "results.json").exists()
-    monkeypatch.setattr(data, "atomic_write", real)
-    result = train.main(["--resume", str(run)])  # every step trained: only the test is left
+    monkeypatch.setattr(fileio, "atomic_write", real)
+    result = train_cli.main(["--resume", str(run)])  # every step trained: only the test is left
     assert result["steps"] == steps and "test_bleu" in result and (run / "results.json").exists()
     # now it is finished
-    one_line_error(lambda: train.main(["--resume", str(run)]), "nothing to train")
+    one_line_error(lambda: train_cli.main(["--resume", str(run)]), "nothing to train")
 
 
 def test_a_run_stopped_by_stop_lr_or_early_stop_resumes_when_the_flag_changes(tmp_path, corpus):
     """A run stopped by --stop-lr (or --early-stop) and resumed with that flag unchanged would stop
     at once: refused in one line, nothing changed. With the flag changed it trains on."""
     run = tmp_path / "run"
-    train.main(
+    train_cli.main(
         TINY + corpus + ["--warmup", "2", "--stop-lr", "10", "--max-steps", "10", "--out", str(run)]
     )
     stopped = json.loads((run / "results.json").read_text())["stopped"]
@@ -1102,13 +1110,13 @@ def test_a_run_stopped_by_stop_lr_or_early_stop_resumes_when_the_flag_changes(tm
     )
     before = snapshot(run)
     one_line_error(
-        lambda: train.main(["--resume", str(run)]), "would stop again at once", "--stop-lr"
+        lambda: train_cli.main(["--resume", str(run)]), "would stop again at once", "--stop-lr"
     )
     assert snapshot(run) == before
-    train.main(["--resume", str(run), "--stop-lr", "0"])
+    train_cli.main(["--resume", str(run), "--stop-lr", "0"])
     assert torch.load(run / "checkpoint_last.pt", weights_only=True)["train_state"]["step"] == 10
     assert json.loads((run / "results.json").read_text())["stopped"] == "--max-steps 10 reached"
-    args = train.resolve_flags(["--early-stop", "3"])[0]
+    args = presets.resolve_flags(["--early-stop", "3"])[0]
     stopped, history = (
         ("early_stop", "dev BLEU has not improved for 3 evaluations"),
         [5.0, 4.0, 5.0, 3.0],
@@ -1116,14 +1124,14 @@ def test_a_run_stopped_by_stop_lr_or_early_stop_resumes_when_the_flag_changes(tm
     # 3 evaluations since the best (the first 5.0)
     assert train.stop_reason(args, 20, 1.0, history) == stopped
     for flags in (["--early-stop", "4"], ["--early-stop", "0"]):
-        assert train.stop_reason(train.resolve_flags(flags)[0], 20, 1.0, history) is None
+        assert train.stop_reason(presets.resolve_flags(flags)[0], 20, 1.0, history) is None
 
 
 def test_a_damaged_bpe_model_with_a_valid_key_is_made_again(finished, tmp_path, corpus, capsys):
     run = copy_run(finished, tmp_path)
     # bpe.key still matches the text
     (run / "bpe.model").write_bytes((run / "bpe.model").read_bytes()[:100])
-    train.main(TINY + corpus + ["--max-steps", "5", "--out", str(run), "--overwrite"])
+    train_cli.main(TINY + corpus + ["--max-steps", "5", "--out", str(run), "--overwrite"])
     assert "trained joint BPE" in capsys.readouterr().out
     assert data.load_tokenizer((run / "bpe.model").read_bytes()).vocab_size > 4
 
@@ -1139,7 +1147,7 @@ def test_a_read_only_run_directory_is_one_line(finished, tmp_path, monkeypatch):
 
     monkeypatch.setattr("builtins.open", read_only)
     one_line_error(
-        lambda: train.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"]),
+        lambda: train_cli.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"]),
         str(run),
         "Read-only file system",
     )
@@ -1162,13 +1170,13 @@ def test_a_read_only_run_directory_is_one_line(finished, tmp_path, monkeypatch):
     ],
 )
 def test_a_flag_that_would_do_nothing_is_refused(argv, names, tmp_path):
-    one_line_error(lambda: train.main(TINY + argv + ["--out", str(tmp_path / "run")]), *names)
+    one_line_error(lambda: train_cli.main(TINY + argv + ["--out", str(tmp_path / "run")]), *names)
     assert not (tmp_path / "run").exists()
 
 
 def test_a_file_as_data_is_one_line(tmp_path, corpus):
     one_line_error(
-        lambda: train.main(
+        lambda: train_cli.main(
             TINY
             + [
                 "--data",
@@ -1189,7 +1197,7 @@ def test_a_file_as_data_is_one_line(tmp_path, corpus):
 def test_decode_empty_input_with_ref_odd_metrics_and_idle_flags_are_one_line(finished, tmp_path):
     (tmp_path / "e").write_text("")
     one_line_error(
-        lambda: decode.main(
+        lambda: decode_cli.main(
             [str(finished), "--input", str(tmp_path / "e"), "--ref", str(tmp_path / "e")]
         ),
         "--ref",
@@ -1198,10 +1206,10 @@ def test_decode_empty_input_with_ref_odd_metrics_and_idle_flags_are_one_line(fin
     run = copy_run(finished, tmp_path)
     lines = (run / "metrics.jsonl").read_text().splitlines()
     (run / "metrics.jsonl").write_text("\n".join(lines[:2] + ["[1, 2]"] + lines[3:]) + "\n")
-    with pytest.raises(data.DataError, match="line 3 is not a record of train.py"):
-        data.read_metrics(run)  # what --plot reads
+    with pytest.raises(fileio.DataError, match="line 3 is not a record of train.py"):
+        rundir.read_metrics(run)  # what --plot reads
     with pytest.raises(SystemExit) as e:
-        decode.parse_args([str(finished), "--layer", "3"])
+        decode_cli.parse_args([str(finished), "--layer", "3"])
     assert e.value.code == 2
     p = subprocess.run(
         [sys.executable, "data.py", "--help"], cwd=ROOT, capture_output=True, text=True
@@ -1213,20 +1221,20 @@ def test_both_programs_refuse_an_idle_flag_through_one_rule(monkeypatch, capsys)
     """data.idle_flag owns "a flag given where it does nothing is refused in one line": the first
     idle flag, as a command line writes it, with its rule's why. train.py's table, decode.py's needs
     and its modes go through it."""
-    assert data.idle_flag([(("a", "b_c"), True, "x"), (("d", "b_c"), False, "why")], {"b_c"}) == (
+    assert arguments.idle_flag([(("a", "b_c"), True, "x"), (("d", "b_c"), False, "why")], {"b_c"}) == (
         "--b-c",
         "why",
     )
-    assert data.idle_flag([(("a",), False, "x")], {"b"}) is None
-    seen, rule = [], data.idle_flag
+    assert arguments.idle_flag([(("a",), False, "x")], {"b"}) is None
+    seen, rule = [], arguments.idle_flag
     monkeypatch.setattr(
-        data, "idle_flag", lambda rules, given: seen.append(rule(rules, given)) or seen[-1]
+        arguments, "idle_flag", lambda rules, given: seen.append(rule(rules, given)) or seen[-1]
     )
     for main, argv, said in (
-        (train.main, ["--qk-length", "5"], "--qk-length is QKNorm's, so it needs --qknorm"),
-        (decode.main, ["x", "--sample"], "--sample is for --generate: give it too"),
+        (train_cli.main, ["--qk-length", "5"], "--qk-length is QKNorm's, so it needs --qknorm"),
+        (decode_cli.main, ["x", "--sample"], "--sample is for --generate: give it too"),
         (
-            decode.main,
+            decode_cli.main,
             ["--compare", "a", "b", "--ref", "c", "--beam", "3"],
             "--beam does nothing with --compare",
         ),
@@ -1256,7 +1264,7 @@ def test_a_failed_start_removes_only_empty_folders_it_made_and_decode_sees_throu
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Path, "mkdir", mkdir_then_a_sibling)
         one_line_error(
-            lambda: train.main(TINY + corpus + ["--max-len", "1", "--out", str(sweep / "b")]),
+            lambda: train_cli.main(TINY + corpus + ["--max-len", "1", "--out", str(sweep / "b")]),
             "no training pair left",
         )
     assert (sweep / "a" / "config.json").exists() and not (sweep / "b").exists()
@@ -1264,7 +1272,7 @@ def test_a_failed_start_removes_only_empty_folders_it_made_and_decode_sees_throu
     (tmp_path / "x.en").write_text("the dog .\n")
     for output in (run / ".." / "run" / "config.json", run / "test.hyp"):
         one_line_error(
-            lambda: decode.main(
+            lambda: decode_cli.main(
                 [str(run), "--input", str(tmp_path / "x.en"), "--output", str(output)]
             ),
             "a file of the run directory",
@@ -1281,11 +1289,11 @@ def test_decode_ctrl_c_says_whether_the_output_was_written(finished, tmp_path, m
 
     # Ctrl-C while scoring: the translations are written
     monkeypatch.setattr(decode, "score_report", killed)
-    assert decode.main(argv + ["--output", str(tmp_path / "a.hyp")]) == 130
+    assert decode_cli.main(argv + ["--output", str(tmp_path / "a.hyp")]) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "not written" not in err and (tmp_path / "a.hyp").exists(), err
     monkeypatch.setattr(decode, "translate", killed)  # Ctrl-C while translating: nothing is written
-    assert decode.main(argv + ["--output", str(tmp_path / "b.hyp")]) == 130
+    assert decode_cli.main(argv + ["--output", str(tmp_path / "b.hyp")]) == 130
     assert "b.hyp was not written" in capsys.readouterr().err and not (tmp_path / "b.hyp").exists()
 
 
@@ -1295,7 +1303,7 @@ def test_decode_writes_through_a_link_and_into_a_pipe(finished, tmp_path, monkey
     target.write_text("old\n")
     link.symlink_to(target)
     assert (
-        decode.main([str(finished), "--input", str(tmp_path / "in.txt"), "--output", str(link)])
+        decode_cli.main([str(finished), "--input", str(tmp_path / "in.txt"), "--output", str(link)])
         == 0
     )
     # the link's file, not the link
@@ -1305,7 +1313,7 @@ def test_decode_writes_through_a_link_and_into_a_pipe(finished, tmp_path, monkey
     reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
     reader.start()
     assert (
-        decode.main([str(finished), "--input", str(tmp_path / "in.txt"), "--output", str(fifo)])
+        decode_cli.main([str(finished), "--input", str(tmp_path / "in.txt"), "--output", str(fifo)])
         == 0
     )
     reader.join(timeout=60)
@@ -1317,7 +1325,7 @@ def test_decode_writes_through_a_link_and_into_a_pipe(finished, tmp_path, monkey
         f.write("earlier\n")
         f.flush()
         assert (
-            decode.main(
+            decode_cli.main(
                 [
                     str(finished),
                     "--input",
@@ -1336,9 +1344,9 @@ def test_decode_writes_through_a_link_and_into_a_pipe(finished, tmp_path, monkey
             raise PermissionError(13, "Permission denied")
         return open(path, *a, **k)
 
-    monkeypatch.setattr(data, "open", denied, raising=False)  # read_checkpoint's
-    with pytest.raises(data.DataError, match="cannot read it"):
-        data.read_checkpoint(finished / "checkpoint_last.pt")
+    monkeypatch.setattr(rundir, "open", denied, raising=False)  # read_checkpoint's
+    with pytest.raises(fileio.DataError, match="cannot read it"):
+        rundir.read_checkpoint(finished / "checkpoint_last.pt")
 
 
 def test_a_full_disk_inside_torch_save_is_the_os_error(tmp_path, monkeypatch):
@@ -1363,11 +1371,11 @@ def test_a_full_disk_inside_torch_save_is_the_os_error(tmp_path, monkeypatch):
             real_fdopen(self.fd, "wb").close()
             super().close()
 
-    monkeypatch.setattr(data.os, "fdopen", lambda fd, mode: io.BufferedWriter(Full(fd)))
+    monkeypatch.setattr(fileio.os, "fdopen", lambda fd, mode: io.BufferedWriter(Full(fd)))
     with pytest.raises(
-        data.WriteFailed, match=f"{tmp_path / 'c.pt'}: cannot write it .No space left on device.; "
+        fileio.WriteFailed, match=f"{tmp_path / 'c.pt'}: cannot write it .No space left on device.; "
     ):
-        data.atomic_write(tmp_path / "c.pt", {"x": torch.zeros(100000)})
+        fileio.atomic_write(tmp_path / "c.pt", {"x": torch.zeros(100000)})
     assert list(tmp_path.iterdir()) == []
 
 
@@ -1401,16 +1409,16 @@ def test_decode_refuses_what_would_silently_do_nothing_or_mislead(
         (run + ["--ref", str(ref), "--benchmark", "--lowercase"], "--lowercase does nothing with"),
     ):
         with pytest.raises(SystemExit) as e:
-            decode.main(argv)
+            decode_cli.main(argv)
         assert e.value.code != 0
         err = capsys.readouterr().err + str(e.value.code)
         assert words in err, (argv, err)
     assert not (tmp_path / "o.hyp").exists()
-    one_line_error(lambda: train.main(TINY + ["--lr", "inf"]), "--lr", "finite")
+    one_line_error(lambda: train_cli.main(TINY + ["--lr", "inf"]), "--lr", "finite")
     # --ppl with nothing to score is refused before anything is translated or written
     (tmp_path / "empty.txt").write_text("\n")
     one_line_error(
-        lambda: decode.main(
+        lambda: decode_cli.main(
             [
                 str(finished),
                 "--input",
@@ -1430,7 +1438,7 @@ def test_decode_refuses_what_would_silently_do_nothing_or_mislead(
     upper = tmp_path / "upper.txt"
     upper.write_text("THE DOG SEES A CAT .\n")
     assert (
-        decode.main(
+        decode_cli.main(
             ["--compare", str(src), str(upper), "--ref", str(ref), "--lowercase", "--samples", "50"]
         )
         == 0
@@ -1460,7 +1468,7 @@ def test_a_folder_with_files_a_run_writes_but_no_run_is_refused_and_other_files_
     before = snapshot(theirs)
     for extra in ([], ["--overwrite"]):
         one_line_error(
-            lambda: train.main(TINY + corpus + ["--max-steps", "5", *extra, "--out", str(theirs)]),
+            lambda: train_cli.main(TINY + corpus + ["--max-steps", "5", *extra, "--out", str(theirs)]),
             f"--out {theirs}",
             "not a run directory of train.py",
             "bpe.model",
@@ -1473,7 +1481,7 @@ def test_a_folder_with_files_a_run_writes_but_no_run_is_refused_and_other_files_
     mine.mkdir()
     (mine / "notes.txt").write_text("seed 1 looked good\n")
     (mine / "model.pt").write_bytes(b"not a checkpoint of train.py")
-    train.main(TINY + corpus + ["--max-steps", "5", "--out", str(mine)])
+    train_cli.main(TINY + corpus + ["--max-steps", "5", "--out", str(mine)])
     assert (mine / "notes.txt").read_text() == "seed 1 looked good\n" and (
         mine / "results.json"
     ).exists()
@@ -1491,12 +1499,12 @@ def test_every_budget_stop_says_stopping_and_one_rule_owner_decides_a_resume(
         (["--max-steps", "7"], "stopping: --max-steps 7 reached"),
         (["--max-epochs", "1"], "stopping: --max-epochs 1 reached"),
     ):
-        train.main(TINY + corpus + [*flags, "--out", str(tmp_path / flags[0])])
+        train_cli.main(TINY + corpus + [*flags, "--out", str(tmp_path / flags[0])])
         assert line in capsys.readouterr().out
     scores = iter([5.0, 4.0, 4.0, 4.0])  # dev BLEU: the second evaluation is worse than the first
     monkeypatch.setattr(train, "dev_score", lambda run: (next(scores), 1.0, 2.7))
     run = tmp_path / "both"
-    train.main(
+    train_cli.main(
         TINY
         + corpus
         + [
@@ -1517,13 +1525,13 @@ def test_every_budget_stop_says_stopping_and_one_rule_owner_decides_a_resume(
     assert torch.load(run / "checkpoint_last.pt", weights_only=True)["train_state"]["step"] == 10
     before = snapshot(run)
     one_line_error(
-        lambda: train.main(["--resume", str(run), "--stop-lr", "0"]),
+        lambda: train_cli.main(["--resume", str(run), "--stop-lr", "0"]),
         "would stop again at once",
         "has not improved for 1 evaluations",
         "--early-stop",
     )
     assert snapshot(run) == before
-    args = train.resolve_flags(["--warmup", "2", "--stop-lr", "10", "--early-stop", "1"])[0]
+    args = presets.resolve_flags(["--warmup", "2", "--stop-lr", "10", "--early-stop", "1"])[0]
     # both hold: the first rule names it
     assert train.stop_reason(args, 10, 1.0, [5.0, 4.0])[0] == "stop_lr"
     args.stop_lr = 0.0
@@ -1538,7 +1546,7 @@ def test_decode_prints_a_checkpoints_dev_bleu_as_a_score(finished, tmp_path, cap
     ckpt["train_state"]["history"][-1] = 100.00000000000004
     torch.save(ckpt, tmp_path / "perfect.pt")
     (tmp_path / "in.txt").write_text("the dog sees a cat .\n")
-    assert decode.main([str(tmp_path / "perfect.pt"), "--input", str(tmp_path / "in.txt")]) == 0
+    assert decode_cli.main([str(tmp_path / "perfect.pt"), "--input", str(tmp_path / "in.txt")]) == 0
     err = capsys.readouterr().err
     assert "dev BLEU 100.00," in err and "100.0000" not in err, err
 
@@ -1578,9 +1586,9 @@ def test_sigterm_stops_a_run_as_ctrl_c_does_and_it_resumes_from_its_last_checkpo
         err.strip().splitlines()[-1] == f"interrupted: continue with python train.py --resume {run}"
     ), err
     assert not [p.name for p in run.iterdir() if p.name.endswith(".tmp")]
-    step = max(data.read_checkpoint(p)["train_state"]["step"] for p in data.checkpoints(run))
-    assert data.read_checkpoint(run / "checkpoint_last.pt")["train_state"]["step"] == step >= 5
-    result = train.main(["--resume", str(run), "--max-steps", str(step + 5)])
+    step = max(rundir.read_checkpoint(p)["train_state"]["step"] for p in rundir.checkpoints(run))
+    assert rundir.read_checkpoint(run / "checkpoint_last.pt")["train_state"]["step"] == step >= 5
+    result = train_cli.main(["--resume", str(run), "--max-steps", str(step + 5)])
     assert result["steps"] == step + 5
 
 
@@ -1596,11 +1604,11 @@ def test_show_prints_every_resolved_flag_for_any_preset_and_touches_nothing(
 
     out = tmp_path / "never"
     assert (
-        train.main(["--preset", "twt3-scalenorm", "--d-model", "64", "--show", "--out", str(out)])
+        train_cli.main(["--preset", "twt3-scalenorm", "--d-model", "64", "--show", "--out", str(out)])
         is None
     )
     flags = shown()
-    assert set(flags) == {"--" + k.replace("_", "-") for k in train.DEFAULTS}  # every flag
+    assert set(flags) == {"--" + k.replace("_", "-") for k in arguments.DEFAULTS}  # every flag
     # preset
     assert (
         flags["--d-model"] == ["64", "given"]
@@ -1614,14 +1622,14 @@ def test_show_prints_every_resolved_flag_for_any_preset_and_touches_nothing(
     )
     assert not out.exists()
     # every preset, a language model's too: the idle-flag rules let --show through
-    for name in train.PRESETS:
-        train.main(["--preset", name, "--show", "--out", str(out)])
+    for name in presets.PRESETS:
+        train_cli.main(["--preset", name, "--show", "--out", str(out)])
         assert shown()["--preset"] == [name, "given"] and not out.exists()
     # a flag given over a preset's
-    train.main(["--preset", "pn2-powernorm", "--show", "--seq-len", "64"])
+    train_cli.main(["--preset", "pn2-powernorm", "--show", "--seq-len", "64"])
     assert shown()["--seq-len"] == ["64", "given"]
     before = snapshot(finished)
-    train.main(["--resume", str(finished), "--show"])  # a resumed run's flags: its checkpoint's
+    train_cli.main(["--resume", str(finished), "--show"])  # a resumed run's flags: its checkpoint's
     assert shown()["--d-model"] == ["32"] and snapshot(finished) == before
 
 
@@ -1630,7 +1638,7 @@ def test_the_checkpoint_is_written_before_the_line_that_reports_its_epoch(
 ):
     """Killed between an epoch's checkpoint and its report: the log never says an epoch was reached
     that a resume does not start from."""
-    run, real = tmp_path / "run", train.save_checkpoints
+    run, real = tmp_path / "run", rundir.save_checkpoints
 
     def killed(r, improved):
         if r.state.epoch == 2:
@@ -1639,11 +1647,11 @@ def test_the_checkpoint_is_written_before_the_line_that_reports_its_epoch(
 
     monkeypatch.setattr(train, "save_checkpoints", killed)
     with pytest.raises(SystemExit) as e:
-        train.main(TINY + corpus + ["--max-steps", "15", "--out", str(run)])
+        train_cli.main(TINY + corpus + ["--max-steps", "15", "--out", str(run)])
     out = capsys.readouterr().out
     assert e.value.code == 130 and "epoch   1 | step      5" in out and "epoch   2" not in out, out
     monkeypatch.setattr(train, "save_checkpoints", real)
-    train.main(["--resume", str(run)])
+    train_cli.main(["--resume", str(run)])
     assert "at step 5" in capsys.readouterr().out
 
 
@@ -1657,7 +1665,7 @@ def test_a_flag_given_on_resume_is_compared_with_the_checkpoints_once(finished, 
     torch.save(ckpt, run / "checkpoint_last.pt")
     before = snapshot(run)
     one_line_error(
-        lambda: train.main(
+        lambda: train_cli.main(
             [
                 "--resume",
                 str(run),
@@ -1675,7 +1683,7 @@ def test_a_flag_given_on_resume_is_compared_with_the_checkpoints_once(finished, 
         "--seed (1 -> 2)",
     )
     assert snapshot(run) == before
-    train.main(
+    train_cli.main(
         ["--resume", str(run), "--max-steps", "20", "--max-epochs", "10", "--log-interval", "50"]
     )
     out = capsys.readouterr().out
@@ -1694,7 +1702,7 @@ def test_a_checkpoint_copied_alone_into_a_folder_is_not_resumed(finished, tmp_pa
     shutil.copy(finished / "checkpoint_last.pt", folder / "checkpoint_last.pt")
     before = snapshot(folder)
     one_line_error(
-        lambda: train.main(["--resume", str(folder), "--max-steps", "30"]),
+        lambda: train_cli.main(["--resume", str(folder), "--max-steps", "30"]),
         folder,
         "not a run directory",
         "config.json",
@@ -1748,7 +1756,7 @@ def test_a_checkpoint_of_another_run_under_a_runs_own_name_stops_the_resume_and_
     torch.save(other, run / "checkpoint_last.pt")
     before = snapshot(run)
     one_line_error(
-        lambda: train.main(["--resume", str(run), "--max-steps", "30"]),
+        lambda: train_cli.main(["--resume", str(run), "--max-steps", "30"]),
         "checkpoint_last.pt",
         "another run",
         "move it out",
@@ -1759,7 +1767,7 @@ def test_a_checkpoint_of_another_run_under_a_runs_own_name_stops_the_resume_and_
     (theirs / "config.json").write_text('{"model_type": "bert"}\n')
     (tmp_path / "in.txt").write_text("the dog sees a cat .\n")
     assert (
-        decode.main(
+        decode_cli.main(
             [
                 str(finished),
                 "--input",

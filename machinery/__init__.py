@@ -1,0 +1,1 @@
+"""The machinery beside the book: TODO."""

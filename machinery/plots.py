@@ -1,0 +1,175 @@
+"""machinery/plots.py: TODO."""
+import contextlib
+import json
+import sys
+from pathlib import Path
+import torch
+
+from machinery.fileio import DataError
+from machinery import rundir
+from machinery import fileio
+
+
+SHADES = " .:-=+*#%@"  # weight 0 -> " ", weight 1 -> "@"
+
+
+def render_heatmap(weights, rows, cols, max_label=8):
+    """A text heatmap of weights (R, C) in [0, 1]: each cell the shade SHADES[round(w * 9)], on an
+    absolute scale (not per row) so that maps of different heads and models compare, as wide as its
+    column's label (labels across the top, cut to max_label with "~")."""
+    w = torch.as_tensor(weights, dtype=torch.float32)
+    if w.dim() != 2 or w.shape != (len(rows), len(cols)):
+        raise ValueError(
+            f"weights {tuple(w.shape)} do not match {len(rows)} rows x {len(cols)} columns"
+        )
+    rlab, clab = (
+        [t if len(t) <= max_label else t[: max_label - 1] + "~" for t in ts] for ts in (rows, cols)
+    )
+    rw = max([len(r) for r in rlab] + [1])
+    lines = [" " * rw + " | " + " ".join(clab)]
+    for r, row in zip(rlab, w.tolist()):
+        cells = [
+            SHADES[min(len(SHADES) - 1, max(0, round(v * (len(SHADES) - 1))))] * len(c)
+            for c, v in zip(clab, row)
+        ]
+        lines.append(r.rjust(rw) + " | " + " ".join(cells))
+    lines.append(f"shades: {SHADES!r} for weights 0 .. 1 (absolute scale)")
+    return "\n".join(lines)
+
+
+def figure(path, flag=None, **size):
+    """A matplotlib Figure (an optional extra, not in requirements.txt, imported only here) to draw
+    the PNG `path`; without it None and a line on stderr saying how to install it, or with `flag`
+    DataError naming it."""
+    try:
+        # no pyplot: no display needed, no open figure to close
+        from matplotlib import figure as matplotlib_figure
+
+        return matplotlib_figure.Figure(**size)
+    except ImportError:
+        why = f"{path} needs matplotlib, which is not installed: {fileio.EXTRAS}"
+        if flag:
+            raise DataError(f"{flag} {why}") from None
+        print(f"note: {why}", file=sys.stderr)
+
+
+def save_heatmap_png(weights, rows, cols, path, title=None):
+    """Saves the map as a PNG with matplotlib; True if written, False (and a note) without it."""
+    if (
+        fig := figure(path, figsize=(max(4, 0.4 * len(cols) + 2), max(3, 0.4 * len(rows) + 1.5)))
+    ) is None:
+        return False  # no matplotlib: figure's note said so
+    # as the --svd picture
+    ax = fig.add_subplot(title=title or "", yticks=range(len(rows)), yticklabels=rows)
+    im = ax.imshow(
+        torch.as_tensor(weights).float().numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto"
+    )
+    ax.set_xticks(range(len(cols)), cols, rotation=90)
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    return True
+
+
+def plot_series(run_dirs):
+    """{panel title: [(run name, xs, ys)]}: the curves of each panel of --plot, one per run."""
+    # perplexity: steadier than a short run's BLEU
+    keys = {
+        "dev BLEU": "dev_bleu",
+        "dev perplexity": "dev_ppl",
+        # the panels of one key each
+        "training loss": "train_loss",
+        "gradient norm (before clipping)": "gnorm",
+    }
+    panels = {
+        t: []
+        for t in (
+            *keys,
+            "learned g by depth (last evaluation)",
+            "QKNorm g (mean over modules)",
+            "batch vs running statistic, first norm",
+            "embedding singular values / the largest ([2] Fig. 6)",
+        )
+    }
+    # an attention module's g (QKNorm), not a norm's
+    qknorm = lambda k: k.endswith(("self_attn.g", "cross_attn.g"))
+    # [(x, y)] -> a curve
+    add = lambda t, label, xy: panels[t].append((label, [x for x, _ in xy], [y for _, y in xy]))
+    for run in run_dirs:
+        rows, name = rundir.read_metrics(run), Path(run).name
+        for title, key in keys.items():
+            add(title, name, [(r["step"], r[key]) for r in rows if r.get(key) is not None])
+        if evals := [r for r in rows if r.get("g")]:
+            depth = lambda k: (
+                not k.startswith("enc"),
+                int(k.split(".")[1]) if k.split(".")[1].isdigit() else 1 << 30,
+            )
+            g = evals[-1]["g"]
+            scale = sorted((k for k in g if not qknorm(k)), key=depth)  # ScaleNorm g's by depth
+            add("learned g by depth (last evaluation)", name, [*enumerate(g[k] for k in scale)])
+            # (step, its QKNorm g's)
+            qk = [(r["step"], [v for k, v in r["g"].items() if qknorm(k)]) for r in evals]
+            add(
+                "QKNorm g (mean over modules)", name, [(x, sum(gs) / len(gs)) for x, gs in qk if gs]
+            )
+        first = (
+            "encoder.0.norm_attn"
+            if any("encoder.0.norm_attn" in r.get("batch_norm_stats", {}) for r in rows)
+            else "decoder.0.norm_self"
+        )  # a language model has no encoder
+        stats = [
+            (r["step"], s)
+            for r in rows
+            for n, s in r.get("batch_norm_stats", {}).items()
+            if n == first
+        ]
+        if key := next(
+            (k for k in ("dist_sigma2", "dist_psi2") if stats and k in stats[0][1]), None
+        ):
+            add(
+                "batch vs running statistic, first norm",
+                f"{name} ({key})",
+                [(x, s[key]) for x, s in stats],
+            )
+        # the finished run's embedding ([2] Figure 6), from results.json; none while not finished
+        # (no results.json yet)
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            sv = json.loads((Path(run) / "results.json").read_text())["embedding_singular_values"]
+            add("embedding singular values / the largest ([2] Fig. 6)", name, [*enumerate(sv, 1)])
+    return panels
+
+
+def plot_runs(run_dirs, out):
+    """--plot: draw plot_series() into out (PNG, checked by run); DataError (one line) without
+    matplotlib."""
+    fig = figure(out, "--out")
+    # only panels with data
+    panels = {t: c for t, c in plot_series(run_dirs).items() if any(xs for _, xs, _ in c)}
+    rows = -(-max(len(panels), 1) // 3)
+    fig.set_size_inches(15, 4 * rows)
+    for i, (title, curves) in enumerate(panels.items()):
+        xlabel = (
+            "layer (encoder, then decoder)"
+            if "depth" in title
+            else "index"
+            if "singular" in title
+            else "step"
+        )
+        log = any(w in title for w in ("gradient", "statistic", "perplexity"))
+        # as the --svd picture
+        ax = fig.add_subplot(rows, 3, i + 1, xlabel=xlabel, yscale="log" if log else "linear")
+        for name, xs, ys in curves:
+            if xs:
+                # a point
+                ax.plot(
+                    xs,
+                    ys,
+                    label=name,
+                    marker="o" if "depth" in title or len(xs) == 1 else None,
+                    lw=1,
+                )
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}", file=sys.stderr)
