@@ -35,24 +35,21 @@ Shapes: B sentences in a batch, S source length, T target length (after the BOS/
 """
 
 import io
-import runpy
 import itertools
 import os
 import random
 import re
+import runpy
 import sys
 from collections import Counter
 from dataclasses import dataclass
 
-
 import sentencepiece as spm
 import torch
 
+from machinery.fileio import DataError, read_lines
 from model import BOS, EOS, PAD, UNK
 from norms import MIN_REAL_TOKENS
-from machinery.fileio import DataError
-from machinery.fileio import read_lines
-
 
 
 # ---------------------------------------------------------------------------------------

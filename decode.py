@@ -59,7 +59,9 @@ from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.significance import PairedTest
 
 import data
-
+from machinery import fileio
+from machinery.fileio import DataError
+from machinery.rundir import checkpoints, read_checkpoint
 from model import (
     BOS,
     EOS,
@@ -71,10 +73,6 @@ from model import (
     autocast,
 )
 from norms import BATCH_NORMS
-from machinery.fileio import DataError
-from machinery.rundir import checkpoints
-from machinery.rundir import read_checkpoint
-from machinery import fileio
 
 NEG_INF = float("-inf")
 

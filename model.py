@@ -34,7 +34,6 @@ import torch.nn.functional as F
 
 from norms import at_least_fp32, build_norm, fast_paths, fixnorm
 
-
 # ---------------------------------------------------------------------------------------
 # 1. The configuration, and the special ids (data.py trains sentencepiece with exactly these).
 # ---------------------------------------------------------------------------------------

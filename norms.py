@@ -30,9 +30,8 @@ authors' released code does: tnq177/transformers_without_tears (TwT), sIncerass/
 (PowerNorm, a fairseq fork: fairseq/modules/norms/mask_powernorm.py), CyndxAI/QKNorm.
 """
 
-import argparse
 import math
-import time
+import runpy
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
@@ -603,54 +602,6 @@ def powernorm_diagnostics(norm, xs, real, psi2, phi, fwd_psi2):
 
 
 # =======================================================================================
-# Appendix C: the timing harness, and python norms.py --benchmark.
-#
-# norms.py, decode.py and train.py's warm-up time with timed() below (train.py's --benchmark
-# synchronises once around all its timed steps, as training does).
-# Figures are printed, never asserted: these machines are shared and noisy, so compare ratios
-# measured in one run, with the candidates interleaved (round robin) so noise hits them alike.
-# =======================================================================================
-def sync(device):  # waits for the work queued on a CUDA device (the CPU's is done when it returns)
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device=None):
-    """(the result of fn(), its wall seconds), the device synchronised before and after."""
-    sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device)
-    return out, time.perf_counter() - t0
-
-
-def benchmark(batch=64, length=64, d=512, heads=8, repeats=30, rounds=5, device="cpu", bf16=False):
-    """Best (over rounds) seconds of one forward+backward of every norm on (batch, length, d);
-    bf16: a bf16 input under CUDA autocast, as in training on a GPU."""
-    x0 = torch.randn(
-        batch, length, d, device=device, dtype=torch.bfloat16 if bf16 else torch.float32
-    )
-    pad = torch.zeros(batch, length, dtype=torch.bool, device=device)
-    pad[: batch // 2, length - length // 8 :] = True  # some padding, as in a real batch
-    dy = torch.randn_like(x0)
-    # PN past its warmup
-    norms = {name: build_norm(name, d, heads, {"warmup": 1}).to(device) for name in NORMS}
-
-    def run(norm, x):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-            for _ in range(repeats):
-                norm(x, pad).backward(dy)
-
-    times = {name: [] for name in norms}
-    for _ in range(rounds):
-        for name, norm in norms.items():
-            x = x0.clone().requires_grad_(True)
-            run(norm, x)  # warm-up
-            times[name].append(timed(lambda: run(norm, x), device)[1] / repeats)
-    return {name: min(t) for name, t in times.items()}  # min over rounds: the least disturbed
-
-
-# =======================================================================================
 # Appendix D: PowerNorm as the authors' released module computes it (--pn-variant code):
 # sIncerass/powernorm, fairseq/modules/norms/mask_powernorm.py. It differs from Algorithm 2 in
 # three places; both normalize padding with the same statistic (finite outputs) and never let
@@ -686,41 +637,6 @@ def power_norm(d, variant="paper", **options):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="Time every norm's forward+backward against LayerNorm.")
-    p.add_argument("--benchmark", action="store_true", help="run the benchmark (the only action)")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--length", type=int, default=64)
-    p.add_argument(
-        "--d-model", type=int, default=512, help="D of the activations (base model: 512)"
-    )
-    p.add_argument("--heads", type=int, default=8, help="PowerNorm's GroupScaling groups")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument(
-        "--reference",
-        action="store_true",
-        help="time the written-out LayerNorm in place of F.layer_norm",
-    )
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument(
-        "--bf16", action="store_true", help="on CUDA: a bf16 input under autocast, as training runs"
-    )
-    a = p.parse_args()
-    if a.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available")
-    if not a.benchmark:
-        p.print_help()
-        raise SystemExit(0)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    use_reference(a.reference)
-    bf16 = a.bf16 and a.device == "cuda"  # --bf16 is CUDA's: the CPU is timed in fp32
-    best = benchmark(a.batch, a.length, a.d_model, a.heads, device=a.device, bf16=bf16)
-    where = (
-        torch.cuda.get_device_name() if a.device == "cuda" else f"{torch.get_num_threads()} threads"
-    )
-    print(
-        f"forward+backward on ({a.batch}, {a.length}, {a.d_model}) {'bf16' if bf16 else 'fp32'}, {where}, "
-        f"best of 5 rounds x 30{', --reference' if a.reference else ''}:"
-    )
-    for name, t in best.items():
-        print(f"  {name:12s} {t * 1e3:8.3f} ms   {t / best['layer']:5.2f} x LayerNorm")
+    # python norms.py --benchmark (every norm's speed against LayerNorm) is machinery, not the
+    # book: machinery/speed.py runs as the program and reads this chapter.
+    runpy.run_module("machinery.speed", run_name="__main__")

@@ -31,9 +31,9 @@ Contents
 """
 
 import argparse
-import runpy
 import json
 import math
+import runpy
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -45,7 +45,18 @@ import torch.distributed as dist
 
 import data
 import decode
-
+from machinery import fileio, rundir
+from machinery.corpora import prepare_data, read_corpus
+from machinery.logbook import RunLog, StepLog, append_metrics
+from machinery.processes import across_processes, rank0_first, start_process, wrap_model
+from machinery.rundir import (
+    budget,
+    commit_run_dir,
+    open_run_dir,
+    restore,
+    save_checkpoints,
+    stop_signals,
+)
 from model import (
     FAST_PATHS,
     ModelConfig,
@@ -55,22 +66,6 @@ from model import (
     qk_g0,
 )
 from norms import BATCH_NORMS
-from machinery import rundir
-from machinery import fileio
-from machinery.logbook import RunLog, StepLog
-from machinery.processes import across_processes
-from machinery.logbook import append_metrics
-from machinery.rundir import budget
-from machinery.rundir import commit_run_dir
-from machinery.rundir import open_run_dir
-from machinery.corpora import prepare_data
-from machinery.processes import rank0_first
-from machinery.corpora import read_corpus
-from machinery.rundir import restore
-from machinery.rundir import save_checkpoints
-from machinery.processes import start_process
-from machinery.rundir import stop_signals
-from machinery.processes import wrap_model
 
 
 # ---------------------------------------------------------------------------------------
@@ -327,7 +322,9 @@ def setup(args, stack, log, resumed=None):
     # Appendix D: the other ranks read what rank 0 checks, prepares and commits
     with rank0_first(rank, world):
         # Appendix E: checked
-        run_dir, ckpt, stage = open_run_dir(args, pairs, log, stack, rank == 0, resumed, stop_reason)
+        run_dir, ckpt, stage = open_run_dir(
+            args, pairs, log, stack, rank == 0, resumed, stop_reason
+        )
         # Appendix F
         tokenizer, train, dev, unfiltered = prepare_data(args, pairs, run_dir, stage, log, ckpt)
         model, optimizer = build_model(args, tokenizer, train, unfiltered, device, bf16, log)

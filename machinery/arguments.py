@@ -1,13 +1,14 @@
 """machinery/arguments.py: TODO."""
+
 import argparse
 import math
-import decode
 
-from norms import NORMS
+import decode
+import train
 from machinery import fileio
 from machinery.corpora import PAIRS
 from machinery.rundir import RESUME_MAY_CHANGE
-import train
+from norms import NORMS
 
 
 def idle_flag(rules, given):

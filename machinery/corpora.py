@@ -1,4 +1,5 @@
 """machinery/corpora.py: TODO."""
+
 import argparse
 import contextlib
 import gzip
@@ -12,30 +13,30 @@ import shlex
 import sys
 import tarfile
 import textwrap
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 import zipfile
 from pathlib import Path
+
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-import time
+
 import data
 import decode
-
-from machinery import fileio
-from machinery import toy_corpus
-from machinery.fileio import DataError
-from machinery.fileio import SPLITS
-from machinery.toy_corpus import TOY_DIR
-from machinery.fileio import atomic_write
-from machinery.fileio import atomic_write_all
-from machinery.fileio import corpus_paths
+from machinery import fileio, toy_corpus
+from machinery.fileio import (
+    SPLITS,
+    DataError,
+    atomic_write,
+    atomic_write_all,
+    corpus_paths,
+    pairs_sha256,
+)
 from machinery.rundir import interrupt_on_sigterm, interrupted_status
-from machinery.toy_corpus import summary
-from machinery.fileio import pairs_sha256
-
+from machinery.toy_corpus import TOY_DIR, summary
 
 _TED_NOTE = (
     "TED talks of Qi et al. 2018 (github.com/neulab/word-embeddings-for-nmt), read as its ted_reader.py "
@@ -542,9 +543,7 @@ def load_or_encode(tok, pairs, cache_path, write_path=None):
     return enc
 
 
-PAIRS = {
-    name: dict(data=f"data/{c.get('dir', name)}", **c["flags"]) for name, c in CORPORA.items()
-}
+PAIRS = {name: dict(data=f"data/{c.get('dir', name)}", **c["flags"]) for name, c in CORPORA.items()}
 
 
 def read_corpus(args, log):

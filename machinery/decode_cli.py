@@ -1,4 +1,5 @@
 """machinery/decode_cli.py: TODO."""
+
 import argparse
 import contextlib
 import json
@@ -9,32 +10,22 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+
 import torch
 from rich.console import Console
+
 import data
 import decode
-
+from machinery import arguments, fileio, processes, rundir
+from machinery.arguments import alpha_range, count, fraction, positive, positive_int, threads
+from machinery.fileio import DataError
+from machinery.plots import figure, plot_runs, render_heatmap, save_heatmap_png
+from machinery.rundir import checkpoints
+from machinery.speed import timed
 from model import (
     PAD,
     has_bf16,
 )
-from norms import timed
-from machinery.fileio import DataError
-from machinery.arguments import alpha_range
-from machinery.rundir import checkpoints
-from machinery.arguments import count
-from machinery.arguments import fraction
-from machinery.arguments import positive
-from machinery.arguments import positive_int
-from machinery.arguments import threads
-from machinery import processes
-from machinery import fileio
-from machinery import arguments
-from machinery import rundir
-from machinery.plots import figure
-from machinery.plots import plot_runs
-from machinery.plots import render_heatmap
-from machinery.plots import save_heatmap_png
 
 
 def analyse(args, model, tokenizer):
@@ -97,7 +88,8 @@ def benchmark(model, tokenizer, lines, refs, args, search):
         # its warm-up, then its timing
         decode.translate(model, tokenizer, lines[:32], search, args.batch_tokens, ids=True)
         ids, secs = timed(
-            lambda: decode.translate(model, tokenizer, lines, search, args.batch_tokens, ids=True), device
+            lambda: decode.translate(model, tokenizer, lines, search, args.batch_tokens, ids=True),
+            device,
         )
         n_tok = sum(len(h) + 1 for h in ids)  # output tokens, EOS counted (as in training)
         name = "greedy (beam 1)" if search.beam == 1 else f"beam {search.beam}, alpha {args.alpha}"

@@ -1,8 +1,10 @@
 """machinery/fileio.py: TODO."""
+
 import hashlib
 import os
 import tempfile
 from pathlib import Path
+
 import torch
 
 SPLITS = ("train", "dev", "test")  # a corpus's splits, in the order they are read

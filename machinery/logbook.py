@@ -1,26 +1,19 @@
 """machinery/logbook.py: TODO."""
+
 import io
 import json
 import math
 import os
-import torch
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn
-from norms import timed
-import resource
 import time
-from dataclasses import asdict
-import torch.distributed as dist
-from rich.progress import TimeElapsedColumn, TimeRemainingColumn
-from torch.profiler import ProfilerActivity, profile
-from torch.utils.benchmark import Timer
-import data
 
-from model import (
-    output_columns,
-)
-from norms import BATCH_NORMS, sync
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
 from machinery import fileio
+from machinery.speed import matmul_flops, step_flops
+from norms import BATCH_NORMS
 
 
 def scalars(record, prefix=""):
@@ -31,154 +24,6 @@ def scalars(record, prefix=""):
             yield from scalars(v, f"{prefix}{k}/")
         elif isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
             yield prefix + k, v
-
-
-def batch_flops(cfg, b, out_vocab=None):
-    """Training FLOPs of one step on a data.Batch b, its (B, S) source / (B, T) target, padding
-    included.
-
-    Counts the matmuls (2 FLOPs per multiply-add) of the forward pass, times 3 (backward ~ two
-    forwards). Per token, per layer:
-      encoder:  Q, K, V, O projections 4 D^2 + FFN 2 D FF          + scores Q K^T, A V: 2 S D
-      decoder:  self 4 D^2 + cross Q, O 2 D^2 + FFN 2 D FF          + scores 2 T D + 2 S D
-                (+ cross K, V 2 D^2 per *source* token)
-      output:   D Vt per target token (training computes only the Vt = out_vocab target words'
-      logits, default all V)
-    A language model (S = 0) has no cross-attention; the multi-linear attention (model.py Appendix
-    B) costs W^QKV 3 D HR, the tensor T^2 HR (T^2 R per head; twice under --positions relative) and
-    W^O H L^2 D per token, where HR = H x --head-dim (D by default).
-    """
-    # a language model's batch has no source
-    (B, T), S = b.tgt_in.shape, 0 if b.src is None else b.src.size(1)
-    D, FF, V = cfg.d_model, cfg.ff, out_vocab or cfg.vocab_size
-    enc = cfg.enc_layers * (S * (4 * D * D + 2 * D * FF) + 2 * S * S * D)
-    HR, tensors = cfg.heads * (cfg.head_dim or D // cfg.heads), 1 + (cfg.positions == "relative")
-    attn = (
-        T * (3 * D * HR + tensors * T * T * HR + cfg.heads * cfg.seq_len**2 * D)
-        if cfg.attention == "multilinear"
-        else T * 4 * D * D + 2 * T * T * D
-    )
-    cross = 0 if cfg.lm else T * 2 * D * D + S * 2 * D * D + 2 * T * S * D
-    dec = cfg.dec_layers * (attn + cross + T * 2 * D * FF)
-    return 3 * 2 * B * (enc + dec + T * D * V)
-
-
-# a step's, for the log line and --benchmark: this rank's micro-batches x the ranks
-def step_flops(run, batches):
-    return (
-        sum(batch_flops(run.model.cfg, b, output_columns(run.model)) for b in batches) * run.world
-    )
-
-
-def matmul_flops(run, tokens=4096, seconds=1.0):
-    """FLOP/s of a dense (tokens x d) @ (d x ff) GEMM, the FFN's first matmul, in the step's matmul
-    dtype (bf16 under CUDA autocast, else fp32), in this process: MFU's denominator. torch's Timer
-    runs it in blocks of products for `seconds` (after a warm-up; on a GPU, one sync per block) and
-    the best block counts: a busy moment on a shared machine would otherwise understate the peak
-    (and inflate MFU)."""
-    device, d, ff = run.device, run.args.d_model, run.args.ff
-    gen = torch.Generator(device=device).manual_seed(0)  # its own RNG: training's stays untouched
-    dtype = torch.bfloat16 if run.step_options.bf16 else torch.float32
-    a, b = (
-        torch.randn(*shape, device=device, generator=gen).to(dtype)
-        for shape in ((tokens, d), (d, ff))
-    )
-    # its default is 1 thread
-    timer = Timer("a @ b", globals={"a": a, "b": b}, num_threads=torch.get_num_threads())
-    return 2 * tokens * d * ff / min(timer.blocked_autorange(min_run_time=seconds).times)
-
-
-def benchmark(run, train_step):
-    """--benchmark N: time N training steps after 3 warm-up steps (and --compile's compilations);
-    print figures, assert nothing. As in training, the host reads nothing back from the device in
-    the N steps: one sync at the end."""
-    args, cfg, warm, dev = run.args, run.model.cfg, 3, run.device
-    matmul_peak = matmul_flops(run)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    # torch.compile's own counter of the graphs it made, imported only with --compile
-    if args.compile:
-        from torch._dynamo.utils import counters
-    graphs = int(counters["stats"]["unique_graphs"]) if args.compile else 0
-
-    def step(i):  # step i's mean loss and target tokens, left on the device, and its FLOPs
-        batches = run.next_batches()
-        loss, _, _, n_tgt = train_step(
-            run.net, run.optimizer, batches, run.schedule(i + 1), run.step_options
-        )
-        return loss / n_tgt, n_tgt, step_flops(run, batches)
-
-    warmed, warm_secs = timed(lambda: [step(i) for i in range(warm)], dev)  # norms.py Appendix C
-    run.log(
-        f"benchmark: {warm} warm-up steps{' (and compilation)' if args.compile else ''} took {warm_secs:.1f}s"
-    )
-    steps, secs = timed(lambda: [step(i) for i in range(warm, warm + args.benchmark)], dev)
-    losses = torch.stack([loss for loss, _, _ in warmed + steps]).tolist()
-    # n: a device tensor under DDP
-    n_tok, flops = float(sum(n for _, n, _ in steps)), sum(f for _, _, f in steps)
-    result = profile_steps(run, step, secs, n_tok) if args.profile else {}
-    # the graphs torch.compile made in these steps (a recompilation storm shows here)
-    if args.compile:
-        result["compiled_graphs"] = int(counters["stats"]["unique_graphs"]) - graphs
-    matmul_peak = max(matmul_peak, matmul_flops(run))  # the larger kept
-    pad = data.padding_share(run.train, run.order, run.pad_multiple)
-    peak_mb = (
-        torch.cuda.max_memory_allocated(dev) / 2**20
-        if dev.type == "cuda"
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    )  # Linux: KiB -> MiB
-    result.update(
-        {
-            "steps": args.benchmark,
-            "tgt_tok_per_s": n_tok / secs,
-            "flops_per_tgt_token": flops / n_tok,
-            "achieved_flops": flops / secs,
-            "matmul_peak_flops": matmul_peak,
-            "mfu": flops / secs / (matmul_peak * run.world),
-            "padding_share": pad,
-            "peak_memory_mb": peak_mb,
-            "threads": torch.get_num_threads(),
-            "device": str(dev)
-            + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
-            "bf16": run.step_options.bf16,
-            "losses": losses,
-            "model_config": asdict(cfg),
-        }
-    )
-    run.log(
-        f"benchmark: {args.benchmark} steps | {result['tgt_tok_per_s']:.0f} target tok/s | "
-        f"{result['flops_per_tgt_token'] / 1e6:.1f} MFLOP/target token | achieved "
-        f"{result['achieved_flops'] / 1e9:.1f} GFLOP/s | matmul peak {matmul_peak / 1e9:.1f} GFLOP/s | MFU "
-        f"{100 * result['mfu']:.1f}% | padding {100 * pad:.1f}% | peak memory {result['peak_memory_mb']:.0f} MiB "
-        f"| {result['threads']} threads"
-        + (f" | {result['compiled_graphs']} compiled graphs" if args.compile else "")
-    )
-    return result
-
-
-def profile_steps(run, step, secs, n_tok):
-    """--profile: 5 more steps under torch.profiler (not in --benchmark's figures: it slows them):
-    where the time goes and, on a GPU, the share of a step (the timed steps: secs for n_tok target
-    tokens) its kernels do not cover."""
-    dev, result = run.device, {}
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        prof_tok = sum(float(step(i)[1]) for i in range(5))
-        sync(dev)
-    events = prof.key_averages()
-    if dev.type == "cuda":  # the GPU's busy time (its kernels' rows) against the step's wall time
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        # seconds per target token
-        busy = sum(e.self_device_time_total for e in kernels) / 1e6 / prof_tok
-        result["host_gap_share"] = max(0.0, 1 - busy / (secs / n_tok))
-        steps = run.args.benchmark  # the timed steps' secs and n_tok
-        run.log(
-            f"profile: the GPU is busy {1e6 * busy * n_tok / steps:.0f} us of each {1e6 * secs / steps:.0f} us "
-            f"step: {100 * result['host_gap_share']:.1f}% of the step is host gaps"
-        )
-    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-    run.log(events.table(sort_by=key, row_limit=25))
-    return result
 
 
 def append_metrics(run, record):

@@ -1,14 +1,14 @@
 """machinery/plots.py: TODO."""
+
 import contextlib
 import json
 import sys
 from pathlib import Path
+
 import torch
 
+from machinery import fileio, rundir
 from machinery.fileio import DataError
-from machinery import rundir
-from machinery import fileio
-
 
 SHADES = " .:-=+*#%@"  # weight 0 -> " ", weight 1 -> "@"
 

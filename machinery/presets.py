@@ -1,16 +1,15 @@
 """machinery/presets.py: TODO."""
+
 import argparse
 import json
 import math
 import sys
 from pathlib import Path
 
-from machinery.rundir import ACTIONS
-from machinery.arguments import DEFAULTS
-from machinery.corpora import PAIRS
-from machinery.rundir import RUN_RECORDS
-from machinery.arguments import build_parser
 import train
+from machinery.arguments import DEFAULTS, build_parser
+from machinery.corpora import PAIRS
+from machinery.rundir import ACTIONS, RUN_RECORDS
 
 
 def resolve_flags(argv=None, log=print):

@@ -1,19 +1,21 @@
 """machinery/processes.py: TODO."""
+
 import contextlib
+import ctypes
 import os
 import random
 import sys
-import torch
-from model import pick_device
-from norms import use_reference
-import ctypes
-import torch.distributed as dist
-import data
 
+import torch
+import torch.distributed as dist
+
+import data
+from machinery.fileio import DataError
 from model import (
     has_bf16,
+    pick_device,
 )
-from machinery.fileio import DataError
+from norms import use_reference
 
 
 def start_device(args):

@@ -1,21 +1,24 @@
 """machinery/rundir.py: TODO."""
+
 import contextlib
 import json
 import os
 import random
 import re
+import shutil
 import signal
 import tempfile
-from pathlib import Path
-import torch
-import shutil
 import uuid
 from dataclasses import asdict, replace
 from functools import partial
+from pathlib import Path
+
+import torch
 import torch.distributed as dist
 
 from machinery import fileio
 from machinery.fileio import DataError
+
 try:
     import fcntl  # a run directory's lock; POSIX only
 except ImportError:  # Windows: no lock
@@ -447,9 +450,7 @@ def open_run_dir(args, pairs, log, stack, master, resumed, stop_reason):
     held = ""
     if run_dir.is_dir() and master and not args.resume:  # --resume: its checkpoint is the run
         held = ", ".join(
-            sorted(
-                p.name for p in run_dir.iterdir() if is_run_file(p.name) and p.name != ".lock"
-            )
+            sorted(p.name for p in run_dir.iterdir() if is_run_file(p.name) and p.name != ".lock")
         )
     # train.py never replaces a file it did not write
     if held and run_id_of(run_dir / "config.json") is None:
@@ -490,9 +491,7 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
     # id)
     if replaces:
         gone = [
-            p
-            for p in run_dir.iterdir()
-            if p.name in RESULT_FILES[1:] or EVENTS.fullmatch(p.name)
+            p for p in run_dir.iterdir() if p.name in RESULT_FILES[1:] or EVENTS.fullmatch(p.name)
         ]
         gone += [p for p in checkpoints(run_dir) if run_id_of(p) == replaces]
         for f in gone:
@@ -524,10 +523,7 @@ def what_next(args):
     run_dir = Path(args.out)
     if args.benchmark:
         return "run the benchmark again (it writes no run directory)"
-    if (
-        getattr(args, "run_id", None) is None
-        or run_id_of(run_dir / "config.json") != args.run_id
-    ):
+    if getattr(args, "run_id", None) is None or run_id_of(run_dir / "config.json") != args.run_id:
         return f"the run had not started in {run_dir}: start it again with the same command"
     # the resume point (save_checkpoints)
     if run_id_of(checkpoint_file(run_dir, "last")) == args.run_id:

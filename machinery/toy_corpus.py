@@ -1,15 +1,15 @@
 """machinery/toy_corpus.py: TODO."""
+
 import contextlib
 import itertools
 import json
 import random
 from collections import Counter
 from pathlib import Path
-from norms import timed
-from machinery.fileio import atomic_write_all
-from machinery.fileio import corpus_paths
-import data
 
+import data
+from machinery.fileio import atomic_write_all, corpus_paths
+from machinery.speed import timed
 
 TOY_VERSION = 2  # bump when the generator changes, so that old data/toy/ files get rebuilt
 

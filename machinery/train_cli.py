@@ -1,4 +1,5 @@
 """machinery/train_cli.py: TODO."""
+
 import argparse
 import contextlib
 import importlib.util
@@ -7,19 +8,14 @@ import os
 import sys
 from pathlib import Path
 
-from norms import NORMS
-from machinery import fileio
-from machinery import arguments
-from machinery import rundir
-from machinery.rundir import ACTIONS
-from machinery.arguments import DEFAULTS
-from machinery.rundir import RESUME_MAY_CHANGE
-from machinery.logbook import RunLog
-from machinery.logbook import benchmark
-from machinery.rundir import flag_changes
-from machinery.presets import resolve_flags
-from machinery.rundir import what_next
 import train
+from machinery import arguments, fileio, rundir
+from machinery.arguments import DEFAULTS
+from machinery.logbook import RunLog
+from machinery.presets import resolve_flags
+from machinery.rundir import ACTIONS, RESUME_MAY_CHANGE, flag_changes, what_next
+from machinery.speed import benchmark
+from norms import NORMS
 
 
 def main(argv=None):
@@ -42,7 +38,9 @@ def main(argv=None):
             return None
         with contextlib.ExitStack() as stack:  # holds the run directory's lock until the end
             run = train.setup(args, stack, log, resumed)  # section 3
-            return benchmark(run, train.train_step) if args.benchmark else train.train_loop(run)  # Appendix C; section 4
+            return (
+                benchmark(run, train.train_step) if args.benchmark else train.train_loop(run)
+            )  # Appendix C; section 4
     except fileio.WriteFailed as e:  # a full disk: what was written before is intact
         sys.exit(f"error: {e}: make room, then {what_next(args)}")
     except fileio.DataError as e:

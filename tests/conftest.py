@@ -11,10 +11,9 @@ import socket
 import pytest
 import torch
 
+from machinery import toy_corpus, train_cli
 from model import EOS, ModelConfig, Transformer
 from norms import use_reference
-from machinery import toy_corpus
-from machinery import train_cli
 
 # The tests' shared material, in one place: a tiny translator run's flags (d 32, one layer, 5 steps
 # an epoch) and a small one's (d 64, two layers), the built-in corpus at two sizes, the words of the

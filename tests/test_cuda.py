@@ -20,10 +20,8 @@ import torch
 import data
 import decode
 import train
+from machinery import fileio, toy_corpus, train_cli
 from model import ModelConfig, Transformer
-from machinery import toy_corpus
-from machinery import train_cli
-from machinery import fileio
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -5,15 +5,13 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_model
 
 import data
 import model
-from conftest import tiny_model
 from data import BOS, EOS, PAD, UNK
+from machinery import corpora, fileio, toy_corpus
 from machinery.fileio import DataError
-from machinery import toy_corpus
-from machinery import fileio
-from machinery import corpora
 
 
 @pytest.fixture(scope="module")

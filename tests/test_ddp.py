@@ -36,13 +36,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the worker runs as a script, without conftest.py
     sys.path.insert(0, str(ROOT))
 
+from conftest import gloo_unusable_reason  # noqa: E402
+
 import data  # noqa: E402
 import model  # noqa: E402
 import norms  # noqa: E402
 import train  # noqa: E402
-from conftest import gloo_unusable_reason  # noqa: E402
-from machinery import toy_corpus
-from machinery import train_cli
+from machinery import toy_corpus, train_cli
 
 TIMEOUT_S = 90  # a hung collective must fail the test, not hang it
 

@@ -31,15 +31,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import conftest  # noqa: E402
-import decode  # noqa: E402
 from conftest import WORDS  # noqa: E402
+
+import decode  # noqa: E402
 
 # noqa: E402
 from decode import Search, beam_search, greedy_search, length_penalty, load_checkpoint, translate
+from machinery import decode_cli, rundir, train_cli
 from model import BOS, EOS, PAD  # noqa: E402
-from machinery import rundir
-from machinery import decode_cli
-from machinery import train_cli
 
 V = 40
 
@@ -349,7 +348,9 @@ def test_cli_reads_stdin_writes_stdout(run_dir, monkeypatch, capsys):
     monkeypatch.setattr(
         sys, "stdin", io.TextIOWrapper(io.BytesIO(("\n".join(lines[:3]) + "\n").encode()))
     )
-    assert decode_cli.main([str(root), "--beam", "1", "--max-len-b", str(B_), "--device", "cpu"]) == 0
+    assert (
+        decode_cli.main([str(root), "--beam", "1", "--max-len-b", str(B_), "--device", "cpu"]) == 0
+    )
     out = capsys.readouterr().out
     assert out.split("\n")[:-1] == translate(model, tok, lines[:3], Search(1, max_len_b=B_))
 
@@ -535,5 +536,7 @@ def test_a_translators_batches_are_the_runs_else_4096(run_dir, tmp_path, monkeyp
     ):
         torch.save(dict(ckpt, args=saved), tmp_path / "c.pt")
         flags = ["--batch-tokens", *given] if given else []
-        assert decode_cli.main([str(tmp_path / "c.pt"), "--input", str(root / "dev.src"), *flags]) == 0
+        assert (
+            decode_cli.main([str(tmp_path / "c.pt"), "--input", str(root / "dev.src"), *flags]) == 0
+        )
         assert used.pop() == want

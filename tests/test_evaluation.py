@@ -38,14 +38,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import decode  # noqa: E402
 from conftest import WORDS, tiny_model  # noqa: E402
-  # noqa: E402  (decode.py raises data.DataError)
-from model import BOS, EOS, MultiHeadAttention  # noqa: E402
+
+import decode  # noqa: E402
+from machinery import decode_cli, plots, rundir
 from machinery.fileio import DataError as DecodeError
-from machinery import plots
-from machinery import decode_cli
-from machinery import rundir
+
+# noqa: E402  (decode.py raises data.DataError)
+from model import BOS, EOS, MultiHeadAttention  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,18 @@ import data
 import decode
 import norms
 import train
+from machinery import (
+    corpora,
+    decode_cli,
+    fileio,
+    plots,
+    presets,
+    rundir,
+    speed,
+    toy_corpus,
+    train_cli,
+)
 from model import EOS, PAD, UNK, ModelConfig, MultiLinearAttention, Transformer
-from machinery import toy_corpus
-from machinery import train_cli
-from machinery import decode_cli
-from machinery import corpora
-from machinery import presets
-from machinery import fileio
-from machinery import logbook
-from machinery import rundir
-from machinery import plots
 
 PN_OPTIONS = {"warmup": 2, "variant": "paper", "alpha_fwd": 0.9, "alpha_bkw": 0.9}
 
@@ -423,7 +425,9 @@ def test_bad_language_model_input_is_one_line(text, tmp_path):
         (["--task", "lm", "--attention", "multilinear", "--qknorm"], "--qknorm"),
         (["--bpe-size", "0"], "--bpe-size"),
     ):
-        assert flag in _one_line_error(lambda: train_cli.main(argv + ["--out", str(tmp_path / "r3")]))
+        assert flag in _one_line_error(
+            lambda: train_cli.main(argv + ["--out", str(tmp_path / "r3")])
+        )
 
 
 def test_qknorm_on_segments_of_one_token_is_one_line(tmp_path):
@@ -528,7 +532,7 @@ def test_batch_flops_of_a_language_model_and_the_multilinear_attention():
     # a language model's: no source
     batch = data.Batch(None, torch.zeros(B, T), torch.zeros(B, T), B * T)
     cfg = ModelConfig(vocab_size=V, d_model=D, heads=2, ff=FF, dec_layers=1, lm=True)
-    assert logbook.batch_flops(cfg, batch) == 6 * B * (
+    assert speed.batch_flops(cfg, batch) == 6 * B * (
         T * (4 * D * D + 2 * D * FF) + 2 * T * T * D + T * D * V
     )
     cfg = ModelConfig(
@@ -541,7 +545,7 @@ def test_batch_flops_of_a_language_model_and_the_multilinear_attention():
         attention="multilinear",
         seq_len=5,
     )
-    assert logbook.batch_flops(cfg, batch) == 6 * B * (
+    assert speed.batch_flops(cfg, batch) == 6 * B * (
         T * (3 * D * D + T * T * D + 2 * 25 * D + 2 * D * FF) + T * D * V
     )
 
@@ -557,7 +561,9 @@ def test_review_fixes_special_words_idle_flags_and_the_cosine_schedule(text, tmp
         (["--preset", "pn1-layernorm", "--pair", "ptb"], "--pair ptb"),
         (["--preset", "pn2-layernorm", "--pair", "de-en"], "--pair de-en"),
     ):
-        assert flag in _one_line_error(lambda: train_cli.main(argv + ["--out", str(tmp_path / "r")]))
+        assert flag in _one_line_error(
+            lambda: train_cli.main(argv + ["--out", str(tmp_path / "r")])
+        )
     run = tmp_path / "run"
     train_cli.main(
         LM + ["--data", str(text), "--max-steps", "4", "--epoch-size", "4", "--out", str(run)]

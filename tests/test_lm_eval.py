@@ -10,10 +10,7 @@ import torch
 
 import data
 import decode
-from machinery import train_cli
-from machinery import decode_cli
-from machinery import fileio
-from machinery import presets
+from machinery import decode_cli, fileio, presets, train_cli
 
 LM = [
     "--task",

@@ -13,9 +13,8 @@ import torch
 
 import data
 import decode
+from machinery import presets, train_cli
 from model import ModelConfig, MultiLinearAttention, Transformer, sinusoidal_positions
-from machinery import train_cli
-from machinery import presets
 
 D, H, L = 6, 2, 4
 R = D // H

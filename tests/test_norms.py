@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import norms
+from machinery import arguments, toy_corpus, train_cli
 from norms import (
     BATCH_NORMS,
     NORMS,
@@ -30,9 +31,6 @@ from norms import (
     fixnorm,
     use_reference,
 )
-from machinery import arguments
-from machinery import toy_corpus
-from machinery import train_cli
 
 B, T, D = 3, 5, 16
 

@@ -12,13 +12,8 @@ import torch
 
 import data
 import train
+from machinery import decode_cli, fileio, presets, rundir, toy_corpus, train_cli
 from model import ModelConfig, MultiLinearAttention, Transformer
-from machinery import presets
-from machinery import train_cli
-from machinery import toy_corpus
-from machinery import decode_cli
-from machinery import fileio
-from machinery import rundir
 
 # The script: 3 layers, d 256, 1 head of d_head 40, FFN 2100, segments of 32; its vocabulary is
 # PTB's 10,000 words.

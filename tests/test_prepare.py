@@ -15,11 +15,8 @@ from pathlib import Path
 import pytest
 
 import data
+from machinery import corpora, fileio, presets
 from machinery.fileio import DataError
-from machinery import corpora
-from machinery import presets
-from machinery import fileio
-
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -414,7 +411,9 @@ def test_prepare_wikitext_103_from_a_zip_checks_its_md5_offline(tmp_path, monkey
 
     src = _wikitext_zip(tmp_path / "wikitext-103-v1.zip")
     monkeypatch.setitem(
-        corpora.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()}
+        corpora.CORPORA["wikitext-103"],
+        "md5",
+        {"archive": hashlib.md5(src.read_bytes()).hexdigest()},
     )
     out = corpora.prepare("wikitext-103", tmp_path / "wt", str(src))
     # blank lines kept: counts as released
@@ -446,7 +445,9 @@ def test_a_language_models_corpus_reads_the_mirror_and_its_stamp_names_the_corpu
     (tmp_path / "mirror").mkdir()
     src = _wikitext_zip(tmp_path / "mirror" / "wikitext-103-v1.zip")
     monkeypatch.setitem(
-        corpora.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()}
+        corpora.CORPORA["wikitext-103"],
+        "md5",
+        {"archive": hashlib.md5(src.read_bytes()).hexdigest()},
     )
     monkeypatch.setenv("NMT_DATA_MIRROR", (tmp_path / "mirror").as_uri())
     # no --url: the mirror's copy, fetched into DIR/orig
@@ -474,7 +475,9 @@ def test_a_wikitext_zip_missing_a_file_names_it(tmp_path, monkeypatch):
     with zipfile.ZipFile(src, "w") as z:
         z.writestr("wikitext-103/wiki.train.tokens", "a\n")
     monkeypatch.setitem(
-        corpora.CORPORA["wikitext-103"], "md5", {"archive": hashlib.md5(src.read_bytes()).hexdigest()}
+        corpora.CORPORA["wikitext-103"],
+        "md5",
+        {"archive": hashlib.md5(src.read_bytes()).hexdigest()},
     )
     with pytest.raises(DataError, match="no file wiki.valid.tokens in it"):
         corpora.prepare("wikitext-103", tmp_path / "wt", str(src))

@@ -16,15 +16,12 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import TINY
 
 import data
 import model
 import train
-from conftest import TINY
-from machinery import presets
-from machinery import train_cli
-from machinery import corpora
-from machinery import arguments
+from machinery import arguments, corpora, presets, train_cli
 
 _BANK = {"cursor": 0}
 
@@ -147,7 +144,9 @@ def test_the_tables_are_all_there():
         and sum(n.startswith("qk6-") for n in names) == 6
     )
     for pair in {p for p, _, _ in presets.PRESETS.values()}:
-        assert pair in corpora.PAIRS and pair in corpora.CORPORA  # `python data.py prepare PAIR` exists
+        assert (
+            pair in corpora.PAIRS and pair in corpora.CORPORA
+        )  # `python data.py prepare PAIR` exists
 
 
 def test_flags_given_with_a_preset_override_it_and_pair_swaps_the_corpus():

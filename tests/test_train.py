@@ -12,20 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import SMALL, TINY  # a small (d 64, two layers) and a tiny configuration
 
 import data
 import decode
 import norms
 import train
-from conftest import SMALL, TINY  # a small (d 64, two layers) and a tiny configuration
+from machinery import arguments, fileio, logbook, presets, rundir, speed, toy_corpus, train_cli
 from model import ModelConfig, Transformer, label_smoothed_loss
-from machinery import train_cli
-from machinery import toy_corpus
-from machinery import presets
-from machinery import logbook
-from machinery import rundir
-from machinery import fileio
-from machinery import arguments
 
 
 # --- eq. 7 --------------------------------------------------------------------------------
@@ -143,8 +137,8 @@ def test_batch_flops_counts_the_matmuls():
     batch = data.Batch(torch.zeros(B, S), torch.zeros(B, T), torch.zeros(B, T), B * T)
     enc = S * (4 * D * D + 2 * D * FF) + 2 * S * S * D
     dec = T * (6 * D * D + 2 * D * FF) + S * 2 * D * D + 2 * T * T * D + 2 * T * S * D
-    assert logbook.batch_flops(cfg, batch) == 6 * B * (enc + dec + T * D * V)
-    assert logbook.batch_flops(cfg, batch, out_vocab=30) == 6 * B * (enc + dec + T * D * 30)
+    assert speed.batch_flops(cfg, batch) == 6 * B * (enc + dec + T * D * V)
+    assert speed.batch_flops(cfg, batch, out_vocab=30) == 6 * B * (enc + dec + T * D * 30)
 
 
 # --- bad flags ------------------------------------------------------------------------------
@@ -660,7 +654,9 @@ def test_a_new_schedule_is_a_function_and_one_entry_of_schedules(monkeypatch):
     args, _ = presets.resolve_flags(["--schedule", "halving", "--lr", "0.01"])
     lr = train.Schedule.from_args(args)
     assert (lr.warmup, lr.decays, lr(1), lr(250), args.pn_warmup) == (0, False, 0.01, 0.0025, 0)
-    assert "halving: halves every 100 steps" in " ".join(arguments.build_parser().format_help().split())
+    assert "halving: halves every 100 steps" in " ".join(
+        arguments.build_parser().format_help().split()
+    )
     for flag, words in (
         (["--warmup", "10"], "--schedule halving does not have"),
         (["--patience", "3"], "not --schedule halving"),

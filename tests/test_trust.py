@@ -22,19 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY
 
 import data
 import decode
 import train
-from machinery import logbook
-from conftest import TINY
-from machinery import presets
-from machinery import train_cli
-from machinery import fileio
-from machinery import toy_corpus
-from machinery import arguments
-from machinery import rundir
-from machinery import decode_cli
+from machinery import arguments, decode_cli, fileio, logbook, presets, rundir, toy_corpus, train_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -169,7 +162,9 @@ def test_a_second_process_on_a_directory_in_use_is_refused(finished, tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX)  # another process's lock (flock is per open file)
         before = snapshot(run)
         one_line_error(
-            lambda: train_cli.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"]),
+            lambda: train_cli.main(
+                ["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"]
+            ),
             "in use by another process",
         )
         assert snapshot(run) == before
@@ -229,8 +224,12 @@ def test_resume_says_what_it_cannot_honour(finished, tmp_path, corpus):
     run = copy_run(finished, tmp_path)
     for f in run.glob("checkpoint_*.pt"):
         f.unlink()  # a config.json but no checkpoint (the run died before its first evaluation)
-    one_line_error(lambda: train_cli.main(["--resume", str(run)]), "nothing to resume", "--overwrite")
-    one_line_error(lambda: train_cli.main(["--resume", str(tmp_path / "none")]), "nothing to resume")
+    one_line_error(
+        lambda: train_cli.main(["--resume", str(run)]), "nothing to resume", "--overwrite"
+    )
+    one_line_error(
+        lambda: train_cli.main(["--resume", str(tmp_path / "none")]), "nothing to resume"
+    )
     # an edited corpus under the same run (its new place given with --data): refused, naming the
     # split
     run = copy_run(finished, tmp_path / "e")
@@ -495,11 +494,15 @@ def test_overwrite_checks_every_input_before_removing_anything(finished, tmp_pat
     run = copy_run(finished, tmp_path)
     before = snapshot(run)
     one_line_error(
-        lambda: train_cli.main(TINY + corpus + ["--max-len", "1", "--overwrite", "--out", str(run)]),
+        lambda: train_cli.main(
+            TINY + corpus + ["--max-len", "1", "--overwrite", "--out", str(run)]
+        ),
         "no training pair left",
     )
     one_line_error(
-        lambda: train_cli.main(TINY + corpus + ["--bpe-size", "5", "--overwrite", "--out", str(run)]),
+        lambda: train_cli.main(
+            TINY + corpus + ["--bpe-size", "5", "--overwrite", "--out", str(run)]
+        ),
         "--bpe-size 5",
         "too small",
     )
@@ -735,7 +738,9 @@ def test_what_cannot_be_done_is_said_not_skipped(finished, tmp_path, monkeypatch
     )
     (tmp_path / "empty.txt").write_text("")
     one_line_error(
-        lambda: decode_cli.main([str(finished), "--benchmark", "--input", str(tmp_path / "empty.txt")]),
+        lambda: decode_cli.main(
+            [str(finished), "--benchmark", "--input", str(tmp_path / "empty.txt")]
+        ),
         "--benchmark",
         "empty.txt",
     )
@@ -981,7 +986,9 @@ def test_decode_never_overwrites_what_it_reads_or_what_train_wrote(finished, tmp
         )
     assert snapshot(tmp_path) == before
     assert (
-        decode_cli.main([str(run), "--input", str(tmp_path / "x.en"), "--output", str(run / "x.hyp")])
+        decode_cli.main(
+            [str(run), "--input", str(tmp_path / "x.en"), "--output", str(run / "x.hyp")]
+        )
         == 0
     )
 
@@ -1025,7 +1032,8 @@ def test_a_resume_that_would_train_nothing_is_refused_and_a_budget_stop_is_recor
     assert json.loads((run / "results.json").read_text())["stopped"] == "--max-steps 15 reached"
     before = snapshot(run)
     one_line_error(
-        lambda: train_cli.main(["--resume", str(run), "--max-steps", "10"]), "past that --max-steps 10"
+        lambda: train_cli.main(["--resume", str(run), "--max-steps", "10"]),
+        "past that --max-steps 10",
     )
     # finished: the same budget, or a larger one that another budget (--max-epochs 1000 x 5 steps)
     # still binds
@@ -1048,7 +1056,9 @@ def test_too_few_batches_for_a_step_and_the_advice_under_torchrun(
     finished, tmp_path, corpus, monkeypatch
 ):
     one_line_error(
-        lambda: train_cli.main(TINY + corpus + ["--accumulate", "1000", "--out", str(tmp_path / "r")]),
+        lambda: train_cli.main(
+            TINY + corpus + ["--accumulate", "1000", "--out", str(tmp_path / "r")]
+        ),
         "batches of --batch-tokens 512, fewer than the 1000 of a step",
         "--accumulate 1000",
     )
@@ -1221,7 +1231,9 @@ def test_both_programs_refuse_an_idle_flag_through_one_rule(monkeypatch, capsys)
     """data.idle_flag owns "a flag given where it does nothing is refused in one line": the first
     idle flag, as a command line writes it, with its rule's why. train.py's table, decode.py's needs
     and its modes go through it."""
-    assert arguments.idle_flag([(("a", "b_c"), True, "x"), (("d", "b_c"), False, "why")], {"b_c"}) == (
+    assert arguments.idle_flag(
+        [(("a", "b_c"), True, "x"), (("d", "b_c"), False, "why")], {"b_c"}
+    ) == (
         "--b-c",
         "why",
     )
@@ -1373,7 +1385,8 @@ def test_a_full_disk_inside_torch_save_is_the_os_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(fileio.os, "fdopen", lambda fd, mode: io.BufferedWriter(Full(fd)))
     with pytest.raises(
-        fileio.WriteFailed, match=f"{tmp_path / 'c.pt'}: cannot write it .No space left on device.; "
+        fileio.WriteFailed,
+        match=f"{tmp_path / 'c.pt'}: cannot write it .No space left on device.; ",
     ):
         fileio.atomic_write(tmp_path / "c.pt", {"x": torch.zeros(100000)})
     assert list(tmp_path.iterdir()) == []
@@ -1468,7 +1481,9 @@ def test_a_folder_with_files_a_run_writes_but_no_run_is_refused_and_other_files_
     before = snapshot(theirs)
     for extra in ([], ["--overwrite"]):
         one_line_error(
-            lambda: train_cli.main(TINY + corpus + ["--max-steps", "5", *extra, "--out", str(theirs)]),
+            lambda: train_cli.main(
+                TINY + corpus + ["--max-steps", "5", *extra, "--out", str(theirs)]
+            ),
             f"--out {theirs}",
             "not a run directory of train.py",
             "bpe.model",
@@ -1604,7 +1619,9 @@ def test_show_prints_every_resolved_flag_for_any_preset_and_touches_nothing(
 
     out = tmp_path / "never"
     assert (
-        train_cli.main(["--preset", "twt3-scalenorm", "--d-model", "64", "--show", "--out", str(out)])
+        train_cli.main(
+            ["--preset", "twt3-scalenorm", "--d-model", "64", "--show", "--out", str(out)]
+        )
         is None
     )
     flags = shown()
