@@ -1,37 +1,32 @@
 """data.py -- chapter 3: corpus, subwords, batches, word dropout.
 
 Reading order: norms.py -> model.py -> data.py -> decode.py -> train.py. ``python data.py`` builds
-the built-in corpus (data/toy/) and summarises it (Appendix A); ``python data.py prepare NAME``
-fetches one of the papers' corpora.
+the built-in corpus (data/toy/) and summarises it (machinery/toy_corpus.py); ``python data.py
+prepare NAME`` fetches one of the papers' corpora (machinery/corpora.py). A reader of the papers
+never needs those machinery modules, nor machinery/fileio.py, which reads and writes the files.
 
 Contents
   1. Reading a parallel corpus DIR/{train,dev,test}.{SRC,TGT}, with one-line errors that name the
      file and line
-  2. Joint BPE with sentencepiece, and a small Tokenizer
+  2. Joint BPE with sentencepiece, a small Tokenizer, and ids back to text
   3. Encoding
   4. The target-vocabulary mask of [1]
-  5. Token-budget batches with length buckets, and collate (the project's one batcher)
+  5. Token-budget batches with length buckets, collate (the project's one batcher), and the share
+     of padding in a set of batches
   6. Word dropout [1, 11]
   7. QKNorm's length statistic L [3] (g0 from it: model.qk_g0, beside the attention)
   8. A language model's text ([2] Table 2): words or BPE, one stream, cut into segments
-  Appendix A: the built-in corpus, a synthetic language pair (no download)
-  Appendix B: the papers' corpora: python data.py prepare NAME (download, check, lay out)
-  Appendix C: files and helpers: the corpus's file names, reading lines exactly (the project's one
-  line reader),
-              the encoding cache, a language model's word vocabulary, loading a tokenizer, padding's
-              share
-  Appendix D: what every program shares: files written atomically (the project's one writer), a run
-  directory's
-              lock, files and checkpoints (read safely), SIGTERM as Ctrl-C, the flags' range types,
-              the device
+  Appendix A: a language model's other segments and its words: windows for perplexity in context
+              ([2] A.2), the baseline code's rows, the word vocabulary, and a run's tokenizer
 
 Shapes: B sentences in a batch, S source length, T target length (after the BOS/EOS shift).
 
-  [1] Nguyen & Salazar 2019, Transformers without Tears (appendix A: word dropout, vocabulary masks,
-  4k-token batches). [3] Henry et al. 2020, Query-Key Normalization for Transformers (eq. 3: g0 =
-  log2(L^2 - L), L: 97.5th percentile). [2] Shen et al. 2020, PowerNorm (Table 2: language models on
-  PTB and WikiText-103). [11] Sennrich, Haddow & Birch 2016, Edinburgh Neural Machine Translation
-  Systems for WMT 16.
+  [1] Nguyen & Salazar 2019, Transformers without Tears (appendix A: word dropout, vocabulary
+      masks, 4k-token batches).
+  [3] Henry et al. 2020, Query-Key Normalization for Transformers (eq. 3: g0 = log2(L^2 - L), L:
+      97.5th percentile).
+  [2] Shen et al. 2020, PowerNorm (Table 2: language models on PTB and WikiText-103).
+  [11] Sennrich, Haddow & Birch 2016, Edinburgh Neural Machine Translation Systems for WMT 16.
 """
 
 import io
@@ -53,7 +48,7 @@ from norms import MIN_REAL_TOKENS
 
 
 # ---------------------------------------------------------------------------------------
-# 1. Reading a parallel corpus
+# 1. Reading a parallel corpus.
 # ---------------------------------------------------------------------------------------
 def read_parallel(src_path, tgt_path, max_len=None, drop_empty=True):
     """Aligned files -> (pairs [(src_line, tgt_line)], stats {"lines", "empty", "long", "kept"}).
@@ -76,8 +71,9 @@ def read_parallel(src_path, tgt_path, max_len=None, drop_empty=True):
             f"{src_path} has {len(src_lines)} lines but {tgt_path} has {len(tgt_lines)}; "
             f"the two sides must be aligned line by line"
         )
-    n_empty = sum(not s or not t for s, t in zip(src_lines, tgt_lines))
-    kept = [(s, t) for s, t in zip(src_lines, tgt_lines) if (s and t) or not drop_empty]
+    lines = list(zip(src_lines, tgt_lines, strict=True))
+    n_empty = sum(not s or not t for s, t in lines)
+    kept = [(s, t) for s, t in lines if (s and t) or not drop_empty]
     pairs = [
         (s, t) for s, t in kept if max_len is None or max(len(s.split()), len(t.split())) <= max_len
     ]
@@ -91,17 +87,17 @@ def read_parallel(src_path, tgt_path, max_len=None, drop_empty=True):
 
 
 # ---------------------------------------------------------------------------------------
-# 2. Joint BPE (sentencepiece)
+# 2. Joint BPE (sentencepiece), and ids back to text.
 # ---------------------------------------------------------------------------------------
 def train_bpe(src_lines, tgt_lines, vocab_size):
     """Trains one BPE model on source + target training text, in memory; returns the model's bytes.
     Paper: [1] uses joint BPE (fastBPE, 8000 merges); one vocabulary lets the source embedding,
     target embedding and output layer be one matrix. Note: we use sentencepiece BPE with vocab_size
-    pieces instead of a number of merges, and the "identity" normalization, so decode(encode(s)) ==
-    s (bar runs of spaces, unseen characters) and BLEU compares the output with the untouched
-    reference text. A too-small corpus gets the largest size, said on stderr.
+    pieces instead of a number of merges, and the "identity" normalization, so that
+    decode(encode(s)) == s (bar runs of spaces, unseen characters) and BLEU compares the output with
+    the untouched reference text. A too-small corpus gets the largest size, said on stderr.
     """
-    lines, model = [l for l in list(src_lines) + list(tgt_lines) if l], io.BytesIO()
+    lines, model = [line for line in list(src_lines) + list(tgt_lines) if line], io.BytesIO()
 
     def train(v):
         spm.SentencePieceTrainer.train(
@@ -115,19 +111,17 @@ def train_bpe(src_lines, tgt_lines, vocab_size):
             bos_id=BOS,
             eos_id=EOS,
             normalization_rule_name="identity",
-            # deterministic: all sentences (0), in order
+            # Deterministic: all sentences (0), in order.
             input_sentence_size=0,
             shuffle_input_sentence=False,
-            # quiet
             max_sentence_length=1 << 16,
             num_threads=min(4, os.cpu_count() or 1),
-            minloglevel=2,
+            minloglevel=2,  # quiet
         )
 
     # Note: below 5, sentencepiece fails on a special piece's id before saying what it needs; 5
-    # never fits
+    # never fits (every corpus has its word boundary and one character), so its message follows.
     try:
-        # (every corpus has its word boundary and one character), so its message follows
         train(max(vocab_size, 5))
     except RuntimeError as e:
         if m := re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", str(e)):
@@ -151,15 +145,11 @@ class Tokenizer:
 
     def __init__(self, proto, name="vocabulary"):
         self.sp = spm.SentencePieceProcessor(model_proto=bytes(proto))
-        # the model's bytes: what caches and checkpoints key on
+        # The model's bytes: what caches and checkpoints key on.
         self.proto = self.sp.serialized_model_proto()
         self.vocab_size = self.sp.get_piece_size()
-        if (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id()) != (
-            PAD,
-            UNK,
-            BOS,
-            EOS,
-        ):
+        special_ids = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
+        if special_ids != (PAD, UNK, BOS, EOS):
             raise DataError(
                 f"{name}: a sentencepiece model not made by data.train_bpe (other special ids)"
             )
@@ -169,19 +159,28 @@ class Tokenizer:
         return self.sp.encode(text, out_type=int, num_threads=os.cpu_count() or 1)
 
     def decode(self, ids):
-        """[ids] -> str: stops at the first EOS, skips PAD and BOS (content_ids, Appendix C)."""
+        """[ids] -> str: stops at the first EOS, skips PAD and BOS (content_ids, below)."""
         return self.sp.decode(content_ids(ids))
 
     def piece(self, i):
         return self.sp.id_to_piece(int(i))
 
 
+def content_ids(ids):
+    """The ids up to the first EOS, without PAD and BOS: what a tokenizer turns back into text."""
+    ids = ids.tolist() if torch.is_tensor(ids) else ids
+    return [int(i) for i in itertools.takewhile(lambda i: i != EOS, ids) if i not in (PAD, BOS)]
+
+
 # ---------------------------------------------------------------------------------------
-# 3. Encoding (cached in the run directory: Appendix C)
+# 3. Encoding.
+# A run encodes its text once: machinery/corpora.py's load_or_encode keeps the ids in the run
+# directory, keyed by the BPE model and the text.
 # ---------------------------------------------------------------------------------------
 def encode_pairs(tok, pairs):
     """[(src, tgt)] -> [([src ids], [tgt ids])], no BOS/EOS (collate adds them)."""
-    return list(zip(tok.encode([p[0] for p in pairs]), tok.encode([p[1] for p in pairs])))
+    src, tgt = tok.encode([p[0] for p in pairs]), tok.encode([p[1] for p in pairs])
+    return list(zip(src, tgt, strict=True))
 
 
 def filter_long(encoded_pairs, max_len):
@@ -196,7 +195,7 @@ def filter_long(encoded_pairs, max_len):
 
 
 # ---------------------------------------------------------------------------------------
-# 4. The target vocabulary mask
+# 4. The target vocabulary mask.
 # ---------------------------------------------------------------------------------------
 def target_vocab_mask(encoded_tgt_seqs, vocab_size):
     """(V,) bool, True where the decoder may output that id.
@@ -207,13 +206,14 @@ def target_vocab_mask(encoded_tgt_seqs, vocab_size):
     """
     mask = torch.zeros(vocab_size, dtype=torch.bool)  # (V,)
     mask[torch.tensor([i for seq in encoded_tgt_seqs for i in seq], dtype=torch.long)] = True
-    # PAD and BOS: never in a target, and the model masks them (model.Transformer)
+    # UNK and EOS may be output; PAD and BOS are never in a target, and the model masks them
+    # (model.Transformer).
     mask[UNK] = mask[EOS] = True
     return mask
 
 
 # ---------------------------------------------------------------------------------------
-# 5. Batches by tokens, and collate
+# 5. Batches by tokens, collate, and the share of padding.
 # ---------------------------------------------------------------------------------------
 def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
     """Groups example indices into batches of at most batch_tokens; a list of lists.
@@ -230,19 +230,21 @@ def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
     side, as BatchNorm needs (norms.refuse_one_token): one of fewer (a one-token source alone, a
     text's one-token last segment) takes the next example in; the last, the one before.
     """
-    # lm_streams' (Appendix C): batch j is every row's j-th window
+    # lm_streams' segments (Appendix A): batch j is every row's j-th window, in order, every pass.
     if rows := getattr(encoded_pairs, "rows", 0):
-        # in order, every pass
         return [list(range(i, i + rows)) for i in range(0, len(encoded_pairs), rows)]
-    # [(S, T)], T = len(y) + 1: the decoder reads BOS + y; a language model's [(L,)]
     lens = _lengths(encoded_pairs)
     rng = random.Random(seed * 1000003 + epoch)
     tie = [rng.random() for _ in lens] if shuffle else list(range(len(lens)))
     order = sorted(range(len(lens)), key=lambda i: (max(lens[i]), *lens[i], tie[i]))
-    # on a side
-    lone = lambda b: shuffle and min(map(sum, zip(*(lens[i] for i in b)))) < MIN_REAL_TOKENS
+
+    def lone(batch):  # a training batch with fewer than MIN_REAL_TOKENS real tokens on a side
+        if not shuffle:
+            return False
+        return min(map(sum, zip(*(lens[i] for i in batch), strict=True))) < MIN_REAL_TOKENS
+
     batches = []
-    # the longer sides ascending: a batch's cost is its size x its newest pair's longer side
+    # The longer sides ascending: a batch's cost is its size x its newest pair's longer side.
     for i in order:
         if batches and ((len(batches[-1]) + 1) * max(lens[i]) <= batch_tokens or lone(batches[-1])):
             batches[-1].append(i)
@@ -253,6 +255,14 @@ def make_batches(encoded_pairs, batch_tokens, shuffle, seed=0, epoch=0):
     if shuffle:
         rng.shuffle(batches)
     return batches
+
+
+def _lengths(encoded_pairs):
+    """[(S, T)] of each pair, T = len(y) + 1 (the decoder reads BOS + y); a language model's
+    segments: [(L,)], each one's real tokens."""
+    if isinstance(encoded_pairs, Segments):
+        return [(n,) for n in encoded_pairs.x.ne(PAD).sum(1).tolist()]
+    return [(len(x), len(y) + 1) for x, y in encoded_pairs]
 
 
 @dataclass
@@ -271,22 +281,20 @@ def collate(encoded_pairs, idx, device=None, multiple=1):
     the compiled kernels were specialised for). A language model's segments (section 8) are padded
     already: their Batch has no source."""
     if isinstance(encoded_pairs, Segments):
-        # no source; (B, L) twice
+        # No source; the inputs and the targets, (B, L) each.
         tensors = [None, encoded_pairs.x[list(idx)], encoded_pairs.y[list(idx)]]
     else:
         xs, ys = [encoded_pairs[i][0] for i in idx], [encoded_pairs[i][1] for i in idx]
-        S, T = (
-            round_up(max(len(x) for x in xs), multiple),
-            round_up(max(len(y) for y in ys) + 1, multiple),
-        )
+        S = round_up(max(len(x) for x in xs), multiple)
+        T = round_up(max(len(y) for y in ys) + 1, multiple)
         # Decoder input and output are the same target, shifted by one position:
         #   tgt_in  = BOS y1 ... yn        tgt_out = y1 ... yn EOS
         tensors = [
             torch.tensor([x + [PAD] * (S - len(x)) for x in xs]),  # (B, S)
             torch.tensor([[BOS] + y + [PAD] * (T - 1 - len(y)) for y in ys]),  # (B, T)
-            torch.tensor([y + [EOS] + [PAD] * (T - 1 - len(y)) for y in ys]),
-        ]  # (B, T)
-    # tgt_out's real tokens, counted on the host, before the copy
+            torch.tensor([y + [EOS] + [PAD] * (T - 1 - len(y)) for y in ys]),  # (B, T)
+        ]
+    # tgt_out's real tokens, counted on the host, before the copy.
     n_tgt = int(tensors[-1].ne(PAD).sum())
     if device is not None:  # on CUDA from pinned host memory: the copy overlaps the last step
         cuda = torch.device(device).type == "cuda"
@@ -297,8 +305,29 @@ def collate(encoded_pairs, idx, device=None, multiple=1):
     return Batch(*tensors, n_tgt=n_tgt)
 
 
+def round_up(n, multiple):
+    """n rounded up to a multiple of ``multiple`` (the padded lengths of collate)."""
+    return -(-n // multiple) * multiple
+
+
+def padding_share(encoded_pairs, batches, multiple=1):
+    """Fraction of padded positions in src + tgt over all batches, with the lengths rounded up to
+    a multiple of ``multiple`` as collate does."""
+    # A language model's segments: only the end of the text is padding.
+    if isinstance(encoded_pairs, Segments):
+        return float(encoded_pairs.y.eq(PAD).float().mean())
+    lens = _lengths(encoded_pairs)
+    real = sum(sum(lens[i]) for b in batches for i in b)  # S + T of each pair
+    padded = sum(
+        len(b) * round_up(max(lens[i][side] for i in b), multiple)
+        for b in batches
+        for side in (0, 1)
+    )
+    return 1.0 - real / padded if padded else 0.0
+
+
 # ---------------------------------------------------------------------------------------
-# 6. Word dropout
+# 6. Word dropout.
 # ---------------------------------------------------------------------------------------
 def word_dropout(x, p, generator=None):
     """A copy of x where each non-PAD token is replaced by UNK with probability p.
@@ -317,37 +346,37 @@ def word_dropout(x, p, generator=None):
 
 
 # ---------------------------------------------------------------------------------------
-# 7. QKNorm's length statistic
+# 7. QKNorm's length statistic.
 # ---------------------------------------------------------------------------------------
 def length_percentile(encoded_pairs, q=97.5, count_bos_eos=False):
     """The q-th percentile of training lengths in BPE tokens (QKNorm's L).
     Paper: [3] eq. 3, "L is the 97.5th percentile sequence length across all training data sequences
     for source and target". Note: we pool source and target lengths into one list (the paper does
     not say how; the authors hard-coded L per language pair) and interpolate linearly like
-    numpy.percentile. BOS/EOS are not counted unless count_bos_eos (then the +1 the decoder sees, T
-    = len(y) + 1).
+    numpy.percentile. BOS/EOS are not counted unless count_bos_eos (then the +1 the decoder sees,
+    T = len(y) + 1).
     """
-    lens = [len(x) for x, _ in encoded_pairs] + [
-        len(y) + int(count_bos_eos) for _, y in encoded_pairs
-    ]
+    src_lens = [len(x) for x, _ in encoded_pairs]
+    lens = src_lens + [len(y) + int(count_bos_eos) for _, y in encoded_pairs]
     if not lens:
         raise ValueError("length_percentile: no sequences")
     return torch.quantile(torch.tensor(lens, dtype=torch.float64), q / 100.0).item()
 
 
 # ---------------------------------------------------------------------------------------
-# 8. A language model's text ([2] Table 2, PTB): DIR/{train,dev,test}.txt, one sentence a line.
-# Tokens are whitespace words (--bpe-size 0: WordVocab in Appendix C, the training text's words;
-# PTB's own <unk> is UNK, and so is any word the training text lacks) or the BPE of section 2. The
-# sentences are joined into one stream, each followed by EOS, and cut into non-overlapping segments
-# of L tokens; a segment predicts each next token from the ones before it in the segment only (no
-#   memory across segments: the baseline's mem_len 0): stream  = EOS s_1 EOS s_2 EOS ... s_n EOS
-#   (the first EOS: the first word is predicted too) input_i = stream[iL : (i+1)L],   target_i =
-#   stream[iL + 1 : (i+1)L + 1]     (last one PAD-padded)
+# 8. A language model's text ([2] Table 2, PTB): one stream, cut into segments.
+# DIR/{train,dev,test}.txt holds one sentence a line. Tokens are whitespace words (--bpe-size 0:
+# WordVocab in Appendix A, the training text's words; PTB's own <unk> is UNK, and so is any word
+# the training text lacks) or the BPE of section 2. The sentences are joined into one stream, each
+# followed by EOS, and cut into non-overlapping segments of L tokens; a segment predicts each next
+# token from the ones before it in the segment only (no memory across segments: the baseline's
+# mem_len 0):
+#   stream  = EOS s_1 EOS s_2 EOS ... s_n EOS      (the first EOS: the first word is predicted too)
+#   input_i = stream[iL : (i+1)L],   target_i = stream[iL + 1 : (i+1)L + 1]   (last one PAD-padded)
 # Perplexity is exp(mean NLL) over every target, EOS included: n = words + sentences.
 # ---------------------------------------------------------------------------------------
-# the banner's stream, a 1-D LongTensor: EOS, then each line's tokens followed by EOS
 def lm_stream(tok, lines):
+    """The stream above as a 1-D LongTensor: EOS, then each line's tokens followed by EOS."""
     return torch.tensor(
         [EOS] + [i for seq in tok.encode(list(lines)) for i in seq + [EOS]], dtype=torch.long
     )
@@ -355,12 +384,12 @@ def lm_stream(tok, lines):
 
 @dataclass
 class Segments:
-    """A stream cut into segments: inputs x (N, L) and targets y (N, L), PAD-padded at the very
-    end."""
+    """A stream cut into segments: inputs x (N, L) and targets y (N, L), PAD-padded at the end."""
 
     x: torch.Tensor
     y: torch.Tensor
-    # lm_streams' (Appendix C): a batch is `rows` segments, in this order every pass, never shuffled
+    # lm_streams' segments (Appendix A): a batch is `rows` segments, in this order every pass, never
+    # shuffled. 0: segments that make_batches groups by length, like sentence pairs.
     rows: int = 0
 
     def __len__(self):
@@ -381,42 +410,11 @@ def lm_segments(stream, seq_len):
 
 
 # =======================================================================================
-# Appendix A: the built-in corpus, a synthetic language pair ("src" -> "tgt") that needs what real
-# translation needs: reordering, agreement, a long tail of rare words. No download. The source is
-# English-like (SVO, determiners and adjectives before the noun, prepositions, relative clauses with
-# "that", "and" between clauses, time adverbs at the end); the target, an invented language, is a
-# deterministic function of it:
-#   - word order: the verb goes last (SOV), a sentence-level place phrase right after the subject,
-#     time adverbs to the front; a noun phrase is mirrored (noun, adjectives reversed, determiner);
-#     prepositions become postpositions; a relative clause stays after its noun but is verb-final
-#     too ("that sees the cat" -> "ke <cat>-k <see>");
-#   - morphology: nouns take plural "-li" and accusative "-k"/"-ek", adjectives agree in number
-#     ("-n"), verbs take tense ("-ta" past, "-su" future) and person ("-m", "-s", "", "-mos", "-n");
-#     "a"/"an" goes, "does not" -> "ma";
-#   - vocabulary: 243 nouns, 57 verbs and 47 adjectives with Zipf frequencies, plus 3000 invented
-#     proper names with a very long Zipf tail (most occur once or never in training), transliterated
-#     letter by letter (c,q->k w->v y->i j->y x->ks): the model must learn to copy and rewrite
-#     subword pieces it may never have seen whole.
-#   Example pair (seed 1, line 83 of train.src / train.tgt):
-#     src: the green man that likes us will not take Thullockmeyth beside a table .
-#     tgt: mibiso pida na ke nosek riko neto kana Thullokkmeithek ma pavisu .
-#     gloss: man green the | that us-ACC like | table beside | Thullockmeyth-ACC | NEG take-FUT .
-# =======================================================================================
-
-
-# =======================================================================================
-# Appendix B: the papers' corpora: python data.py prepare NAME
-# =======================================================================================
-# One pipeline for every corpus: download (resumable) -> (a language model's text: its md5s checked)
-# -> open the archive or folder -> select and clean each split's lines -> check the line counts ->
-# write DIR/split.LANG -> print the train.py command. BPE is not applied here: train.py trains the
-# joint sentencepiece model itself (--bpe-size).
-
-
-# =======================================================================================
-# Appendix C: files and helpers. A corpus's file names; reading lines exactly (one-line errors
-# naming the file and line); the encoding cache; ids back to text, a language model's word
-# vocabulary, and a run's tokenizer; the share of padding in a set of batches.
+# Appendix A: A language model's other segments, its word vocabulary, and a run's tokenizer.
+# Section 8 cuts the text once, for training and for perplexity without context. Here: windows
+# that score each token with the text before it (decode.py --ppl --context N, as [2] A.2 evaluates,
+# after Transformer-XL); the baseline code's rows (train.py --lm-batches streams); whitespace words
+# as the vocabulary (--bpe-size 0, PTB's own); and the tokenizer of a run's vocabulary bytes.
 # =======================================================================================
 def lm_windows(stream, length, context):
     """Segments for perplexity with context (decode.py --ppl --context N; [2] A.2 evaluates as
@@ -430,13 +428,13 @@ def lm_windows(stream, length, context):
         raise DataError(
             f"--context {context}: at most {length - 1}, less than the window (--seq-len {length})"
         )
-    # the first window scores `length` targets, others `stride`
+    # The first window scores `length` targets, the others `stride` each.
     size = length + stride * len(range(length, n, stride))
-    # the text as one segment of `size`, PAD-padded: the last window may be short
+    # The text as one segment of `size`, PAD-padded: the last window may be short.
     flat = lm_segments(stream, size)
-    # window k starts at k * stride
+    # Window k starts at k * stride.
     x, y = (t[0].unfold(0, length, stride).contiguous() for t in (flat.x, flat.y))
-    # in every window but the first, the first `context` targets: scored by the one before
+    # In every window but the first, the first `context` targets were scored by the one before: PAD.
     y[1:, :context] = PAD
     return Segments(x, y)
 
@@ -462,12 +460,6 @@ def lm_streams(stream, seq_len, rows):
     return Segments(x.reshape(-1, seq_len), y.reshape(-1, seq_len), rows=rows)
 
 
-def content_ids(ids):
-    """The ids up to the first EOS, without PAD and BOS: what a tokenizer turns back into text."""
-    ids = ids.tolist() if torch.is_tensor(ids) else ids
-    return [int(i) for i in itertools.takewhile(lambda i: i != EOS, ids) if i not in (PAD, BOS)]
-
-
 class WordVocab:
     """--bpe-size 0: whitespace words, most frequent first, after our four special ids. Its bytes
     (`proto`, like the sentencepiece model's) are a header and one word a line."""
@@ -478,20 +470,17 @@ class WordVocab:
         if not bytes(proto).startswith(self.HEADER):
             raise DataError("not a word vocabulary written by data.WordVocab")
         self.proto = bytes(proto)
-        self.words = list(self.SPECIALS) + self.proto[len(self.HEADER) :].decode("utf-8").split(
-            "\n"
-        )
-        # A word that looks like a special token ("<s>" in the text) is an unknown word, not that
-        # id.
+        words = self.proto[len(self.HEADER) :].decode("utf-8").split("\n")
+        self.words = list(self.SPECIALS) + words
+        # A word that looks like a special token ("<s>" in the text) is an unknown word, not its id.
         self.index = {w: i for i, w in enumerate(self.words) if i > EOS} | {"<unk>": UNK}
         self.vocab_size = len(self.words)
 
     @classmethod
     def build(cls, lines):
         counts = Counter(w for line in lines for w in line.split() if w not in cls.SPECIALS)
-        return cls(
-            cls.HEADER + "\n".join(sorted(counts, key=lambda w: (-counts[w], w))).encode("utf-8")
-        )
+        words = sorted(counts, key=lambda w: (-counts[w], w))  # most frequent first
+        return cls(cls.HEADER + "\n".join(words).encode("utf-8"))
 
     def encode(self, text):
         """str -> [ids] (an unknown word is UNK); a list of str gives a list of lists."""
@@ -507,47 +496,8 @@ class WordVocab:
 
 
 def load_tokenizer(proto, name="vocabulary"):
-    """The tokenizer of a run's vocabulary bytes: a WordVocab (section 8), or a sentencepiece
-    Tokenizer."""
+    """The tokenizer of a run's vocabulary bytes: a WordVocab, or a sentencepiece Tokenizer."""
     return WordVocab(proto) if bytes(proto).startswith(WordVocab.HEADER) else Tokenizer(proto, name)
-
-
-def _lengths(encoded_pairs):
-    # a language model's: each segment's real tokens, one side
-    if isinstance(encoded_pairs, Segments):
-        return [(n,) for n in encoded_pairs.x.ne(PAD).sum(1).tolist()]
-    # the decoder reads BOS + y: T = len(y) + 1
-    return [(len(x), len(y) + 1) for x, y in encoded_pairs]
-
-
-def round_up(n, multiple):
-    """n rounded up to a multiple of ``multiple`` (the padded lengths of collate)."""
-    return -(-n // multiple) * multiple
-
-
-def padding_share(encoded_pairs, batches, multiple=1):
-    """Fraction of padded positions in src + tgt over all batches, with the lengths rounded up to
-    a multiple of ``multiple`` as collate does."""
-    # a language model's: only the end of the text is padding
-    if isinstance(encoded_pairs, Segments):
-        return float(encoded_pairs.y.eq(PAD).float().mean())
-    lens = _lengths(encoded_pairs)
-    real = sum(sum(lens[i]) for b in batches for i in b)  # S + T of each pair
-    padded = sum(
-        len(b) * round_up(max(lens[i][side] for i in b), multiple)
-        for b in batches
-        for side in (0, 1)
-    )
-    return 1.0 - real / padded if padded else 0.0
-
-
-# =======================================================================================
-# Appendix D: what every program shares. Writing atomically (a temporary file with a unique name in
-# the same folder, flushed to disk, then renamed over the target: a kill at any moment leaves the
-# old file or the new one, never half of one, and two processes never share a temporary file); a
-# failed write (a full disk) as one line; a run directory's lock, staging folder (train.py Appendix
-# E) and files; SIGTERM as Ctrl-C; the flags' range types; the device.
-# =======================================================================================
 
 
 if __name__ == "__main__":
