@@ -1,4 +1,5 @@
-"""Make the repository root importable (``import norms``, ``import model``) however pytest is run."""
+"""The tests' shared material; and the repository root made importable (``import norms``) however
+pytest is run."""
 
 import os
 import sys
@@ -11,6 +12,7 @@ import socket
 import pytest
 import torch
 
+import train
 from machinery import toy_corpus, train_cli
 from model import EOS, ModelConfig, Transformer
 from norms import use_reference
@@ -62,21 +64,37 @@ SMALL = [
     "--bpe-size",
     "1000",
 ]
-WORDS = "the cat dog sat on a mat and ran to house big small red blue".split()
+# The decoding tests' words.
+WORDS = [
+    "the",
+    "cat",
+    "dog",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "and",
+    "ran",
+    "to",
+    "house",
+    "big",
+    "small",
+    "red",
+    "blue",
+]
 
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
-    """The built-in language pair, 300 training pairs, 8 dev, 8 test: --data DIR --src src --tgt
-    tgt."""
+    """The built-in language pair (300 training pairs, 8 dev, 8 test) as train.py's flags."""
     d = toy_corpus.make_toy_corpus(tmp_path_factory.mktemp("toy"), n_train=300, n_dev=8, n_test=8)
     return ["--data", str(d), "--src", "src", "--tgt", "tgt"]
 
 
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory):
-    """A small copy of the built-in language pair (fast evaluation, 3000 pairs): --data DIR --src
-    src --tgt tgt."""
+    """A small copy of the built-in language pair (3000 pairs, for a fast evaluation) as train.py's
+    flags."""
     d = tmp_path_factory.mktemp("toy")
     toy_corpus.make_toy_corpus(d, seed=1, n_train=3000, n_dev=40, n_test=40)
     return ["--data", str(d), "--src", "src", "--tgt", "tgt"]
@@ -123,12 +141,12 @@ def gloo_unusable_reason():
 
 @pytest.fixture
 def killed_run(monkeypatch, capsys):
-    """killed_run(argv, n, sig=None): train.main(argv) interrupted at its n-th training step. sig
-    None: inside the step, as a second Ctrl-C does (the run resumes from its last checkpoint
-    before); a signal (SIGINT, SIGTERM): sent to this process as the step starts, which stops the
-    run after that step, with its checkpoint. It exits as train.py does, status 128 + the signal
-    (its message is returned); train_step is restored for the resume."""
-    import train
+    """killed_run(argv, n, sig=None): train.py's main (machinery/train_cli.py) on argv, interrupted
+    at its n-th training step. With sig None the interrupt comes inside the step, as a second
+    Ctrl-C does (the run resumes from its last checkpoint before). With a signal (SIGINT, SIGTERM),
+    it is sent to this process as the step starts, which stops the run after that step, with its
+    checkpoint. It exits as train.py does, status 128 + the signal (its message is returned);
+    train_step is restored for the resume."""
 
     def run(argv, n, sig=None):
         real_step, calls = train.train_step, {"n": 0}
