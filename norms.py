@@ -1,7 +1,8 @@
 """norms.py -- chapter 1: every normalization of the three papers, one class per equation.
 
 Reading order: norms.py -> model.py -> data.py -> decode.py -> train.py (each file imports only
-the ones before it). Run ``python norms.py --benchmark`` to time every norm against LayerNorm.
+the ones before it). Run ``python norms.py --benchmark`` to time every norm against LayerNorm
+(machinery/speed.py holds the timing harness; a reader of the papers never needs it).
 
 Contents
   1. Conventions: shapes, the padding mask, fp32 statistics, --reference
@@ -13,11 +14,9 @@ Contents
   6. No norm ([3] Table 6, "Without LayerNorm")
   7. The registry: --norm NAME -> its class, equation and paper (a new norm: its class, one entry,
      its test)
-  Appendix A: batch statistics in practice: over several processes (torch.distributed), too few
-  tokens
+  Appendix A: batch statistics in practice: over several processes (torchrun), too few tokens
   Appendix B: diagnostics of the batch statistics ([2] Figures 2-4)
-  Appendix C: the timing harness and python norms.py --benchmark
-  Appendix D: PowerNorm as the authors' released code computes it (--pn-variant code)
+  Appendix C: PowerNorm as the authors' released code computes it (--pn-variant code)
 
 Papers (one numbering for the whole project):
   [1] Nguyen & Salazar 2019, Transformers without Tears (TwT).
@@ -41,7 +40,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # ---------------------------------------------------------------------------------------
-# 1. Conventions. Shapes, declared once for the whole project:
+# 1. Conventions: shapes, the padding mask, fp32 statistics and --reference.
+# Shapes, declared once for the whole project:
 #     B  batch size (sentences)    S  source length    T  target length
 #     D  model width (d_model)     H  attention heads  Dh = D / H      V  vocabulary size
 # Every norm is called as norm(x, pad_mask): x (B, T, D), pad_mask (B, T) bool, True at padding
@@ -72,17 +72,18 @@ def at_least_fp32(x):
 
 
 # ---------------------------------------------------------------------------------------
-# 2. LayerNorm [5]:  y = gamma * (x - mu) / sqrt(sigma^2 + eps) + beta
+# 2. LayerNorm [5]: y = gamma * (x - mu) / sqrt(sigma^2 + eps) + beta.
 #      mu = mean_i x_i,  sigma^2 = mean_i (x_i - mu)^2       (over the D features of one token)
 # Why: each token is centred and scaled by its own statistics, so its output never depends on the
 # other sentences of the batch (BatchNorm's does): the Transformer's norm, the baseline of [1] and
 # [2], and kept by [3].
 # ---------------------------------------------------------------------------------------
-# torch's parameters: weight gamma (ones), bias beta (zeros); eps 1e-5 (Code: as in TwT)
+# The parameters are torch's: weight gamma (ones), bias beta (zeros); eps 1e-5 (Code: as in TwT).
 class LayerNorm(nn.LayerNorm):
     def forward(self, x, pad_mask=None):
-        if fast_paths():  # PyTorch's fused kernel, the same equation (tests); the written-out one
-            # costs 5-8% of a step
+        # The fast path is PyTorch's fused kernel, the same equation (tests); the written-out one
+        # below costs 5-8% of a step.
+        if fast_paths():
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
         xf = at_least_fp32(x)
         mu = xf.mean(-1, keepdim=True)  # (B, T, 1)  mu
@@ -91,8 +92,7 @@ class LayerNorm(nn.LayerNorm):
 
 
 # ---------------------------------------------------------------------------------------
-# 3. ScaleNorm [1, eq. 5]:  ScaleNorm(x; g) = g * x / ||x||   (each token onto the sphere of radius
-#    g)
+# 3. ScaleNorm [1, eq. 5]: ScaleNorm(x; g) = g * x / ||x||, each token onto a sphere of radius g.
 # Why: [1] section 2.3: a norm need not fix a mean and a variance (what helps is a smoother loss
 # landscape, after Santurkar et al. 2018). ScaleNorm keeps only each token's direction, on a sphere
 # of learned radius g: the one "global scale" a sublayer's activations should have (in a run g tends
@@ -123,9 +123,8 @@ class ScaleNorm(nn.Module):
 # FixNorm [1, section 2.3; Nguyen & Chiang 2018]:  FixNorm(w) = g * w / ||w||, g fixed
 # Why: at the output layer large inner products sharpen the softmax, and frequent words (long
 # embeddings) crowd out rare ones. With unit rows and ||x|| = g a logit is g times a cosine: words
-# compete by direction alone, which
-# [1] and Nguyen & Chiang 2018 find helps rare words (and faster learning early in training, [1]
-# Figure 1).
+# compete by direction alone, which [1] and Nguyen & Chiang 2018 find helps rare words (and faster
+# learning early in training, [1] Figure 1).
 # Paper (eq. 6): with ScaleNorm + FixNorm the final linear layer computes
 #     g * (w . x) / (||w|| ||x||)     (cosine normalization with a learned scale g).
 # Code: FixNorm has no g of its own: each row of the embedding matrix (V, D) is l2-normalised on
@@ -139,9 +138,9 @@ def fixnorm(weight, eps=1e-12):
 
 
 # ---------------------------------------------------------------------------------------
-# 4. RMSNorm [4]:  y_i = g_i * x_i / RMS(x),  RMS(x) = sqrt(mean_i x_i^2 + eps),  g_i init 1 (no
-#    centring, no bias) TwT section 4.2: tying the g_i of RMSNorm and dividing by sqrt(D) gives
-#    ScaleNorm.
+# 4. RMSNorm [4]: y_i = g_i * x_i / RMS(x), RMS(x) = sqrt(mean_i x_i^2 + eps).
+# The gains g_i start at 1; there is no centring and no bias. TwT section 4.2: tying the g_i of
+# RMSNorm and dividing by sqrt(D) gives ScaleNorm.
 # Why: [4]: LayerNorm's re-centring is not what makes it work; its re-scaling is, so RMSNorm keeps
 # only that (the output does not change when x is scaled) and saves the mean and the bias.
 # ---------------------------------------------------------------------------------------
@@ -160,22 +159,24 @@ class RMSNorm(nn.Module):
 
 
 # =======================================================================================
-# 5. The batch-statistics norms of PowerNorm [2]: per-channel statistics over the N <= B*T *real*
-# tokens of a batch (real_tokens: not padding). Paper [2, footnote 1]: "the batch size actually
-# corresponds to all non-padded words". In Appendix A: real_tokens, these statistics under torchrun,
-# too few tokens; in B: [2] Figures 2-4's diagnostics.
+# 5. The batch-statistics norms of PowerNorm [2], over the real tokens of a batch.
+# Their statistics are per channel, over the N <= B*T *real* tokens of a batch (real_tokens: not
+# padding). Paper [2, footnote 1]: "the batch size actually corresponds to all non-padded words".
+# Appendix A holds real_tokens, these statistics under torchrun and too few tokens; Appendix B holds
+# [2] Figures 2-4's diagnostics.
 # =======================================================================================
 def batch_mean(v, real):
     """The per-channel mean of v (B, T, D) over the real tokens (real (B, T) True), and their number
     N (0-dim)."""
     masked = torch.where(real.unsqueeze(-1), v, 0.0)  # (B, T, D)  padding contributes 0
-    # (D,), ()  (one process: as is)
+    # The sums (D,) and the count (): summed over the ranks under torchrun (Appendix A), and left as
+    # they are in one process.
     total, n = sum_over_ranks(masked.flatten(0, -2).sum(0), real.sum().to(v.dtype))
     return total / n, n
 
 
 # ---------------------------------------------------------------------------------------
-# BatchNorm for Transformers [2, Algorithm 1] ("Transformer_BN"), over the real tokens:
+# BatchNorm for Transformers [2, Algorithm 1] ("Transformer_BN"), over the real tokens.
 #   mu_B = 1/N sum_i x_i,  sigma_B^2 = 1/N sum_i (x_i - mu_B)^2     (per channel, N real tokens)
 #   y = gamma * (x - mu_B) / sqrt(sigma_B^2 + eps) + beta
 # Why: [2] section 3 asks why BatchNorm, the norm of vision, costs a Transformer 1.1-1.4 BLEU. Its
@@ -192,10 +193,10 @@ def batch_mean(v, real):
 # with the real rows' mean, then runs ordinary BN (momentum 0.05) over all B*T rows, shrinking the
 # variance by N / (B*T).
 # ---------------------------------------------------------------------------------------
-# torch's parameters and buffers, as the banner says: the same names, init, defaults
+# The parameters and buffers are torch's, as the banner says: the same names, init and defaults.
 class BatchNorm(nn.BatchNorm1d):
     def __init__(self, num_features, eps=1e-5, momentum=0.1):
-        # weight gamma, bias beta; running_mean mu, running_var sigma^2
+        # torch's weight is gamma and its bias beta; running_mean is mu, running_var sigma^2.
         super().__init__(num_features, eps, momentum)
         self.track, self.stats = False, {}
 
@@ -212,19 +213,19 @@ class BatchNorm(nn.BatchNorm1d):
         # Exercise batchnorm: begin
         mu, n = batch_mean(xf, real)  # (D,)  Paper (Alg. 1): mu_B = 1/N sum_i x_i
         # Note: two passes (mean, then centred squares) rather than E[x^2] - mu^2, which cancels
-        # badly. (D,)  Paper (Alg. 1): sigma_B^2 = 1/N sum_i (x_i - mu_B)^2
+        # badly. Paper (Alg. 1): sigma_B^2 = 1/N sum_i (x_i - mu_B)^2, (D,).
         var, _ = batch_mean((xf - mu).pow(2), real)
-        # (B, T, D)  Paper (eqs. 1-2)
+        # Paper (eqs. 1-2): y = gamma (x - mu_B) / sqrt(sigma_B^2 + eps) + beta, (B, T, D).
         y = self.weight * (xf - mu) / torch.sqrt(var + self.eps) + self.bias
         # Exercise batchnorm: end
         refuse_one_token(n)  # Appendix A: the running variance's N/(N-1) below needs N >= 2
-        # Appendix B
+        # Appendix B's diagnostics, on the steps that train.py tracks (self.track).
         self.stats = batch_diagnostics(self, y, xf, real, var, mu) if self.track else self.stats
         with torch.no_grad():
             # Paper (Alg. 1): mu = alpha mu + (1 - alpha) mu_B, alpha = 1 - momentum
             m = self.momentum
             self.running_mean.copy_((1 - m) * self.running_mean + m * mu)
-            # Note: the unbiased N/(N-1) sigma_B^2, as torch.nn.BatchNorm1d takes; Algorithm 1
+            # Note: the unbiased N/(N-1) sigma_B^2, as torch.nn.BatchNorm1d takes it; Algorithm 1
             # writes the biased one.
             self.running_var.copy_((1 - m) * self.running_var + m * var * n / (n - 1).clamp_min(1))
             self.num_batches_tracked += 1
@@ -232,8 +233,8 @@ class BatchNorm(nn.BatchNorm1d):
 
 
 # ---------------------------------------------------------------------------------------
-# PN-V [2, Definition 1, eqs. 4-5]: BN without the mean, divided by the per-channel quadratic mean
-#   psi_B^2 = 1/N sum_i x_i^2   (over the real tokens, no centring)
+# PN-V [2, Definition 1, eqs. 4-5]: BatchNorm without the mean, divided by the quadratic mean.
+#   psi_B^2 = 1/N sum_i x_i^2   (per channel, over the real tokens, no centring)
 #   y = gamma * x / sqrt(psi_B^2 + eps) + beta
 # Why: [2] section 4.1: the mean is the statistic that fluctuates most, so PN-V stops centring and
 # divides by the quadratic mean, which fluctuates orders of magnitude less than sigma_B^2 ([2]
@@ -255,16 +256,15 @@ class PNV(nn.Module):
     def forward(self, x, pad_mask=None):
         xf = at_least_fp32(x)
         if not self.training:
-            return (self.weight * xf / torch.sqrt(self.running_phi + self.eps) + self.bias).to(
-                x.dtype
-            )
+            y = self.weight * xf / torch.sqrt(self.running_phi + self.eps) + self.bias
+            return y.to(x.dtype)
         real = real_tokens(xf, pad_mask)
         # Exercise pnv: begin
         psi2, _ = batch_mean(xf.pow(2), real)  # (D,)  Paper (Def. 1): psi_B^2 = 1/N sum_i x_i^2
-        # (B, T, D)  Paper (eqs. 4-5)
+        # Paper (eqs. 4-5): y = gamma x / sqrt(psi_B^2 + eps) + beta, (B, T, D).
         y = self.weight * xf / torch.sqrt(psi2 + self.eps) + self.bias
         # Exercise pnv: end
-        # Appendix B
+        # Appendix B's diagnostics, on the steps that train.py tracks (self.track).
         self.stats = batch_diagnostics(self, y, xf, real, psi2) if self.track else self.stats
         with torch.no_grad():  # Note: phi = (1 - momentum) phi + momentum psi_B^2   (eq. 10's EMA)
             self.running_phi.copy_((1 - self.momentum) * self.running_phi + self.momentum * psi2)
@@ -272,9 +272,10 @@ class PNV(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# GroupScaling [2, appendix A "layer-scale layer"; code]: RMSNorm [4] without gain, per group, in
-# front of PowerNorm (no parameters, eps 1e-5, not in the registry). In each of G contiguous groups
-#   of D/G channels: x_i <- x_i / sqrt(mean_group x_j^2 + eps)
+# GroupScaling [2, appendix A "layer-scale layer"; code]: RMSNorm [4] without gain, per group.
+# It runs in front of PowerNorm (no parameters, eps 1e-5, not in the registry). In each of G
+# contiguous groups of D/G channels:
+#   x_i <- x_i / sqrt(mean_group x_j^2 + eps)
 # Why: PN's divisor is per channel and over many batches, so it does not bound the size of one
 # token: a token far larger than the rest would pass through large. GroupScaling first brings each
 # group of each token to unit RMS ([2]: "to control the scale of the activation"), so what reaches
@@ -294,8 +295,9 @@ class GroupScaling(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# PowerNorm (PN) [2, Definition 3, Algorithm 2], GroupScaling in front. At training step t, per
-#   channel: forward:   X^ = X / psi_{t-1}                                          (eq. 8)
+# PowerNorm (PN) [2, Definition 3, Algorithm 2], with GroupScaling in front.
+# At training step t, per channel:
+#   forward:   X^ = X / psi_{t-1}                                          (eq. 8)
 #              Y  = gamma X^ + beta                                         (eq. 9)
 #              psi_t^2 = alpha_fwd psi_{t-1}^2 + (1 - alpha_fwd) psi_B^2    (eq. 10, Alg. 2's form)
 #   backward:  the statistics get no gradient; instead ("approximate backpropagation")
@@ -303,17 +305,17 @@ class GroupScaling(nn.Module):
 #              dL/dX = X^' / psi_{t-1}                                      (eq. 12)
 #              nu_t = nu_{t-1} (1 - (1 - alpha_bkw) Gamma) + (1 - alpha_bkw) Lambda   (eq. 13)
 #              Gamma = mean_i x^_i x^_i,  Lambda = mean_i dL/dx^_i x^_i
-#   inference: Y = gamma X / psi + beta   (running statistic only: a sentence's output is
-#   independent of the batch)
+#   inference: Y = gamma X / psi + beta   (the running statistic only: a sentence's output is
+#              independent of the batch)
 # Why: [2] section 4.2: psi_B still jumps from batch to batch, so PN divides by a running average
 # psi^2 of the past batches' quadratic means (eq. 10): a slowly moving statistic, the same kind in
 # training and at inference. The exact gradient through a running average reaches back to the first
 # step; the approximate backward takes PN-V's (eq. 6: dL/dX = (dL/dX^ - Lambda X^) / psi_B) and
-# replaces its batch term Lambda by nu, a running estimate of it (eq. 13's fixed point: nu = Lambda
-# / Gamma, Gamma ~ 1), and the gradient stays bounded ([2] Theorem 4). Here psi^2 is stored as
-# running_phi (phi = psi^2) and psi = sqrt(phi + eps); statistics in fp32.
-# Code: the released module differs in three places (PowerNormCode, Appendix D, --pn-variant code).
-# It also stores nu/(1-alpha_bkw) (we: nu); its psi_B^2, Gamma, Lambda are per GPU.
+# replaces its batch term Lambda by nu, a running estimate of it (eq. 13's fixed point:
+# nu = Lambda / Gamma, Gamma ~ 1), and the gradient stays bounded ([2] Theorem 4). Here psi^2 is
+# stored as running_phi (phi = psi^2) and psi = sqrt(phi + eps); statistics in fp32.
+# Code: the released module differs in three places (PowerNormCode, Appendix C, --pn-variant code).
+# It also stores nu/(1-alpha_bkw) (we store nu); its psi_B^2, Gamma, Lambda are per GPU.
 # ---------------------------------------------------------------------------------------
 class _PowerNormFunction(torch.autograd.Function):
     """Eqs. 8-9 forward and 11-13 backward of PN for one training step (nu updated in place)."""
@@ -336,16 +338,16 @@ class _PowerNormFunction(torch.autograd.Function):
         # Exercise powernorm_backward: begin
         g = weight * dy  # (B, T, D)  Paper (Alg. 2): dL/dX^ = gamma dL/dY
         g_tilde = g - nu * z  # (B, T, D)  Paper (eq. 11): X^' = dL/dX^ - nu_{t-1} X^
-        # (B, T, D)  Paper (eq. 12): dL/dX = X^' / psi_{t-1}
+        # Paper (eq. 12): dL/dX = X^' / psi_{t-1}, (B, T, D).
         dx = g_tilde / torch.sqrt(psi2 + ctx.eps)
-        # (D,)  Gamma = mean_i x^_i x^_i   (real tokens, footnote 1)
+        # Gamma = mean_i x^_i x^_i over the real tokens (footnote 1), (D,).
         Gamma_t, _ = batch_mean(z * z, real)
         Lambda_t, _ = batch_mean(g * z, real)  # (D,)  Lambda = mean_i dL/dx^_i x^_i
         # Paper (eq. 13): nu_t = nu_{t-1} (1 - (1 - alpha) Gamma) + (1 - alpha) Lambda
         nu.copy_(nu * (1 - (1 - a) * Gamma_t) + (1 - a) * Lambda_t)
         # Exercise powernorm_backward: end
         dx = torch.where(real.unsqueeze(-1), dx, 0.0)  # padding gets zero gradient
-        # dgamma, dbeta
+        # dL/dx, dL/dgamma, dL/dbeta; the other inputs get no gradient.
         return dx, (dy * z).sum((0, 1)), dy.sum((0, 1)), None, None, None, None, None
 
 
@@ -356,15 +358,15 @@ class PowerNorm(nn.Module):
             raise ValueError(f"num_features {num_features} is not divisible by groups {groups}")
         self.warmup, self.alpha_fwd, self.alpha_bkw, self.eps = warmup, alpha_fwd, alpha_bkw, eps
         self.track, self.stats = False, {}
-        # Code: G = heads, eps 1e-5 inside the sqrt
+        # Code: G is the number of heads, and eps 1e-5 sits inside the sqrt.
         self.group_scaling = GroupScaling(groups, eps=1e-5)
         # Code: weight and bias are always there (whatever ``affine`` says), ones and zeros.
         self.weight = nn.Parameter(torch.ones(num_features))  # gamma
         self.bias = nn.Parameter(torch.zeros(num_features))  # beta
         self.register_buffer("running_phi", torch.ones(num_features))  # phi = psi^2, starts at 1
         self.register_buffer("running_nu", torch.zeros(num_features))  # nu (not nu/(1-alpha_bkw))
-        # Note: counts training *forwards* (as the code); train.py passes --pn-warmup x
-        # --accumulate: W updates.
+        # Note: it counts training *forwards* (as the code does), so train.py passes --pn-warmup x
+        # --accumulate to make the warmup W updates.
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
 
     def extra_repr(self):
@@ -375,30 +377,30 @@ class PowerNorm(nn.Module):
 
     def forward(self, x, pad_mask=None):
         xs = self.group_scaling(at_least_fp32(x))  # (B, T, D)  GroupScaling, plain autograd
-        # Paper (inference): Y = gamma X / psi + beta   (running statistic only)
+        # Paper (inference): Y = gamma X / psi + beta   (the running statistic only)
         if not self.training:
-            return (self.weight * xs / torch.sqrt(self.running_phi + self.eps) + self.bias).to(
-                x.dtype
-            )
+            y = self.weight * xs / torch.sqrt(self.running_phi + self.eps) + self.bias
+            return y.to(x.dtype)
         real = real_tokens(xs, pad_mask)  # (B, T)
         self.num_batches_tracked += 1
-        # this step, counted from 1 (a tensor, read on its device: Appendix A)
+        # t is this step, counted from 1 (a tensor, read on its device: Appendix A).
         t = self.num_batches_tracked
         with torch.no_grad():  # the statistics get no gradient (approximate backpropagation)
             psi2, _ = batch_mean(xs.pow(2), real)  # (D,)  Paper (Alg. 2): psi_B^2 = 1/N sum_i x_i^2
             phi = self.running_phi.clone()  # (D,)  psi_{t-1}^2
         # Paper: appendix A names a warmup "for accumulating psi", W = the LR warmup; Algorithm 2
         # has none. Code: the batch psi_B divides while t <= W (as in PN-V), then eq. 8's psi_{t-1}.
-        # Note: eqs. 11-13 (with nu) run in the warmup too
+        # Note: eqs. 11-13 (with nu) run in the warmup too.
         fwd_psi2 = torch.where(t <= self.warmup, psi2, phi)
+        # Appendix B's diagnostics, on the steps that train.py tracks (self.track).
         self.stats = (
             powernorm_diagnostics(self, xs, real, psi2, phi, fwd_psi2) if self.track else self.stats
         )
-        # PowerNormCode (Appendix D): its departures first
+        # PowerNormCode's step (Appendix C) makes its departures first, then takes this one.
         return self.step(xs, real, psi2, phi, fwd_psi2).to(x.dtype)
 
-    # Y (eqs. 8-9; backward: 11-13), then psi_t^2 (eq. 10)
     def step(self, xs, real, psi2, phi, fwd_psi2):
+        """Y (eqs. 8-9; backward: 11-13), then psi_t^2 (eq. 10)."""
         y = _PowerNormFunction.apply(
             xs, self.weight, self.bias, fwd_psi2, self.running_nu, real, self.alpha_bkw, self.eps
         )
@@ -409,7 +411,8 @@ class PowerNorm(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# 6. No norm: y = x. [3] Table 6, "Without LayerNorm", taken literally (--norm none).
+# 6. No norm: y = x.
+# [3] Table 6, "Without LayerNorm", taken literally (--norm none).
 # ---------------------------------------------------------------------------------------
 class NoNorm(nn.Identity):  # nn.Identity takes the width d and ignores it
     def forward(self, x, pad_mask=None):
@@ -417,19 +420,19 @@ class NoNorm(nn.Identity):  # nn.Identity takes the width d and ignores it
 
 
 # ---------------------------------------------------------------------------------------
-# 7. The registry: --norm NAME (and --encoder-norm/--decoder-norm) -> its entry, which the rest
-#    reads: train.py's
-# --norm choices and help, build_norm, the tests that loop over norms and check README.md's table,
-# --benchmark.
+# 7. The registry: --norm NAME (and --encoder-norm/--decoder-norm) -> its entry.
+# The rest reads it: the --norm choices and help (machinery/arguments.py), build_norm, the tests
+# that loop over norms and check README.md's table, and --benchmark (machinery/speed.py).
 # ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Norm:
     cls: type  # the module's class (BATCH_NORMS below: isinstance checks)
     equation: str  # one line, as --help prints it
     paper: str  # where it comes from
-    # statistics over the batch: train.py logs Appendix B's diagnostics, decode.py leaks
+    # Statistics over the batch: train.py logs Appendix B's diagnostics, decode.py --leak measures
+    # how far they let a causal model see the future.
     batch_stats: bool = False
-    # the keys of ModelConfig.norm_options it takes (train.py's --pn-*); "groups": the heads
+    # The keys of ModelConfig.norm_options it takes (train.py's --pn-*); "groups" is the heads.
     options: tuple = ()
     make: Optional[Callable] = None  # make(d, **options) -> the module; None: cls(d, **options)
 
@@ -456,12 +459,12 @@ NORMS = {
         "PowerNorm Def. 3, Alg. 2",
         True,
         options=("groups", "warmup", "alpha_fwd", "alpha_bkw", "variant"),
-        # Appendix D: --pn-variant paper or code
+        # --pn-variant paper or code: PowerNorm, or PowerNormCode (Appendix C).
         make=lambda d, **options: power_norm(d, **options),
     ),
     "none": Norm(NoNorm, "y = x", "QKNorm Table 6"),
 }
-# (PowerNormCode is a PowerNorm)
+# Each class with batch statistics once, for isinstance checks (a PowerNormCode is a PowerNorm).
 BATCH_NORMS = tuple(dict.fromkeys(e.cls for e in NORMS.values() if e.batch_stats))
 
 
@@ -511,9 +514,10 @@ def sum_over_ranks(*tensors):
     dtype: exact up to 2^24 tokens in fp32."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return tensors
-    # one message, not one per tensor
+    # One message for all the tensors, not one each.
     flat = _AllReduceSum.apply(torch.cat([t.reshape(-1) for t in tensors]))
-    return tuple(f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tensors]), tensors))
+    parts = flat.split([t.numel() for t in tensors])
+    return tuple(f.view_as(t) for f, t in zip(parts, tensors, strict=True))
 
 
 # Too few tokens: a clear error, not NaN (Code: the authors' module divides 0 by 0). Checked on the
@@ -524,7 +528,7 @@ def real_tokens(x, pad_mask):
     all-padding batch."""
     if pad_mask is None:
         return torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
-    # (B, T)  Note: .bool() first: ~ on a uint8 mask gives 254/255 (a pitfall of the code)
+    # Note: .bool() first, since ~ on a uint8 mask gives 254/255 (a pitfall of the code). (B, T)
     real = ~pad_mask.bool()
     if real.device.type == "cpu" and not real.any():
         raise ValueError(
@@ -533,7 +537,8 @@ def real_tokens(x, pad_mask):
     return real
 
 
-# BatchNorm in training; data.make_batches never forms a training batch with fewer
+# The fewest real tokens BatchNorm takes in training; data.make_batches never forms a training
+# batch with fewer.
 MIN_REAL_TOKENS = 2
 
 
@@ -545,8 +550,9 @@ def refuse_one_token(n):
 
 
 # =======================================================================================
-# Appendix B: diagnostics of the batch statistics ([2] Figures 2-4), kept in ``norm.stats`` on
-# the steps where train.py sets ``norm.track`` (its log lines; they cost host syncs):
+# Appendix B: diagnostics of the batch statistics ([2] Figures 2-4).
+# They are kept in ``norm.stats`` on the steps where train.py sets ``norm.track`` (its log lines;
+# they cost host syncs):
 #   forward:  the distance between a batch statistic and the running one before it is updated,
 #             dist(a, b) = ||a - b|| / D  ([2] section 3.1): dist_mu, dist_sigma2 (BN), dist_psi2
 #   backward: the norm of the part of dL/dx_i that each batch statistic contributes, averaged over
@@ -555,6 +561,7 @@ def refuse_one_token(n):
 #             forward: nu_{t-1} is known there)
 # =======================================================================================
 def dist(a, b):
+    """||a - b|| / D, a batch statistic's distance from the running one."""
     return (torch.linalg.vector_norm(a.detach() - b) / a.numel()).item()
 
 
@@ -562,23 +569,28 @@ def batch_diagnostics(norm, y, x, real, var, mu=None):
     """BatchNorm's (mu = mu_B, var = sigma_B^2) or, with mu None, PN-V's (var = psi_B^2: no
     centring, no mu terms)."""
     sigma = torch.sqrt(var.detach() + norm.eps)  # sigma_B (PN-V: psi_B)
-    # (N_r, D)  x~ (PN-V: x^)
+    # x~ (PN-V: x^) at the real tokens, (N_r, D).
     x_tilde = ((x.detach() if mu is None else x.detach() - mu.detach()) / sigma)[real]
     scale = norm.weight.detach() / sigma  # (D,)
-    # Paper (eq. 3): dL/dx_i = gamma/sigma_B dL/dy_i - gamma/(sigma_B N) sum_j (dL/dy_j + dL/dy_j
-    # x~_j x~_i)
+    # Paper (eq. 3): dL/dx_i = gamma/sigma_B dL/dy_i
+    #                          - gamma/(sigma_B N) sum_j (dL/dy_j + dL/dy_j x~_j x~_i)
     # Paper (eq. 6): dL/dx_i = gamma/psi_B dL/dy_i - gamma/(N psi_B) sum_j dL/dy_j x^_j x^_i
-    # the x~_j x~_i (PN-V: x^_j x^_i) term
-    var_term = lambda dy: scale * (dy[real] * x_tilde).mean(0) * x_tilde
+
+    def mean_term(dy):
+        """The sum_j dL/dy_j term of eq. 3, mu_B's share."""
+        return (scale * dy[real].mean(0)).expand_as(x_tilde)
+
+    def var_term(dy):
+        """The x~_j x~_i term of eq. 3 (PN-V: the x^_j x^_i term of eq. 6)."""
+        return scale * (dy[real] * x_tilde).mean(0) * x_tilde
+
     if mu is None:
         stats, terms = {"dist_psi2": dist(var, norm.running_phi)}, [("g_psi2", var_term)]
     else:
         stats = {"dist_mu": dist(mu, norm.running_mean), "dist_sigma2": dist(var, norm.running_var)}
-        terms = [
-            ("g_mu", lambda dy: (scale * dy[real].mean(0)).expand_as(x_tilde)),
-            ("g_sigma2", var_term),
-        ]
-    # when dL/dy arrives: stats[name] = mean over tokens of ||term(dL/dy)|| for each (name, term)
+        terms = [("g_mu", mean_term), ("g_sigma2", var_term)]
+    # When dL/dy arrives, the hook sets stats[name] to the mean over tokens of ||term(dL/dy)|| for
+    # each (name, term); a y without a gradient has none.
     if y.requires_grad:
 
         def hook(dy):
@@ -591,8 +603,9 @@ def batch_diagnostics(norm, y, x, real, var, mu=None):
 
 
 def powernorm_diagnostics(norm, xs, real, psi2, phi, fwd_psi2):
+    """PowerNorm's: dist_psi2, and g_nu, the nu X^ term of eqs. 11-12."""
     z = xs.detach() / torch.sqrt(fwd_psi2 + norm.eps)  # X^
-    # what the backward divides by (Appendix D)
+    # What the backward divides by: psi_B in PowerNormCode's (Appendix C), else the forward's.
     bwd_psi2 = psi2 if isinstance(norm, PowerNormCode) else fwd_psi2
     g_nu = norm.running_nu * z[real] / torch.sqrt(bwd_psi2 + norm.eps)  # (N_r, D)
     return {
@@ -602,10 +615,10 @@ def powernorm_diagnostics(norm, xs, real, psi2, phi, fwd_psi2):
 
 
 # =======================================================================================
-# Appendix D: PowerNorm as the authors' released module computes it (--pn-variant code):
-# sIncerass/powernorm, fairseq/modules/norms/mask_powernorm.py. It differs from Algorithm 2 in
-# three places; both normalize padding with the same statistic (finite outputs) and never let
-# padding into psi_B^2:
+# Appendix C: PowerNorm as the authors' released module computes it (--pn-variant code).
+# The module is sIncerass/powernorm's fairseq/modules/norms/mask_powernorm.py. It differs from
+# Algorithm 2 in three places; both normalize padding with the same statistic (finite outputs) and
+# never let padding into psi_B^2:
 #   - the backward divides by the batch psi_B even after warmup (paper: psi_{t-1}, eq. 12);
 #   - Gamma and Lambda average over all B*T positions, padding included, and padding positions
 #     get gradient (paper: the real tokens only; padding gets zero gradient);
@@ -613,19 +626,20 @@ def powernorm_diagnostics(norm, xs, real, psi2, phi, fwd_psi2):
 #     takes the EMA step (paper: the EMA of eq. 10 at every step).
 # =======================================================================================
 class PowerNormCode(PowerNorm):
-    # the forward (psi_B^2 over the real tokens) and inference as PN's
+    """PowerNorm with the released module's three departures; its forward (psi_B^2 over the real
+    tokens) and its inference are PowerNorm's."""
+
     def step(self, xs, real, psi2, phi, fwd_psi2):
         # Code: dL/dX = X^' / psi_B at every step: eq. 12's X^' / psi_{t-1} times psi_{t-1} / psi_B,
         # so the paper's function runs on xs with its gradient scaled by that ratio (1 in the
         # warmup; the value stays xs exactly).
-        xs = xs.detach() + (xs - xs.detach()) * torch.sqrt(
-            (fwd_psi2 + self.eps) / (psi2 + self.eps)
-        )
+        ratio = torch.sqrt((fwd_psi2 + self.eps) / (psi2 + self.eps))
+        xs = xs.detach() + (xs - xs.detach()) * ratio
         t = self.num_batches_tracked  # this step, counted from 1
         # Code: phi <- (t-1)/t phi + 1/t psi_B^2 (a cumulative mean) for t < W, then eq. 10
         with torch.no_grad():
             phi = torch.where(t < self.warmup, phi * (t - 1) / t + psi2 / t, phi)
-        # Code: the backward counts padding as real
+        # Code: the backward counts padding as real.
         return super().step(xs, torch.ones_like(real), psi2, phi, fwd_psi2)
 
 
