@@ -15,13 +15,14 @@ Contents
   9. The training objective: label-smoothed cross entropy ([1] appendix A)
   Appendix A: fast paths (the same math, measured faster for a whole training step)
   Appendix B: the multi-linear attention of the tensorized Transformer [7] (PowerNorm's language
-  models)
+     models)
   Appendix C: where the model runs: device and precision
   Appendix D: plumbing: the self-attention cache of incremental decoding, the parameter count
 
   [1] Nguyen & Salazar 2019, Transformers without Tears.     [2] Shen et al. 2020, PowerNorm.
-  [3] Henry et al. 2020, Query-Key Normalization.           [6] Vaswani et al. 2017, Attention Is
-  All You Need. [7] Ma et al. 2019, A Tensorized Transformer for Language Modeling.
+  [3] Henry et al. 2020, Query-Key Normalization.
+  [6] Vaswani et al. 2017, Attention Is All You Need.
+  [7] Ma et al. 2019, A Tensorized Transformer for Language Modeling.
 """
 
 import math
@@ -48,63 +49,64 @@ class ModelConfig:  # everything needed to rebuild a model; saved inside every c
     ff: int = 1024
     enc_layers: int = 3
     dec_layers: int = 3
-    # Paper (appendix A): the same rate on sublayer outputs, ReLU, attention weights
+    # Paper (appendix A): the same rate on sublayer outputs, ReLU and attention weights.
     dropout: float = 0.1
     attn_dropout: Optional[float] = None  # None: same as dropout (the PowerNorm recipe uses 0.1)
     relu_dropout: Optional[float] = None  # None: same as dropout
     norm: str = "scale"  # --norm: every sublayer's norm (norms.NORMS)
     encoder_norm: Optional[str] = None  # --encoder-norm (PowerNorm paper: PN in the encoder only)
     decoder_norm: Optional[str] = None  # --decoder-norm
-    # each norm takes those its registry entry names (PowerNorm's)
+    # Each norm takes the options its registry entry names (PowerNorm's).
     norm_options: dict = field(default_factory=dict)
     prenorm: bool = True  # PreNorm (eq. 3) or PostNorm (eq. 2)
     fixnorm: bool = True  # l2-normalised embedding rows (section 2.3)
-    # "small" (SmallInit), "xavier" (Xavier normal, eq. 4) or "normal" (Appendix B's baseline)
+    # "small" (SmallInit), "xavier" (Xavier normal, eq. 4) or "normal" (Appendix B's baseline).
     init: str = "small"
     qknorm: bool = False  # QKNorm [3]
     qk_g0: float = 1.0  # g0 = log2(L^2 - L) [3, eq. 3]: qk_g0() below
     qk_learn_g: bool = True  # False: [3] Table 6, "Without g" (g fixed at 1)
     qk_norm_v: bool = False  # [3] Table 6, "l2-normalizing V along with Q and K"
     sdpa: bool = True  # F.scaled_dot_product_attention (False: the written-out attention)
-    # a language model: the decoder alone, no encoder or cross-attention (--task lm)
+    # A language model: the decoder alone, no encoder or cross-attention (--task lm).
     lm: bool = False
-    # the decoder's self-attention: softmax, or multilinear ([7], Appendix B)
+    # The decoder's self-attention: softmax, or multilinear ([7], Appendix B).
     attention: str = "softmax"
     seq_len: int = 0  # the segment length a multi-linear attention's output layer is built for
-    # the multi-linear attention's mask: causal, or none (the baseline's, Appendix B)
+    # The multi-linear attention's mask: causal, or none (the baseline's, Appendix B).
     mask: str = "causal"
-    # at the input; or relative: the baseline's term inside the attention (Appendix B)
+    # Positions: sinusoidal at the input, or relative, the baseline's term inside the attention.
     positions: str = "sinusoidal"
-    # the multi-linear attention's rank R per head (the baseline's d_head); None: D / H
+    # The multi-linear attention's rank R per head (the baseline's d_head); None: D / H.
     head_dim: Optional[int] = None
-    # the multi-linear attention's W^QKV and W^O have biases (the baseline's have none)
+    # Whether the multi-linear attention's W^QKV and W^O have biases (the baseline's have none).
     attn_bias: bool = True
-    # dropout on the decoder's output, before the output layer (the baseline LM's)
+    # Dropout on the decoder's output, before the output layer (the baseline LM's).
     final_dropout: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------
-# 2. Sinusoidal positions [6, section 3.5], sin on even and cos on odd dimensions (Code: TwT's 2021
-#   fix; so do we): PE(pos, 2i) = sin(pos / 10000^(2i/D)),   PE(pos, 2i+1) = cos(pos / 10000^(2i/D))
+# 2. Sinusoidal positions [6, section 3.5]: sin on even and cos on odd dimensions.
+#   PE(pos, 2i) = sin(pos / 10000^(2i/D)),   PE(pos, 2i+1) = cos(pos / 10000^(2i/D))
+# Code: TwT does so since its 2021 fix, and so do we.
 # ---------------------------------------------------------------------------------------
 def sinusoidal_positions(length, d):
     pos = torch.arange(length, dtype=torch.float32)[:, None]  # (L, 1)
-    # (D/2,)
+    # 1 / 10000^(2i/D), (D/2,).
     inv_freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float32) / d)
     angle = pos * inv_freq  # (L, D/2)  pos / 10000^(2i/D)
-    # (L, D): PE(2i) sin, PE(2i+1) cos
+    # PE (L, D): sin at 2i, cos at 2i+1.
     return torch.stack([torch.sin(angle), torch.cos(angle)], -1).flatten(1)[:, :d]
 
 
 # ---------------------------------------------------------------------------------------
-# 3. Dropout [Srivastava et al. 2014], inverted:  y = x * m / (1 - p),  m_i ~ Bernoulli(1 - p),  so
-# E[y] = x and evaluation needs no rescaling.
+# 3. Dropout [Srivastava et al. 2014], inverted: y = x * m / (1 - p), m_i ~ Bernoulli(1 - p).
+# So E[y] = x, and evaluation needs no rescaling.
 # ---------------------------------------------------------------------------------------
 def dropout(x, p, training=True, relu=False):
-    # Appendix A: the same distribution (p to 1/65536), 1.13x faster steps
+    # The fast path (Appendix A): the same distribution (p to 1/65536), 1.13x faster steps.
     if training and 0 < p < 1 and fast_paths():
         return fast_dropout(x, p, relu)
-    # relu: dropout(ReLU(x)), the feed-forward's (Appendix A: one pass for both)
+    # relu=True: dropout(ReLU(x)), the feed-forward's (the fast path does both in one pass).
     x = F.relu(x) if relu else x
     if not training or p == 0:
         return x
@@ -115,9 +117,9 @@ def dropout(x, p, training=True, relu=False):
 
 
 # ---------------------------------------------------------------------------------------
-# 4. Attention [6, eq. 1]:  Attention(Q, K, V) = softmax(Q K^T * scale + mask) V,  scaled dot
-#   product: 1/sqrt(Dh) QKNorm [3, eqs. 2-5]: softmax(g * Q^ K^T) V, no 1/sqrt(Dh); Q^ = Q/||Q||, K^
-#   = K/||K|| along Dh; g init g0
+# 4. Attention [6, eq. 1] with QKNorm [3, eqs. 2-5].
+#   Attention(Q, K, V) = softmax(Q K^T * scale + mask) V,   scaled dot product: scale = 1/sqrt(Dh)
+#   QKNorm: softmax(g * Q^ K^T) V, no 1/sqrt(Dh); Q^ = Q/||Q||, K^ = K/||K|| along Dh; g init g0
 # Why: [3] section 3: softmax sees only differences, and dot products are unbounded, so a few large
 # logits can silence every other key (a saturated, "winner-take-all" softmax). Cosines are bounded,
 # |Q^ K^T| <= 1, but too flat for a softmax to ignore a key, so a learned g scales them: logits in
@@ -169,7 +171,7 @@ class MultiHeadAttention(nn.Module):  # with optional QKNorm [3]; one module per
                 self.g = nn.Parameter(torch.tensor(float(cfg.qk_g0)))
             else:  # Paper [3] Table 6 ablation: no g (fixed at 1)
                 self.register_buffer("g", torch.tensor(1.0))
-        # for decode.py's attention maps ([3] Figs 1-2)
+        # keep_weights keeps the weights for decode.py's attention maps ([3] Figs 1-2).
         self.keep_weights, self.last_weights = False, None
 
     def split(self, x):  # (B, L, D) -> (B, H, L, Dh)
@@ -183,7 +185,7 @@ class MultiHeadAttention(nn.Module):  # with optional QKNorm [3]; one module per
         """x (B, Tq, D) the queries' input; k, v (B, H, Tk, Dh) already projected."""
         q = self.split(self.q(x))  # (B, H, Tq, Dh)
         scale = None  # None = 1/sqrt(Dh)
-        # Paper [3]: l2-normalise along Dh (in fp32). Code: eps 1e-12, divide by max(||q||, eps)
+        # Paper [3]: l2-normalise along Dh (in fp32). Code: eps 1e-12, divide by max(||q||, eps).
         if self.qknorm:
             q = (self.g * F.normalize(q.float(), dim=-1, eps=1e-12)).to(v.dtype)  # g * Q^
             k = F.normalize(k.float(), dim=-1, eps=1e-12).to(v.dtype)  # K^
@@ -191,9 +193,9 @@ class MultiHeadAttention(nn.Module):  # with optional QKNorm [3]; one module per
                 v = F.normalize(v.float(), dim=-1, eps=1e-12).to(q.dtype)
             scale = 1.0  # Paper [3]: no 1/sqrt(Dh); g is the scale
         p = self.dropout_p if self.training else 0.0
-        # Appendix A: torch's fused attention kernels
+        # The fast path (Appendix A): torch's fused attention kernels.
         if self.sdpa and fast_paths() and not self.keep_weights:
-            # (B, 1, Tq, Tk)
+            # The key mask for every query, (B, 1, Tq, Tk).
             mask = None if key_mask is None else key_mask.expand(-1, -1, q.size(2), -1)
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale
@@ -205,7 +207,7 @@ class MultiHeadAttention(nn.Module):  # with optional QKNorm [3]; one module per
 
 
 # ---------------------------------------------------------------------------------------
-# 5. Feed-forward [6, eq. 2]:  FFN(x) = W2 dropout(ReLU(W1 x + b1)) + b2
+# 5. Feed-forward [6, eq. 2]: FFN(x) = W2 dropout(ReLU(W1 x + b1)) + b2.
 # ---------------------------------------------------------------------------------------
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -219,9 +221,10 @@ class FeedForward(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# 6. The residual placement, both forms side by side [1, section 2.1]; dropout on F's output (Code:
-#   drop(f(.))): PostNorm (eq. 2):  x_{l+1} = norm(x_l + F_l(x_l))
+# 6. The residual placement, both forms side by side [1, section 2.1].
+#   PostNorm (eq. 2):  x_{l+1} = norm(x_l + F_l(x_l))
 #   PreNorm  (eq. 3):  x_{l+1} = x_l + F_l(norm(x_l))     (+ one final norm per stack)
+#   with dropout on F's output (Code: drop(f(.))).
 # Why: [1] section 2.1: a residual network trains deep because its identity path carries the
 # gradient from the top back to every layer unchanged. PostNorm puts a norm on that path after every
 # sublayer: [1] conjectures it acts like scaling x_l by some lambda_l != 1, whose products explode
@@ -265,7 +268,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = (
             MultiLinearAttention(cfg) if cfg.attention == "multilinear" else MultiHeadAttention(cfg)
         )
-        # [1] Figure 3 "decoder-encoder" attention
+        # [1] Figure 3's "decoder-encoder" attention; a language model has none.
         self.cross_attn = None if cfg.lm else MultiHeadAttention(cfg)
         self.ff = FeedForward(cfg)
         self.norm_self = _norm(cfg, norm_name)
@@ -276,12 +279,12 @@ class DecoderLayer(nn.Module):
         """x (B, T, D); mem_kv: the encoder output's cross-attention (k, v); self_kv: None, or
         decode.py's cache."""
 
-        # causal: position t attends to positions <= t (unless --mask none, Appendix B)
         def self_attn(h):
-            # decoding's cache, or [7]
+            """Causal: position t attends to positions <= t (unless --mask none, Appendix B)."""
+            # Decoding's cache, or the multi-linear attention [7]: other_self_attention, Appendix D.
             if self_kv is not None or isinstance(self.self_attn, MultiLinearAttention):
-                return other_self_attention(self.self_attn, h, self_kv)  # Appendix D
-            # k, v (B, H, T, Dh)
+                return other_self_attention(self.self_attn, h, self_kv)
+            # The plain causal attention; project_kv gives k, v (B, H, T, Dh).
             return self.self_attn(h, *self.self_attn.project_kv(h), None, causal=True)
 
         def cross_attn(h):
@@ -297,12 +300,14 @@ class DecoderLayer(nn.Module):
 # 8. The model: an encoder-decoder Transformer with one shared embedding matrix E (V, D).
 # Paper [1] appendix A: "The source and target's input and output embeddings are shared, but we mask
 # out words that are not in the target's vocabulary at the final output layer before softmax, by
-#   setting their logits to -inf." input:   x_emb = E[w] * sqrt(D) + PE(pos), then dropout
+# setting their logits to -inf."
+#   input:   x_emb = E[w] * sqrt(D) + PE(pos), then dropout
 #   output:  logits = h E^T + b + m,   m_w = 0 if w is a target word else -inf
-# FixNorm: E's rows of unit length; PreNorm + ScaleNorm's final norm makes ||h|| = g: logit_w = g
-# cos(h, e_w) + b_w. A language model (cfg.lm, [2] Table 2) is this decoder with nothing to attend
-# to (no encoder, no cross-attention), the same embeddings, norms, residuals and output layer:
-# p(w_t | w_<t) = softmax(h_t E^T + b)_w
+# FixNorm: E's rows have unit length, and PreNorm + ScaleNorm's final norm makes ||h|| = g, so
+# logit_w = g cos(h, e_w) + b_w. A language model (cfg.lm, [2] Table 2) is this decoder with nothing
+# to attend to (no encoder, no cross-attention), the same embeddings, norms, residuals and output
+# layer:
+#   p(w_t | w_<t) = softmax(h_t E^T + b)_w
 # ---------------------------------------------------------------------------------------
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, tgt_vocab_mask=None):
@@ -328,12 +333,12 @@ class Transformer(nn.Module):
         # Paper [1] section 2.1: under PreNorm "one must append an additional normalization
         # after both encoder and decoder so their outputs are appropriately scaled".
         self.enc_final_norm = _norm(cfg, enc_norm) if cfg.prenorm and not cfg.lm else None
-        # Paper [1] Table 7, "ScaleNorm (g = sqrt d) + FixNorm (learned)": the output layer's g (eq.
-        # 6) stays learned.
+        # Paper [1] Table 7, "ScaleNorm (g = sqrt d) + FixNorm (learned)": the output layer's g
+        # (eq. 6) stays learned.
         self.dec_final_norm = (
             _norm(cfg, "scale" if dec_norm == "scale_fixed" else dec_norm) if cfg.prenorm else None
         )
-        # Appendix B: --positions relative's two biases, one pair for every layer
+        # Appendix B: --positions relative's two biases become one pair for every layer.
         tie_relative_biases(self)
         index_target_words(self)  # Appendix A, and again whenever a checkpoint's mask is loaded:
         self.register_load_state_dict_post_hook(lambda module, keys: index_target_words(module))
@@ -352,7 +357,7 @@ class Transformer(nn.Module):
         c = self.cfg
         if c.init not in ("small", "xavier", "normal"):
             raise ValueError(f"--init must be 'small', 'xavier' or 'normal', not {c.init!r}")
-        # Appendix B's baseline (its train_upload.py, weights_init), not a paper's
+        # --init normal: Appendix B's baseline's (its train_upload.py, weights_init), not a paper's.
         if c.init == "normal":
             return normal_init(self)
         # Exercise smallinit: begin
@@ -366,9 +371,8 @@ class Transformer(nn.Module):
                 # Note: W^K, W^V are one (2D, D) matrix: the std is from each D x D block's fans,
                 # not the fused shape.
                 inits = [(m.q, attn_std), (m.kv, attn_std), (m.out, attn_std)]
-            # W^O (H L^2 inputs, Appendix B): Xavier normal of its shape
             elif isinstance(m, MultiLinearAttention):
-                # W^Q, W^K, W^V as above
+                # W^O (H L^2 inputs, Appendix B): Xavier normal of its shape; W^QKV as above.
                 inits = [(m.out, math.sqrt(2 / sum(m.out.weight.shape))), (m.qkv, attn_std)]
             elif isinstance(m, FeedForward):
                 inits = [(m.w1, ff_std), (m.w2, ff_std)]
@@ -395,7 +399,7 @@ class Transformer(nn.Module):
         # on the CPU; indexing's was 5% of a GPU step).
         x = F.embedding(tokens, E) * math.sqrt(self.cfg.d_model)  # (B, L, D)
         end = start + tokens.size(1)  # + PE(pos) for pos = start .. end - 1 (L, D), from self.pe
-        # none: position enters inside the multi-linear attention (Appendix B)
+        # Under --positions relative, position enters inside the attention instead (Appendix B).
         if self.cfg.positions != "relative":
             if end > self.pe.size(0):  # self.pe grown on demand (long decodes)
                 self.pe = sinusoidal_positions(2 * end, self.cfg.d_model).to(self.pe.device)
@@ -417,28 +421,23 @@ class Transformer(nn.Module):
             x = self.enc_final_norm(x, src_pad)
         return x, src_pad
 
-    # each decoder layer's cross-attention (k, v), computed once per sentence
     def memory_kv(self, memory):
+        """Each decoder layer's cross-attention (k, v), computed once per sentence."""
         return [layer.cross_attn.project_kv(memory) for layer in self.decoder]
 
     def decode(self, tgt_in, src_pad, E, mem_kv, self_kv=None, start=0):
         """tgt_in (B, T) -> h (B, T, D), the decoder's output. self_kv: None, or per layer
         decode.py's cache."""
         tgt_pad = tgt_in.eq(PAD) if self_kv is None else None  # (B, T)
-        # (B, 1, 1, S); None: an LM
+        # The source's key mask (B, 1, 1, S), or None in a language model.
         mem_key_mask = None if src_pad is None else ~src_pad[:, None, None, :]
         x = self.embed_tokens(tgt_in, E, start)
         for i, layer in enumerate(self.decoder):
-            x = layer(
-                x,
-                tgt_pad,
-                mem_kv and mem_kv[i],
-                mem_key_mask,
-                None if self_kv is None else self_kv[i],
-            )
+            layer_kv = None if self_kv is None else self_kv[i]
+            x = layer(x, tgt_pad, mem_kv and mem_kv[i], mem_key_mask, layer_kv)
         if self.dec_final_norm is not None:
             x = self.dec_final_norm(x, tgt_pad)
-        # --final-dropout (0 but in the baseline LM's row)
+        # --final-dropout: 0, but in the baseline LM's row.
         return dropout(x, self.cfg.final_dropout, self.training)
 
     def hidden(self, src, tgt_in, E):
@@ -449,8 +448,8 @@ class Transformer(nn.Module):
         memory, src_pad = self.encode(src, E)
         return self.decode(tgt_in, src_pad, E, self.memory_kv(memory))
 
-    # (B, T, V) of a teacher-forced pass: what decoding's checks and attention maps read
     def logits(self, src, tgt_in):
+        """(B, T, V) of a teacher-forced pass: what decoding's checks and attention maps read."""
         E = self.embedding_matrix()
         return self.output_logits(self.hidden(src, tgt_in, E), E)
 
@@ -464,15 +463,15 @@ class Transformer(nn.Module):
         # side) can never be produced: scored as UNK, the loss stays finite. Training targets are
         # target words (data.target_vocab_mask).
         tgt_out = torch.where(self.allowed[tgt_out] | tgt_out.eq(PAD), tgt_out, UNK)
-        # Appendix A: the target words' logits only, the same softmax; 1.2x faster steps
+        # The fast path (Appendix A): the target words' logits only, the same softmax; 1.2x faster.
         if fast_paths():
             return target_words_loss(self, h, E, tgt_out, smoothing)
         return label_smoothed_loss(
             self.output_logits(h, E), tgt_out, smoothing, tgt_out.ne(PAD), self.allowed
         )
 
-    # name -> value of every scalar g (ScaleNorm's, QKNorm's), in the order built
     def learned_scales(self):
+        """name -> value of every scalar g (ScaleNorm's, QKNorm's), in the order built."""
         return {
             n: p.detach().float().item()
             for n, p in self.named_parameters()
@@ -481,10 +480,9 @@ class Transformer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# 9. The training objective: label-smoothed cross entropy [1 appendix A; Szegedy et al. 2016]
-#   q = (1 - eps) * onehot(y) + eps * uniform over the allowed words A     (Code: the target
-#   vocabulary only) loss = -sum_w q_w log p_w = (1 - eps) * NLL + eps * mean_{w in A} (-log p_w)
-#   (masked words have p = 0)
+# 9. The training objective: label-smoothed cross entropy [1 appendix A; Szegedy et al. 2016].
+#   q = (1 - eps) * onehot(y) + eps * uniform over the allowed words A   (Code: the target words)
+#   loss = -sum_w q_w log p_w = (1 - eps) * NLL + eps * mean_{w in A} (-log p_w)   (masked: p_w = 0)
 # Note: F.cross_entropy(label_smoothing=eps) on the allowed columns gives this loss (tests), not the
 # NLL we log.
 # ---------------------------------------------------------------------------------------
@@ -507,19 +505,19 @@ def label_smoothed_loss(logits, target, eps, real=None, allowed=None):
 
 
 # =======================================================================================
-# Appendix A: fast paths. Each computes the math of the main text (tests check it; dropout's
-# distribution to 1/65536) and is there because a whole training step measured faster with it
-# (Multi30k, 3+3 layers, d 256, 4096-token batches, 2 CPU threads, 2026-11-23). --reference
-# turns them off. F.scaled_dot_product_attention (MultiHeadAttention.forward) gives attention_math's
-# output, not its weights; with QKNorm too: g * Q^ is passed as the query with scale 1, since
+# Appendix A: fast paths, the same math as the main text, measured faster.
+# Each computes the math of the main text (tests check it; dropout's distribution to 1/65536) and is
+# there because a whole training step measured faster with it (Multi30k, 3+3 layers, d 256,
+# 4096-token batches, 2 CPU threads, 2026-11-23). --reference turns them off.
+# F.scaled_dot_product_attention (MultiHeadAttention.forward) gives attention_math's output, not its
+# weights; with QKNorm too: g * Q^ is passed as the query with scale 1, since
 # softmax((g Q^) K^T * 1) = softmax(g * Q^ K^T).
 # =======================================================================================
+# Each function with a fast path, and what runs instead.
 FAST_PATHS = {
     "norms.LayerNorm.forward": "F.layer_norm",
     "model.dropout": "fast_dropout",
-    "model.attention_math":
-    # what runs instead
-    "F.scaled_dot_product_attention",
+    "model.attention_math": "F.scaled_dot_product_attention",
     "model.label_smoothed_loss": "target_words_loss",
 }
 
@@ -534,11 +532,11 @@ def fast_dropout(x, p, relu=False):
     (p to 1/65536, e.g. 0.1 -> 0.1000061), and y = x * m / (1 - p') keeps E[y] = x exactly.
     It draws from torch's default generator, so torch.manual_seed fixes it and --resume restores it.
     """
-    # compiled: the compiler fuses F.dropout
+    # On CUDA and under --compile: F.dropout, which the GPU and the compiler fuse.
     if x.device.type != "cpu" or torch.compiler.is_compiling():
         return F.dropout(F.relu(x) if relu else x, p, True)
     drop = round(p * 65536)  # p' = drop / 2^16
-    # all 64 bits random
+    # All 64 bits random.
     bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
     u = bits.view(torch.int16)[: x.numel()].view(x.shape)  # uniform on [-2^15, 2^15)
     keep = u >= drop - 32768  # m: True with probability 1 - p'
@@ -555,7 +553,7 @@ def target_words_loss(model, h, E, tgt_out, eps):
     words is the same one. Saves the V - Vt masked columns of the output layer and of the softmax
     (Multi30k en-de: Vt/V ~ 0.7); with the loss's written-out backward below, a whole training step
     measured 1.2x faster."""
-    # (B, T, Vt)
+    # z, the target words' logits (B, T, Vt).
     z = F.linear(h, E[model.target_ids].to(h.dtype), model.out_bias[model.target_ids].to(h.dtype))
     return SmoothedCrossEntropy.apply(
         z.flatten(0, 1), model.target_column[tgt_out].flatten(), tgt_out.ne(PAD).flatten(), eps
@@ -595,38 +593,36 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         grad.mul_((w * (d_loss + d_nll))[:, None])  # w (dL + dNLL) softmax
         if eps:  # - w dL eps / C
             grad.sub_((w * d_loss * eps / C)[:, None])
-        # - onehot
+        # - w (dL (1 - eps) + dNLL) onehot(y)
         grad.scatter_add_(-1, target[:, None], -(w * (d_loss * (1 - eps) + d_nll))[:, None])
         return grad.to(ctx.z_dtype), None, None, None
 
 
 def output_columns(model):
-    """The output layer's columns a training step computes (train.py's FLOPs): the target words, as
-    target_words_loss does (all V under --reference). Read from the shape of target_ids: no wait for
-    the device."""
+    """The output layer's columns a training step computes (machinery/speed.py's FLOPs): the target
+    words, as target_words_loss does (all V under --reference). Read from the shape of target_ids:
+    no wait for the device."""
     return model.target_ids.numel() if fast_paths() else model.cfg.vocab_size
 
 
 def index_target_words(model):
     """The target words' ids (Vt,) and each word's column among them (V,), from the mask
     (Transformer.__init__ and, whenever a checkpoint's mask is loaded, its load_state_dict hook)."""
-    # (Vt,)
-    model.register_buffer("target_ids", model.allowed.nonzero().squeeze(1), persistent=False)
-    # (V,)
-    model.register_buffer(
-        "target_column", (model.allowed.cumsum(0) - 1).clamp_min(0), persistent=False
-    )
+    ids = model.allowed.nonzero().squeeze(1)  # (Vt,)
+    column = (model.allowed.cumsum(0) - 1).clamp_min(0)  # (V,)
+    model.register_buffer("target_ids", ids, persistent=False)
+    model.register_buffer("target_column", column, persistent=False)
 
 
 # =======================================================================================
-# Appendix B: the multi-linear attention of the tensorized Transformer [7], "core-1" (one block),
-# the attention of PowerNorm's language models ([2] A.2: "there exists only one linear projection in
-# multi-linear attention"; [2] section 5.1: "with masking"). Per head, on a segment of L positions:
-#   [Q; K; V] = x [W^Q; W^K; W^V]                       (one projection, split in three), each (L,
-#   R) T[i, j, k] = sum_r c_r Q[i, r] K[j, r] V[k, r]      c: the core, R = D / H numbers (or
-#   --head-dim) causal:  T[i, j, k] = 0 unless j <= i and k <= i    (position i sees no later token)
-#   out_i = W^O [vec T_1[i, :, :]; ...; vec T_H[i, :, :]] + b     (H L^2 numbers -> D, one linear
-#   layer)
+# Appendix B: the multi-linear attention of the tensorized Transformer [7], "core-1" (one block).
+# It is the attention of PowerNorm's language models ([2] A.2: "there exists only one linear
+# projection in multi-linear attention"; [2] section 5.1: "with masking"). Per head, on a segment of
+# L positions:
+#   [Q; K; V] = x [W^Q; W^K; W^V]                   (one projection, split in three), each (L, R)
+#   T[i, j, k] = sum_r c_r Q[i, r] K[j, r] V[k, r]  c: the core, R = D / H numbers (or --head-dim)
+#   causal:  T[i, j, k] = 0 unless j <= i and k <= i      (position i sees no later token)
+#   out_i = W^O [vec T_1[i, :, :]; ...; vec T_H[i, :, :]] + b   (H L^2 numbers -> D, one layer)
 # No softmax: position i's output is a learned linear map of the (L, L) slice of the tensor.
 # W^O has L^2 inputs per head: the model is built for segments of cfg.seq_len positions; shorter
 # ones are zero-padded to L: under --mask causal, exactly the first positions of a full one.
@@ -639,10 +635,12 @@ def index_target_words(model):
 #     sees the whole segment, future included);
 #   --positions sinusoidal (default: added to the input, as everywhere in this project) | relative
 #     (the code's Transformer-XL term, the second of two tensors added before W^O):
-#   T[i, j, k] = sum_r c_r (Q[i, r] + u_r) K[j, r] V[k, r]  +  sum_r c_r (Q[i, r] + v_r) P[j, r]
-#   V[k, r] P = dropout(PE(L-1), ..., PE(0)) W^R   row j is PE(L-1-j) for every i: no relative shift
-#   (W^R: r_net, no bias) u, v: r_w_bias and r_r_bias, learned, one pair shared by every layer
-#   (Transformer-XL's default; the code's too).
+#       T[i, j, k] = sum_r c_r (Q[i, r] + u_r) K[j, r] V[k, r]
+#                  + sum_r c_r (Q[i, r] + v_r) P[j, r] V[k, r]
+#       P = dropout(PE(L-1), ..., PE(0)) W^R   (W^R: r_net, no bias): row j is PE(L-1-j) for
+#         every i, no relative shift;
+#       u, v: r_w_bias and r_r_bias, learned, one pair shared by every layer (Transformer-XL's
+#         default; the code's too).
 # Note: the code takes PE(t-1), ..., PE(0) for a segment of t positions; for a full one (every
 # segment of training and of evaluation on segments) that is the same; a shorter one takes a full
 # one's first t rows of P, as above, so that position i does not learn how many tokens follow it.
@@ -662,35 +660,29 @@ class MultiLinearAttention(nn.Module):
             )
         if cfg.mask not in ("causal", "none") or cfg.positions not in ("sinusoidal", "relative"):
             raise ValueError(
-                f"--mask causal|none and --positions sinusoidal|relative, not {cfg.mask}, {cfg.positions}"
+                "--mask causal|none and --positions sinusoidal|relative, "
+                f"not {cfg.mask}, {cfg.positions}"
             )
-        # the rank: --head-dim (the code's PTB script: d_head 40), else D / H
+        # The rank R: --head-dim (the code's PTB script: d_head 40), else D / H.
         R = cfg.head_dim or d // self.heads
-        # [W^Q; W^K; W^V]; Code: no bias
+        # [W^Q; W^K; W^V], the core c (R,) and W^O. Code: no biases; the core softmax-initialised.
         self.qkv = nn.Linear(d, 3 * self.heads * R, bias=cfg.attn_bias)
-        # c (R,); Code: softmax-initialised
         self.core = nn.Parameter(torch.softmax(torch.randn(R), 0))
-        # W^O; Code: no bias
         self.out = nn.Linear(self.heads * self.L * self.L, d, bias=cfg.attn_bias)
         i = torch.arange(self.L)
-        # [j <= i and k <= i]
+        # The mask (L, L, L): [j <= i and k <= i]. Under --mask none there is no mask (None), every
+        # (j, k) kept: a mask of ones would cost a pass over T, forward and backward.
         causal = (i[None, :, None] <= i[:, None, None]) & (i[None, None, :] <= i[:, None, None])
-        # --mask none: no mask (None), every (j, k) kept; a mask of ones would cost a pass over T,
-        # forward and backward (L, L, L)
         self.register_buffer("mask", causal if cfg.mask == "causal" else None, persistent=False)
         self.relative, self.p = cfg.positions == "relative", cfg.dropout
         if self.relative:
-            # (L, D)
-            self.register_buffer(
-                "pe_reversed", sinusoidal_positions(self.L, d).flip(0), persistent=False
-            )
+            pe_reversed = sinusoidal_positions(self.L, d).flip(0)  # PE(L-1), ..., PE(0): (L, D)
+            self.register_buffer("pe_reversed", pe_reversed, persistent=False)
             self.r_net = nn.Linear(d, self.heads * R, bias=False)  # W^R; Xavier, as W^O
             nn.init.normal_(self.r_net.weight, 0.0, math.sqrt(2 / (d + self.heads * R)))
-            self.r_w_bias, self.r_r_bias = (
-                nn.Parameter(torch.randn(self.heads, 1, R) * 0.02)
-                # u, v (H, 1, R); Code: N(0, 0.02) (init_std)
-                for _ in range(2)
-            )
+            # u and v, each (H, 1, R). Code: N(0, 0.02) (its init_std).
+            self.r_w_bias = nn.Parameter(torch.randn(self.heads, 1, R) * 0.02)
+            self.r_r_bias = nn.Parameter(torch.randn(self.heads, 1, R) * 0.02)
 
     def tensor(self, q, k, v, e=None):
         """T (B, H, t, t, t) = sum_r c_r (q[i, r] k[j, r] + e[j, r]) v[k, r], masked; e: no i in it
@@ -713,20 +705,18 @@ class MultiLinearAttention(nn.Module):
             raise ValueError(
                 f"a multi-linear attention built for --seq-len {self.L} got {t} positions"
             )
-        # (B, H, t, R)
+        # q, k, v, each (B, H, t, R).
         q, k, v = (
             z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1)
         )
-        # (q + u) K + (q + v) P = q (K + P) + (u K + v P): one product by q (a PTB step ~6% faster
+        # Relative: (q + u) K + (q + v) P = q (K + P) + (u K + v P), one product by q (a PTB step
+        # ~6% faster than two, alternated --benchmark), and e = u K + v P, which no query i is in.
         if self.relative:
-            # than two, alternated --benchmark), and e = u K + v P, which no query i is in
             P = self.r_net(dropout(self.pe_reversed[:t], self.p, self.training))  # (t, D)
             P = P.to(q.dtype).view(1, t, self.heads, -1).transpose(1, 2)  # (1, H, t, R)
-        T = (
-            self.tensor(q, k + P, v, self.r_w_bias * k + self.r_r_bias * P)
-            if self.relative
-            else self.tensor(q, k, v)
-        )
+            T = self.tensor(q, k + P, v, self.r_w_bias * k + self.r_r_bias * P)
+        else:
+            T = self.tensor(q, k, v)
         # (B, H, t, L, L): zero beyond t
         T = F.pad(T, (0, self.L - t, 0, self.L - t)) if t < self.L else T
         return self.out(T.transpose(1, 2).reshape(b, t, self.heads * self.L * self.L))  # (B, t, D)
@@ -759,8 +749,9 @@ def normal_init(model):
 
 
 # =======================================================================================
-# Appendix C: where the model runs. On a CUDA GPU: bf16 autocast (statistics stay fp32, see
-# norms.py), SDPA, fused Adam (train.py), pinned-memory batches (data.py) -- the nanoGPT recipe.
+# Appendix C: where the model runs: device and precision.
+# On a CUDA GPU: bf16 autocast (statistics stay fp32, see norms.py), SDPA, fused Adam (train.py),
+# pinned-memory batches (data.py): the nanoGPT recipe.
 # =======================================================================================
 def pick_device(name="auto"):
     """--device auto|cpu|cuda -> torch.device; ValueError when cuda is asked for and absent."""
