@@ -1,4 +1,23 @@
-"""machinery/fileio.py: TODO."""
+"""machinery/fileio.py: the project's files in and out, the lowest module of the project.
+
+It holds DataError, the one-line error for a bad input file or value that every program prints
+and exits with (a subclass, WriteFailed, for a failed write); SPLITS and a corpus's file names
+(corpus_paths: DIR/{train,dev,test}.LANG); reading lines exactly (split_lines and read_lines, the
+project's one line reader: UTF-8 split on "\n" only, with one-line errors that name the file and
+line); pairs_sha256, the key that the encoding cache and a resumed run check; the project's one
+writer (atomic_write, atomic_write_all) and append_file for a log's new lines; and EXTRAS, the
+install line of the optional extras.
+
+Writing is atomic: a temporary file with a unique name in the same folder, flushed to disk, then
+renamed over the target. A kill at any moment leaves the old file or the new one, never half of
+one, and two processes never share a temporary file; a failed write (a full disk) is one line.
+
+Who calls it: data.py reads a corpus through read_lines; in machinery/, corpora.py and
+toy_corpus.py write the corpora, rundir.py the run directory and its checkpoints, logbook.py the
+logs, decode_cli.py the translations, and every module that refuses a file or a value raises
+DataError, which train_cli.py and decode_cli.py print as one line. It imports no other module of
+the project.
+"""
 
 import hashlib
 import os
@@ -26,15 +45,15 @@ def split_lines(raw, name):
     Note: str.splitlines() would also split on \\x0b, \\x1c, U+2028 ..., which would silently
     break the line alignment of a parallel corpus.
     """
-    # UTF-16's byte-order mark: latin1 would make garbage of it
+    # UTF-16's byte-order mark: read as latin1, the text would be garbage.
     if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise DataError(
             f"{name}: UTF-16 text, not UTF-8 (convert it with iconv -f utf-16 -t utf-8)"
         )
-    # utf-8-sig drops a UTF-8 byte-order mark (Windows editors): not text, it would be a BPE piece
-    # of line 1
+    # utf-8-sig drops a UTF-8 byte-order mark (Windows editors): it is not text, and it would be a
+    # BPE piece of line 1. "\n" is never part of a longer character, so decoding first, then
+    # splitting, splits where the bytes' newlines are.
     try:
-        # "\n" is never part of a longer character: decode, then split, is the same
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:  # e.start counts from after the mark, if any
         at = len(raw) - len(e.object) + e.start  # the bad byte in raw
@@ -43,7 +62,7 @@ def split_lines(raw, name):
             f"{name}: line {line}: invalid UTF-8 byte 0x{raw[at]:02x} at byte offset {at} "
             f"(convert it with iconv -f ENCODING -t utf-8, e.g. latin1)"
         ) from None
-    # the final newline does not start another line
+    # The final newline does not start another line.
     lines = text.removesuffix("\n").split("\n") if text else []
     return [line.strip() for line in lines]
 
@@ -74,8 +93,9 @@ class WriteFailed(DataError):
     (train.py's main() says what to do next)."""
 
 
-# a log's new lines; a failed write (a full disk) is one line, as atomic_write's
 def append_file(path, text):
+    """Appends a log's new lines to path; a failed write (a full disk) is WriteFailed, one line, as
+    atomic_write's."""
     try:
         with open(path, "a") as f:
             f.write(text)
@@ -106,9 +126,12 @@ def atomic_write_all(contents):
                 else:
                     try:
                         torch.save(content, f)
-                    # torch's zip writer reports a failed write (a full disk) as this
                     except RuntimeError as e:
-                        raise e.__context__ if isinstance(e.__context__, OSError) else e
+                        # torch's zip writer reports a failed write (a full disk) as a
+                        # RuntimeError whose context is the OSError.
+                        if isinstance(e.__context__, OSError):
+                            raise e.__context__ from None
+                        raise
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o644)
@@ -124,5 +147,5 @@ def atomic_write_all(contents):
         raise
 
 
-# the optional extras (decode.py --plot, --png; --tensorboard), one line
+# The optional extras (decode.py --plot, --png; train.py --tensorboard), in one install line.
 EXTRAS = "pip install matplotlib tensorboard"
