@@ -1,4 +1,30 @@
-"""machinery/toy_corpus.py: TODO."""
+"""machinery/toy_corpus.py: the built-in corpus, a synthetic language pair that needs no download.
+
+``python data.py`` builds it in data/toy/ and describes it (summary, which machinery/corpora.py's
+main() calls); train.py without --data trains on it (corpora.read_corpus calls make_toy_corpus),
+and so do the tests. make_toy_corpus writes it once: its stamp file keeps it until the settings or
+TOY_VERSION change.
+
+The pair ("src" -> "tgt") needs what real translation needs: reordering, agreement, a long tail of
+rare words. The source is English-like (SVO, determiners and adjectives before the noun,
+prepositions, relative clauses with "that", "and" between clauses, time adverbs at the end); the
+target, an invented language, is a deterministic function of it:
+  - word order: the verb goes last (SOV), a sentence-level place phrase right after the subject,
+    time adverbs to the front; a noun phrase is mirrored (noun, adjectives reversed, determiner);
+    prepositions become postpositions; a relative clause stays after its noun but is verb-final
+    too ("that sees the cat" -> "ke <cat>-k <see>");
+  - morphology: nouns take plural "-li" and accusative "-k"/"-ek", adjectives agree in number
+    ("-n"), verbs take tense ("-ta" past, "-su" future) and person ("-m", "-s", "", "-mos", "-n");
+    "a"/"an" goes, "does not" -> "ma";
+  - vocabulary: 243 nouns, 57 verbs and 47 adjectives with Zipf frequencies, plus 3000 invented
+    proper names with a very long Zipf tail (most occur once or never in training), transliterated
+    letter by letter (c,q->k w->v y->i j->y x->ks): the model must learn to copy and rewrite
+    subword pieces it may never have seen whole.
+Example pair (seed 1, line 83 of train.src / train.tgt):
+    src: the green man that likes us will not take Thullockmeyth beside a table .
+    tgt: mibiso pida na ke nosek riko neto kana Thullokkmeithek ma pavisu .
+    gloss: man green the | that us-ACC like | table beside | Thullockmeyth-ACC | NEG take-FUT .
+"""
 
 import contextlib
 import itertools
@@ -13,55 +39,59 @@ from machinery.speed import timed
 
 TOY_VERSION = 2  # bump when the generator changes, so that old data/toy/ files get rebuilt
 
-
-# the built-in corpus's default place, next to this file
-TOY_DIR = Path(__file__).resolve().parent / "data" / "toy"
-
+# The built-in corpus's default place: data/toy/ in the project's folder, beside the chapters.
+TOY_DIR = Path(__file__).resolve().parents[1] / "data" / "toy"
 
 # Nouns, most frequent first (the Zipf rank); "man:men" an irregular English plural (the target's
 # are all regular).
-_NOUNS = """dog cat man:men woman:women child:children house friend king teacher bird tree book city river boy girl
-horse garden door table letter road mother father doctor farmer apple window car ship village school market song
-student queen soldier baby brother sister key hat box cup boat flower stone star picture story gift coin chair bed
-bag bottle glass plate knife:knives mouse:mice fox wolf:wolves bear lion tiger monkey snake frog cow pig goat duck
-rabbit sailor baker painter singer writer driver neighbor uncle aunt cousin guest stranger thief judge priest nurse
-forest mountain bridge church castle tower island lake field farm hill valley beach harbor station library kitchen
-room wall roof basket bowl spoon pen pencil paper map poem ring coat shoe shirt dress boot glove scarf:scarves
-umbrella clock lamp candle mirror bell drum flute guitar piano ball toy kite train bus bicycle wagon lemon banana
-cherry grape potato:potatoes carrot onion tomato:tomatoes egg cake cookie sandwich pie leaf:leaves rose branch rock
-moon cloud storm lantern anchor barrel compass feather hammer ladder needle saddle shovel spider turtle parrot eagle
-owl dolphin whale shark crab lobster camel donkey elephant giraffe zebra squirrel hedgehog beetle butterfly violin
-trumpet harp statue fountain tunnel cave cliff meadow orchard vineyard lighthouse windmill chimney cellar attic
-balcony staircase carpet curtain pillow blanket kettle teapot jar jug bucket broom brush comb wallet purse diamond
-pearl crown sword shield helmet arrow wheel engine rocket planet comet volcano:volcanoes desert glacier canyon swamp
-pond stream waterfall"""
-
+_NOUNS = """dog cat man:men woman:women child:children house friend king teacher bird tree book city
+river boy girl horse garden door table letter road mother father doctor farmer apple window car ship
+village school market song student queen soldier baby brother sister key hat box cup boat flower
+stone star picture story gift coin chair bed bag bottle glass plate knife:knives mouse:mice fox
+wolf:wolves bear lion tiger monkey snake frog cow pig goat duck rabbit sailor baker painter singer
+writer driver neighbor uncle aunt cousin guest stranger thief judge priest nurse forest mountain
+bridge church castle tower island lake field farm hill valley beach harbor station library kitchen
+room wall roof basket bowl spoon pen pencil paper map poem ring coat shoe shirt dress boot glove
+scarf:scarves umbrella clock lamp candle mirror bell drum flute guitar piano ball toy kite train bus
+bicycle wagon lemon banana cherry grape potato:potatoes carrot onion tomato:tomatoes egg cake cookie
+sandwich pie leaf:leaves rose branch rock moon cloud storm lantern anchor barrel compass feather
+hammer ladder needle saddle shovel spider turtle parrot eagle owl dolphin whale shark crab lobster
+camel donkey elephant giraffe zebra squirrel hedgehog beetle butterfly violin trumpet harp statue
+fountain tunnel cave cliff meadow orchard vineyard lighthouse windmill chimney cellar attic balcony
+staircase carpet curtain pillow blanket kettle teapot jar jug bucket broom brush comb wallet purse
+diamond pearl crown sword shield helmet arrow wheel engine rocket planet comet volcano:volcanoes
+desert glacier canyon swamp pond stream waterfall"""
 
 # Verbs, transitive then intransitive; "see:saw" an irregular past. No verb whose past is its base
 # ("read", "put"): the tense must be recoverable from the source, or the target would not be a
 # function of it.
-_TRANSITIVE = """see:saw like find:found help call follow watch visit carry love bring:brought take:took hold:held open
-buy:bought sell:sold build:built break:broke push pull paint draw:drew write:wrote clean wash catch:caught throw:threw
-kick touch hide:hid need want remember forget:forgot meet:met greet fear admire feed:fed chase lose:lost keep:kept"""
+_TRANSITIVE = """see:saw like find:found help call follow watch visit carry love bring:brought
+take:took hold:held open buy:bought sell:sold build:built break:broke push pull paint draw:drew
+write:wrote clean wash catch:caught throw:threw kick touch hide:hid need want remember forget:forgot
+meet:met greet fear admire feed:fed chase lose:lost keep:kept"""
+_INTRANSITIVE = """sleep:slept run:ran walk sing:sang dance laugh cry wait swim:swam jump sit:sat
+smile work play rest"""
 
+_ADJECTIVES = """big small old young red blue green black white happy sad tall short quiet loud
+brave clever lazy angry hungry tired rich poor famous strange beautiful ugly heavy warm cold wet dry
+dirty new ancient tiny huge gentle wild proud shy curious lucky noisy sleepy golden wooden"""
 
-_INTRANSITIVE = "sleep:slept run:ran walk sing:sang dance laugh cry wait swim:swam jump sit:sat smile work play rest"
-
-
-_ADJECTIVES = """big small old young red blue green black white happy sad tall short quiet loud brave clever lazy
-angry hungry tired rich poor famous strange beautiful ugly heavy warm cold wet dry dirty new ancient tiny huge gentle
-wild proud shy curious lucky noisy sleepy golden wooden"""
-
-
-# Function words, written by hand so that they stay short. Pronouns: subject -> (person, object
-# form, target).
-_PREPOSITIONS = dict(
-    w.split(":")
-    for w in "in:ulu on:sope under:dabu near:peri behind:tolo beside:kana with:sin "
-    "without:nasin from:deko to:ade".split()
-)
-
-
+# Function words, written by hand so that they stay short: prepositions (source -> target, the
+# target's a postposition), pronouns (subject -> (person, object form, target)), the verb's
+# endings, time adverbs (each agrees with its clause's tense), determiners ((source, weight,
+# target); "" = none).
+_PREPOSITIONS = {
+    "in": "ulu",
+    "on": "sope",
+    "under": "dabu",
+    "near": "peri",
+    "behind": "tolo",
+    "beside": "kana",
+    "with": "sin",
+    "without": "nasin",
+    "from": "deko",
+    "to": "ade",
+}
 _PRONOUNS = {
     "I": ("1sg", "me", "mi"),
     "you": ("2sg", "you", "tu"),
@@ -70,26 +100,14 @@ _PRONOUNS = {
     "we": ("1pl", "us", "nos"),
     "they": ("3pl", "them", "ilo"),
 }
-
-
 _PERSON_SUFFIX = {"1sg": "m", "2sg": "s", "3sg": "", "1pl": "mos", "3pl": "n"}
-
-
 _TENSE_SUFFIX = {"pres": "", "past": "ta", "fut": "su"}
-
-
-# a time adverb agrees with its clause's tense
 _TIMES = {
     "past": [("yesterday", "iru"), ("last night", "oneko")],
     "pres": [("today", "oge"), ("every day", "sadi")],
     "fut": [("tomorrow", "mane"), ("next week", "sekan")],
 }
-
-
-# (source, weight, target); "" = none
 _DETS_SG = [("the", 55, "na"), ("a", 30, ""), ("this", 15, "ve")]
-
-
 _DETS_PL = [
     ("the", 35, "na"),
     ("", 20, ""),
@@ -102,13 +120,18 @@ _DETS_PL = [
     ("five", 2, "pen"),
 ]
 
-
-# proper names
+# Proper names: invented, English-looking, rich in the letters transliteration rewrites (copying is
+# not enough). A name is 2 or 3 syllables, each an onset, a nucleus and a coda ("" is no coda, twice
+# as likely as each other); the target writes it letter by letter as _TRANSLIT says.
+_ONSETS = "b c d f g h j k l m n p r s t v w y z br cl dr gw qu th wr x"
+_NUCLEI = "a e i o u ay ey oa"
+_CODAS = "||n|r|l|s|x|ck|th|m|w"
 _TRANSLIT = str.maketrans({"c": "k", "q": "k", "w": "v", "y": "i", "j": "y", "x": "ks"})
 
 
-# regular: plural or third person singular ("s": boxes, cities, sees), past ("ed")
 def _english(word, ending):
+    """A regular English ending: plural or third person singular ("s": boxes, cities, sees), or the
+    past ("ed")."""
     if word.endswith("y") and word[-2] not in "aeiou":
         return word[:-1] + "i" + ("es" if ending == "s" else "ed")
     if ending == "s":
@@ -150,20 +173,17 @@ class _ToyGrammar:
             for words in (_TRANSITIVE, _INTRANSITIVE)
         )
         adjs = [(a, new_word(2)) for a in _ADJECTIVES.split()]
-        # Proper names: invented, English-looking, rich in the letters transliteration rewrites
-        # (copying is not enough).
-        onsets = "b c d f g h j k l m n p r s t v w y z br cl dr gw qu th wr x".split()
-        nuclei, codas = "a e i o u ay ey oa".split(), "||n|r|l|s|x|ck|th|m|w".split("|")
+        onsets, nuclei, codas = _ONSETS.split(), _NUCLEI.split(), _CODAS.split("|")
         names = {}  # an ordered set
         while len(names) < 3000:
-            names[
-                "".join(
-                    lex.choice(onsets) + lex.choice(nuclei) + lex.choice(codas)
-                    for _ in range(lex.choice((2, 2, 2, 2, 3)))
-                ).capitalize()
-            ] = None
+            syllables = lex.choice((2, 2, 2, 2, 3))
+            name = "".join(
+                lex.choice(onsets) + lex.choice(nuclei) + lex.choice(codas)
+                for _ in range(syllables)
+            )
+            names[name.capitalize()] = None
         # Zipf's law, exponent s: the r-th most frequent word has frequency ~ 1 / r^s (cumulated
-        # once, for choices).
+        # once, for random.choices).
         self.lists = {
             kind: (
                 words,
@@ -185,30 +205,33 @@ class _ToyGrammar:
     def noun_phrase(self, case, modifier=None):
         """(src, tgt, person); case "nom", "acc" or "obl", modifier None, "pp" or "rel"."""
         r, kind = self.rng, self.rng.random()
-        # accusative
-        acc = (
-            (lambda w: w + ("k" if w[-1] in "aeiou" else "ek")) if case == "acc" else (lambda w: w)
-        )
-        if kind < 0.08:  # a proper name
+
+        def acc(word):  # the accusative ending, on an object
+            if case != "acc":
+                return word
+            return word + ("k" if word[-1] in "aeiou" else "ek")
+
+        if kind < 0.08:  # a proper name, transliterated
             name = self.pick("name")
-            # transliterated
             return [name], [acc(name.lower().translate(_TRANSLIT).capitalize())], "3sg"
         if kind < 0.26 and modifier is None:  # a pronoun
             person, obj, tgt = _PRONOUNS[pron := r.choice(list(_PRONOUNS))]
             return [pron if case == "nom" else obj], [acc(tgt)], person
         plural, (sg, pl, noun_t) = r.random() < 0.35, self.pick("noun")
-        # an ordered set: distinct adjectives
-        n_adj, adjs = r.choices((0, 1, 2), (55, 38, 7))[0], {}
+        n_adj, adjs = (
+            r.choices((0, 1, 2), (55, 38, 7))[0],
+            {},
+        )  # an ordered set: distinct adjectives
         while len(adjs) < n_adj:
             adjs[self.pick("adj")] = None
         dets = _DETS_PL if plural else _DETS_SG
-        # "": no determiner (sentence drops empty words)
+        # det_s "" is no determiner: sentence() drops empty words.
         det_s, _, det_t = r.choices(dets, [d[1] for d in dets])[0]
         src = [det_s] + [a[0] for a in adjs] + [pl if plural else sg]
         if det_s == "a" and src[1][0] in "aeiou":
             src[0] = "an"  # English agreement with the next sound
-        # Target: noun + plural + case, the adjectives mirrored and agreeing (plural: "-li", "-n"),
-        # the determiner.
+        # Target: noun + plural + case, then the adjectives mirrored and agreeing (plural: "-li",
+        # "-n"), then the determiner.
         li, n, person = ("li", "n", "3pl") if plural else ("", "", "3sg")
         tgt = [acc(noun_t + li)] + [a[1] + n for a in reversed(adjs)] + [det_t]
         if modifier == "pp":  # "the dog in the garden": the PP goes before the noun
@@ -247,12 +270,11 @@ class _ToyGrammar:
         subj_mod, obj_rel = r.choices((None, "pp", "rel"), (76, 12, 12))[0], r.random() < 0.12
         s_src, s_tgt, person = self.noun_phrase("nom", subj_mod)
         vp_src, vp_tgt, tense = self.verb_phrase(person, "rel" if obj_rel else None)
-        # a place phrase
+        # A place phrase and a time adverb, neither with a relative clause on the object: both at
+        # the end of the source; in the target, the place phrase after the subject, the time adverb
+        # in front.
         p_src, p_tgt = self.prep_phrase() if not obj_rel and r.random() < 0.35 else ([], [])
-        # a time adverb
         t_src, t_tgt = r.choice(_TIMES[tense]) if not obj_rel and r.random() < 0.2 else ("", "")
-        # Both at the end of the source; in the target, the place phrase after the subject, the time
-        # adverb in front.
         return s_src + vp_src + p_src + t_src.split(), t_tgt.split() + s_tgt + p_tgt + vp_tgt
 
     def sentence(self):
@@ -260,7 +282,7 @@ class _ToyGrammar:
         if self.rng.random() < 0.12:  # two clauses, joined by "and" ("i")
             src2, tgt2 = self.clause()
             src, tgt = src + ["and"] + src2, tgt + ["i"] + tgt2
-        # a "" word (no determiner): none
+        # A "" word (no determiner) is left out.
         return tuple(" ".join(w for w in words + ["."] if w) for words in (src, tgt))
 
 
@@ -270,41 +292,32 @@ def make_toy_corpus(out_dir=TOY_DIR, seed=1, n_train=20000, n_dev=500, n_test=50
     corpus if it is missing). Deterministic in (seed, sizes); sentences have 4 to 25 source tokens
     and are unique across the splits, so dev and test hold no training sentence."""
     out_dir = Path(out_dir)
-    stamp = {
-        "version": TOY_VERSION,
-        "seed": seed,
-        "n_train": n_train,
-        "n_dev": n_dev,
-        "n_test": n_test,
-    }
+    stamp = dict(version=TOY_VERSION, seed=seed, n_train=n_train, n_dev=n_dev, n_test=n_test)
     stamp_path, files = out_dir / "toy_corpus.json", corpus_paths(out_dir, "src", "tgt")
+    all_there = all(f.exists() for fs in files.values() for f in fs)
     with contextlib.suppress(OSError, ValueError):  # no stamp, or a damaged one: rebuild
-        if json.loads(stamp_path.read_text()) == stamp and all(
-            f.exists() for fs in files.values() for f in fs
-        ):
+        if all_there and json.loads(stamp_path.read_text()) == stamp:
             return out_dir
-    # source -> target, in order: each source once
+    # Source -> target, in order: each source once.
     grammar, pairs = _ToyGrammar(random.Random(seed)), {}
     while len(pairs) < n_train + n_dev + n_test:
         src, tgt = grammar.sentence()
         if 4 <= len(src.split()) <= 25:
             pairs.setdefault(src, tgt)
-    ends = list(itertools.accumulate((n_train, n_dev, n_test)))
-    atomic_write_all(
-        {
-            path: "".join(p[side] + "\n" for p in itertools.islice(pairs.items(), a, b))
-            for paths, a, b in zip(files.values(), [0] + ends, ends)
-            for side, path in enumerate(paths)
-        }
-        # the stamp last: renamed in after every file
-        | {stamp_path: json.dumps(stamp) + "\n"}
-    )
+    bounds = [0, *itertools.accumulate((n_train, n_dev, n_test))]  # split k: bounds[k : k + 2]
+    texts = {
+        path: "".join(p[side] + "\n" for p in itertools.islice(pairs.items(), a, b))
+        for paths, (a, b) in zip(files.values(), itertools.pairwise(bounds), strict=True)
+        for side, path in enumerate(paths)
+    }
+    # The stamp last: it is renamed in after every file.
+    atomic_write_all(texts | {stamp_path: json.dumps(stamp) + "\n"})
     return out_dir
 
 
 def summary():
     """python data.py: build the built-in corpus and print what it is like."""
-    d, t_make = timed(make_toy_corpus)  # norms.py Appendix C
+    d, t_make = timed(make_toy_corpus)  # machinery/speed.py
     splits = {s: data.read_parallel(*p)[0] for s, p in corpus_paths(d, "src", "tgt").items()}
     print(
         f"toy corpus in {d} ({t_make:.1f}s): "
@@ -313,21 +326,19 @@ def summary():
     train = splits["train"]
     for side, name in ((0, "src"), (1, "tgt")):
         counts = Counter(w for p in train for w in p[side].split())
+        rare = sum(1 for c in counts.values() if c <= 2)
         print(
-            f"  {name}: {sum(counts.values()) / len(train):.1f} words/sentence, {len(counts)} types, "
-            f"{sum(1 for c in counts.values() if c <= 2)} of them seen once or twice"
+            f"  {name}: {sum(counts.values()) / len(train):.1f} words/sentence, "
+            f"{len(counts)} types, {rare} of them seen once or twice"
         )
-    tok, t_bpe = timed(
-        lambda: data.Tokenizer(data.train_bpe([p[0] for p in train], [p[1] for p in train], 2000))
-    )
+    src, tgt = [p[0] for p in train], [p[1] for p in train]
+    tok, t_bpe = timed(lambda: data.Tokenizer(data.train_bpe(src, tgt, 2000)))
     enc, t_enc = timed(lambda: data.encode_pairs(tok, train))
-    L, pad = (
-        data.length_percentile(enc),
-        data.padding_share(enc, data.make_batches(enc, 4096, shuffle=True, seed=1)),
-    )
+    L = data.length_percentile(enc)
+    pad = data.padding_share(enc, data.make_batches(enc, 4096, shuffle=True, seed=1))
     print(
-        f"  BPE: {tok.vocab_size} pieces ({t_bpe + t_enc:.1f}s to train and encode), L(97.5%) = {L:.1f}, "
-        f"QKNorm's L (its g0: model.qk_g0), padding at 4096 tokens {pad:.1%}"
+        f"  BPE: {tok.vocab_size} pieces ({t_bpe + t_enc:.1f}s to train and encode), "
+        f"L(97.5%) = {L:.1f}, QKNorm's L (its g0: model.qk_g0), padding at 4096 tokens {pad:.1%}"
     )
     for s, t in train[:3]:
         print(f"  src: {s}\n  tgt: {t}")
