@@ -1,4 +1,16 @@
-"""machinery/plots.py: TODO."""
+"""machinery/plots.py: decode.py's pictures: the runs' curves, attention heatmaps, PNG figures.
+
+--plot RUN [RUN ...] --out FILE.png overlays runs' metrics.jsonl (written by train.py), as in [1]
+Figs. 1-4 and [2] Figs. 2-4: plot_series() picks the curves (tested), plot_runs() draws them.
+--attention prints render_heatmap()'s text map of attention weights ([3] Figures 1-2), and with
+--png save_heatmap_png() draws it; --svd --png draws the embedding's singular values
+([2] Figure 6) on a figure().
+
+matplotlib is an optional extra (fileio.EXTRAS), imported only in figure(): without it a picture
+is skipped with a note, or refused with a DataError where the picture is what was asked for
+(--plot, --png). machinery/decode_cli.py calls these (python decode.py); the references [1]-[3]
+are decode.py's: TwT, PowerNorm and QKNorm.
+"""
 
 import contextlib
 import json
@@ -27,10 +39,10 @@ def render_heatmap(weights, rows, cols, max_label=8):
     )
     rw = max([len(r) for r in rlab] + [1])
     lines = [" " * rw + " | " + " ".join(clab)]
-    for r, row in zip(rlab, w.tolist()):
+    for r, row in zip(rlab, w.tolist(), strict=True):
         cells = [
             SHADES[min(len(SHADES) - 1, max(0, round(v * (len(SHADES) - 1))))] * len(c)
-            for c, v in zip(clab, row)
+            for c, v in zip(clab, row, strict=True)
         ]
         lines.append(r.rjust(rw) + " | " + " ".join(cells))
     lines.append(f"shades: {SHADES!r} for weights 0 .. 1 (absolute scale)")
@@ -42,7 +54,7 @@ def figure(path, flag=None, **size):
     the PNG `path`; without it None and a line on stderr saying how to install it, or with `flag`
     DataError naming it."""
     try:
-        # no pyplot: no display needed, no open figure to close
+        # No pyplot: no display is needed, and there is no open figure to close.
         from matplotlib import figure as matplotlib_figure
 
         return matplotlib_figure.Figure(**size)
@@ -59,7 +71,7 @@ def save_heatmap_png(weights, rows, cols, path, title=None):
         fig := figure(path, figsize=(max(4, 0.4 * len(cols) + 2), max(3, 0.4 * len(rows) + 1.5)))
     ) is None:
         return False  # no matplotlib: figure's note said so
-    # as the --svd picture
+    # The axes set by add_subplot's keywords, as for the --svd picture.
     ax = fig.add_subplot(title=title or "", yticks=range(len(rows)), yticklabels=rows)
     im = ax.imshow(
         torch.as_tensor(weights).float().numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto"
@@ -73,11 +85,10 @@ def save_heatmap_png(weights, rows, cols, path, title=None):
 
 def plot_series(run_dirs):
     """{panel title: [(run name, xs, ys)]}: the curves of each panel of --plot, one per run."""
-    # perplexity: steadier than a short run's BLEU
+    # The panels of one key each (dev perplexity: steadier than a short run's BLEU).
     keys = {
         "dev BLEU": "dev_bleu",
         "dev perplexity": "dev_ppl",
-        # the panels of one key each
         "training loss": "train_loss",
         "gradient norm (before clipping)": "gnorm",
     }
@@ -91,32 +102,26 @@ def plot_series(run_dirs):
             "embedding singular values / the largest ([2] Fig. 6)",
         )
     }
-    # an attention module's g (QKNorm), not a norm's
-    qknorm = lambda k: k.endswith(("self_attn.g", "cross_attn.g"))
-    # [(x, y)] -> a curve
-    add = lambda t, label, xy: panels[t].append((label, [x for x, _ in xy], [y for _, y in xy]))
     for run in run_dirs:
         rows, name = rundir.read_metrics(run), Path(run).name
         for title, key in keys.items():
-            add(title, name, [(r["step"], r[key]) for r in rows if r.get(key) is not None])
+            curve = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            panels[title].append(_curve(name, curve))
         if evals := [r for r in rows if r.get("g")]:
-            depth = lambda k: (
-                not k.startswith("enc"),
-                int(k.split(".")[1]) if k.split(".")[1].isdigit() else 1 << 30,
-            )
             g = evals[-1]["g"]
-            scale = sorted((k for k in g if not qknorm(k)), key=depth)  # ScaleNorm g's by depth
-            add("learned g by depth (last evaluation)", name, [*enumerate(g[k] for k in scale)])
-            # (step, its QKNorm g's)
-            qk = [(r["step"], [v for k, v in r["g"].items() if qknorm(k)]) for r in evals]
-            add(
-                "QKNorm g (mean over modules)", name, [(x, sum(gs) / len(gs)) for x, gs in qk if gs]
-            )
+            scale = sorted((k for k in g if not _is_qknorm(k)), key=_depth)  # ScaleNorm's by depth
+            curve = [*enumerate(g[k] for k in scale)]
+            panels["learned g by depth (last evaluation)"].append(_curve(name, curve))
+            # (step, its QKNorm g's) at each evaluation
+            qk = [(r["step"], [v for k, v in r["g"].items() if _is_qknorm(k)]) for r in evals]
+            curve = [(x, sum(gs) / len(gs)) for x, gs in qk if gs]
+            panels["QKNorm g (mean over modules)"].append(_curve(name, curve))
+        # The first norm: the encoder's, else the decoder's (a language model has no encoder).
         first = (
             "encoder.0.norm_attn"
             if any("encoder.0.norm_attn" in r.get("batch_norm_stats", {}) for r in rows)
             else "decoder.0.norm_self"
-        )  # a language model has no encoder
+        )
         stats = [
             (r["step"], s)
             for r in rows
@@ -126,24 +131,37 @@ def plot_series(run_dirs):
         if key := next(
             (k for k in ("dist_sigma2", "dist_psi2") if stats and k in stats[0][1]), None
         ):
-            add(
-                "batch vs running statistic, first norm",
-                f"{name} ({key})",
-                [(x, s[key]) for x, s in stats],
-            )
-        # the finished run's embedding ([2] Figure 6), from results.json; none while not finished
-        # (no results.json yet)
+            curve = _curve(f"{name} ({key})", [(x, s[key]) for x, s in stats])
+            panels["batch vs running statistic, first norm"].append(curve)
+        # The finished run's embedding ([2] Figure 6), from results.json: none before the run ends.
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             sv = json.loads((Path(run) / "results.json").read_text())["embedding_singular_values"]
-            add("embedding singular values / the largest ([2] Fig. 6)", name, [*enumerate(sv, 1)])
+            curve = _curve(name, [*enumerate(sv, 1)])
+            panels["embedding singular values / the largest ([2] Fig. 6)"].append(curve)
     return panels
 
 
+def _curve(label, points):
+    """[(x, y)] -> a curve of --plot: (label, xs, ys)."""
+    return label, [x for x, _ in points], [y for _, y in points]
+
+
+def _is_qknorm(key):
+    """Whether the g of metrics.jsonl's key is an attention module's (QKNorm), not a norm's."""
+    return key.endswith(("self_attn.g", "cross_attn.g"))
+
+
+def _depth(key):
+    """A norm's g in depth order: the encoder's first, each stack by layer, its final norm last."""
+    layer = key.split(".")[1]
+    return not key.startswith("enc"), int(layer) if layer.isdigit() else 1 << 30
+
+
 def plot_runs(run_dirs, out):
-    """--plot: draw plot_series() into out (PNG, checked by run); DataError (one line) without
-    matplotlib."""
+    """--plot: draws plot_series() into out, a PNG that decode_cli's run() checked; without
+    matplotlib, a DataError (one line)."""
     fig = figure(out, "--out")
-    # only panels with data
+    # Only the panels with data, three a row.
     panels = {t: c for t, c in plot_series(run_dirs).items() if any(xs for _, xs, _ in c)}
     rows = -(-max(len(panels), 1) // 3)
     fig.set_size_inches(15, 4 * rows)
@@ -156,11 +174,11 @@ def plot_runs(run_dirs, out):
             else "step"
         )
         log = any(w in title for w in ("gradient", "statistic", "perplexity"))
-        # as the --svd picture
+        # The axes set by add_subplot's keywords, as for the --svd picture.
         ax = fig.add_subplot(rows, 3, i + 1, xlabel=xlabel, yscale="log" if log else "linear")
         for name, xs, ys in curves:
             if xs:
-                # a point
+                # Markers on the depth panel, and on a curve of one point (no line to draw).
                 ax.plot(
                     xs,
                     ys,
