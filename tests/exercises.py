@@ -1,14 +1,16 @@
 """The exercise kit: the papers' equations as exercises an instructor hands out and grades.
 
-    python tests/exercises.py list                   # one line per exercise: name, file:function,
-    equation, what python tests/exercises.py make OUT [NAME ...]    # a student copy of the project
-    in OUT, those exercises blanked python tests/exercises.py grade [NAME ...]       # the
-    self-check of this copy: PASS/FAIL per exercise python tests/exercises.py grade DIR [DIR ...]
-    [NAME ...] [--kit KIT] [--csv FILE] [--json FILE] [--points SPEC]
-                                                     # (instructor) grade students' copies from this
-                                                     tree
-    python tests/exercises.py record                 # (instructor) store the self-check's expected
-    values
+    python tests/exercises.py list
+        one line per exercise: name, file:function, equation, what it writes
+    python tests/exercises.py make OUT [NAME ...]
+        a student copy of the project in OUT, those exercises blanked
+    python tests/exercises.py grade [NAME ...]
+        the self-check of this copy: PASS/FAIL per exercise
+    python tests/exercises.py grade DIR [DIR ...] [NAME ...] [--kit KIT] [--csv FILE]
+            [--json FILE] [--points SPEC]
+        (instructor) grade students' copies from this tree
+    python tests/exercises.py record
+        (instructor) store the self-check's expected values
 docs/course.md shows an instructor's workflow end to end.
 
 Each exercise is a region of the source between two visible comments,
@@ -31,12 +33,13 @@ need no solution), and a failure names the first element that differs.
   It is the student's tool: a missing, incomplete or not-plain values file is refused, never PASS.
 - The instructor's grade (`grade DIR ...`, run in the instructor's tree) trusts nothing in a
   submission but the code between its markers: for each exercise, that code is put into a copy of
-  the instructor's own five files and run in a fresh Python process with a time limit, which hands
-  back only tensors (read with weights_only=True). The expected values come from the instructor's
-  own code on inputs drawn at grading time (--seed); the verdict is decided here. Any way the
-  student's code ends (an exception, a syntax error, an exit, a signal, a time-out, a missing
-  region) is that exercise's FAIL, in one line; the others are still graded. A student's code still
-  runs with the grader's user rights: grade in an account or container that holds nothing else.
+  the instructor's own five files (and machinery/) and run in a fresh Python process with a time
+  limit, which hands back only tensors (read with weights_only=True). The expected values come
+  from the instructor's own code on inputs drawn at grading time (--seed); the verdict is decided
+  here. Any way the student's code ends (an exception, a syntax error, an exit, a signal, a
+  time-out, a missing region) is that exercise's FAIL, in one line; the others are still graded. A
+  student's code still runs with the grader's user rights: grade in an account or container that
+  holds nothing else.
 """
 
 import argparse
@@ -44,6 +47,7 @@ import ast
 import contextlib
 import csv
 import hashlib
+import importlib
 import itertools
 import json
 import os
@@ -63,11 +67,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+# The project's files import from the repository's root (this file runs from tests/).
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
 VALUES = Path(__file__).resolve().parent / "exercise_values.pt"
 SOURCES = ["norms.py", "model.py", "data.py", "decode.py", "train.py"]
 # The machinery the chapters import (flags, run folders, corpora: no exercise is in it).
@@ -86,20 +90,18 @@ RECORD_SEED = 0  # the self-check's inputs (the values file holds their expected
 GRADE_SEED = 29  # the instructor's grade, by default: other inputs than the self-check's
 FORMAT = 2  # of the values file
 MARKER = re.compile(r"^(\s*)# Exercise (\S+): (begin|end)\s*$")
-# + begin/end: the lines make leaves out of a student's copy
+# With "begin" and "end": the lines that make leaves out of a student's copy.
 INSTRUCTOR_ONLY = "# Instructor only: "
-norms = model = data = decode = train = None  # the project's five files: load_project()
+norms = model = data = decode = train = None  # The project's five files: load_project().
 
 
 def load_project():
     """Imports the five files (in a grading process, inside its try: a syntax error is that
     exercise's FAIL)."""
     global norms, model, data, decode, train
-    import data  # noqa: F811
-    import decode  # noqa: F811
-    import model  # noqa: F811
-    import norms  # noqa: F811
-    import train  # noqa: F811
+    data, decode, model, norms, train = (
+        importlib.import_module(name) for name in ("data", "decode", "model", "norms", "train")
+    )
 
 
 # --- inputs, drawn from a seed -----------------------------------------------------------------
@@ -228,19 +230,19 @@ def _powernorm_backward(i):
 
 def _attention(i):
     out = {}
-    # self-attention, scale None, no dropout
     cases = {
+        # Self-attention, scale None, no dropout.
         "causal": dict(key_mask=i["key_mask"], causal=True),
-        # Tq != Tk, dropout
+        # Tq != Tk, with dropout.
         "cross": dict(key_mask=i["cross_mask"], scale=i["scale"], dropout_p=0.25),
-        # logits in the hundreds: exp() alone overflows float32 (max 3.4e38 = e^88.7)
+        # Logits in the hundreds: exp() alone overflows float32 (max 3.4e38 = e^88.7).
         "big": dict(causal=True),
-        # bfloat16 q, k, v: the weights in q's dtype
+        # Bfloat16 q, k, v: the weights come back in q's dtype.
         "bf16": dict(key_mask=i["key_mask"], causal=True),
     }
     for case, kw in cases.items():
         q, k, v = (i[f"{n}_{case}"].clone().requires_grad_(True) for n in "qkv")
-        torch.manual_seed(i["seed"])  # dropout's mask
+        torch.manual_seed(i["seed"])  # Dropout's mask.
         o, w = model.attention_math(q, k, v, **kw)
         out.update({f"o_{case}": o.detach(), f"w_{case}": w.detach()})
         if case != "bf16":  # (bfloat16's gradients: rounding, not the equation)
@@ -251,9 +253,11 @@ def _attention(i):
 
 def _residual(i):
     out = {}
-    f = lambda h: torch.tanh(h @ i["w"])  # a sublayer
 
-    # a norm that reads the padding mask, as BatchNorm and PowerNorm do: padding halved
+    def f(h):  # A sublayer.
+        return torch.tanh(h @ i["w"])
+
+    # A norm that reads the padding mask, as BatchNorm and PowerNorm do: padding halved.
     def norm(h, pad_mask):
         pad = torch.zeros(h.shape[:-1], dtype=torch.bool) if pad_mask is None else pad_mask
         return h / (1 + h.pow(2).sum(-1, keepdim=True)) * (1 - 0.5 * pad[..., None])
@@ -262,7 +266,7 @@ def _residual(i):
     for prenorm in (True, False):
         cfg = model.ModelConfig(vocab_size=8, dropout=0.3, prenorm=prenorm)
         for training in (True, False):
-            torch.manual_seed(i["seed"])  # dropout's mask
+            torch.manual_seed(i["seed"])  # Dropout's mask.
             y = model.residual(i["x"], f, norm, pad_mask, cfg, training=training)
             out[f"{'pre' if prenorm else 'post'}_{'train' if training else 'eval'}"] = y
     return out
@@ -319,7 +323,7 @@ def _label_smoothing(i):
     )
     (loss + 0.5 * nll).backward()
     out.update(fast_loss=loss.detach(), fast_nll=nll.detach(), fast_dz=z.grad)
-    # log p in float32
+    # Bfloat16 logits: log p is taken in float32.
     loss, nll = model.label_smoothed_loss(i["logits_bf16"], i["target"], i["eps"], i["real"])
     out.update(loss_bf16=loss.detach(), nll_bf16=nll.detach())
     return out
@@ -338,7 +342,7 @@ def _multilinear(i):
         torch.manual_seed(i["seed"])
         att = model.MultiLinearAttention(cfg).double()
         out.update({f"{k}{name}": v for k, v in _forward_backward(att, i["x"]).items()})
-        # a segment shorter than the L it is built for
+        # A segment shorter than the L it is built for.
         out[f"y_short{name}"] = att(i["x"][:, :3]).detach()
     return out
 
@@ -353,7 +357,7 @@ def _word_dropout(i):
     out["after"] = x
     out["short"] = data.word_dropout(i["short"], 0.3, torch.Generator().manual_seed(i["seed"] + 4))
     g = torch.Generator().manual_seed(i["seed"] + 5)
-    # one generator, twice
+    # One generator, drawn from twice.
     out["first"], out["second"] = data.word_dropout(x, 0.3, g), data.word_dropout(x, 0.3, g)
     return out
 
@@ -361,42 +365,63 @@ def _word_dropout(i):
 def _word_dropout_claims(i, got):
     """None if word dropout's claims hold on the handed-back outputs, else what fails: a non-PAD
     token becomes UNK with probability p, independently of the other positions, drawn from the
-    generator given; PAD never changes; the input is not written into."""
-    PAD, UNK = i["pad"], i["unk"]
-    before = i["x"]
-    real = before != PAD
-    # before any claim reads them (a list or a wrong shape would stop the grader)
+    generator given; PAD never changes; the input is not written into. Each check runs only if the
+    ones before it hold (the first reads the outputs' types and shapes before any claim does: a list
+    or a wrong shape would stop the grader)."""
+    problem = _outputs_problem(i, got)
+    if problem is None and not torch.equal(got["after"], i["x"]):
+        problem = "word_dropout wrote into its input (it must return a new tensor)"
+    for name, p in (("a", 0.3), ("b", 0.3), ("c", 0.1)):
+        problem = problem or _mask_problem(i, got[name], p)
+    return problem or _generator_problem(got) or _short_sentences_problem(i, got)
+
+
+def _outputs_problem(i, got):
+    """None if every output is a tensor of its input's shape and dtype, else which is not."""
     for name, y in got.items():
-        x = i["short"] if name == "short" else before
+        x = i["short"] if name == "short" else i["x"]
         if not isinstance(y, torch.Tensor):
             return f"the output is a {type(y).__name__}, not a tensor"
         if y.shape != x.shape or y.dtype != x.dtype:
-            return f"the output has shape {tuple(y.shape)} and {y.dtype}, expected {tuple(x.shape)} and {x.dtype}"
-    if not torch.equal(got["after"], before):
-        return "word_dropout wrote into its input (it must return a new tensor)"
-    for name, p in (("a", 0.3), ("b", 0.3), ("c", 0.1)):
-        y = got[name]
-        if not torch.equal(y[~real], before[~real]):
-            return "a PAD token was changed"
-        changed = (y != before) & real
-        if not (y[changed] == UNK).all():
-            return "a dropped token is not UNK"
-        rate = changed.sum().item() / real.sum().item()
-        if abs(rate - p) > 0.015:
-            return f"{100 * rate:.1f}% of the tokens were dropped, not {100 * p:.0f}%"
-        per_position = changed[:, :80].double().mean(0)  # each position's rate, over 400 sentences
-        worst = int((per_position - p).abs().argmax())
-        if abs(per_position[worst] - p) > 0.13:
             return (
-                f"position {worst} is dropped in {100 * per_position[worst]:.0f}% of the sentences, "
-                f"not {100 * p:.0f}%"
+                f"the output has shape {tuple(y.shape)} and {y.dtype}, "
+                f"expected {tuple(x.shape)} and {x.dtype}"
             )
-        both = (changed[:, :79] & changed[:, 1:80]).double().mean().item()
-        if abs(both - p * p) > 0.015:
-            return (
-                f"neighbours are dropped together {100 * both:.1f}% of the time, not {100 * p * p:.1f}% "
-                f"(independent)"
-            )
+    return None
+
+
+def _mask_problem(i, y, p):
+    """None if y is i["x"] with each non-PAD token turned UNK with probability p, independently of
+    its position and of its neighbours, else what is not."""
+    before = i["x"]
+    real = before != i["pad"]
+    if not torch.equal(y[~real], before[~real]):
+        return "a PAD token was changed"
+    changed = (y != before) & real
+    if not (y[changed] == i["unk"]).all():
+        return "a dropped token is not UNK"
+    rate = changed.sum().item() / real.sum().item()
+    if abs(rate - p) > 0.015:
+        return f"{100 * rate:.1f}% of the tokens were dropped, not {100 * p:.0f}%"
+    per_position = changed[:, :80].double().mean(0)  # Each position's rate, over 400 sentences.
+    worst = int((per_position - p).abs().argmax())
+    if abs(per_position[worst] - p) > 0.13:
+        return (
+            f"position {worst} is dropped in {100 * per_position[worst]:.0f}% of the sentences, "
+            f"not {100 * p:.0f}%"
+        )
+    both = (changed[:, :79] & changed[:, 1:80]).double().mean().item()
+    if abs(both - p * p) > 0.015:
+        return (
+            f"neighbours are dropped together {100 * both:.1f}% of the time, "
+            f"not {100 * p * p:.1f}% (independent)"
+        )
+    return None
+
+
+def _generator_problem(got):
+    """None if the masks come from the generator given (the same seed, the same mask; another
+    seed or a second draw, another mask), else what does not."""
     if not torch.equal(got["a"], got["a_again"]):
         return (
             "two generators with the same seed gave different masks: draw from the generator given"
@@ -404,14 +429,25 @@ def _word_dropout_claims(i, got):
     if torch.equal(got["a"], got["b"]):
         return "two generators with different seeds gave the same mask: it must be random"
     if torch.equal(got["first"], got["second"]):
-        return "two calls with one generator gave the same mask: draw from it (each batch its own mask)"
-    # sentences of 1, 2 and 3 tokens, 1,000 each: each token dropped alike
-    short = i["short"] != PAD
+        return (
+            "two calls with one generator gave the same mask: draw from it "
+            "(each batch its own mask)"
+        )
+    return None
+
+
+def _short_sentences_problem(i, got):
+    """None if the tokens of sentences of 1, 2 and 3 tokens (1,000 each) are each dropped alike,
+    at 30%, else the length where they are not."""
+    short = i["short"] != i["pad"]
     for n in (1, 2, 3):
         rows = short.sum(1) == n
         rate = ((got["short"] != i["short"]) & short)[rows].sum().item() / (n * rows.sum().item())
-        if abs(rate - 0.3) > 0.07:  # 4.8 standard deviations at n = 1
-            return f"{100 * rate:.1f}% of the tokens of {n}-token sentences were dropped, not 30% (independently)"
+        if abs(rate - 0.3) > 0.07:  # 4.8 standard deviations at n = 1.
+            return (
+                f"{100 * rate:.1f}% of the tokens of {n}-token sentences were dropped, "
+                "not 30% (independently)"
+            )
     return None
 
 
@@ -453,175 +489,216 @@ class Exercise:
     inputs: object  # Draw -> {name: value}
     run: object  # inputs -> {name: tensor}, the project's outputs
     dtype: torch.dtype = torch.float64  # the dtype the equation is written for (its tolerance)
-    # (inputs, outputs) -> None or what fails (no stored values: any random draw is right)
+    # (inputs, outputs) -> None or what fails (no stored values: any random draw is right).
     claims: object = None
 
 
 def exercises():
+    """Every exercise, in the order `list` shows them: the chapters' reading order, mostly."""
+    return norm_exercises() + model_exercises() + data_exercises() + decode_and_train_exercises()
+
+
+def norm_exercises():
+    """The exercises of norms.py: ScaleNorm, FixNorm, RMSNorm and the batch-statistics norms."""
     return [
         Exercise(
-            "scalenorm",
-            "norms.py",
-            "ScaleNorm.forward",
-            "TwT eq. 5: g x / ||x||",
-            "the norm of each token and the scaled output",
-            "eps clamps the norm from below (max(||x||, eps)), not added to it; xf (at least float32) for "
-            "the norm, the output in x's dtype",
-            lambda d: {"x": _tokens(d), "g": d.uniform(0.5, 3), "x8": _wide_tokens(d)},
-            _scalenorm,
+            name="scalenorm",
+            file="norms.py",
+            function="ScaleNorm.forward",
+            equation="TwT eq. 5: g x / ||x||",
+            writes="the norm of each token and the scaled output",
+            hint="eps clamps the norm from below (max(||x||, eps)), not added to it; xf (at "
+            "least float32) for the norm, the output in x's dtype",
+            inputs=lambda d: {"x": _tokens(d), "g": d.uniform(0.5, 3), "x8": _wide_tokens(d)},
+            run=_scalenorm,
         ),
         Exercise(
-            "fixnorm",
-            "norms.py",
-            "fixnorm",
-            "TwT section 2.3 (eq. 6): w / ||w|| per embedding row",
-            "each row divided by its l2 norm",
-            "one norm per row (dim=-1), eps clamps it from below",
-            # row 3: 0
-            lambda d: {"w": d.randn(7, 5) * (torch.arange(7) != 3)[:, None], "r": d.randn(7, 5)},
-            _fixnorm,
+            name="fixnorm",
+            file="norms.py",
+            function="fixnorm",
+            equation="TwT section 2.3 (eq. 6): w / ||w|| per embedding row",
+            writes="each row divided by its l2 norm",
+            hint="one norm per row (dim=-1), eps clamps it from below",
+            # Row 3 is all zero.
+            inputs=lambda d: {
+                "w": d.randn(7, 5) * (torch.arange(7) != 3)[:, None],
+                "r": d.randn(7, 5),
+            },
+            run=_fixnorm,
         ),
         Exercise(
-            "rmsnorm",
-            "norms.py",
-            "RMSNorm.forward",
-            "Zhang & Sennrich 2019: g_i x_i / RMS(x)",
-            "1 / RMS(x) and the output",
-            "RMS(x) = sqrt(mean_i x_i^2 + eps): eps inside the root; xf (at least float32) for the "
-            "statistics, the output in x's dtype",
-            lambda d: {"x": _tokens(d), "gain": d.randn(6), "x8": _wide_tokens(d)},
-            _rmsnorm,
+            name="rmsnorm",
+            file="norms.py",
+            function="RMSNorm.forward",
+            equation="Zhang & Sennrich 2019: g_i x_i / RMS(x)",
+            writes="1 / RMS(x) and the output",
+            hint="RMS(x) = sqrt(mean_i x_i^2 + eps): eps inside the root; xf (at least float32) "
+            "for the statistics, the output in x's dtype",
+            inputs=lambda d: {"x": _tokens(d), "gain": d.randn(6), "x8": _wide_tokens(d)},
+            run=_rmsnorm,
         ),
         Exercise(
-            "batchnorm",
-            "norms.py",
-            "BatchNorm.forward",
-            "PowerNorm Alg. 1: mu_B, sigma_B^2 over the real tokens",
-            "the batch mean and variance over real tokens and the normalized output",
-            "batch_mean(v, real) averages over the real tokens only; sigma_B^2 is the biased variance (1/N)",
-            lambda d: {"x": _tokens(d), **_affine(d)},
-            lambda i: _batch_norm(norms.BatchNorm, i),
+            name="batchnorm",
+            file="norms.py",
+            function="BatchNorm.forward",
+            equation="PowerNorm Alg. 1: mu_B, sigma_B^2 over the real tokens",
+            writes="the batch mean and variance over real tokens and the normalized output",
+            hint="batch_mean(v, real) averages over the real tokens only; sigma_B^2 is the "
+            "biased variance (1/N)",
+            inputs=lambda d: {"x": _tokens(d), **_affine(d)},
+            run=lambda i: _batch_norm(norms.BatchNorm, i),
         ),
         Exercise(
-            "pnv",
-            "norms.py",
-            "PNV.forward",
-            "PowerNorm Def. 1: psi_B^2 = mean x^2, y = gamma x / psi_B + beta",
-            "the quadratic mean over real tokens and the output",
-            "batch_mean(v, real) averages over the real tokens only; no centring; eps inside the root",
-            lambda d: {"x": _tokens(d), **_affine(d)},
-            lambda i: _batch_norm(norms.PNV, i),
+            name="pnv",
+            file="norms.py",
+            function="PNV.forward",
+            equation="PowerNorm Def. 1: psi_B^2 = mean x^2, y = gamma x / psi_B + beta",
+            writes="the quadratic mean over real tokens and the output",
+            hint="batch_mean(v, real) averages over the real tokens only; no centring; eps "
+            "inside the root",
+            inputs=lambda d: {"x": _tokens(d), **_affine(d)},
+            run=lambda i: _batch_norm(norms.PNV, i),
         ),
         Exercise(
-            "powernorm_backward",
-            "norms.py",
-            "_PowerNormFunction.backward",
-            "PowerNorm Alg. 2 / eqs. 11-13: X^' = dL/dX^ - nu X^, dL/dX = X^' / psi, the update of nu",
-            "the approximate backward and the running nu",
-            "nu is updated in place (nu.copy_) from nu_{t-1}; Gamma and Lambda are means over the real tokens",
-            lambda d: {"x": d.randn(3, 2, 5, 6), **_affine(d)},
-            _powernorm_backward,
+            name="powernorm_backward",
+            file="norms.py",
+            function="_PowerNormFunction.backward",
+            equation="PowerNorm Alg. 2 / eqs. 11-13: X^' = dL/dX^ - nu X^, dL/dX = X^' / psi, "
+            "the update of nu",
+            writes="the approximate backward and the running nu",
+            hint="nu is updated in place (nu.copy_) from nu_{t-1}; Gamma and Lambda are means "
+            "over the real tokens",
+            inputs=lambda d: {"x": d.randn(3, 2, 5, 6), **_affine(d)},
+            run=_powernorm_backward,
         ),
+    ]
+
+
+def model_exercises():
+    """The exercises of model.py: attention, the residual, SmallInit, label smoothing and the
+    multi-linear attention."""
+    return [
         Exercise(
-            "attention",
-            "model.py",
-            "attention_math",
-            "Vaswani eq. 1: softmax(Q K^T / sqrt(Dh) + mask) V",
-            "the scores, the causal and key masks, the softmax, the output",
-            "scale is 1/sqrt(Dh) only when the caller gives None; dropout(weights, dropout_p) (weights in q's "
-            "dtype) before @ V; the weights handed back are before dropout",
-            lambda d: _attention_inputs(d),
-            _attention,
+            name="attention",
+            file="model.py",
+            function="attention_math",
+            equation="Vaswani eq. 1: softmax(Q K^T / sqrt(Dh) + mask) V",
+            writes="the scores, the causal and key masks, the softmax, the output",
+            hint="scale is 1/sqrt(Dh) only when the caller gives None; dropout(weights, "
+            "dropout_p) (weights in q's dtype) before @ V; the weights handed back are "
+            "before dropout",
+            inputs=lambda d: _attention_inputs(d),
+            run=_attention,
             dtype=torch.float32,
         ),
         Exercise(
-            "residual",
-            "model.py",
-            "residual",
-            "TwT eqs. 2-3: PostNorm norm(x + F(x)), PreNorm x + F(norm(x))",
-            "both residual placements",
-            "dropout(F(...), cfg.dropout, training) on the sublayer's output; the norm gets pad_mask",
-            lambda d: {"x": d.randn(2, 3, 4), "w": d.randn(4, 4), "seed": d.seed()},
-            _residual,
+            name="residual",
+            file="model.py",
+            function="residual",
+            equation="TwT eqs. 2-3: PostNorm norm(x + F(x)), PreNorm x + F(norm(x))",
+            writes="both residual placements",
+            hint="dropout(F(...), cfg.dropout, training) on the sublayer's output; the norm gets "
+            "pad_mask",
+            inputs=lambda d: {"x": d.randn(2, 3, 4), "w": d.randn(4, 4), "seed": d.seed()},
+            run=_residual,
         ),
         Exercise(
-            "smallinit",
-            "model.py",
-            "Transformer.reset_parameters",
-            "TwT eq. 4 and section 2.2: Xavier std sqrt(2/(d_in + d_out)), SmallInit sqrt(2/5d)",
-            "the attention and feed-forward standard deviations",
-            "the std, not the variance; the feed-forward's fans are d_model and ff",
-            # not 4d
-            lambda d: {"seed": d.seed(), "ff": 16 * (2, 3, 5, 6)[d.integer(0, 4)]},
-            _smallinit,
+            name="smallinit",
+            file="model.py",
+            function="Transformer.reset_parameters",
+            equation="TwT eq. 4 and section 2.2: Xavier std sqrt(2/(d_in + d_out)), SmallInit "
+            "sqrt(2/5d)",
+            writes="the attention and feed-forward standard deviations",
+            hint="the std, not the variance; the feed-forward's fans are d_model and ff",
+            # ff is not 4d.
+            inputs=lambda d: {"seed": d.seed(), "ff": 16 * (2, 3, 5, 6)[d.integer(0, 4)]},
+            run=_smallinit,
         ),
         Exercise(
-            "label_smoothing",
-            "model.py",
-            "label_smoothed_loss",
-            "TwT appendix A: (1 - eps) NLL + eps mean over the allowed words of -log p",
-            "log p, the NLL, the smoothed loss over real positions (in both regions: the fast path too)",
-            "two regions: label_smoothed_loss and SmoothedCrossEntropy.forward (its backward reads logp and "
-            "w); log p in at least float32 (at_least_fp32)",
-            lambda d: _label_smoothing_inputs(d),
-            _label_smoothing,
+            name="label_smoothing",
+            file="model.py",
+            function="label_smoothed_loss",
+            equation="TwT appendix A: (1 - eps) NLL + eps mean over the allowed words of -log p",
+            writes="log p, the NLL, the smoothed loss over real positions (in both regions: the "
+            "fast path too)",
+            hint="two regions: label_smoothed_loss and SmoothedCrossEntropy.forward (its "
+            "backward reads logp and w); log p in at least float32 (at_least_fp32)",
+            inputs=lambda d: _label_smoothing_inputs(d),
+            run=_label_smoothing,
         ),
         Exercise(
-            "multilinear",
-            "model.py",
-            "MultiLinearAttention.forward",
-            "Ma et al. 2019 core-1: T[i,j,k] = sum_r c_r Q[i,r] K[j,r] V[k,r], zero unless j, k <= i",
-            "the causal tensor T",
-            "self.mask[:t, :t, :t] is the mask: [j <= i and k <= i]; None under --mask none (nothing masked); "
-            "e (relative positions; else None) adds e[j, r] to every i's Q[i, r] K[j, r]",
-            lambda d: {"x": d.randn(2, 4, 6), "seed": d.seed()},
-            _multilinear,
+            name="multilinear",
+            file="model.py",
+            function="MultiLinearAttention.forward",
+            equation="Ma et al. 2019 core-1: T[i,j,k] = sum_r c_r Q[i,r] K[j,r] V[k,r], zero "
+            "unless j, k <= i",
+            writes="the causal tensor T",
+            hint="self.mask[:t, :t, :t] is the mask: [j <= i and k <= i]; None under --mask none "
+            "(nothing masked); e (relative positions; else None) adds e[j, r] to every i's "
+            "Q[i, r] K[j, r]",
+            inputs=lambda d: {"x": d.randn(2, 4, 6), "seed": d.seed()},
+            run=_multilinear,
         ),
+    ]
+
+
+def data_exercises():
+    """Word dropout and LM segments (data.py), and QKNorm's g0 (model.py) from L, the length
+    statistic data.py computes."""
+    return [
         Exercise(
-            "word_dropout",
-            "data.py",
-            "word_dropout",
-            "TwT appendix A: a token becomes UNK with probability p",
-            "the random replacement, PAD untouched",
-            "draw from the generator given, one draw per position, each token independently; return a new tensor",
-            lambda d: _word_dropout_inputs(d),
-            _word_dropout,
+            name="word_dropout",
+            file="data.py",
+            function="word_dropout",
+            equation="TwT appendix A: a token becomes UNK with probability p",
+            writes="the random replacement, PAD untouched",
+            hint="draw from the generator given, one draw per position, each token "
+            "independently; return a new tensor",
+            inputs=lambda d: _word_dropout_inputs(d),
+            run=_word_dropout,
             claims=_word_dropout_claims,
         ),
         Exercise(
-            "qk_g0",
-            "model.py",
-            "qk_g0",
-            "QKNorm eq. 3: g0 = log2(L^2 - L)",
-            "g0 from L",
-            "log2, not the natural log",
-            lambda d: {"L": [2, 30, 72, 97.5] + [d.uniform(2, 500) for _ in range(4)]},
-            lambda i: _scalars(model.qk_g0, [(L,) for L in i["L"]]),
+            name="qk_g0",
+            file="model.py",
+            function="qk_g0",
+            equation="QKNorm eq. 3: g0 = log2(L^2 - L)",
+            writes="g0 from L",
+            hint="log2, not the natural log",
+            inputs=lambda d: {"L": [2, 30, 72, 97.5] + [d.uniform(2, 500) for _ in range(4)]},
+            run=lambda i: _scalars(model.qk_g0, [(L,) for L in i["L"]]),
         ),
         Exercise(
-            "lm_segments",
-            "data.py",
-            "lm_segments",
-            "a stream cut into inputs w_t and targets w_{t+1}",
-            "the input and target segments, PAD-padded",
-            "rows = ceil(n / seq_len): the last, shorter segment is PAD-padded, not dropped",
-            lambda d: {
+            name="lm_segments",
+            file="data.py",
+            function="lm_segments",
+            equation="a stream cut into inputs w_t and targets w_{t+1}",
+            writes="the input and target segments, PAD-padded",
+            hint="rows = ceil(n / seq_len): the last, shorter segment is PAD-padded, not dropped",
+            inputs=lambda d: {
                 "cases": [(torch.arange(11) + 3, 4)]
                 + [
                     (torch.randint(4, 60, (d.integer(2, 30),), generator=d.g), d.integer(1, 7))
                     for _ in range(3)
                 ]
             },
-            _lm_segments,
+            run=_lm_segments,
         ),
+    ]
+
+
+def decode_and_train_exercises():
+    """The exercises of decode.py and train.py: the length penalty and the learning rate's
+    schedules."""
+    return [
         Exercise(
-            "length_penalty",
-            "decode.py",
-            "length_penalty",
-            "GNMT eq. 14: ((5 + |Y|) / 6)^alpha; fairseq: |Y|^alpha",
-            "both penalties",
-            "the whole (5 + |Y|) / 6 is raised to alpha",
-            lambda d: {
+            name="length_penalty",
+            file="decode.py",
+            function="length_penalty",
+            equation="GNMT eq. 14: ((5 + |Y|) / 6)^alpha; fairseq: |Y|^alpha",
+            writes="both penalties",
+            hint="the whole (5 + |Y|) / 6 is raised to alpha",
+            inputs=lambda d: {
                 "cases": [
                     (1, 0.6, "gnmt"),
                     (7, 0.6, "gnmt"),
@@ -635,16 +712,16 @@ def exercises():
                     for _ in range(3)
                 ]
             },
-            lambda i: _scalars(decode.length_penalty, i["cases"]),
+            run=lambda i: _scalars(decode.length_penalty, i["cases"]),
         ),
         Exercise(
-            "invsqrt",
-            "train.py",
-            "inverse_sqrt_lr",
-            "TwT eq. 7: lambda / sqrt(d) min(n^-0.5, n warmup^-1.5)",
-            "the learning rate of step n",
-            "n warmup^-1.5 during the warmup, n^-0.5 after it",
-            lambda d: {
+            name="invsqrt",
+            file="train.py",
+            function="inverse_sqrt_lr",
+            equation="TwT eq. 7: lambda / sqrt(d) min(n^-0.5, n warmup^-1.5)",
+            writes="the learning rate of step n",
+            hint="n warmup^-1.5 during the warmup, n^-0.5 after it",
+            inputs=lambda d: {
                 "cases": [
                     (1, 512, 4000, 1.0),
                     (4000, 512, 4000, 1.0),
@@ -661,17 +738,19 @@ def exercises():
                     for _ in range(6)
                 ]
             },
-            lambda i: _scalars(train.inverse_sqrt_lr, i["cases"]),
+            run=lambda i: _scalars(train.inverse_sqrt_lr, i["cases"]),
         ),
         Exercise(
-            "validation_decay",
-            "train.py",
-            "validation_decay",
-            "TwT section 2.4: decay when dev BLEU is below each of the previous `patience`",
-            "the decision from the history",
-            "the newest score against the `patience` scores before it (not counting itself); strictly below",
-            lambda d: {"cases": _histories(d)},
-            lambda i: _scalars(train.validation_decay, i["cases"]),
+            name="validation_decay",
+            file="train.py",
+            function="validation_decay",
+            equation="TwT section 2.4: decay when dev BLEU is below each of the previous "
+            "`patience`",
+            writes="the decision from the history",
+            hint="the newest score against the `patience` scores before it (not counting "
+            "itself); strictly below",
+            inputs=lambda d: {"cases": _histories(d)},
+            run=lambda i: _scalars(train.validation_decay, i["cases"]),
         ),
     ]
 
@@ -692,7 +771,7 @@ def _attention_inputs(d):
     )
     i["key_mask"] = torch.tensor([[True] * 4, [True, True, True, False]])[:, None, None, :]
     i["cross_mask"] = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])[:, None, None, :]
-    # logits of 144 x N(0, 3): hundreds
+    # Logits of 144 x N(0, 3): in the hundreds.
     i.update({f"{n}_big": 12 * d.randn(1, 2, 4, 3, **f32) for n in "qkvr"})
     i.update({f"{n}_bf16": d.randn(2, 2, 4, 3, dtype=torch.bfloat16) for n in "qkv"})
     return i
@@ -712,7 +791,7 @@ def _label_smoothing_inputs(d):
 def _word_dropout_inputs(d):
     x = torch.randint(4, 50, (400, 100), generator=d.g)
     x[:, 80:] = data.PAD
-    # sentences of 1, 2, 3 tokens, 1,000 each
+    # Sentences of 1, 2 and 3 tokens, 1,000 each.
     short = torch.randint(4, 50, (3000, 3), generator=d.g)
     short[torch.arange(3) >= (torch.arange(3000) % 3 + 1)[:, None]] = data.PAD
     return {"x": x, "seed": d.seed(), "pad": data.PAD, "unk": data.UNK, "short": short}
@@ -735,7 +814,7 @@ def run(ex, seed):
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in got.items()}
 
 
-# an output in these is compared at its own precision
+# An output in these dtypes is compared at its own precision.
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -766,7 +845,7 @@ def compare(ex, got, want, seed):
             return f"{key} is a {type(value).__name__}, not a tensor"
         if value.shape != expected.shape:
             return f"{key} has shape {tuple(value.shape)}, expected {tuple(expected.shape)}"
-        # e.g. float32 out of a float64 input, token ids as floats
+        # A dtype that differs: e.g. float32 out of a float64 input, token ids as floats.
         if value.dtype != expected.dtype:
             return f"{key} is {str(value.dtype)[6:]}, expected {str(expected.dtype)[6:]}"
         if not expected.is_floating_point():
@@ -790,8 +869,10 @@ def compare(ex, got, want, seed):
             )
             first = f"the first of {int(bad.sum())} elements that differ, " if bad.sum() > 1 else ""
             return (
-                f"{key}{index} = {value[at].item():.10g} where {expected[at].item():.10g} is expected "
-                f"({first}in {str(ex.dtype)[6:]}{allowed}); {case_of(ex.inputs(Draw(seed, ex.name)), key, at)}"
+                f"{key}{index} = {value[at].item():.10g} "
+                f"where {expected[at].item():.10g} is expected "
+                f"({first}in {str(ex.dtype)[6:]}{allowed}); "
+                f"{case_of(ex.inputs(Draw(seed, ex.name)), key, at)}"
             )
     return None
 
@@ -842,7 +923,7 @@ def how_it_ended(exc):
     if isinstance(exc, NotImplementedError) and str(exc).startswith("exercise "):
         how = "not written yet (raises NotImplementedError)"
     else:
-        # (a SyntaxError's str has its line)
+        # A SyntaxError's str has its line too: its msg alone.
         text = exc.msg if isinstance(exc, SyntaxError) else str(exc).strip()
         text = text.splitlines()[0][:200] if text else ""
         kind = {SystemExit: "called exit", KeyboardInterrupt: "raised KeyboardInterrupt"}.get(
@@ -868,11 +949,12 @@ def load_values(path=VALUES):
     what = f"exercises.py: {path}"
     if not Path(path).is_file():
         sys.exit(
-            f"{what} is missing: ask your instructor for the kit's tests/exercise_values.pt (nothing was graded)"
+            f"{what} is missing: ask your instructor for the kit's tests/exercise_values.pt "
+            "(nothing was graded)"
         )
     try:
         stored = torch.load(path, weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- anything but plain tensors is refused
+    except Exception as e:  # Anything but plain tensors is refused.
         sys.exit(f"{what} does not load as plain tensors ({type(e).__name__}); nothing was graded")
     names = [ex.name for ex in exercises()]
     ok = (
@@ -911,7 +993,7 @@ def self_check(names, timeout):
     while todo:
         read_fd, write_fd = os.pipe()
         sys.stdout.flush()
-        # this process has imported torch and none of the project's files: the child starts fresh
+        # This process has imported torch and none of the project's files: the child starts fresh.
         pid = os.fork()
         if pid == 0:
             os.close(read_fd)
@@ -937,10 +1019,8 @@ def self_check(names, timeout):
                 failed += line.startswith("FAIL")
                 done += 1
         os.close(read_fd)
-        try:
-            os.killpg(pid, signal.SIGKILL)  # a hang, and anything the student's code started
-        except ProcessLookupError:
-            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)  # A hang, and anything the student's code started.
         rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         todo = todo[done:]
         if todo:
@@ -963,7 +1043,7 @@ def cmd_check(fd, names):
     stored = load_values()
     try:
         load_project()
-    except BaseException as e:  # noqa: BLE001 -- a file that does not import fails every check
+    except BaseException as e:  # A file that does not import fails every check.
         how, where = how_it_ended(e)
         for n in names:
             out.write(f"FAIL {n}: {how}{f' at {where[0]}:{where[1]}' if where else ''}\n")
@@ -976,8 +1056,7 @@ def cmd_check(fd, names):
             if reason:
                 hint = hint_for(ex, got, stored.get("mistakes", {}).get(ex.name, []), RECORD_SEED)
                 reason += f". Hint: {hint}" if hint else ""
-        # noqa: BLE001 -- a student's code ends this one check only, however it ends
-        except BaseException as e:
+        except BaseException as e:  # A student's code ends this one check only, however it ends.
             how, where = how_it_ended(e)
             reason = how + (f" at {where[0]}:{where[1]}" if where else "")
         out.write(f"FAIL {ex.name}: {reason}\n" if reason else f"PASS {ex.name}\n")
@@ -1030,7 +1109,8 @@ def region_texts(folder, ex_name, files):
             return None, f"{rel}: {broken[0]}"
         if len(mine) != count:
             return None, (
-                f"{rel} has {len(mine)} region{'s' if len(mine) != 1 else ''} '# Exercise {ex_name}: "
+                f"{rel} has {len(mine)} region{'s' if len(mine) != 1 else ''} "
+                f"'# Exercise {ex_name}: "
                 f"begin/end', the exercise has {count}"
             )
         lines = text.split("\n")
@@ -1072,9 +1152,10 @@ def student_copy_text(text):
 
 
 def build_sandbox(folder, ex_name, texts):
-    """A copy of the instructor's five files and machinery/ (and this kit, without its instructor-only lines) in
-    `folder`, the exercise's regions replaced by `texts` (in file order, then line order). Returns,
-    for each replaced region, (file, its first line, its last line) there."""
+    """A copy of the instructor's five files and machinery/ (and this kit, without its
+    instructor-only lines) in `folder`, the exercise's regions replaced by `texts` (in file order,
+    then line order). Returns, for each replaced region, (file, its first line, its last line)
+    there."""
     (folder / "tests").mkdir(parents=True)
     (folder / "tests" / "exercises.py").write_text(student_copy_text(Path(__file__).read_text()))
     (folder / "machinery").mkdir()
@@ -1085,7 +1166,8 @@ def build_sandbox(folder, ex_name, texts):
         lines = (ROOT / rel).read_text().split("\n")
         mine = [(b, e) for name, b, e in regions("\n".join(lines))[0] if name == ex_name]
         bodies, texts = texts[: len(mine)], texts[len(mine) :]
-        for (b, e), body in reversed(list(zip(mine, bodies))):
+        # One body per region: a region left without one would keep the instructor's solution.
+        for (b, e), body in reversed(list(zip(mine, bodies, strict=True))):
             indent = MARKER.match(lines[b]).group(1)
             lines[b + 1 : e] = [indent + line if line.strip() else "" for line in body.split("\n")]
         (folder / rel).write_text("\n".join(lines))
@@ -1112,7 +1194,7 @@ class ForkServer:
             start_new_session=True,
         )
         self.news, self.jobs, self.gone = threading.Condition(), itertools.count(), False
-        # job number -> pid; pid -> exit status (-N: killed by signal N)
+        # Job number -> pid; pid -> exit status (-N: killed by signal N).
         self.started, self.ended = {}, {}
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -1220,8 +1302,7 @@ def serve_one(job):
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         os._exit(0 if e.code is None else e.code if isinstance(e.code, int) else 1)
-    # noqa: BLE001 -- the copy's harness itself failed: its traceback is in the log
-    except BaseException:
+    except BaseException:  # The copy's harness itself failed: its traceback is in the log.
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
@@ -1247,10 +1328,8 @@ def run_isolated(ex_name, texts, seed, timeout, memory=2048):
             timed_out = returncode is None
         finally:
             LIVE.discard(pid)
-            try:
-                os.killpg(pid, signal.SIGKILL)  # a hang, and anything it started
-            except ProcessLookupError:
-                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)  # A hang, and anything it started.
         if timed_out:
             returncode = server.wait(pid)
         with open(Path(tmp) / "log", errors="replace") as log:
@@ -1263,7 +1342,7 @@ def run_isolated(ex_name, texts, seed, timeout, memory=2048):
                 if result.is_file() and not timed_out
                 else None
             )
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # Anything but plain tensors: what it was, in one line.
             return (
                 None,
                 f"it handed back something other than plain tensors ({type(e).__name__})",
@@ -1277,7 +1356,8 @@ def run_isolated(ex_name, texts, seed, timeout, memory=2048):
         return (
             None,
             (
-                f"the process ended (exit status {returncode}) before handing back its outputs: the code "
+                f"the process ended (exit status {returncode}) before handing back its outputs: "
+                "the code "
                 f"exits or kills it{' (its last words: ' + last + ')' if last else ''}"
             ),
             spans,
@@ -1292,7 +1372,7 @@ def run_isolated(ex_name, texts, seed, timeout, memory=2048):
         if isinstance(how, str) and (
             "can't allocate memory" in how or how.startswith("MemoryError")
         ):
-            # torch's allocator says how much
+            # Torch's allocator says how much.
             tried = re.search(r"you tried to allocate (\d+) bytes", how)
             what = (
                 f"allocating {int(tried.group(1)) / 2**20:,.0f} MB failed"
@@ -1322,7 +1402,7 @@ def cmd_run(name, seed, out, memory):
     try:
         load_project()
         result = {"outputs": run(by_name()[name], int(seed))}
-    except BaseException as e:  # noqa: BLE001 -- however the code ends, the grader hears how
+    except BaseException as e:  # However the code ends, the grader hears how.
         how, where = how_it_ended(e)
         result = {"error": (how,) + (where or ("", 0))}
     torch.save(result, out)
@@ -1367,7 +1447,9 @@ class Grader:
             if isinstance(error, str):
                 return error
             text, rel, line = error
-            for (srel, first, last), (wrel, wline) in zip(spans, where):
+            # One span and one place per region alike; a mismatch could only misplace a line
+            # number in the message, so it never stops a grade.
+            for (srel, first, last), (wrel, wline) in zip(spans, where, strict=False):
                 if rel == srel and first <= line <= last:
                     return f"{text} at {wrel}:{wline + line - first}"
             return text + (
@@ -1432,15 +1514,14 @@ def grade_submissions(folders, names, a):
     except KeyboardInterrupt:
         grader.pool.shutdown(wait=False, cancel_futures=True)
         for pid in list(LIVE):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         print("exercises.py grade: interrupted; no gradebook written", file=sys.stderr)
         return 130
     grader.pool.shutdown()
     print(
-        f"graded {len(folders)} submission{'s' if len(folders) != 1 else ''} x {len(chosen)} exercises in "
+        f"graded {len(folders)} submission{'s' if len(folders) != 1 else ''} "
+        f"x {len(chosen)} exercises in "
         f"{time.time() - started:.1f} s ({len(grader.cache)} distinct codes run, seed {a.seed})",
         file=sys.stderr,
     )
@@ -1482,7 +1563,8 @@ def report(plans, grader, points):
             )
         passed = sum(r["result"] == "PASS" for r in rows if r["submission"] == str(folder))
         print(
-            f"{folder}: {passed} of {len(plan)} exercises pass, {got:g} of {sum(points.values()):g} points",
+            f"{folder}: {passed} of {len(plan)} exercises pass, "
+            f"{got:g} of {sum(points.values()):g} points",
             flush=True,
         )
     return rows
@@ -1524,7 +1606,8 @@ def write_feedback(rows, folder, points):
         lines = [
             f"# Feedback: {Path(sub).name}",
             "",
-            f"{sum(r['result'] == 'PASS' for r in mine)} of {len(mine)} exercises pass: {got:g} of {most:g} "
+            f"{sum(r['result'] == 'PASS' for r in mine)} of {len(mine)} exercises pass: "
+            f"{got:g} of {most:g} "
             f"points.",
             "",
             "| exercise | result | points |",
@@ -1548,9 +1631,10 @@ def assigned_of(kit):
     try:
         stored = torch.load(path, weights_only=True)
         return list(stored["assigned"])
-    except Exception:  # noqa: BLE001
+    except Exception:  # No values file, or one without an assignment.
         sys.exit(
-            f"exercises.py grade: --kit {kit}: {path} records no assignment (give the exercises' names)"
+            f"exercises.py grade: --kit {kit}: {path} records no assignment "
+            "(give the exercises' names)"
         )
 
 
@@ -1569,7 +1653,8 @@ def positive(flag, kind):
     return parse
 
 
-def cmd_grade(argv):
+def grade_parser():
+    """`grade`'s flags: the self-check's --timeout, and the instructor's grade's."""
     p = argparse.ArgumentParser(
         prog="exercises.py grade",
         description="Without a folder: the self-check of this copy. "
@@ -1592,8 +1677,8 @@ def cmd_grade(argv):
         type=positive("--memory", int),
         default=2048,
         metavar="MB",
-        help="megabytes of data one exercise's process may allocate; past it that exercise FAILs, saying "
-        "so (default 2048: with --jobs 4, 8 GB at most)",
+        help="megabytes of data one exercise's process may allocate; past it that exercise "
+        "FAILs, saying so (default 2048: with --jobs 4, 8 GB at most)",
     )
     p.add_argument(
         "--jobs",
@@ -1617,13 +1702,18 @@ def cmd_grade(argv):
         "each exercise's verdict, with its hint and, for a FAIL, the failing case",
     )
     p.add_argument("--kit", help="the copy `make` wrote: grade the exercises it blanked")
-    a = p.parse_args(argv)
+    return p
+
+
+def cmd_grade(argv):
+    a = grade_parser().parse_args(argv)
     names = [x for x in a.items if x in by_name()]
     folders = [Path(x) for x in a.items if x not in by_name()]
     for f in folders:
         if not f.is_dir():
             sys.exit(
-                f"exercises.py grade: {f} is neither an exercise (python tests/exercises.py list) nor a folder"
+                f"exercises.py grade: {f} is neither an exercise "
+                "(python tests/exercises.py list) nor a folder"
             )
     if not folders:
         given = [
@@ -1643,12 +1733,14 @@ def cmd_grade(argv):
         ]
         if given:
             sys.exit(
-                f"exercises.py grade: {given[0]} is for grading students' copies: give their folders"
+                f"exercises.py grade: {given[0]} is for grading students' copies: "
+                "give their folders"
             )
         return self_check(names, a.timeout)
     if STUDENT_COPY:
         sys.exit(
-            "exercises.py grade: grading students' copies needs the solutions: run it in the instructor's tree"
+            "exercises.py grade: grading students' copies needs the solutions: run it in the "
+            "instructor's tree"
         )
     load_project()
     return grade_submissions(folders, names, a)
@@ -1682,66 +1774,8 @@ def defined_names(ex):
     """The names each region of the exercise assigns that the code after it (in its function) reads,
     with their kind from a run of the solution: 'mu (a tensor)'; or 'returns' if the region
     returns."""
-    kinds, spans = {}, []
-    for rel, _ in solution_files(ex.name):
-        text = (ROOT / rel).read_text()
-        tree = ast.parse(text)
-        for name, b, e in regions(text)[0]:
-            if name != ex.name:
-                continue
-            fn = min(
-                (
-                    f
-                    for f in ast.walk(tree)
-                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                    and f.lineno <= b + 1
-                    and f.end_lineno >= e
-                ),
-                key=lambda f: f.end_lineno - f.lineno,
-            )
-            inside = lambda node: b + 1 < node.lineno < e + 1
-            stored = [
-                n.id
-                for n in sorted(
-                    (
-                        n
-                        for n in ast.walk(fn)
-                        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and inside(n)
-                    ),
-                    key=lambda n: (n.lineno, n.col_offset),
-                )
-            ]
-            read = {
-                n.id
-                for n in ast.walk(fn)
-                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.lineno > e + 1
-            }
-            returns = any(isinstance(n, ast.Return) and inside(n) for n in ast.walk(fn))
-            names = list(dict.fromkeys(n for n in stored if n in read))
-            spans.append((str(ROOT / rel), fn.lineno, e + 2, names, returns))
-
-    # Each name's kind, from the solution's locals just after its region.
-    def tracer(frame, event, arg):
-        for path, first, after, names, _ in spans:
-            if (
-                frame.f_code.co_filename == path
-                and frame.f_code.co_firstlineno <= first <= frame.f_lineno
-            ):
-                if event == "line" and frame.f_lineno >= after:
-                    for n in names:
-                        if n in frame.f_locals and n not in kinds:
-                            v = frame.f_locals[n]
-                            kind = "tensor" if isinstance(v, torch.Tensor) else type(v).__name__
-                            kinds[n] = f"a{'n' * (kind[0] in 'aeiou')} {kind}"
-        return tracer
-
-    sys.settrace(tracer)
-    try:
-        run(ex, RECORD_SEED)
-    except Exception:  # noqa: BLE001 -- the kinds are a courtesy
-        pass
-    finally:
-        sys.settrace(None)
+    spans = [span for rel, _ in solution_files(ex.name) for span in region_spans(ex.name, rel)]
+    kinds = kinds_after(ex, spans)
     parts = []
     for _, _, _, names, returns in spans:
         if names:
@@ -1753,17 +1787,91 @@ def defined_names(ex):
     return "; ".join(parts) or "changes nothing the code after it reads"
 
 
+def region_spans(ex_name, rel):
+    """For each region of the exercise in the file rel: (its path, the first line of its function,
+    the line after the region, the names it assigns that the code after it reads, whether it
+    returns)."""
+    text = (ROOT / rel).read_text()
+    tree = ast.parse(text)
+    spans = []
+    for name, b, e in regions(text)[0]:
+        if name != ex_name:
+            continue
+        fn = min(
+            (
+                f
+                for f in ast.walk(tree)
+                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and f.lineno <= b + 1
+                and f.end_lineno >= e
+            ),
+            key=lambda f: f.end_lineno - f.lineno,
+        )
+        # The nodes between the region's markers.
+        inside = [n for n in ast.walk(fn) if hasattr(n, "lineno") and b + 1 < n.lineno < e + 1]
+        stored = [
+            n.id
+            for n in sorted(
+                (n for n in inside if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)),
+                key=lambda n: (n.lineno, n.col_offset),
+            )
+        ]
+        read = {
+            n.id
+            for n in ast.walk(fn)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.lineno > e + 1
+        }
+        returns = any(isinstance(n, ast.Return) for n in inside)
+        names = list(dict.fromkeys(n for n in stored if n in read))
+        spans.append((str(ROOT / rel), fn.lineno, e + 2, names, returns))
+    return spans
+
+
+def kinds_after(ex, spans):
+    """{name: 'a tensor'}: each name's kind, from the solution's locals just after its region (a
+    run of the exercise, traced)."""
+    kinds = {}
+
+    def tracer(frame, event, arg):
+        for path, first, after, names, _ in spans:
+            if (
+                frame.f_code.co_filename == path
+                and frame.f_code.co_firstlineno <= first <= frame.f_lineno
+                and event == "line"
+                and frame.f_lineno >= after
+            ):
+                for n in names:
+                    if n in frame.f_locals and n not in kinds:
+                        v = frame.f_locals[n]
+                        kind = "tensor" if isinstance(v, torch.Tensor) else type(v).__name__
+                        kinds[n] = f"a{'n' * (kind[0] in 'aeiou')} {kind}"
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        run(ex, RECORD_SEED)
+    except Exception:  # The kinds are a courtesy: without them, the names are listed bare.
+        pass
+    finally:
+        sys.settrace(None)
+    return kinds
+
+
 def student_readme(chosen):
     out = [
         "# Exercises",
         "",
-        "Write each exercise's code between its two comments, `# Exercise NAME: begin` and `# Exercise NAME: end`,",
-        "in place of the `raise NotImplementedError(...)`. Only the code between the markers is graded: your",
-        "instructor puts it into their own copy of the files, so what you change elsewhere does not count (and the",
+        "Write each exercise's code between its two comments, `# Exercise NAME: begin` and "
+        "`# Exercise NAME: end`,",
+        "in place of the `raise NotImplementedError(...)`. Only the code between the markers "
+        "is graded: your",
+        "instructor puts it into their own copy of the files, so what you change elsewhere "
+        "does not count (and the",
         "code after a region reads the names listed below: define them).",
         "",
         "    python tests/exercises.py list",
-        "    python tests/exercises.py grade            # yours: PASS name, or FAIL name: what differs, where",
+        "    python tests/exercises.py grade            # yours: PASS name, or FAIL name: "
+        "what differs, where",
         "    python tests/exercises.py grade NAME ...   # those only",
         "",
         "## Your exercises",
@@ -1791,11 +1899,9 @@ def cmd_make(out, names):
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         sys.exit(f"exercises.py make: cannot make the folder {out}: {e.strerror or e}")
-    stored = (
-        load_values()
-        if VALUES.is_file()
-        else sys.exit("exercises.py make: run `record` first (no values file)")
-    )
+    if not VALUES.is_file():
+        sys.exit("exercises.py make: run `record` first (no values file)")
+    stored = load_values()
     solutions, outside = [], []  # the blanked regions' code lines, and every other code line
     for rel in COPIED:
         dest = out / rel
@@ -1830,10 +1936,12 @@ def cmd_make(out, names):
     if leaked:
         shutil.rmtree(out)
         sys.exit(
-            f"exercises.py make: a solution line is still in the copy (so none was written): {leaked[0]!r}"
+            "exercises.py make: a solution line is still in the copy (so none was written): "
+            f"{leaked[0]!r}"
         )
     print(
-        f"wrote {out}: {len(chosen)} exercise{'' if len(chosen) == 1 else 's'} blanked ({', '.join(chosen)}); "
+        f"wrote {out}: {len(chosen)} exercise{'' if len(chosen) == 1 else 's'} blanked "
+        f"({', '.join(chosen)}); "
         f"no solution line is in the copy"
     )
     return 0
@@ -1845,7 +1953,8 @@ def cmd_record():
     mislead)."""
     if STUDENT_COPY:
         sys.exit(
-            "exercises.py record: this is a student copy; record the expected values in the instructor's tree"
+            "exercises.py record: this is a student copy; record the expected values in the "
+            "instructor's tree"
         )
     values, mistakes = {}, {}
     for ex in exercises():
@@ -1858,7 +1967,8 @@ def cmd_record():
                 if error is not None or compare(ex, outputs, want, seed) is None:
                     sys.exit(
                         f"exercises.py record: the mistake of {ex.name} hinted {hint!r} "
-                        f"{'fails to run: ' + str(error) if error else 'passes its check'} (seed {seed})"
+                        f"{'fails to run: ' + str(error) if error else 'passes its check'} "
+                        f"(seed {seed})"
                     )
             mistakes[ex.name].append((hint, outputs))
     torch.save({"format": FORMAT, "values": values, "mistakes": mistakes}, VALUES)
@@ -1880,7 +1990,8 @@ def chosen_exercises(names):
     unknown = [n for n in names if n not in {ex.name for ex in every}]
     if unknown:
         sys.exit(
-            f"exercises.py: unknown exercise {unknown[0]!r}; python tests/exercises.py list shows them"
+            f"exercises.py: unknown exercise {unknown[0]!r}; "
+            "python tests/exercises.py list shows them"
         )
     return [ex for ex in every if not names or ex.name in names]
 
@@ -1914,9 +2025,11 @@ STUDENT_COPY = False
 MISTAKES = {
     "scalenorm": [
         (
-            "eps is added to the norm, g x / (||x|| + eps); here it clamps it: g x / max(||x||, eps)",
+            "eps is added to the norm, g x / (||x|| + eps); here it clamps it: g x / "
+            "max(||x||, eps)",
             [
-                "n = xf.norm(dim=-1, keepdim=True)\nreturn (self.g * xf / (n + self.eps)).to(x.dtype)"
+                "n = xf.norm(dim=-1, keepdim=True)\n"
+                "return (self.g * xf / (n + self.eps)).to(x.dtype)"
             ],
         )
     ],
@@ -1924,13 +2037,15 @@ MISTAKES = {
         (
             "eps goes inside the root: sqrt(mean x^2 + eps), not sqrt(mean x^2) + eps",
             [
-                "r = xf.pow(2).mean(-1, keepdim=True).sqrt() + self.eps\nreturn (self.weight * xf / r).to(x.dtype)"
+                "r = xf.pow(2).mean(-1, keepdim=True).sqrt() + self.eps\n"
+                "return (self.weight * xf / r).to(x.dtype)"
             ],
         ),
         (
             "the mean of x^2 over the D channels, not the sum",
             [
-                "r = torch.sqrt(xf.pow(2).sum(-1, keepdim=True) + self.eps)\nreturn (self.weight * xf / r).to(x.dtype)"
+                "r = torch.sqrt(xf.pow(2).sum(-1, keepdim=True) + self.eps)\n"
+                "return (self.weight * xf / r).to(x.dtype)"
             ],
         ),
     ],
@@ -1939,21 +2054,25 @@ MISTAKES = {
             "sigma_B^2 is the biased variance, 1/N sum (x - mu)^2, not 1/(N - 1)",
             [
                 "mu, n = batch_mean(xf, real)\n"
-                "var = torch.where(real.unsqueeze(-1), (xf - mu) ** 2, 0.0).sum((0, 1)) / (n - 1)\n"
+                "var = torch.where(real.unsqueeze(-1), (xf - mu) ** 2, 0.0).sum((0, "
+                "1)) / (n - 1)\n"
                 "y = self.weight * (xf - mu) / (var + self.eps).sqrt() + self.bias"
             ],
         ),
         (
             "eps goes inside the root: sqrt(sigma_B^2 + eps)",
             [
-                "mu, n = batch_mean(xf, real)\nvar = batch_mean((xf - mu) ** 2, real)[0]\n"
+                "mu, n = batch_mean(xf, real)\n"
+                "var = batch_mean((xf - mu) ** 2, real)[0]\n"
                 "y = self.weight * (xf - mu) / (var.sqrt() + self.eps) + self.bias"
             ],
         ),
         (
             "padding is in the statistics: average over the real tokens only (batch_mean(v, real))",
             [
-                "mu = xf.mean((0, 1))\nn = real.sum().to(xf.dtype)\nvar = ((xf - mu) ** 2).mean((0, 1))\n"
+                "mu = xf.mean((0, 1))\n"
+                "n = real.sum().to(xf.dtype)\n"
+                "var = ((xf - mu) ** 2).mean((0, 1))\n"
                 "y = self.weight * (xf - mu) / (var + self.eps).sqrt() + self.bias"
             ],
         ),
@@ -1962,13 +2081,15 @@ MISTAKES = {
         (
             "padding is in the statistics: average over the real tokens only (batch_mean(v, real))",
             [
-                "psi2 = (xf * xf).mean((0, 1))\ny = self.weight * xf / (psi2 + self.eps).sqrt() + self.bias"
+                "psi2 = (xf * xf).mean((0, 1))\n"
+                "y = self.weight * xf / (psi2 + self.eps).sqrt() + self.bias"
             ],
         ),
         (
             "eps goes inside the root: sqrt(psi_B^2 + eps)",
             [
-                "psi2 = batch_mean(xf * xf, real)[0]\ny = self.weight * xf / (psi2.sqrt() + self.eps) + self.bias"
+                "psi2 = batch_mean(xf * xf, real)[0]\n"
+                "y = self.weight * xf / (psi2.sqrt() + self.eps) + self.bias"
             ],
         ),
     ],
@@ -1977,48 +2098,66 @@ MISTAKES = {
             "the scale the caller gives is not used (QKNorm passes 1.0)",
             [
                 "s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))\n"
-                "if causal:\n    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float('-inf'))\n"
-                "if key_mask is not None:\n    s = s.masked_fill(~key_mask, float('-inf'))\n"
-                "a = s.float().softmax(-1).to(q.dtype)\nreturn dropout(a, dropout_p) @ v, a"
+                "if causal:\n"
+                "    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), "
+                "float('-inf'))\n"
+                "if key_mask is not None:\n"
+                "    s = s.masked_fill(~key_mask, float('-inf'))\n"
+                "a = s.float().softmax(-1).to(q.dtype)\n"
+                "return dropout(a, dropout_p) @ v, a"
             ],
         ),
         (
             "dropout_p is not used: dropout(weights, dropout_p) before multiplying by V",
             [
                 "s = q @ k.transpose(-2, -1) * (q.size(-1) ** -0.5 if scale is None else scale)\n"
-                "if causal:\n    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float('-inf'))\n"
-                "if key_mask is not None:\n    s = s.masked_fill(~key_mask, float('-inf'))\n"
-                "a = s.float().softmax(-1).to(q.dtype)\nreturn a @ v, a"
+                "if causal:\n"
+                "    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), "
+                "float('-inf'))\n"
+                "if key_mask is not None:\n"
+                "    s = s.masked_fill(~key_mask, float('-inf'))\n"
+                "a = s.float().softmax(-1).to(q.dtype)\n"
+                "return a @ v, a"
             ],
         ),
     ],
     "residual": [
         (
-            "the sublayer's output goes through dropout(..., cfg.dropout, training) before it is added",
+            "the sublayer's output goes through dropout(..., cfg.dropout, training) before "
+            "it is added",
             [
-                "if cfg.prenorm:\n    return x + f(norm(x, pad_mask))\nreturn norm(x + f(x), pad_mask)"
+                "if cfg.prenorm:\n"
+                "    return x + f(norm(x, pad_mask))\n"
+                "return norm(x + f(x), pad_mask)"
             ],
         )
     ],
     "qk_g0": [("log2, not the natural log", ["return math.log(L ** 2 - L)"])],
     "validation_decay": [
         (
-            "the window is off by one: the `patience` scores before the newest, history[-1 - patience:-1]",
+            "the window is off by one: the `patience` scores before the newest, "
+            "history[-1 - patience:-1]",
             [
-                "if len(history) <= patience:\n    return False\n"
+                "if len(history) <= patience:\n"
+                "    return False\n"
                 "return history[-1] < min(history[-patience:-1] or [1e9])"
             ],
         ),
         (
-            "the window is off by one: the `patience` scores before the newest, history[-1 - patience:-1]",
+            "the window is off by one: the `patience` scores before the newest, "
+            "history[-1 - patience:-1]",
             [
-                "if len(history) <= patience + 1:\n    return False\nreturn history[-1] < min(history[-2 - patience:-1])"
+                "if len(history) <= patience + 1:\n"
+                "    return False\n"
+                "return history[-1] < min(history[-2 - patience:-1])"
             ],
         ),
         (
             "strictly below: a score equal to the worst of the window does not decay",
             [
-                "if len(history) <= patience:\n    return False\nreturn history[-1] <= min(history[-1 - patience:-1])"
+                "if len(history) <= patience:\n"
+                "    return False\n"
+                "return history[-1] <= min(history[-1 - patience:-1])"
             ],
         ),
     ],
@@ -2026,8 +2165,10 @@ MISTAKES = {
         (
             "rows = ceil(n / seq_len): the last, shorter segment is PAD-padded, not dropped",
             [
-                "rows = max(n // seq_len, 1)\nx, y = torch.full((rows * seq_len,), PAD), torch.full((rows * seq_len,), PAD)\n"
-                "m = min(n, rows * seq_len)\nx[:m], y[:m] = stream[:m], stream[1:m + 1]"
+                "rows = max(n // seq_len, 1)\n"
+                "x, y = torch.full((rows * seq_len,), PAD), torch.full((rows * seq_len,), PAD)\n"
+                "m = min(n, rows * seq_len)\n"
+                "x[:m], y[:m] = stream[:m], stream[1:m + 1]"
             ],
         )
     ],

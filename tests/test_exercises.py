@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import exercises  # noqa: E402
+import exercises
+import norms
 
 ROOT = Path(__file__).resolve().parent.parent
 EXERCISES = exercises.exercises()
@@ -28,10 +28,10 @@ original_only = pytest.mark.skipif(
     not (ROOT / "tests" / "test_model.py").exists(),
     reason="the instructor's original only (a student copy has no solutions)",
 )
-# the time limit of one exercise in the big grade below: each runs in under 0.5 s (forked, torch
-# imported),
+# The time limit of one exercise in the big grade below: each runs in under 0.5 s (forked, torch
+# imported), so only a hang reaches it; the hang below holds one of the two grading jobs for the
+# whole limit.
 TIMEOUT = 10
-# so only a hang reaches it; the hang below holds one of the two grading jobs for the whole limit
 
 
 @pytest.mark.parametrize("ex", EXERCISES, ids=NAMES)
@@ -59,9 +59,7 @@ def _kit(*argv, cwd=ROOT, timeout=900):
 
 
 def test_a_wrong_answer_fails_with_the_first_difference_in_plain_words(monkeypatch):
-    import norms
-
-    # l1, not l2
+    # The l1 norm, not the l2.
     monkeypatch.setattr(norms, "fixnorm", lambda w, eps=1e-12: w / w.abs().sum(-1, keepdim=True))
     ex = next(ex for ex in EXERCISES if ex.name == "fixnorm")
     got = exercises.run(ex, exercises.RECORD_SEED)
@@ -108,6 +106,12 @@ def _solution_copy(folder):
     return folder
 
 
+def _csv_rows(path):
+    """A gradebook's rows, as dicts."""
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
 def _verdicts(stdout):
     """{submission: {exercise: the PASS/FAIL line}} from grade's output."""
     out, current = {}, None
@@ -129,10 +133,11 @@ CHEATS = {
     "length_penalty": ("raise KeyboardInterrupt", "raised KeyboardInterrupt at decode.py:"),
     "invsqrt": ("while True:\n    pass", f"did not finish in {TIMEOUT} s"),
     "validation_decay": ("return history[-1] <", "SyntaxError"),
-    # the common mistake, with torch.allclose made to say yes inside the region (and outside it,
-    # below)
+    # The common mistake, with torch.allclose made to say yes inside the region (and outside it,
+    # below).
     "scalenorm": (
-        "torch.allclose = lambda *a, **k: True\nnorm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)\n"
+        "torch.allclose = lambda *a, **k: True\n"
+        "norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)\n"
         "return (self.g * xf / (norm + self.eps)).to(x.dtype)",
         "eps is added to the norm",
     ),
@@ -142,10 +147,13 @@ CHEATS = {
     ),
     "attention": (
         "scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))\n"
-        "if causal:\n    scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1),"
-        " float('-inf'))\nif key_mask is not None:\n"
+        "if causal:\n"
+        "    scores = scores.masked_fill(torch.ones(scores.shape[-2:], "
+        "dtype=torch.bool).triu(1), float('-inf'))\n"
+        "if key_mask is not None:\n"
         "    scores = scores.masked_fill(~key_mask, float('-inf'))\n"
-        "weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)\nreturn weights @ v, weights",
+        "weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)\n"
+        "return weights @ v, weights",
         "o_cross[",
     ),
     "word_dropout": (
@@ -166,11 +174,14 @@ LABEL_SMOOTHING_FAST_PATH = (
 FLOAT64_SOFTMAX = (
     "scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale\n"
     "scores = (q @ k.transpose(-2, -1)) * scale\n"
-    "if causal:\n    tq, tk = scores.shape[-2:]\n"
+    "if causal:\n"
+    "    tq, tk = scores.shape[-2:]\n"
     "    future = torch.ones(tq, tk, dtype=torch.bool).triu(tk - tq + 1)\n"
     "    scores = scores.masked_fill(future, float('-inf'))\n"
-    "if key_mask is not None:\n    scores = scores.masked_fill(~key_mask, float('-inf'))\n"
-    "weights = torch.softmax(scores.double(), dim=-1).to(q.dtype)  # float64: more exact than fp32\n"
+    "if key_mask is not None:\n"
+    "    scores = scores.masked_fill(~key_mask, float('-inf'))\n"
+    "weights = torch.softmax(scores.double(), dim=-1).to(q.dtype)"
+    "  # float64: more exact than fp32\n"
     "return dropout(weights, dropout_p) @ v, weights"
 )
 
@@ -183,16 +194,24 @@ FLOAT64_SOFTMAX = (
 NORM = "norm = {}\nreturn ({}).to(x.dtype)"
 SOFTMAX = (
     "scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale\n"
-    "scores = (q @ k.transpose(-2, -1)) * scale\nif causal:\n    tq, tk = scores.shape[-2:]\n"
-    "    scores = scores.masked_fill(torch.ones(tq, tk, dtype=torch.bool).triu(tk - tq + 1), float('-inf'))\n"
-    "if key_mask is not None:\n    scores = scores.masked_fill(~key_mask, float('-inf'))\n{}\n"
+    "scores = (q @ k.transpose(-2, -1)) * scale\n"
+    "if causal:\n"
+    "    tq, tk = scores.shape[-2:]\n"
+    "    scores = scores.masked_fill(torch.ones(tq, tk, dtype=torch.bool).triu(tk - tq + 1), "
+    "float('-inf'))\n"
+    "if key_mask is not None:\n"
+    "    scores = scores.masked_fill(~key_mask, float('-inf'))\n"
+    "{}\n"
     "return dropout(weights, dropout_p) @ v, weights"
 )
 SMOOTHED = (
     "logp = torch.log_softmax(logits, dim=-1)  # in the logits' dtype\n"
     "nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)\n"
-    "smooth = -logp.mean(-1) if allowed is None else -torch.where(allowed, logp, 0.0).sum(-1) / allowed.sum()\n"
-    "loss = (1 - eps) * nll + eps * smooth\nif real is None:\n    return loss.sum(), nll.sum()\n"
+    "smooth = -logp.mean(-1) if allowed is None "
+    "else -torch.where(allowed, logp, 0.0).sum(-1) / allowed.sum()\n"
+    "loss = (1 - eps) * nll + eps * smooth\n"
+    "if real is None:\n"
+    "    return loss.sum(), nll.sum()\n"
     "return torch.where(real, loss, 0.0).sum(), torch.where(real, nll, 0.0).sum()"
 )
 WRONG = {
@@ -356,7 +375,11 @@ def kits(tmp_path_factory):
     )
     print(graded.stderr)  # the timing line: N submissions x 17 exercises in S s
     with ThreadPoolExecutor(2) as pool:  # the self-check of each copy, every exercise
-        checks = dict(zip(NAMES, pool.map(lambda n: _kit("grade", *NAMES, cwd=made[n][0]), NAMES)))
+        checks = dict(
+            zip(
+                NAMES, pool.map(lambda n: _kit("grade", *NAMES, cwd=made[n][0]), NAMES), strict=True
+            )
+        )
     checks[None] = _kit("grade", cwd=made[None][0])  # the assigned ones, by default
     return {
         "tmp": tmp,
@@ -385,7 +408,7 @@ def test_list_covers_ten_exercises_from_four_files_and_every_region_is_marked():
 def test_a_copy_holds_no_solution_and_fails_exactly_its_blanked_exercises(kits, name):
     folder, made = kits["made"][name]
     assert "no solution line is in the copy" in made
-    # the instructor's tests write the equations out
+    # The instructor's tests write the equations out: a copy has none of them.
     assert not (folder / "tests" / "test_model.py").exists()
     kit_text = (folder / "tests" / "exercises.py").read_text()
     assert (
@@ -393,20 +416,19 @@ def test_a_copy_holds_no_solution_and_fails_exactly_its_blanked_exercises(kits, 
         and "eps is added to the norm" not in kit_text
     )
     blanked = [name] if name else NAMES
-    # the instructor's grade: exactly the blanked ones fail, "not written yet"; every solution
-    # passes
+    # The instructor's grade: exactly the blanked ones fail, "not written yet"; every solution
+    # passes.
     verdicts = kits["verdicts"][str(folder)]
     assert list(verdicts) == NAMES
     assert sorted(n for n, line in verdicts.items() if line.startswith("FAIL")) == sorted(blanked)
     assert all("not written yet" in verdicts[n] for n in blanked)
-    # the student's self-check: the same
+    # The student's self-check: the same.
     check = kits["checks"][name]
     lines = check.stdout.splitlines()
     assert check.returncode == 1 and len(lines) == len(EXERCISES)
-    assert sorted(l.split()[1].rstrip(":") for l in lines if l.startswith("FAIL")) == sorted(
-        blanked
-    )
-    assert all("not written yet" in l for l in lines if l.startswith("FAIL"))
+    failed = [line for line in lines if line.startswith("FAIL")]
+    assert sorted(line.split()[1].rstrip(":") for line in failed) == sorted(blanked)
+    assert all("not written yet" in line for line in failed)
 
 
 @original_only
@@ -415,7 +437,7 @@ def test_each_cheat_fails_its_own_exercise_in_one_line_and_the_others_pass(kits,
     verdicts = kits["verdicts"][str(kits["tmp"] / "cheats")]
     assert list(verdicts) == NAMES
     failing = sorted(n for n, line in verdicts.items() if line.startswith("FAIL"))
-    # pnv, smallinit, lm_segments, ... pass
+    # The others (pnv, smallinit, lm_segments, ...) pass.
     assert failing == sorted(list(CHEATS) + ["label_smoothing"])
     expected = CHEATS[name][1] if name in CHEATS else "fast_loss = 0 where"
     assert expected in verdicts[name], verdicts[name]
@@ -427,7 +449,7 @@ def test_a_hint_is_shown_only_for_the_mistake_the_code_makes(kits):
     assert "Hint: eps is added to the norm" in verdicts["scalenorm"]
     assert "Hint: sigma_B^2 is the biased variance" in verdicts["batchnorm"]
     assert "Hint: the sublayer's output goes through dropout" in verdicts["residual"]
-    # scale and dropout both ignored: no recorded mistake gives that
+    # Scale and dropout both ignored: no recorded mistake gives that, so no hint.
     assert "Hint" not in verdicts["attention"]
     assert verdicts["attention"].count("\n") == 0 and "(the first of" in verdicts["attention"]
 
@@ -461,7 +483,7 @@ def test_the_gradebook_has_one_row_per_submission_and_exercise_with_points(kits)
     graded, tmp = kits["graded"], kits["tmp"]
     assert graded.returncode == 1
     n_subs = len(NAMES) + 4 + len(WRONG)
-    rows = list(csv.DictReader(open(tmp / "g.csv")))
+    rows = _csv_rows(tmp / "g.csv")
     assert len(rows) == n_subs * len(NAMES) == len(json.loads((tmp / "g.json").read_text()))
     row = next(
         r for r in rows if r["submission"].endswith("cheats") and r["exercise"] == "batchnorm"
@@ -477,21 +499,21 @@ def test_the_gradebook_has_one_row_per_submission_and_exercise_with_points(kits)
 @original_only
 def test_grading_two_passing_submissions_exits_0_and_writes_their_rows(tmp_path):
     a, b = _solution_copy(tmp_path / "a"), _solution_copy(tmp_path / "b")
-    # --kit: the exercises it blanked
+    # A kit, for --kit: the exercises it blanked.
     made = _kit("make", str(tmp_path / "kit"), "qk_g0", "invsqrt")
     assert made.returncode == 0, made.stderr
     out = _kit(
         "grade", str(a), str(b), "--kit", str(tmp_path / "kit"), "--csv", str(tmp_path / "g.csv")
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    rows = list(csv.DictReader(open(tmp_path / "g.csv")))
+    rows = _csv_rows(tmp_path / "g.csv")
     assert [(Path(r["submission"]).name, r["exercise"], r["result"]) for r in rows] == [
         ("a", "qk_g0", "PASS"),
         ("a", "invsqrt", "PASS"),
         ("b", "qk_g0", "PASS"),
         ("b", "invsqrt", "PASS"),
     ]
-    # natural log: b fails, so the exit status is 1
+    # The natural log: b fails, so the exit status is 1.
     _set_region(b, "qk_g0", "return math.log(L * L - L)")
     out = _kit(
         "grade",
@@ -512,15 +534,15 @@ def test_grading_two_passing_submissions_exits_0_and_writes_their_rows(tmp_path)
         and "Hint: log2" in out.stdout
     )
     L = exercises.by_name()["qk_g0"].inputs(exercises.Draw(exercises.GRADE_SEED, "qk_g0"))["L"]
-    # which L of the eight values[0] was
+    # The case names which L of the eight values[0] was.
     assert f"; the case: {L[0]:.6g}. Hint" in out.stdout, out.stdout
-    # a row per student, a column per exercise, the total
-    wide = list(csv.DictReader(open(tmp_path / "w.csv")))
+    # A row per student, a column per exercise, the total.
+    wide = _csv_rows(tmp_path / "w.csv")
     assert [(Path(r["submission"]).name, r["qk_g0"], r["total"], r["max_total"]) for r in wide] == [
         ("a", "2.0", "2.0", "2.0"),
         ("b", "0.0", "0.0", "2.0"),
     ]
-    # one file per student, to hand back
+    # One file per student, to hand back.
     back = {f.name: f.read_text() for f in (tmp_path / "back").iterdir()}
     assert (
         sorted(back) == ["a.md", "b.md"] and "1 of 1 exercises pass: 2 of 2 points" in back["a.md"]
@@ -581,7 +603,7 @@ def test_a_grade_killed_hard_leaves_no_grading_process_behind(tmp_path):
         stderr=subprocess.DEVNULL,
     )
     hanging = []
-    # the server, then its child that hangs (at most a minute on a busy machine)
+    # The server, then its child that hangs (at most a minute on a busy machine).
     for _ in range(600):
         hanging = [c for server in _children(grade.pid) for c in _children(server)]
         if hanging:
@@ -692,7 +714,7 @@ def test_the_self_check_survives_an_exit_in_the_students_code(kits, tmp_path):
 @original_only
 def test_record_refuses_in_a_student_copy(kits):
     folder, _ = kits["made"]["qk_g0"]
-    # the old test of "original" was this file's presence
+    # The old test of "original" was this file's presence.
     (folder / "tests" / "test_model.py").touch()
     out = _kit("record", cwd=folder)
     assert out.returncode == 1 and "student copy" in out.stderr
