@@ -16,8 +16,8 @@ Contents
   6. Word dropout [1, 11]
   7. QKNorm's length statistic L [3] (g0 from it: model.qk_g0, beside the attention)
   8. A language model's text ([2] Table 2): words or BPE, one stream, cut into segments
-  Appendix A: a language model's other segments and its words: windows for perplexity in context
-              ([2] A.2), the baseline code's rows, the word vocabulary, and a run's tokenizer
+  Appendix A: a language model's other segments (windows for perplexity in context, [2] A.2; the
+              baseline code's rows), its word vocabulary, and a run's tokenizer
 
 Shapes: B sentences in a batch, S source length, T target length (after the BOS/EOS shift).
 
