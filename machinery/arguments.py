@@ -1,4 +1,20 @@
-"""machinery/arguments.py: TODO."""
+"""machinery/arguments.py: train.py's flags, and the value types that both programs' flags share.
+
+build_parser is train.py's argparse parser: every flag names the paper and equation it comes from,
+and `python train.py --help` is their documentation. The parser's own defaults are suppressed, so
+that parse_args returns exactly the flags given on the command line; DEFAULTS holds the defaults
+(build_parser fills it). A run's flags are DEFAULTS, then the --preset's flags, then the command
+line's: machinery/presets.py's resolve_flags builds them, and machinery/train_cli.py checks them
+(check_flags) before `python train.py` starts a run.
+
+The range of each number is its type= (ranged: positive_int, count, fraction, ...), the same for
+decode.py's flags (machinery/decode_cli.py): a value out of range is argparse's own one-line error
+that names the flag. idle_flag is both programs' one rule for a flag given where it does nothing:
+it is refused in one line, never silently ignored.
+
+Called by machinery/presets.py, machinery/train_cli.py and machinery/decode_cli.py (and the tests);
+a reader of the book never needs to open it.
+"""
 
 import argparse
 import math
@@ -13,9 +29,9 @@ from norms import NORMS
 
 def idle_flag(rules, given):
     """Both programs' one rule for a flag given where it does nothing: refused in one line, never
-    silently ignored. rules: (flags, read, why), the flags read only where `read` holds. The first
-    flag given where it is not read, as a command line writes it (--flag-name), with its rule's why;
-    None if there is none."""
+    silently ignored. rules: (flags, read, why), the flags read only where `read` holds. Returns the
+    first flag given where it is not read, as a command line writes it (--flag-name), with its
+    rule's why; None if there is none."""
     for flags, read, why in rules:
         if not read and (idle := [f for f in flags if f in given]):
             return f"--{idle[0].replace('_', '-')}", why
@@ -34,61 +50,43 @@ def ranged(kind, ok, why):
             )
         return v
 
-    # argparse's "invalid int value: 'x'" for text that is no number
+    # Named as its kind, so that text that is no number reads "invalid int value: 'x'".
     convert.__name__ = kind.__name__
     return convert
 
 
-positive_int, count = (
-    ranged(int, lambda v: v >= 1, "at least 1"),
-    ranged(int, lambda v: v >= 0, "0 or more"),
-)
-
-
-positive, non_negative = (
-    ranged(float, lambda v: v > 0, "positive"),
-    ranged(float, lambda v: v >= 0, "0 or more"),
-)
-
-
+positive_int = ranged(int, lambda v: v >= 1, "at least 1")
+count = ranged(int, lambda v: v >= 0, "0 or more")
+positive = ranged(float, lambda v: v > 0, "positive")
+non_negative = ranged(float, lambda v: v >= 0, "0 or more")
 fraction = ranged(float, lambda v: 0 <= v < 1, "in [0, 1)")
-
-
 alpha_range = ranged(
     float, lambda v: 0 <= v <= 10, "in [0, 10] (the papers: 0.6, 1.0; a larger one overflows)"
 )
-
-
-threads = ranged(int, lambda v: 1 <= v <= 1024, "in [1, 1024]")  # torch crashed at 100,000
-
-
+threads = ranged(int, lambda v: 1 <= v <= 1024, "in [1, 1024]")  # torch crashed at 100,000 threads.
 in_0_1 = ranged(float, lambda v: 0 < v <= 1, "in (0, 1]")
-
-
-# and the LR's: a larger one overflows at the first step
+# A percentile, and the LR's range too: a larger LR overflows at the first step.
 percent = ranged(float, lambda v: 0 < v <= 100, "in (0, 100]")
-
-
-# QKNorm's L
+# QKNorm's L ([3] eq. 3).
 length_range = ranged(float, lambda v: 2 <= v <= 1e6, "in [2, 1e6] (g0 = log2(L^2 - L) in [1, 40])")
-
-
 seed_range = ranged(
     int, lambda v: 0 <= v < 2**63 - 64, "in [0, 2^63 - 64) (torch's generators take 64 bits)"
 )
 
 
-DEFAULTS = {}  # every flag's default
+DEFAULTS = {}  # every flag's default, filled by build_parser
 
 
 def build_parser():
     p = argparse.ArgumentParser(
         argument_default=argparse.SUPPRESS,
-        description="Train a Transformer translator with the normalizations of TwT [1], PowerNorm [2] and QKNorm "
-        "[3]. [1] Nguyen & Salazar 2019, Transformers without Tears; [2] Shen et al. 2020, PowerNorm; "
-        "[3] Henry et al. 2020, Query-Key Normalization for Transformers. The defaults are the quick "
-        "start: a small model that learns the built-in corpus in about 4 minutes on 2 CPU cores. "
-        "The papers' rows are presets: --preset list.",
+        description=(
+            "Train a Transformer translator with the normalizations of TwT [1], PowerNorm [2] and "
+            "QKNorm [3]. [1] Nguyen & Salazar 2019, Transformers without Tears; [2] Shen et al. "
+            "2020, PowerNorm; [3] Henry et al. 2020, Query-Key Normalization for Transformers. The "
+            "defaults are the quick start: a small model that learns the built-in corpus in about "
+            "4 minutes on 2 CPU cores. The papers' rows are presets: --preset list."
+        ),
     )
 
     def add(group, *names, default=None, help="", **kw):
@@ -103,7 +101,7 @@ def build_parser():
         row,
         "--preset",
         metavar="NAME",
-        help="apply one row of a paper's table (train.py Appendix B); flags given "
+        help="apply one row of a paper's table (machinery/presets.py); flags given "
         "with it override it; 'list' prints them all",
     )
     add(
@@ -150,14 +148,18 @@ def build_parser():
         "--lm-batches",
         choices=["shuffled", "streams"],
         default="shuffled",
-        help="--task lm: shuffled segments, "
-        "or streams: the baseline code's rows of the text, batch j every row's j-th segment (data.lm_streams)",
+        help=(
+            "--task lm: shuffled segments, or streams: the baseline code's rows of the text, batch "
+            "j every row's j-th segment (data.lm_streams)"
+        ),
     )
     add(
         g,
         "--data",
-        help="corpus directory holding {train,dev,test}.{SRC,TGT}; default: the built-in synthetic "
-        "corpus (data.py), generated on first use",
+        help=(
+            "corpus directory holding {train,dev,test}.{SRC,TGT}; default: the built-in synthetic "
+            "corpus (machinery/toy_corpus.py), generated on first use"
+        ),
     )
     add(g, "--src", help="source language suffix, e.g. en (DIR/train.en)")
     add(g, "--tgt", help="target language suffix, e.g. de (DIR/train.de)")
@@ -165,8 +167,11 @@ def build_parser():
         g,
         "--bpe-size",
         type=count,
-        help="joint sentencepiece BPE vocabulary size ([1] Table 1: 8k; 3k for "
-        "gl-en); default 8000, or 2000 on the built-in corpus; --task lm: 0 (the default there) is whitespace words",
+        help=(
+            "joint sentencepiece BPE vocabulary size ([1] Table 1: 8k; 3k for gl-en); default "
+            "8000, or 2000 on the built-in corpus; --task lm: 0 (the default there) is whitespace "
+            "words"
+        ),
     )
     add(
         g,
@@ -274,8 +279,10 @@ def build_parser():
         "--init",
         choices=["small", "xavier", "normal"],
         default="small",
-        help="SmallInit (attention std "
-        "sqrt(2/5d), [1] section 2.2), Xavier normal ([1] eq. 4), or the baseline LM code's (model.normal_init)",
+        help=(
+            "SmallInit (attention std sqrt(2/5d), [1] section 2.2), Xavier normal ([1] eq. 4), or "
+            "the baseline LM code's (model.normal_init)"
+        ),
     )
     add(
         g,
@@ -323,9 +330,10 @@ def build_parser():
         "--pn-variant",
         choices=["paper", "code"],
         default="paper",
-        help="PowerNorm: 'paper' follows [2] "
-        "Algorithm 2 / eq. 12; 'code' the released code (backward divides by the batch psi_B after warmup; "
-        "padding enters the backward means)",
+        help=(
+            "PowerNorm: 'paper' follows [2] Algorithm 2 / eq. 12; 'code' the released code "
+            "(backward divides by the batch psi_B after warmup; padding enters the backward means)"
+        ),
     )
     add(
         g,
@@ -346,24 +354,30 @@ def build_parser():
         "--attention",
         choices=["softmax", "multilinear"],
         default="softmax",
-        help="--task lm: softmax "
-        "attention, or the tensorized Transformer's multi-linear attention, core-1, causal ([2] appendix A.2)",
+        help=(
+            "--task lm: softmax attention, or the tensorized Transformer's multi-linear attention, "
+            "core-1, causal ([2] appendix A.2)"
+        ),
     )
     add(
         g,
         "--mask",
         choices=["causal", "none"],
         default="causal",
-        help="--attention multilinear: causal ([2]: "
-        "'with masking'), or none: the baseline code's mask, built and never applied (model.py Appendix B)",
+        help=(
+            "--attention multilinear: causal ([2]: 'with masking'), or none: the baseline code's "
+            "mask, built and never applied (model.py Appendix B)"
+        ),
     )
     add(
         g,
         "--positions",
         choices=["sinusoidal", "relative"],
         default="sinusoidal",
-        help="--attention multilinear: "
-        "sinusoids added to the input, or relative: the baseline code's term inside the attention instead",
+        help=(
+            "--attention multilinear: sinusoids added to the input, or relative: the baseline "
+            "code's term inside the attention instead"
+        ),
     )
     add(
         g,
@@ -403,7 +417,7 @@ def build_parser():
         default="invsqrt",
         help="; ".join(f"{name}: {entry.help}" for name, entry in train.SCHEDULES.items()),
     )
-    # both set the peak LR (lr = lr_scale / sqrt(d * warmup)): one of them
+    # Both set the peak LR (lr = lr_scale / sqrt(d * warmup)): at most one of them is given.
     peak = g.add_mutually_exclusive_group()
     add(
         peak,
@@ -433,8 +447,10 @@ def build_parser():
         "--patience",
         type=positive_int,
         default=3,
-        help="validation decay when the dev score (BLEU; perplexity "
-        "with --task lm) is worse than each of the previous PATIENCE evaluations ([1] 2.4; 3 in 3.3)",
+        help=(
+            "validation decay when the dev score (BLEU; perplexity with --task lm) is worse than "
+            "each of the previous PATIENCE evaluations ([1] 2.4; 3 in 3.3)"
+        ),
     )
     add(
         g,
@@ -506,9 +522,11 @@ def build_parser():
         type=count,
         default=0,
         metavar="N",
-        help="also write the last checkpoint every N "
-        "steps between evaluations: a hard kill (SIGKILL, a lost node) then loses at most N steps (0: at evaluations "
-        "only; Ctrl-C and SIGTERM always save the step they stop at)",
+        help=(
+            "also write the last checkpoint every N steps between evaluations: a hard kill "
+            "(SIGKILL, a lost node) then loses at most N steps (0: at evaluations only; Ctrl-C and "
+            "SIGTERM always save the step they stop at)"
+        ),
     )
     add(g, "--max-steps", type=positive_int, help="stop after this many steps (quick checks)")
     add(
@@ -532,8 +550,10 @@ def build_parser():
         "--compile",
         action="store_true",
         default=False,
-        help="torch.compile the model, once, for "
-        "symbolic shapes, lengths padded to multiples of 8 (a minute or more to compile; for a GPU)",
+        help=(
+            "torch.compile the model, once, for symbolic shapes, lengths padded to multiples of 8 "
+            "(a minute or more to compile; for a GPU)"
+        ),
     )
     add(
         g,
@@ -566,8 +586,10 @@ def build_parser():
         "--length-penalty",
         choices=list(decode.PENALTIES),
         default="gnmt",
-        help="gnmt: score / ((5 + |Y|) / 6)"
-        "^alpha (Wu et al. 2016; TwT, QKNorm); fairseq: score / |Y|^alpha (Ott et al. 2019, as PowerNorm decodes)",
+        help=(
+            "gnmt: score / ((5 + |Y|) / 6)^alpha (Wu et al. 2016; TwT, QKNorm); fairseq: score / "
+            "|Y|^alpha (Ott et al. 2019, as PowerNorm decodes)"
+        ),
     )
     add(
         g,
@@ -583,8 +605,10 @@ def build_parser():
         type=count,
         default=0,
         metavar="N",
-        help="time N training steps after a warm-up and "
-        "print tokens/s, FLOPs/token, MFU, padding and peak memory, then exit (writes no run directory)",
+        help=(
+            "time N training steps after a warm-up and print tokens/s, FLOPs/token, MFU, padding "
+            "and peak memory, then exit (writes no run directory)"
+        ),
     )
     add(
         g,
@@ -616,8 +640,10 @@ def build_parser():
         "--start-or-resume",
         action="store_true",
         default=False,
-        help="start the run in --out, or continue it "
-        "when --out already holds it: one command for a scheduler's requeue. Every flag of the command is compared "
-        "with the run's; a folder of another run, or a flag that differs, is refused as --resume refuses it",
+        help=(
+            "start the run in --out, or continue it when --out already holds it: one command for a "
+            "scheduler's requeue. Every flag of the command is compared with the run's; a folder "
+            "of another run, or a flag that differs, is refused as --resume refuses it"
+        ),
     )
     return p
