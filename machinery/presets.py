@@ -1,4 +1,18 @@
-"""machinery/presets.py: TODO."""
+"""machinery/presets.py: the papers' rows as presets, and the flags of a run (resolve_flags).
+
+Each preset is one row of a paper's table as a set of flags, applied after the defaults and before
+the flags of the command line (which override it): --preset NAME, and --preset list prints them
+all. A row names its language pair (PAIRS); --pair NAME swaps in another pair's corpus and per-pair
+flags: machinery/corpora.py's CORPORA "flags" (their one copy, beside the corpus's source and notes)
+and --data data/NAME (multi30k: data/multi30k-en-de), where `python data.py prepare NAME` puts it.
+--config FILE starts a new run from a run's config.json instead, as a preset of every flag
+(config_flags).
+
+resolve_flags turns a command line into a run's flags: DEFAULTS (machinery/arguments.py), then the
+pair's and the preset's (or --config's) flags, then the command line's, and fixes the values that
+depend on other flags, once. Called by machinery/train_cli.py's main() (`python train.py`) and by
+the tests; a reader of the book never needs to open it.
+"""
 
 import argparse
 import json
@@ -12,25 +26,23 @@ from machinery.corpora import PAIRS
 from machinery.rundir import ACTIONS, RUN_RECORDS
 
 
+def one_line_error(message):
+    """The parser's error, as one line (argparse's own would add its usage): exit status 1."""
+    sys.exit(f"error: {message}")
+
+
 def resolve_flags(argv=None, log=print):
     """The command line -> (args, given): every flag's value, and the flags given explicitly; log:
     its notes."""
     parser = build_parser()
-    # one line (argparse adds its usage)
-    parser.error = lambda message: sys.exit(f"error: {message}")
+    parser.error = one_line_error
     given = vars(parser.parse_args(argv))
     if given.get("preset") == "list":
-        width = max(len(pair) for pair, _, _ in PRESETS.values())
-        for name, (pair, row, _) in PRESETS.items():
-            print(f"{name:30s} {pair:{width}s} {row}")
-        print(
-            f"{len(PRESETS)} presets; --pair NAME swaps the language pair ({', '.join(PAIRS)}); any flag given "
-            f"with --preset overrides it"
-        )
-        sys.exit(0)
+        list_presets()
     if given.get("preset", next(iter(PRESETS))) not in PRESETS:
         sys.exit(
-            f"error: --preset {given['preset']}: unknown; --preset list shows the {len(PRESETS)} presets"
+            f"error: --preset {given['preset']}: unknown; --preset list shows the "
+            f"{len(PRESETS)} presets"
         )
     pair, _, row = PRESETS[given["preset"]] if "preset" in given else (None, "", {})
     if "config" in given:  # a run's every flag; --pair given swaps its corpus
@@ -41,20 +53,12 @@ def resolve_flags(argv=None, log=print):
     # says so.
     if "lr" in given and flags["lr_scale"] is not None:
         log(
-            f"note: --lr {given['lr']:g} is the peak LR, which --lr-scale {flags['lr_scale']} would set: not used"
+            f"note: --lr {given['lr']:g} is the peak LR, which --lr-scale {flags['lr_scale']} "
+            f"would set: not used"
         )
         flags["lr_scale"] = None
     flags.update(given)
-    # a language model's corpus for a translator...
-    if "pair" in given and ("task" in given or "preset" in given):
-        task = given.get("task") or row.get("task") or PAIRS[pair].get("task", "mt")
-        if PAIRS[given["pair"]].get("task", "mt") != task:
-            what = (
-                f"--task {task}"
-                if "task" in given
-                else f"--preset {given['preset']}, a {'language model' if task == 'lm' else 'translator'}"
-            )
-            sys.exit(f"error: --pair {given['pair']}: not a corpus for {what}")
+    check_pair(given, pair, row)
     args = argparse.Namespace(**flags)
     # Values that depend on other flags are fixed here, once, and recorded in config.json.
     if args.bpe_size is None:
@@ -66,44 +70,74 @@ def resolve_flags(argv=None, log=print):
     return args, given
 
 
+def list_presets():
+    """--preset list: every preset's name, language pair and paper's row, then exit (status 0)."""
+    width = max(len(pair) for pair, _, _ in PRESETS.values())
+    for name, (pair, row, _) in PRESETS.items():
+        print(f"{name:30s} {pair:{width}s} {row}")
+    print(
+        f"{len(PRESETS)} presets; --pair NAME swaps the language pair ({', '.join(PAIRS)}); any "
+        f"flag given with --preset overrides it"
+    )
+    sys.exit(0)
+
+
+def check_pair(given, pair, row):
+    """--pair given with --task or --preset must name a corpus for that task: a language model's
+    corpus for a translator, or a translator's for a language model, is refused in one line. pair,
+    row: the preset's language pair and flags."""
+    if "pair" not in given or ("task" not in given and "preset" not in given):
+        return
+    task = given.get("task") or row.get("task") or PAIRS[pair].get("task", "mt")
+    if PAIRS[given["pair"]].get("task", "mt") == task:
+        return
+    if "task" in given:
+        what = f"--task {task}"
+    else:
+        model = "language model" if task == "lm" else "translator"
+        what = f"--preset {given['preset']}, a {model}"
+    sys.exit(f"error: --pair {given['pair']}: not a corpus for {what}")
+
+
 def config_flags(path, parser):
     """--config FILE: the flags a run's config.json holds, for a new run (not the run's records, its
     --out or an action). A file that is not a JSON object, a key that is no flag, a value its flag's
     type= or choices refuse: one line that names it."""
     try:
         saved = json.loads(Path(path).read_text())
+        # A JSON list or value has no .items(): AttributeError.
         flags = {k: v for k, v in saved.items() if k not in RUN_RECORDS + ACTIONS + ("out",)}
-    # AttributeError: a JSON list or value has no .items()
     except (OSError, ValueError, AttributeError) as e:
         sys.exit(f"error: --config {path}: not a JSON object of flags ({e})")
     actions = {a.dest: a for a in parser._actions if a.dest in DEFAULTS}
     for k, v in flags.items():
-        # as argparse takes the value from a command line: through its flag's type= and choices
         try:
-            a = actions[k]
-            ok = (
-                v is None
-                and DEFAULTS[k] is None
-                or (
-                    isinstance(v, bool)
-                    if a.nargs == 0
-                    else not isinstance(v, bool)
-                    and (a.type or str)(str(v)) == v
-                    and v in (a.choices or [v])
-                )
-            )
+            ok = is_value_of(actions[k], DEFAULTS[k], v)
         except (KeyError, TypeError, ValueError, argparse.ArgumentTypeError):
             ok = False
-        if not ok:
+        if ok:
+            continue
+        if k in actions:
             sys.exit(
-                f"error: --config {path}: {k!r}: "
-                + (
-                    f"{v!r} is not a value of --{k.replace('_', '-')}"
-                    if k in actions
-                    else "not a flag of train.py"
-                )
+                f"error: --config {path}: {k!r}: {v!r} is not a value of --{k.replace('_', '-')}"
             )
+        sys.exit(f"error: --config {path}: {k!r}: not a flag of train.py")
     return flags
+
+
+def is_value_of(action, default, v):
+    """Whether a flag (its argparse action, its default) takes the value v, as argparse takes a
+    value from a command line: through the flag's type= and choices. A switch takes a bool; None is
+    a value only where it is the default."""
+    if v is None and default is None:
+        return True
+    if action.nargs == 0:  # a switch: --qknorm, --fixnorm / --no-fixnorm
+        return isinstance(v, bool)
+    return (
+        not isinstance(v, bool)
+        and (action.type or str)(str(v)) == v
+        and v in (action.choices or [v])
+    )
 
 
 # The shared recipes. TwT appendix A: d 512, FFN 2048, word dropout and label smoothing 0.1,
@@ -223,16 +257,16 @@ PN2 = dict(
     stop_lr=0.0,
     keep_checkpoints=0,
     norm="layer",
-    # a CPU's epoch is 5-10 minutes: a hard kill loses at most 2-4 (docs/runs.md)
+    # A CPU's epoch is 5-10 minutes: a hard kill loses at most 2-4 minutes of it (docs/runs.md).
     save_interval=100,
 )
 
 
+# Its Table 2's norms: (the preset's name, the table's name, --norm).
 PN2_NORMS = (
     ("layernorm", "LN", "layer"),
     ("batchnorm", "BN", "batch"),
     ("pnv", "PN-V", "pnv"),
-    # its Table 2's norms: (the preset's name, the table's, --norm)
     ("powernorm", "PN", "power"),
 )
 
@@ -278,7 +312,7 @@ M30K_LN = row(M30K, norm="layer", fixnorm=False)  # [1] Table 3 rows (1)-(2)
 M30K_FINAL = row(M30K, prenorm=True, norm="scale", fixnorm=True)  # [1] Table 3 (4)
 
 
-# [1] Tables 2, 5: no warmup
+# [1] Tables 2 and 5: deeper, with no warmup.
 M30K_DEEP = row(M30K_LN, layers=6, schedule="nowarmup", lr=1e-3, max_steps=250)
 
 
@@ -298,7 +332,7 @@ M30K_PN = row(
 )
 
 
-# [3]: QKNorm + LayerNorm
+# [3]: QKNorm + LayerNorm.
 M30K_QK = row(M30K, prenorm=True, norm="layer", fixnorm=True, qknorm=True)
 
 
@@ -425,8 +459,8 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
     },
     "pn2-script": (
         "ptb",
-        "PowerNorm Table 2: PTB, LN, the baseline's PTB script (run_ptb.sh) as closely as our flags "
-        "go (docs/departures.md)",
+        "PowerNorm Table 2: PTB, LN, the baseline's PTB script (run_ptb.sh) as closely as our "
+        "flags go (docs/departures.md)",
         row(
             PN2,
             mask="none",
@@ -443,8 +477,8 @@ PRESETS = {  # name: (language pair, the paper's row, flags)
             max_epochs=83,
         ),
     ),
-    # [2] A.2: WikiText-103, 6 layers, the rest as PTB's; an epoch: 101,425,671 words + 1,165,029
-    # EOS, 26,717 batches
+    # [2] A.2: WikiText-103, 6 layers, the rest as PTB's; an epoch is 101,425,671 words + 1,165,029
+    # EOS, 26,717 batches.
     **{
         f"pn2-wt103-{key}": (
             "wikitext-103",
