@@ -307,8 +307,8 @@ def _opener(root):
         if root.is_dir():
             names = [str(p.relative_to(root)) for p in root.rglob("*")]
 
-            def open_(name):
-                return open(root / name, "rb")
+            def open_(name):  # closed when the with ends, as an archive's members are
+                return stack.enter_context(open(root / name, "rb"))
 
         elif zipfile.is_zipfile(root):  # WikiText-103
             archive = stack.enter_context(zipfile.ZipFile(root))
