@@ -201,7 +201,7 @@ class MultiHeadAttention(nn.Module):  # with optional QKNorm [3]; one module per
                 q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale
             )
         else:
-            o, w = attention_math(q, k, v, key_mask, causal, scale, p)
+            o, w = attention_math(q, k, v, key_mask, causal=causal, scale=scale, dropout_p=p)
             self.last_weights = w.detach() if self.keep_weights else None
         return self.out(o.transpose(1, 2).flatten(2))  # (B, Tq, D)
 

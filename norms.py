@@ -318,15 +318,16 @@ class GroupScaling(nn.Module):
 # It also stores nu/(1-alpha_bkw) (we store nu); its psi_B^2, Gamma, Lambda are per GPU.
 # ---------------------------------------------------------------------------------------
 class _PowerNormFunction(torch.autograd.Function):
-    """Eqs. 8-9 forward and 11-13 backward of PN for one training step (nu updated in place)."""
+    """Eqs. 8-9 forward and 11-13 backward of PN for one training step; pn is the PowerNorm whose
+    running_nu (nu, updated in place), alpha_bkw and eps the step takes."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, psi2, nu, real, alpha_bkw, eps):
-        z = x / torch.sqrt(psi2 + eps)  # (B, T, D)  Paper (eq. 8): X^ = X / psi_{t-1}
+    def forward(ctx, x, weight, bias, psi2, real, pn):
+        z = x / torch.sqrt(psi2 + pn.eps)  # (B, T, D)  Paper (eq. 8): X^ = X / psi_{t-1}
         ctx.save_for_backward(z, weight, psi2, real)
         # Note: nu is a plain attribute, not saved_for_backward: every backward changes it in place,
         # which autograd's version check would refuse when a module runs twice in one graph.
-        ctx.nu, ctx.alpha, ctx.eps = nu, alpha_bkw, eps
+        ctx.nu, ctx.alpha, ctx.eps = pn.running_nu, pn.alpha_bkw, pn.eps
         return weight * z + bias  # (B, T, D)  Paper (eq. 9): Y = gamma X^ + beta
 
     @staticmethod
@@ -348,7 +349,7 @@ class _PowerNormFunction(torch.autograd.Function):
         # Exercise powernorm_backward: end
         dx = torch.where(real.unsqueeze(-1), dx, 0.0)  # padding gets zero gradient
         # dL/dx, dL/dgamma, dL/dbeta; the other inputs get no gradient.
-        return dx, (dy * z).sum((0, 1)), dy.sum((0, 1)), None, None, None, None, None
+        return dx, (dy * z).sum((0, 1)), dy.sum((0, 1)), None, None, None
 
 
 class PowerNorm(nn.Module):
@@ -401,9 +402,7 @@ class PowerNorm(nn.Module):
 
     def step(self, xs, real, psi2, phi, fwd_psi2):
         """Y (eqs. 8-9; backward: 11-13), then psi_t^2 (eq. 10)."""
-        y = _PowerNormFunction.apply(
-            xs, self.weight, self.bias, fwd_psi2, self.running_nu, real, self.alpha_bkw, self.eps
-        )
+        y = _PowerNormFunction.apply(xs, self.weight, self.bias, fwd_psi2, real, self)
         # Paper (eq. 10, as Alg. 2 writes it): psi_t^2 = alpha psi_{t-1}^2 + (1 - alpha) psi_B^2
         with torch.no_grad():
             self.running_phi.copy_(self.alpha_fwd * phi + (1 - self.alpha_fwd) * psi2)
