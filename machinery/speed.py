@@ -1,9 +1,31 @@
-"""machinery/speed.py: TODO."""
+"""machinery/speed.py: how fast the code runs, measured and printed, never asserted.
+
+What it holds:
+  - The timing harness: sync (waits for the work queued on a CUDA device) and timed (a call's
+    result and its wall seconds, the device synchronised before and after). decode.py --benchmark
+    (machinery/decode_cli.py), the built-in corpus (machinery/toy_corpus.py), train.py's
+    --benchmark and python norms.py --benchmark time with it.
+  - FLOPs and MFU: batch_flops (the matmul FLOPs of one training step on a batch), step_flops (a
+    step's, over its micro-batches and the ranks) and matmul_flops (this machine's own GEMM
+    throughput, MFU's denominator). machinery/logbook.py's StepLog reads them for the log line.
+  - train.py's --benchmark N and --profile: benchmark times N training steps after a warm-up, with
+    one device sync at the end as training has, and prints tokens/s, FLOPs, MFU, padding and peak
+    memory; profile_steps runs 5 more steps under torch.profiler. machinery/train_cli.py calls
+    benchmark in place of the training loop.
+  - python norms.py --benchmark: every norm's forward+backward timed against LayerNorm
+    (benchmark_norms), and its command line (main). norms.py's ``if __name__ == "__main__":`` runs
+    this module as the program.
+
+The figures are printed, never asserted (no test checks a speed): these machines are shared and
+noisy, so compare ratios measured in one run, with the candidates interleaved (round robin) so that
+noise hits them alike. A reader of the book never needs this module: no chapter imports it.
+"""
 
 import argparse
 import resource
 import time
 from dataclasses import asdict
+from functools import partial
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -14,15 +36,8 @@ from model import output_columns
 from norms import NORMS, build_norm, use_reference
 
 
-# =======================================================================================
-# Appendix C: the timing harness, and python norms.py --benchmark.
-#
-# norms.py, decode.py and train.py's warm-up time with timed() below (train.py's --benchmark
-# synchronises once around all its timed steps, as training does).
-# Figures are printed, never asserted: these machines are shared and noisy, so compare ratios
-# measured in one run, with the candidates interleaved (round robin) so noise hits them alike.
-# =======================================================================================
-def sync(device):  # waits for the work queued on a CUDA device (the CPU's is done when it returns)
+def sync(device):
+    """Waits for the work queued on a CUDA device (the CPU's is done when it returns)."""
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -40,14 +55,15 @@ def benchmark_norms(
     batch=64, length=64, d=512, heads=8, repeats=30, rounds=5, device="cpu", bf16=False
 ):
     """Best (over rounds) seconds of one forward+backward of every norm on (batch, length, d);
-    bf16: a bf16 input under CUDA autocast, as in training on a GPU."""
+    bf16: a bf16 input under CUDA autocast, as in training on a GPU. The norms take turns in every
+    round (round robin), each after one untimed warm-up."""
     x0 = torch.randn(
         batch, length, d, device=device, dtype=torch.bfloat16 if bf16 else torch.float32
     )
     pad = torch.zeros(batch, length, dtype=torch.bool, device=device)
     pad[: batch // 2, length - length // 8 :] = True  # some padding, as in a real batch
     dy = torch.randn_like(x0)
-    # PN past its warmup
+    # Every norm, PowerNorm past its warmup.
     norms = {name: build_norm(name, d, heads, {"warmup": 1}).to(device) for name in NORMS}
 
     def run(norm, x):
@@ -60,12 +76,12 @@ def benchmark_norms(
         for name, norm in norms.items():
             x = x0.clone().requires_grad_(True)
             run(norm, x)  # warm-up
-            times[name].append(timed(lambda: run(norm, x), device)[1] / repeats)
+            times[name].append(timed(partial(run, norm, x), device)[1] / repeats)
     return {name: min(t) for name, t in times.items()}  # min over rounds: the least disturbed
 
 
 def batch_flops(cfg, b, out_vocab=None):
-    """Training FLOPs of one step on a data.Batch b, its (B, S) source / (B, T) target, padding
+    """Training FLOPs of one step on a data.Batch b: its (B, S) source and (B, T) target, padding
     included.
 
     Counts the matmuls (2 FLOPs per multiply-add) of the forward pass, times 3 (backward ~ two
@@ -74,12 +90,12 @@ def batch_flops(cfg, b, out_vocab=None):
       decoder:  self 4 D^2 + cross Q, O 2 D^2 + FFN 2 D FF          + scores 2 T D + 2 S D
                 (+ cross K, V 2 D^2 per *source* token)
       output:   D Vt per target token (training computes only the Vt = out_vocab target words'
-      logits, default all V)
-    A language model (S = 0) has no cross-attention; the multi-linear attention (model.py Appendix
-    B) costs W^QKV 3 D HR, the tensor T^2 HR (T^2 R per head; twice under --positions relative) and
-    W^O H L^2 D per token, where HR = H x --head-dim (D by default).
+                logits; by default all V)
+    A language model (S = 0) has no cross-attention. The multi-linear attention (model.py
+    Appendix B) costs W^QKV 3 D HR, the tensor T^2 HR (T^2 R per head; twice under --positions
+    relative) and W^O H L^2 D per token, where HR = H x --head-dim (D by default).
     """
-    # a language model's batch has no source
+    # A language model's batch has no source (S = 0).
     (B, T), S = b.tgt_in.shape, 0 if b.src is None else b.src.size(1)
     D, FF, V = cfg.d_model, cfg.ff, out_vocab or cfg.vocab_size
     enc = cfg.enc_layers * (S * (4 * D * D + 2 * D * FF) + 2 * S * S * D)
@@ -94,8 +110,8 @@ def batch_flops(cfg, b, out_vocab=None):
     return 3 * 2 * B * (enc + dec + T * D * V)
 
 
-# a step's, for the log line and --benchmark: this rank's micro-batches x the ranks
 def step_flops(run, batches):
+    """A step's FLOPs, for the log line and --benchmark: this rank's micro-batches x the ranks."""
     return (
         sum(batch_flops(run.model.cfg, b, output_columns(run.model)) for b in batches) * run.world
     )
@@ -114,7 +130,7 @@ def matmul_flops(run, tokens=4096, seconds=1.0):
         torch.randn(*shape, device=device, generator=gen).to(dtype)
         for shape in ((tokens, d), (d, ff))
     )
-    # its default is 1 thread
+    # Timer's default is 1 thread; the GEMM gets as many as training has.
     timer = Timer("a @ b", globals={"a": a, "b": b}, num_threads=torch.get_num_threads())
     return 2 * tokens * d * ff / min(timer.blocked_autorange(min_run_time=seconds).times)
 
@@ -123,68 +139,82 @@ def benchmark(run, train_step):
     """--benchmark N: time N training steps after 3 warm-up steps (and --compile's compilations);
     print figures, assert nothing. As in training, the host reads nothing back from the device in
     the N steps: one sync at the end."""
-    args, cfg, warm, dev = run.args, run.model.cfg, 3, run.device
+    args, warm, dev = run.args, 3, run.device
     matmul_peak = matmul_flops(run)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    # torch.compile's own counter of the graphs it made, imported only with --compile
+    # torch.compile's own counter of the graphs it made, imported only with --compile.
     if args.compile:
         from torch._dynamo.utils import counters
     graphs = int(counters["stats"]["unique_graphs"]) if args.compile else 0
 
-    def step(i):  # step i's mean loss and target tokens, left on the device, and its FLOPs
+    def step(i):
+        """Step i's mean loss and target tokens, left on the device, and its FLOPs."""
         batches = run.next_batches()
         loss, _, _, n_tgt = train_step(
             run.net, run.optimizer, batches, run.schedule(i + 1), run.step_options
         )
         return loss / n_tgt, n_tgt, step_flops(run, batches)
 
-    warmed, warm_secs = timed(lambda: [step(i) for i in range(warm)], dev)  # norms.py Appendix C
-    run.log(
-        f"benchmark: {warm} warm-up steps{' (and compilation)' if args.compile else ''} took {warm_secs:.1f}s"
-    )
-    steps, secs = timed(lambda: [step(i) for i in range(warm, warm + args.benchmark)], dev)
-    losses = torch.stack([loss for loss, _, _ in warmed + steps]).tolist()
-    # n: a device tensor under DDP
-    n_tok, flops = float(sum(n for _, n, _ in steps)), sum(f for _, _, f in steps)
+    def steps(first, last):
+        return [step(i) for i in range(first, last)]
+
+    warmed, warm_secs = timed(partial(steps, 0, warm), dev)
+    compiling = " (and compilation)" if args.compile else ""
+    run.log(f"benchmark: {warm} warm-up steps{compiling} took {warm_secs:.1f}s")
+    measured, secs = timed(partial(steps, warm, warm + args.benchmark), dev)
+    losses = torch.stack([loss for loss, _, _ in warmed + measured]).tolist()
+    # n is a device tensor under DDP.
+    n_tok, flops = float(sum(n for _, n, _ in measured)), sum(f for _, _, f in measured)
     result = profile_steps(run, step, secs, n_tok) if args.profile else {}
-    # the graphs torch.compile made in these steps (a recompilation storm shows here)
+    # The graphs torch.compile made in these steps (a recompilation storm shows here).
     if args.compile:
         result["compiled_graphs"] = int(counters["stats"]["unique_graphs"]) - graphs
-    matmul_peak = max(matmul_peak, matmul_flops(run))  # the larger kept
-    pad = data.padding_share(run.train, run.order, run.pad_multiple)
-    peak_mb = (
-        torch.cuda.max_memory_allocated(dev) / 2**20
-        if dev.type == "cuda"
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    )  # Linux: KiB -> MiB
-    result.update(
-        {
-            "steps": args.benchmark,
-            "tgt_tok_per_s": n_tok / secs,
-            "flops_per_tgt_token": flops / n_tok,
-            "achieved_flops": flops / secs,
-            "matmul_peak_flops": matmul_peak,
-            "mfu": flops / secs / (matmul_peak * run.world),
-            "padding_share": pad,
-            "peak_memory_mb": peak_mb,
-            "threads": torch.get_num_threads(),
-            "device": str(dev)
-            + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
-            "bf16": run.step_options.bf16,
-            "losses": losses,
-            "model_config": asdict(cfg),
-        }
-    )
-    run.log(
-        f"benchmark: {args.benchmark} steps | {result['tgt_tok_per_s']:.0f} target tok/s | "
-        f"{result['flops_per_tgt_token'] / 1e6:.1f} MFLOP/target token | achieved "
-        f"{result['achieved_flops'] / 1e9:.1f} GFLOP/s | matmul peak {matmul_peak / 1e9:.1f} GFLOP/s | MFU "
-        f"{100 * result['mfu']:.1f}% | padding {100 * pad:.1f}% | peak memory {result['peak_memory_mb']:.0f} MiB "
-        f"| {result['threads']} threads"
-        + (f" | {result['compiled_graphs']} compiled graphs" if args.compile else "")
-    )
+    # The peak measured again after the steps; the larger of the two is kept.
+    matmul_peak = max(matmul_peak, matmul_flops(run))
+    result.update(benchmark_figures(run, n_tok, flops, secs, matmul_peak, losses))
+    run.log(benchmark_line(result))
     return result
+
+
+def benchmark_figures(run, n_tok, flops, secs, matmul_peak, losses):
+    """--benchmark's figures: the timed steps took secs for n_tok target tokens and flops FLOPs;
+    matmul_peak is this process's GEMM FLOP/s and losses every step's mean loss."""
+    dev = run.device
+    if dev.type == "cuda":
+        peak_mb = torch.cuda.max_memory_allocated(dev) / 2**20
+        device = f"{dev} ({torch.cuda.get_device_name(dev)})"
+    else:
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB
+        device = str(dev)
+    return {
+        "steps": run.args.benchmark,
+        "tgt_tok_per_s": n_tok / secs,
+        "flops_per_tgt_token": flops / n_tok,
+        "achieved_flops": flops / secs,
+        "matmul_peak_flops": matmul_peak,
+        "mfu": flops / secs / (matmul_peak * run.world),
+        "padding_share": data.padding_share(run.train, run.order, run.pad_multiple),
+        "peak_memory_mb": peak_mb,
+        "threads": torch.get_num_threads(),
+        "device": device,
+        "bf16": run.step_options.bf16,
+        "losses": losses,
+        "model_config": asdict(run.model.cfg),
+    }
+
+
+def benchmark_line(r):
+    """--benchmark's log line of its figures r."""
+    graphs = f" | {r['compiled_graphs']} compiled graphs" if "compiled_graphs" in r else ""
+    return (
+        f"benchmark: {r['steps']} steps | {r['tgt_tok_per_s']:.0f} target tok/s | "
+        f"{r['flops_per_tgt_token'] / 1e6:.1f} MFLOP/target token | achieved "
+        f"{r['achieved_flops'] / 1e9:.1f} GFLOP/s | matmul peak "
+        f"{r['matmul_peak_flops'] / 1e9:.1f} GFLOP/s | MFU {100 * r['mfu']:.1f}% | padding "
+        f"{100 * r['padding_share']:.1f}% | peak memory {r['peak_memory_mb']:.0f} MiB "
+        f"| {r['threads']} threads{graphs}"
+    )
 
 
 def profile_steps(run, step, secs, n_tok):
@@ -199,21 +229,22 @@ def profile_steps(run, step, secs, n_tok):
     events = prof.key_averages()
     if dev.type == "cuda":  # the GPU's busy time (its kernels' rows) against the step's wall time
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        # seconds per target token
+        # The GPU's busy seconds per target token.
         busy = sum(e.self_device_time_total for e in kernels) / 1e6 / prof_tok
         result["host_gap_share"] = max(0.0, 1 - busy / (secs / n_tok))
         steps = run.args.benchmark  # the timed steps' secs and n_tok
         run.log(
-            f"profile: the GPU is busy {1e6 * busy * n_tok / steps:.0f} us of each {1e6 * secs / steps:.0f} us "
-            f"step: {100 * result['host_gap_share']:.1f}% of the step is host gaps"
+            f"profile: the GPU is busy {1e6 * busy * n_tok / steps:.0f} us of each "
+            f"{1e6 * secs / steps:.0f} us step: {100 * result['host_gap_share']:.1f}% of the step "
+            "is host gaps"
         )
     key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     run.log(events.table(sort_by=key, row_limit=25))
     return result
 
 
-def main():
-    """python norms.py --benchmark: every norm's forward+backward, timed against LayerNorm."""
+def build_parser():
+    """python norms.py --benchmark's flags."""
     p = argparse.ArgumentParser(description="Time every norm's forward+backward against LayerNorm.")
     p.add_argument("--benchmark", action="store_true", help="run the benchmark (the only action)")
     p.add_argument("--batch", type=int, default=64)
@@ -232,6 +263,12 @@ def main():
     p.add_argument(
         "--bf16", action="store_true", help="on CUDA: a bf16 input under autocast, as training runs"
     )
+    return p
+
+
+def main():
+    """python norms.py --benchmark: every norm's forward+backward, timed against LayerNorm."""
+    p = build_parser()
     a = p.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
@@ -246,9 +283,10 @@ def main():
     where = (
         torch.cuda.get_device_name() if a.device == "cuda" else f"{torch.get_num_threads()} threads"
     )
+    reference = ", --reference" if a.reference else ""
     print(
-        f"forward+backward on ({a.batch}, {a.length}, {a.d_model}) {'bf16' if bf16 else 'fp32'}, {where}, "
-        f"best of 5 rounds x 30{', --reference' if a.reference else ''}:"
+        f"forward+backward on ({a.batch}, {a.length}, {a.d_model}) {'bf16' if bf16 else 'fp32'}, "
+        f"{where}, best of 5 rounds x 30{reference}:"
     )
     for name, t in best.items():
         print(f"  {name:12s} {t * 1e3:8.3f} ms   {t / best['layer']:5.2f} x LayerNorm")
