@@ -162,7 +162,7 @@ class RMSNorm(nn.Module):
 # 5. The batch-statistics norms of PowerNorm [2], over the real tokens of a batch.
 # Their statistics are per channel, over the N <= B*T *real* tokens of a batch (real_tokens: not
 # padding). Paper [2, footnote 1]: "the batch size actually corresponds to all non-padded words".
-# Appendix A holds real_tokens, these statistics under torchrun and too few tokens; Appendix B holds
+# In Appendix A: real_tokens, these statistics under torchrun, and too few tokens; in Appendix B:
 # [2] Figures 2-4's diagnostics.
 # =======================================================================================
 def batch_mean(v, real):
