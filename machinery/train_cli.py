@@ -34,7 +34,8 @@ def main(argv=None):
     log = RunLog()  # the console and train.log (machinery/logbook.py)
     args, given = resolve_flags(argv, log)
     try:
-        # --resume: the run's own flags, from its last checkpoint, and what may change.
+        # --resume (resume_flags below): the run's own flags, from its last checkpoint, and what may
+        # change.
         resumed = None
         if args.resume or args.start_or_resume:
             args, resumed = resume_flags(args, given, log)
