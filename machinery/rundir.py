@@ -1,4 +1,23 @@
-"""machinery/rundir.py: TODO."""
+"""machinery/rundir.py: the run directory, checkpoints, --resume and signals.
+
+A run directory (--out) holds one run. Training into one that already holds a run is refused unless
+--resume (continue it) or --overwrite (replace it). Nothing is deleted or written before every input
+is checked (open_run_dir checks, commit_run_dir makes the first change), and a lock keeps a second
+process out (staging). A resumed run keeps its flags (those in RESUME_MAY_CHANGE may be given
+again), its corpus and its BPE model, and starts from its last checkpoint, read with
+torch.load(weights_only=True) (read_checkpoint). Checkpoints hold only tensors and plain Python
+values. The last checkpoint is the resume record (the run's flags, state and random generators);
+config.json is for people: a resume reads only its run_id. A run directory's files and what
+--overwrite removes: RESULT_FILES, CACHE_FILES and the checkpoints; the BPE model and the encoded
+caches are keyed by their content and are reused or replaced, never trusted. Ctrl-C and SIGTERM
+stop a run after the step in progress, with a checkpoint of it (stop_signals); what_next says how
+to go on after a run ended early.
+
+Who calls it: train.py (setup, the loop, the final test), machinery/train_cli.py (--resume's
+flags, what_next), decode.py and machinery/decode_cli.py (checkpoints, read_checkpoint),
+machinery/corpora.py and machinery/presets.py. The stop rules are train.py's (stop_reason): imports
+run one way, so open_run_dir and may_resume are handed them as an argument.
+"""
 
 import contextlib
 import json
@@ -19,11 +38,12 @@ import torch.distributed as dist
 from machinery import fileio
 from machinery.fileio import DataError
 
+from machinery.fileio import read_lines
+
 try:
     import fcntl  # a run directory's lock; POSIX only
 except ImportError:  # Windows: no lock
     fcntl = None
-from machinery.fileio import read_lines
 
 
 def interrupt_on_sigterm():
@@ -36,28 +56,29 @@ def interrupt_on_sigterm():
     signal.signal(signal.SIGTERM, interrupt)
 
 
-# the exit status after a KeyboardInterrupt: 128 + its signal, 130 (Ctrl-C) or 143 (SIGTERM)
 def interrupted_status(e):
+    """The exit status after a KeyboardInterrupt: 128 + its signal, 130 (Ctrl-C) or 143
+    (SIGTERM)."""
     return 128 + (e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT)
 
 
 @contextlib.contextmanager
 def staging(run_dir):
     """A hidden folder inside run_dir (made, with its parents, if missing, and locked) where a run
-    prepares its files. If the run fails before train.py's commit_run_dir, the run directory is as
-    it was: the staging folder goes, and so do the folders made here. The lock is held until the run
-    ends."""
+    prepares its files. If the run fails before commit_run_dir, the run directory is as it was: the
+    staging folder goes, and so do the folders made here. The lock is held until the run ends."""
     made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # the deepest first
     try:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            # held while training (flock): a second process is refused
-            lock = open(run_dir / ".lock", "a")
-        except OSError as e:
-            raise DataError(
-                f"--out {run_dir}: cannot make it or write in it ({e.strerror})"
-            ) from None
-        with lock:  # closing the lock's file releases it
+        # Closing the lock's file releases the lock; the staging folder goes first.
+        with contextlib.ExitStack() as held:
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                # Held while training (flock): a second process is refused.
+                lock = held.enter_context(open(run_dir / ".lock", "a"))
+            except OSError as e:
+                raise DataError(
+                    f"--out {run_dir}: cannot make it or write in it ({e.strerror})"
+                ) from None
             if fcntl is not None:
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -65,14 +86,16 @@ def staging(run_dir):
                     raise DataError(
                         f"{run_dir} is in use by another process (it holds {run_dir}/.lock)"
                     ) from None
-            with tempfile.TemporaryDirectory(
-                prefix=".staging-", dir=run_dir, ignore_cleanup_errors=True
-            ) as stage:
-                yield Path(stage)
+            stage = held.enter_context(
+                tempfile.TemporaryDirectory(
+                    prefix=".staging-", dir=run_dir, ignore_cleanup_errors=True
+                )
+            )
+            yield Path(stage)
     except BaseException:
-        # not committed: remove the folders made here,
+        # Not committed: the folders made here go, each only if empty (another run may be in a
+        # parent).
         if not (run_dir / "config.json").exists() and made:
-            # each only if empty (another run may be in a parent)
             (run_dir / ".lock").unlink(missing_ok=True)
             with contextlib.suppress(OSError):  # the first folder not empty ends it
                 for p in made:
@@ -81,11 +104,13 @@ def staging(run_dir):
 
 
 # A run directory's files: their names (train.py writes each by its own literal), its run id, its
-# checkpoints. train.py's checkpoints since the checkpoint became the resume record (older: refused)
+# checkpoints. CHECKPOINT_FORMAT: the format of train.py's checkpoints since the checkpoint became
+# the resume record (older ones are refused).
 CHECKPOINT_FORMAT = 2
 
 
-# the best dev score | the resume point | epoch N
+# checkpoint_best.pt (the best dev score), checkpoint_last.pt (the resume point),
+# checkpoint_epochN.pt (epoch N).
 CHECKPOINT = re.compile(r"checkpoint_(best|last|epoch(\d+))\.pt")
 
 
@@ -102,11 +127,12 @@ RESULT_FILES = (
 EVENTS = re.compile(r"events\.out\.tfevents\..+")  # train.py --tensorboard's event files
 
 
-# kept by their content's key (train.py F)
+# The BPE model and the encoded caches, kept by their content's key (machinery/corpora.py).
 CACHE_FILES = ("bpe.model", "bpe.key", "train.enc.pt", "dev.enc.pt")
 
 
 def checkpoint_file(run_dir, which):
+    """The path of a checkpoint: which is "best", "last" or an epoch's number."""
     return Path(run_dir) / f"checkpoint_{which if isinstance(which, str) else f'epoch{which}'}.pt"
 
 
@@ -142,7 +168,7 @@ def run_id_of(path):
     """The run id a config.json, results.json or checkpoint holds (None if it holds none or is
     unreadable)."""
     try:
-        # memory-mapped: only the few bytes of the id are read; a checkpoint's flags
+        # A checkpoint's flags hold its id; memory-mapped, only the few bytes of the id are read.
         if path.suffix == ".pt":
             blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("args")
         else:
@@ -172,7 +198,7 @@ def read_checkpoint(path, device="cpu"):
         raise DataError(f"{p}: refused, not a checkpoint (not a file torch.save writes)")
     try:
         ckpt = torch.load(p, map_location=device, weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- any failure is the file's; say which, in one line
+    except Exception as e:  # any failure is the file's: say which, in one line
         why = (
             "it holds objects other than tensors and plain values, and loading those could run code"
             if "Weights only load failed" in str(e)
@@ -185,17 +211,18 @@ def read_checkpoint(path, device="cpu"):
         raise DataError(
             f"{p}: not a checkpoint of this project (no 'model_config' and 'model' entries)"
         )
-    # the one check of a checkpoint's format: decode and resume alike
+    # The one check of a checkpoint's format, for decode and resume alike.
     if ckpt.get("format") != CHECKPOINT_FORMAT:
         raise DataError(
             f"{p}: written by an older train.py (format {ckpt.get('format')}); start a new run"
         )
-    # decode, resume alike
+    # A checkpoint copied in from another run (decode and resume alike): its model is not this
+    # run's.
     theirs, ours = (ckpt.get("args") or {}).get("run_id"), run_id_of(p.parent / "config.json")
-    # copied in from another run: its model is not this run's
     if ours is not None and theirs != ours:
         raise DataError(
-            f"{p}: refused, a checkpoint of another run (run_id {theirs}) in the folder of run {ours}"
+            f"{p}: refused, a checkpoint of another run (run_id {theirs}) in the folder of run "
+            f"{ours}"
         )
     return ckpt
 
@@ -219,8 +246,8 @@ def read_metrics(run_dir):
 
 
 def budget(args):
-    """The run's last step, and the flag that sets it (its code in STOPS): --max-steps, or
-    --max-epochs x --epoch-size, whichever is first."""
+    """The run's last step, and the flag that sets it (its code in train.py's STOPS):
+    --max-steps, or --max-epochs x --epoch-size, whichever is first."""
     epochs = args.max_epochs * args.epoch_size
     return (
         (args.max_steps, "max_steps")
@@ -246,24 +273,23 @@ RESUME_MAY_CHANGE = {
     "length_penalty",
     "keep_checkpoints",
     "save_interval",
-    "data",
-}  # a moved corpus: its hashes are checked
+    "data",  # a moved corpus: its hashes are checked
+}
 
 
-# what a command does, not a flag of its run: never compared
+# What a command does, not a flag of its run: never compared.
 ACTIONS = ("resume", "overwrite", "start_or_resume")
 
 
-# what config.json records of a run beside its flags
+# What config.json records of a run beside its flags.
 RUN_RECORDS = ("run_id", "corpus_sha256", "changed_on_resume")
 
 
 def save_checkpoints(run, improved, epoch_end=True):
     """At an epoch's end, the best checkpoint when dev improved, epoch N's under --keep-checkpoints
-    (for averaging;
-    Code [2]: the last 5); at every save, the last, written last: the resume point, the one file
-    with the optimizer's state and the random generators (twice the model's size): the best and
-    epoch files hold what decoding reads. Under torchrun every rank calls it, and rank 0's
+    (for averaging; Code [2]: the last 5); at every save, the last, written last: the resume point,
+    the one file with the optimizer's state and the random generators (twice the model's size): the
+    best and epoch files hold what decoding reads. Under torchrun every rank calls it, and rank 0's
     checkpoint keeps every rank's generators: each resumes its own."""
     # This process's random generators: what a resumed run restores (restore) to continue exactly.
     rng = dict(
@@ -318,7 +344,8 @@ def stop_signals(run):
             raise KeyboardInterrupt(signum)
         box[0] = signum
         run.log(
-            f"{signal.Signals(signum).name}: stopping after this step, with a checkpoint of it (again: at once)"
+            f"{signal.Signals(signum).name}: stopping after this step, with a checkpoint of it "
+            f"(again: at once)"
         )
 
     def requested(synced):
@@ -328,16 +355,17 @@ def stop_signals(run):
             return int(agreed)
         return box[0] if run.world == 1 else 0
 
-    # at the end, each signal gets back the handler it had before
+    # At the end, each signal gets back the handler it had before (signal.signal returns the handler
+    # it replaces).
     with contextlib.ExitStack() as previous:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # signal.signal returns the handler it replaces
+        for sig in (signal.SIGINT, signal.SIGTERM):
             previous.callback(signal.signal, sig, signal.signal(sig, handler))
         yield requested
 
 
 def restore(run, ckpt):
-    """The model, optimizer, training state and random generators of a checkpoint (Appendix E found
-    it)."""
+    """The model, optimizer, training state and random generators of the checkpoint a resumed run
+    starts from (machinery/train_cli.py's resume_flags read it, may_resume let it go on)."""
     try:
         run.model.load_state_dict(ckpt["model"])
         run.optimizer.load_state_dict(ckpt["optimizer"])
@@ -374,11 +402,11 @@ def may_resume(run_dir, args, ckpt, diff, hashes, stop_reason):
     a stop that would come again at once (--stop-lr, --early-stop); each says which flag would let
     it go on."""
     # config.json is a run's first file (on resume, read for its run_id alone): a checkpoint copied
-    # in alone is no run
+    # in alone is no run.
     if not (run_dir / "config.json").exists():
         raise fileio.DataError(
-            f"--resume {run_dir}: not a run directory of train.py (no config.json); start a new run "
-            f"with --out"
+            f"--resume {run_dir}: not a run directory of train.py (no config.json); start a new "
+            f"run with --out"
         )
     if refused := {k: d for k, d in diff.items() if k not in RESUME_MAY_CHANGE}:
         raise fileio.DataError(
@@ -390,7 +418,7 @@ def may_resume(run_dir, args, ckpt, diff, hashes, stop_reason):
             f"--resume {run_dir}: the corpus changed since the run started "
             f"({', '.join(changed)} differ{'s' if len(changed) == 1 else ''})"
         )
-    last, code = budget(args)  # train_loop's last step
+    last, code = budget(args)  # train.py's train_loop's last step
     flag = f"--{code.replace('_', '-')} {getattr(args, code)}"
     done, results = ckpt["train_state"]["step"], {}
     with contextlib.suppress(OSError, ValueError):
@@ -437,7 +465,7 @@ def open_run_dir(args, pairs, log, stack, master, resumed, stop_reason):
         return tmp, None, tmp
     if not str(args.out).strip():  # Path("") would be this folder
         raise fileio.DataError("--out is empty: give the run directory, e.g. --out runs/NAME")
-    # the checkpoint resume_flags read, if any
+    # The checkpoint that machinery/train_cli.py's resume_flags read, if any.
     run_dir, ckpt = Path(args.out), resumed[0] if resumed else None
     if run_dir.is_symlink() and not run_dir.exists():
         raise fileio.DataError(
@@ -445,32 +473,32 @@ def open_run_dir(args, pairs, log, stack, master, resumed, stop_reason):
         )
     if run_dir.exists() and not run_dir.is_dir():
         raise fileio.DataError(f"--out {run_dir}: a file, not a folder")
-    # the files a run writes in run_dir, but a lock; rank 0 checks (the other ranks come after its
-    # commit)
+    # The files a run writes in run_dir, but a lock; rank 0 checks (the other ranks come after its
+    # commit).
     held = ""
     if run_dir.is_dir() and master and not args.resume:  # --resume: its checkpoint is the run
         held = ", ".join(
             sorted(p.name for p in run_dir.iterdir() if is_run_file(p.name) and p.name != ".lock")
         )
-    # train.py never replaces a file it did not write
+    # train.py never replaces a file it did not write.
     if held and run_id_of(run_dir / "config.json") is None:
         raise fileio.DataError(
-            f"--out {run_dir}: not a run directory of train.py (no config.json with a run_id), yet it "
-            f"holds files a run writes ({held}), so none is replaced; choose another --out"
+            f"--out {run_dir}: not a run directory of train.py (no config.json with a run_id), "
+            f"yet it holds files a run writes ({held}), so none is replaced; choose another --out"
         )
     if held and not args.overwrite:  # commit_run_dir removes that run id's files
         raise fileio.DataError(
             f"{run_dir} already holds a run ({held}): continue it with --resume {run_dir}, "
             f"or replace it with --overwrite"
         )
-    # the corpus's
+    # The corpus's hashes, split by split.
     hashes = {split: fileio.pairs_sha256(split_pairs) for split, split_pairs in pairs.items()}
     if args.resume:
         may_resume(run_dir, args, *resumed, hashes, stop_reason)
         for k, v in args.changed_on_resume.items():
             log(f"resume: --{k.replace('_', '-')} {v} (changed on resume)")
     else:
-        # recorded in config.json, the checkpoints
+        # Recorded in config.json and the checkpoints.
         args.run_id, args.corpus_sha256 = uuid.uuid4().hex, hashes
     return run_dir, ckpt, stack.enter_context(staging(run_dir)) if master else None
 
@@ -479,16 +507,19 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
     """The run directory's first change, once every input has been checked: the leftovers of killed
     runs go, an overwritten run's files go, config.json is written, then the staged files move
     in."""
-    # atomic_write's temporaries (.NAME.xxxx.tmp) and staging folders of killed runs
+    # The leftovers of killed runs: atomic_write's temporaries (.NAME.xxxx.tmp) and staging folders.
     for p in run_dir.iterdir():
         written = p.name[1:].rsplit(".", 2)[0]  # .NAME.xxxx.tmp: a temporary of NAME
         temporary = p.name.startswith(".") and p.name.endswith(".tmp") and is_run_file(written)
-        if temporary or (p.name.startswith(".staging-") and p != stage):
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    # the run --overwrite replaces
+        if not temporary and not (p.name.startswith(".staging-") and p != stage):
+            continue
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    # The run --overwrite replaces: its results but its config.json (replaced next), and its
+    # checkpoints (known by their run id).
     replaces = run_id_of(run_dir / "config.json") if args.overwrite else None
-    # the old run's results but its config.json (replaced next), and its checkpoints (by their run
-    # id)
     if replaces:
         gone = [
             p for p in run_dir.iterdir() if p.name in RESULT_FILES[1:] or EVENTS.fullmatch(p.name)
@@ -498,14 +529,14 @@ def commit_run_dir(args, run_dir, stage, ckpt, log):
             f.unlink()
         log(f"overwrite: removed the {len(gone)} files of the run that was in {run_dir}")
     # config.json before the staged files: a kill at any point leaves a folder that holds a run
-    # (Ctrl-C's advice holds)
+    # (Ctrl-C's advice holds).
     fileio.atomic_write(run_dir / "config.json", json.dumps(vars(args), indent=2) + "\n")
     log.path = run_dir / "train.log"  # the lines logged so far, and every line after
     for f in stage.iterdir():
         os.replace(f, run_dir / f.name)
-    # what a killed run logged after its checkpoint goes
+    # What a killed run logged after its checkpoint goes (and a half-written last line).
     if ckpt is not None and (run_dir / "metrics.jsonl").exists():
-        rows = read_metrics(run_dir)  # (and a half-written last line)
+        rows = read_metrics(run_dir)
         fileio.atomic_write(
             run_dir / "metrics.jsonl",
             "".join(
@@ -525,7 +556,7 @@ def what_next(args):
         return "run the benchmark again (it writes no run directory)"
     if getattr(args, "run_id", None) is None or run_id_of(run_dir / "config.json") != args.run_id:
         return f"the run had not started in {run_dir}: start it again with the same command"
-    # the resume point (save_checkpoints)
+    # The resume point (save_checkpoints) is this run's.
     if run_id_of(checkpoint_file(run_dir, "last")) == args.run_id:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         how = (
@@ -534,9 +565,9 @@ def what_next(args):
             else f"torchrun (as many processes as before, {world}) train.py"
         )
         return f"continue with {how} --resume {run_dir}"
-    # an evaluation's, or --save-interval's
+    # The first checkpoint: an evaluation's, or --save-interval's.
     first = min(args.epoch_size, args.save_interval or args.epoch_size)
     return (
-        f"nothing to resume (the first checkpoint comes at step {first}): start it again with the same command "
-        f"and --overwrite"
+        f"nothing to resume (the first checkpoint comes at step {first}): start it again with "
+        f"the same command and --overwrite"
     )
