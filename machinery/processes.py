@@ -1,4 +1,17 @@
-"""machinery/processes.py: TODO."""
+"""machinery/processes.py: this process (threads, seeds, device), and several processes.
+
+One process: start_device sets --threads and --reference and picks the device (both programs);
+start_process also seeds the random generators, keeps freed memory for reuse on the CPU and decides
+bf16. Several: torchrun sets WORLD_SIZE, RANK and LOCAL_RANK, and the run uses PyTorch's
+DistributedDataParallel, gloo on the CPU and NCCL on CUDA (one GPU per process). Each step's batches
+are sharded by rank (train.py's Run.next_batches); the batch norms sum their statistics over the
+ranks (norms.py Appendix A); rank 0 alone checks and commits the run directory (rank0_first),
+evaluates, logs and writes, and shares its dev score. across_processes counts a step's target tokens
+over the ranks and syncs the gradients once per step; wrap_model puts DDP and --compile around the
+model.
+
+Who calls it: train.py (setup, train_step) and machinery/decode_cli.py (start_device).
+"""
 
 import contextlib
 import ctypes
@@ -11,10 +24,7 @@ import torch.distributed as dist
 
 import data
 from machinery.fileio import DataError
-from model import (
-    has_bf16,
-    pick_device,
-)
+from model import has_bf16, pick_device
 from norms import use_reference
 
 
@@ -33,7 +43,7 @@ def start_device(args):
 def start_process(args, log, stack):
     """(rank, world size, device, bf16) of this process: --threads, --reference, the seeds,
     torchrun's ranks (one GPU each), bf16 where the GPU has it."""
-    # torchrun's
+    # torchrun's ranks.
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     device = start_device(args)  # --device cuda without a GPU: DataError, main()'s one line
     if world > 1 and device.type == "cuda":
@@ -41,40 +51,51 @@ def start_process(args, log, stack):
         if local >= torch.cuda.device_count():  # one GPU per process
             sys.exit(
                 f"error: {world} processes on this machine need {local + 1}+ GPUs, but it has "
-                f"{torch.cuda.device_count()} (use --nproc_per_node {torch.cuda.device_count()}, or --device cpu)"
+                f"{torch.cuda.device_count()} (use --nproc_per_node {torch.cuda.device_count()}, "
+                f"or --device cpu)"
             )
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-        # Closed after a run that ended well, every rank at once: a rank that closed its gloo group
-        # while rank 0 was still testing aborted (SIGABRT, "terminate called without an active
-        # exception"), 2 runs in about 20.
-        stack.push(
-            lambda failed, *_: failed is None and (dist.barrier(), dist.destroy_process_group())
-        )
-    # glibc's malloc keeps freed memory for reuse: +10-15% tokens/s
+        stack.push(close_process_group)
     if device.type == "cpu" and not args.reference:
-        # By default a block over 32 MiB (a batch's logits, an FFN activation) is mmap'ed fresh at
-        # every allocation and unmapped when freed, so each training step faults every page of it in
-        # again, zero-filled by the kernel (system time was a sixth of a Multi30k step). With these
-        # limits the freed blocks stay in malloc's heap, with the same peak memory. Linux/glibc
-        # only; elsewhere a no-op. (The usual alternative is preloading jemalloc.)
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL("libc.so.6")
-            m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # <malloc.h>
-            libc.mallopt(m_mmap_threshold, 1 << 30)  # blocks up to 1 GiB come from the heap
-            libc.mallopt(m_trim_threshold, 1 << 30)  # and freed heap memory is not trimmed back
-            libc.mallopt(m_top_pad, 64 << 20)
+        keep_freed_memory()
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     bf16 = device.type == "cuda" and args.dtype == "bf16"
     if bf16 and not has_bf16(device):
         log(
-            f"note: {torch.cuda.get_device_name(device)} has no bf16: training in fp32 (--dtype fp32)"
+            f"note: {torch.cuda.get_device_name(device)} has no bf16: training in fp32 "
+            f"(--dtype fp32)"
         )
         bf16 = False
     return rank, world, device, bf16
+
+
+def close_process_group(failed, *_):
+    """Under torchrun, the process group is closed after a run that ended well (failed: its
+    exception type, None), every rank at once: a rank that closed its gloo group while rank 0 was
+    still testing aborted (SIGABRT, "terminate called without an active exception"), 2 runs in
+    about 20."""
+    if failed is None:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def keep_freed_memory():
+    """glibc's malloc keeps freed memory for reuse: +10-15% tokens/s on the CPU. By default a block
+    over 32 MiB (a batch's logits, an FFN activation) is mmap'ed fresh at every allocation and
+    unmapped when freed, so each training step faults every page of it in again, zero-filled by the
+    kernel (system time was a sixth of a Multi30k step). With these limits the freed blocks stay in
+    malloc's heap, with the same peak memory. Linux/glibc only; elsewhere a no-op. (The usual
+    alternative is preloading jemalloc.)"""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # <malloc.h>
+        libc.mallopt(m_mmap_threshold, 1 << 30)  # blocks up to 1 GiB come from the heap
+        libc.mallopt(m_trim_threshold, 1 << 30)  # and freed heap memory is not trimmed back
+        libc.mallopt(m_top_pad, 64 << 20)
 
 
 @contextlib.contextmanager
