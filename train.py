@@ -9,22 +9,20 @@ Reading order: norms.py -> model.py -> data.py -> decode.py -> train.py (this fi
 
 A run reads the corpus, trains a joint BPE, builds the model and trains it with Adam and a schedule
 of [1] section 2.4; every --epoch-size steps it scores dev BLEU and keeps the best checkpoint, whose
-test BLEU it reports at the end. The run directory (--out) holds the run: its flags, log,
+test BLEU it reports at the end. The run directory (--out) holds the run: its flags, its log and its
 checkpoints.
 
 Contents
   1. The learning rate: eq. 7 (INVSQRTDECAY), VALDECAY, NOWARMUP [1, section 2.4]
   2. One training step: word dropout, forward + loss, backward, clipping, Adam
-  3. The training state and the run: setting it up, one call each
-  4. The loop
-  5. End of an epoch: dev BLEU, validation decay, stopping, checkpoints; the final test
-  Appendix A: main(), the flags (python train.py --help), and the model's configuration from them
-  Appendix B: presets, the papers' table rows as named sets of flags (--preset NAME)
-  Appendix C: speed and the log: FLOPs, MFU, log lines, divergence, batch-norm diagnostics,
-  --benchmark, --profile
-  Appendix D: this process (threads, seeds, device), and several (torchrun, DistributedDataParallel)
-  Appendix E: the run directory: one run, checked, locked; checkpoints; --resume
-  Appendix F: the corpus into the run directory: read, BPE, encode (data.py does each)
+  3. The run: what it holds, and setting it up; the model of the flags, QKNorm's g0 [3, eq. 3]
+  4. The loop: the batch, the schedule, the step, the evaluation, the checkpoint
+  5. End of an epoch: dev BLEU, validation decay, the stop rules [1, appendix A], checkpoints;
+     the final test
+
+The machinery a reader of the papers never needs is in the package machinery/: the flags and
+presets (`python train.py` runs machinery/train_cli.py), the log, this process and several, the
+run directory with its checkpoints and --resume, the corpus into it.
 
   [1] Nguyen & Salazar 2019, Transformers without Tears.
   [2] Shen et al. 2020, PowerNorm.    [3] Henry et al. 2020, Query-Key Normalization.
@@ -47,7 +45,7 @@ import data
 import decode
 from machinery import fileio, rundir
 from machinery.corpora import prepare_data, read_corpus
-from machinery.logbook import RunLog, StepLog, append_metrics
+from machinery.logbook import RunLog, StepLog, append_metrics, open_board
 from machinery.processes import across_processes, rank0_first, start_process, wrap_model
 from machinery.rundir import (
     budget,
@@ -198,12 +196,18 @@ def validation_decay(history, patience):
 # ---------------------------------------------------------------------------------------
 @dataclass
 class StepOptions:
-    # [1] appendix A: 0.1, tokens -> UNK; Code: on the source and target *inputs*
+    # Word dropout: [1] appendix A's 0.1, tokens -> UNK; Code: on the source and target *inputs*.
     word_dropout: float
     smoothing: float  # label smoothing epsilon
     clip: float  # clip the global gradient norm at this (0: off)
     rng: Optional[torch.Generator] = None  # word dropout's own random generator
     bf16: bool = False  # bf16 autocast on CUDA (--dtype bf16)
+
+    @classmethod
+    def from_args(cls, args, device, rank, bf16):
+        # Word dropout draws from its own generator, on the device the batches live on.
+        rng = torch.Generator(device=device).manual_seed(args.seed + rank)
+        return cls(args.word_dropout, args.label_smoothing, args.clip, rng, bf16)
 
 
 def train_step(net, optimizer, batches, lr, opts: StepOptions):
@@ -213,22 +217,23 @@ def train_step(net, optimizer, batches, lr, opts: StepOptions):
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
+
     # Code: word dropout on source and target inputs, never on the targets ([1] appendix A: p 0.1,
-    # UNK).
-    drop = lambda x: (
-        data.word_dropout(x, opts.word_dropout, opts.rng)
-        if opts.word_dropout and x is not None
-        else x
-    )
+    # UNK). b.src is None for a language model.
+    def drop(x):
+        if opts.word_dropout and x is not None:
+            return data.word_dropout(x, opts.word_dropout, opts.rng)
+        return x
+
     loss_sum = nll_sum = 0.0
-    # Appendix D: one process, or several (torchrun)
+    # One process, or several under torchrun (machinery/processes.py).
     with across_processes(net, batches) as (n_tgt, grad_sync):
         for i, b in enumerate(batches):
             with grad_sync(i):
-                with autocast(b.tgt_in.device, opts.bf16):  # b.src is None for a language model
-                    # sums over the targets
+                with autocast(b.tgt_in.device, opts.bf16):
+                    # Sums over the targets.
                     loss, nll = net(drop(b.src), drop(b.tgt_in), b.tgt_out, opts.smoothing)
-                # Code: summed over non-pad targets, divided by their count
+                # Code: summed over non-pad targets, divided by their count.
                 (loss / n_tgt).backward()
             loss_sum, nll_sum = loss_sum + loss.detach(), nll_sum + nll.detach()
     # Paper (appendix A): "Gradients are clipped when global norm exceeds 1.0"; the norm before
@@ -241,7 +246,10 @@ def train_step(net, optimizer, batches, lr, opts: StepOptions):
 
 
 # ---------------------------------------------------------------------------------------
-# 3. The training state and the run: what a run holds, and setting it up (the model: model.py).
+# 3. The training state and the run: what a run holds, and setting it up.
+# setup() builds the run in a few named calls: this process, the corpus, the run directory, the
+# data, the model of the flags (model.py; QKNorm's g0 [3, eq. 3] from the training data) and its
+# optimizer, and the step a resumed run starts from.
 # ---------------------------------------------------------------------------------------
 @dataclass
 class TrainState:
@@ -252,13 +260,13 @@ class TrainState:
     data_pass: int = 0  # passes over the training data so far (an epoch here is not one)
     batch_pos: int = 0  # position in this pass's shuffled batch order
     best_step: int = 0  # the step of the best dev score (the best checkpoint's)
-    # the dev score of every evaluation (TASKS: BLEU or perplexity)
+    # The dev score of every evaluation (TASKS: BLEU or perplexity).
     history: list = field(default_factory=list)
     lr_decay: float = 1.0  # the product of the validation decays so far
     stopped: Optional[tuple] = None  # why training stopped: (code, message) of STOPS
-    # training time so far, over every start of the run (evaluation not counted)
+    # Training time so far, over every start of the run (evaluation not counted).
     train_seconds: float = 0.0
-    # the sums of the steps since the last log line (StepLog)
+    # The sums of the steps since the last log line (machinery/logbook.py's StepLog).
     window: dict = field(default_factory=dict)
 
 
@@ -269,9 +277,9 @@ class Run:
     args: argparse.Namespace
     dir: Path
     device: torch.device
-    rank: int  # this process's rank and the number of processes (Appendix D)
+    rank: int  # this process's rank and the number of processes (machinery/processes.py)
     world: int
-    log: RunLog  # log(line): rank 0's console and train.log (Appendix C)
+    log: RunLog  # log(line): rank 0's console and train.log (machinery/logbook.py)
     tokenizer: data.Tokenizer
     langs: tuple  # the source and target language suffixes
     pairs: dict  # raw text pairs per split: dev and test BLEU
@@ -284,7 +292,7 @@ class Run:
     step_options: StepOptions
     state: TrainState = field(default_factory=TrainState)
     order: list = field(default_factory=list)  # this pass's shuffled batches
-    # --tensorboard: the SummaryWriter that append_metrics also writes to
+    # --tensorboard: the SummaryWriter that append_metrics also writes to.
     board: Optional[object] = None
 
     @property
@@ -305,8 +313,8 @@ class Run:
         return [data.collate(self.train, i, self.device, self.pad_multiple) for i in idx]
 
     @property
-    # lengths are padded to a multiple of this: 8 under --compile (see wrap_model), else 1
     def pad_multiple(self):
+        """Lengths are padded to a multiple of this: 8 under --compile (see wrap_model), else 1."""
         return 8 if self.args.compile else 1
 
 
@@ -314,69 +322,68 @@ def setup(args, stack, log, resumed=None):
     """Everything before the first step, in order: this process, the corpus, the run directory, the
     data, the model and its optimizer, the checkpoint a resumed run starts from. Every input (flags,
     corpus, the run directory and what it holds) is read and checked before anything is written; the
-    run directory's lock is held in ``stack`` until training ends (Appendix E). resumed: --resume's
-    (checkpoint, flags that differ), from resume_flags."""
-    # Appendix D: threads, seeds, torchrun's ranks
+    run directory's lock is held in ``stack`` until training ends (machinery/rundir.py). resumed:
+    --resume's (checkpoint, flags that differ), from machinery/train_cli.py's resume_flags."""
+    # Threads, seeds, torchrun's ranks (machinery/processes.py).
     rank, world, device, bf16 = start_process(args, log, stack)
-    pairs, langs = read_corpus(args, log)  # Appendix F
-    # Appendix D: the other ranks read what rank 0 checks, prepares and commits
+    pairs, langs = read_corpus(args, log)  # machinery/corpora.py
+    # Under torchrun the other ranks read what rank 0 checks, prepares and commits.
     with rank0_first(rank, world):
-        # Appendix E: checked
+        # The run directory, checked; the rules of its stops are this chapter's (stop_reason).
         run_dir, ckpt, stage = open_run_dir(
-            args, pairs, log, stack, rank == 0, resumed, stop_reason
+            args, pairs, log, stack, master=rank == 0, resumed=resumed, stop_reason=stop_reason
         )
-        # Appendix F
+        # The BPE model and the encoded corpus (machinery/corpora.py).
         tokenizer, train, dev, unfiltered = prepare_data(args, pairs, run_dir, stage, log, ckpt)
-        model, optimizer = build_model(args, tokenizer, train, unfiltered, device, bf16, log)
-        # Word dropout draws from its own generator, on the device the batches live on.
-        options = StepOptions(
-            args.word_dropout,
-            args.label_smoothing,
-            args.clip,
-            torch.Generator(device=device).manual_seed(args.seed + rank),
-            bf16,
+        model, optimizer = build_model(
+            args, tokenizer, train, unfiltered, device=device, bf16=bf16, log=log
         )
         run = Run(
-            args,
-            run_dir,
-            device,
-            rank,
-            world,
-            log,
-            tokenizer,
-            langs,
-            pairs,
-            train,
-            dev,
-            model,
-            model,
-            optimizer,
-            Schedule.from_args(args),
-            options,
+            args=args,
+            dir=run_dir,
+            device=device,
+            rank=rank,
+            world=world,
+            log=log,
+            tokenizer=tokenizer,
+            langs=langs,
+            pairs=pairs,
+            train=train,
+            dev=dev,
+            model=model,
+            net=model,
+            optimizer=optimizer,
+            schedule=Schedule.from_args(args),
+            step_options=StepOptions.from_args(args, device, rank, bf16),
         )
-        if ckpt is not None:
-            restore(run, ckpt)  # Appendix E
-        run.order = data.make_batches(
-            train, args.batch_tokens, True, args.seed, run.state.data_pass
-        )
-        # a step takes a batch for each process and micro-batch
-        if len(run.order) < world * args.accumulate:
-            raise fileio.DataError(
-                f"the training data makes {len(run.order)} batches of --batch-tokens "
-                f"{args.batch_tokens}, fewer than the {world * args.accumulate} of a step ({world} "
-                f"processes x --accumulate {args.accumulate}): give a smaller --batch-tokens"
-            )
+        start_from(run, ckpt)
         if run.master and not args.benchmark:
-            # Appendix E: every input checked, the first change
+            # Every input checked: the run directory's first change (machinery/rundir.py).
             commit_run_dir(args, run_dir, stage, ckpt, log)
-        # an optional extra (check_flags checked it is installed)
         if args.tensorboard and run.master:
-            # a resume hides what a killed run wrote after it
-            from torch.utils.tensorboard import SummaryWriter
-
-            run.board = stack.enter_context(SummaryWriter(run_dir, purge_step=run.state.step + 1))
-    run.net = wrap_model(model, args, world, device)  # Appendix D: DDP; Appendix C: --compile
+            run.board = open_board(run_dir, run.state.step, stack)  # machinery/logbook.py
+    # DDP and --compile (machinery/processes.py).
+    run.net = wrap_model(model, args, world, device)
     return run
+
+
+def start_from(run, ckpt):
+    """The step the run starts from: a resumed run's checkpoint (machinery/rundir.py's restore), and
+    the shuffled batch order of the pass over the data that step is in."""
+    args = run.args
+    if ckpt is not None:
+        restore(run, ckpt)
+    run.order = data.make_batches(
+        run.train, args.batch_tokens, True, args.seed, run.state.data_pass
+    )
+    # A step takes a batch for each process and micro-batch.
+    if len(run.order) < run.world * args.accumulate:
+        raise fileio.DataError(
+            f"the training data makes {len(run.order)} batches of --batch-tokens "
+            f"{args.batch_tokens}, fewer than the {run.world * args.accumulate} of a step "
+            f"({run.world} processes x --accumulate {args.accumulate}): give a smaller "
+            f"--batch-tokens"
+        )
 
 
 def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
@@ -393,14 +400,16 @@ def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
     )
     model = Transformer(cfg, allowed).to(device)
     log(
-        f"model: {count_parameters(model) / 1e6:.2f}M parameters, {'PreNorm' if cfg.prenorm else 'PostNorm'}, "
-        f"norm={cfg.encoder_norm or cfg.norm}/{cfg.decoder_norm or cfg.norm}, fixnorm={cfg.fixnorm}, "
+        f"model: {count_parameters(model) / 1e6:.2f}M parameters, "
+        f"{'PreNorm' if cfg.prenorm else 'PostNorm'}, "
+        f"norm={cfg.encoder_norm or cfg.norm}/{cfg.decoder_norm or cfg.norm}, "
+        f"fixnorm={cfg.fixnorm}, "
         f"init={cfg.init}, qknorm={cfg.qknorm}, device={device}{' bf16' if bf16 else ''}, "
         f"threads={torch.get_num_threads()}"
         + (f", {dist.get_world_size()} ranks" if dist.is_initialized() else "")
         + (", --reference" if args.reference else "")
     )
-    # an edit to one of these main-text functions shows only with --reference
+    # An edit to one of these main-text functions shows only with --reference.
     if not args.reference:
         log(
             "fast paths, where they apply: "
@@ -418,47 +427,89 @@ def build_model(args, tokenizer, train, unfiltered, device, bf16, log):
     )
 
 
+def model_config_from_args(args, vocab_size, qk_g0=1.0):
+    """The ModelConfig of the flags: a field named as a flag takes its value (d_model: --d-model);
+    the others here."""
+    named = {f.name: getattr(args, f.name) for f in fields(ModelConfig) if hasattr(args, f.name)}
+    # --pn-K: PowerNorm's option K.
+    power = {k: getattr(args, f"pn_{k}") for k in ("warmup", "variant", "alpha_fwd", "alpha_bkw")}
+    # The module counts forwards; --pn-warmup counts updates (--accumulate forwards each).
+    power["warmup"] *= args.accumulate
+    return ModelConfig(
+        **dict(
+            named,
+            vocab_size=vocab_size,
+            enc_layers=args.enc_layers or args.layers,
+            norm_options=power,
+            qk_g0=qk_g0,
+            dec_layers=args.dec_layers or args.layers,
+            qk_learn_g=not args.qk_no_g,
+            lm=args.task == "lm",
+            seq_len=args.seq_len if args.attention == "multilinear" else 0,
+        )
+    )
+
+
+def qknorm_g0(args, train, log):
+    """QKNorm's g0 = log2(L^2 - L) [3, eq. 3], L from --qk-length or the training data. Paper [3]
+    section 3: "L is the 97.5th percentile sequence length across all training data sequences for
+    source and target"; its Table 5 says "word count". Note: we count BPE tokens, the sequence the
+    attention sees (g0 is there because of the number of elements in QK^T), over every training pair
+    before the --max-len filter (which would cap a high percentile); whitespace words give a smaller
+    L (Multi30k en-de: 30 BPE tokens, 20 words). Code [3]: L hard-coded per pair."""
+    if args.qk_length is not None:
+        L, how = args.qk_length, "--qk-length"
+    elif args.task == "lm":
+        L, how = args.seq_len, "--seq-len: a language model's segments are that long"
+    else:
+        L = data.length_percentile(train, q=args.qk_percentile)
+        how = (
+            f"{args.qk_percentile}th percentile of BPE training lengths, source and target pooled, "
+            f"no BOS/EOS, before the --max-len filter"
+        )
+    g0 = qk_g0(L)
+    log(f"qknorm: L = {L:.2f} ({how}); g0 = log2(L^2 - L) = {g0:.3f}")
+    return g0
+
+
 # ---------------------------------------------------------------------------------------
-# 4. The loop: one log line per --log-interval steps, dev BLEU every --epoch-size steps.
+# 4. The loop: the batch, the schedule, the step, the evaluation and the checkpoint.
+# One log line per --log-interval steps, dev BLEU every --epoch-size steps; a stop request (Ctrl-C,
+# SIGTERM) or --save-interval saves the step it comes at, which a resumed run starts after.
 # ---------------------------------------------------------------------------------------
-# main() (Appendix A) calls it with the run that setup() built from the checked flags
 def train_loop(run):
+    """The training loop; machinery/train_cli.py's main() calls it with the run that setup() built
+    from the checked flags."""
     args, s = run.args, run.state
     total, limit = budget(args)
-    # Appendix C: the progress bar (step_log.bar), log lines, metrics.jsonl, MFU
+    # The progress bar (step_log.bar), log lines, metrics.jsonl, MFU (machinery/logbook.py).
     step_log = StepLog(run, total, diverged)
-    # Appendix E: Ctrl-C or SIGTERM stops after the step, saved
+    # Ctrl-C or SIGTERM stops the run after the step in progress (machinery/rundir.py).
     with step_log.bar, stop_signals(run) as signalled:
         while s.step < total and not s.stopped:
             batches = run.next_batches()
             s.step += 1
             lr = run.schedule(s.step, s.lr_decay)
-            # the batch norms keep [2] Figures 2-4's diagnostics at log steps only:
-            for m in run.model.modules():
-                if isinstance(m, BATCH_NORMS):  # they cost time (Appendix C; none under --compile)
-                    m.track, m.stats = s.step % args.log_interval == 0 and not args.compile, {}
+            keep_diagnostics(run)
             loss, nll, gnorm, n_tgt = train_step(
                 run.net, run.optimizer, batches, lr, run.step_options
             )
-            # may stop the run: a non-finite loss or gradient norm
+            # The step's record and, every --log-interval steps, the log line. It stops the run at
+            # a non-finite loss or gradient norm.
             step_log.step(batches, lr, loss, nll, gnorm, n_tgt)
-            end = not s.stopped and (s.step % args.epoch_size == 0 or s.step == total)
-            if end:
+            if s.stopped:
+                break
+            evaluated = s.step % args.epoch_size == 0 or s.step == total
+            if evaluated:
                 end_of_epoch(run)  # which writes its checkpoints
                 step_log.evaluated()
-            stop = not s.stopped and signalled(end or s.step % args.log_interval == 0)
-            if (
-                not end
-                and not s.stopped
-                and (stop or args.save_interval and s.step % args.save_interval == 0)
-            ):
-                # its records first; no checkpoint if a step diverged (the last good one stays)
-                if step_log.flush():
-                    # Appendix E: a checkpoint of this step
-                    save_checkpoints(run, improved=False, epoch_end=False)
+            stop = stop_requested(run, signalled, evaluated)
+            if not evaluated and (stop or save_due(run)):
+                save_step(run, step_log)
             if stop:
                 raise KeyboardInterrupt(stop)  # main() says how to continue
-    s.stopped = s.stopped or stopping(args, limit)  # else the budget, recorded in results.json
+    # Else the budget stopped the run, recorded in results.json.
+    s.stopped = s.stopped or stopping(args, limit)
     if s.stopped[0] != "diverged":
         run.log(f"stopping: {s.stopped[1]}")
     result = finish(run)
@@ -467,10 +518,65 @@ def train_loop(run):
     return result
 
 
+def keep_diagnostics(run):
+    """The batch norms keep [2] Figures 2-4's diagnostics at log steps only, as they cost time (none
+    under --compile); StepLog's log line writes them to metrics.jsonl."""
+    track = run.state.step % run.args.log_interval == 0 and not run.args.compile
+    for m in run.model.modules():
+        if isinstance(m, BATCH_NORMS):
+            m.track, m.stats = track, {}
+
+
+def stop_requested(run, signalled, evaluated):
+    """The signal (Ctrl-C, SIGTERM) that stops the run after this step, 0 if none. Under torchrun
+    the ranks agree on it, on a GPU only at host syncs: evaluations and log lines
+    (machinery/rundir.py's stop_signals). A run that stops anyway (its stop rules, at an evaluation)
+    is not asked."""
+    if run.state.stopped:
+        return 0
+    return signalled(evaluated or run.state.step % run.args.log_interval == 0)
+
+
+def save_due(run):
+    """Whether --save-interval saves this step (an evaluation's step saves its own checkpoints)."""
+    return bool(run.args.save_interval) and run.state.step % run.args.save_interval == 0
+
+
+def save_step(run, step_log):
+    """A checkpoint of this step, which a resumed run starts after. The step's records go first; no
+    checkpoint if a step diverged (the last good one stays)."""
+    if step_log.flush():
+        save_checkpoints(run, improved=False, epoch_end=False)  # machinery/rundir.py
+
+
 # ---------------------------------------------------------------------------------------
-# 5. End of an epoch: dev perplexity and BLEU, validation decay, stopping, checkpoints (rank 0). A
-# diverged run (diverged, Appendix C) stops with its last good checkpoint.
+# 5. End of an epoch: dev perplexity and BLEU, validation decay, the stop rules, checkpoints.
+# Rank 0 evaluates and writes; every rank takes its decisions. The stop rules are [1] appendix A's
+# (the LR too small, or no progress), beside the budget (--max-steps, --max-epochs); a diverged run
+# (diverged) stops with its last good checkpoint. After the loop, the final test.
 # ---------------------------------------------------------------------------------------
+class Task(NamedTuple):  # a task of the registry TASKS, as ScheduleEntry is a schedule of SCHEDULES
+    """What a task's dev score is, which way is better, and how the log prints it."""
+
+    name: str  # as the log says it
+    key: str  # its key in metrics.jsonl (dev_KEY) and results.json (best_dev_KEY)
+    # +1: higher is better (BLEU), -1: lower is better (perplexity); sign * score: higher is better.
+    sign: int
+    width: str  # its format in the epoch line
+
+    def since_best(self, history):  # evaluations since the best (the first of equals)
+        up = [self.sign * x for x in history]
+        return len(up) - 1 - up.index(max(up))
+
+    def scores(self, score, dev_ppl, history):  # the epoch line's scores
+        bleu = f"dev BLEU {score:6.2f} | " if self.key == "bleu" else ""
+        best = history[-1 - self.since_best(history)]
+        return f"{bleu}dev ppl {dev_ppl:7.2f} | best {best:{self.width}}"
+
+
+TASKS = {"mt": Task("dev BLEU", "bleu", 1, "6.2f"), "lm": Task("dev perplexity", "ppl", -1, "7.2f")}
+
+
 def dev_score(run):
     """Rank 0: (score, dev loss per token, dev perplexity). The score is a translator's dev BLEU, a
     language model's dev perplexity (TASKS); None when the model diverged: a checkpoint is written
@@ -514,7 +620,7 @@ def end_of_epoch(run):
     t0, score = time.time(), None
     if run.master:
         score, dev_loss, dev_ppl = dev_score(run)
-    # every rank takes the same decisions: rank 0's dev score and stop (Appendix D)
+    # Every rank takes the same decisions: rank 0's dev score and stop (machinery/processes.py).
     if run.world > 1:
         dist.broadcast_object_list(shared := [score, s.stopped], src=0)
         score, s.stopped = shared
@@ -534,10 +640,10 @@ def end_of_epoch(run):
     )
     if decayed:
         s.lr_decay *= args.decay_factor
-    # [1] appendix A: the LR too small, or no progress
+    # [1] appendix A: the LR too small, or no progress.
     s.stopped = stop_reason(args, s.step, s.lr_decay, s.history)
     if not run.master:
-        # the other ranks' part of rank 0's checkpoint: their random generators
+        # The other ranks' part of rank 0's checkpoint: their random generators.
         save_checkpoints(run, improved)
         return
     # [1] Figure 1 (dev BLEU per epoch) and Figures 3-4 (learned g's) come from these records.
@@ -553,23 +659,60 @@ def end_of_epoch(run):
             "g": run.model.learned_scales(),
         },
     )
-    # Appendix E; before the epoch's line: no log reports an epoch a resume lacks
+    # The checkpoints come before the epoch's line: no log reports an epoch a resume lacks.
     save_checkpoints(run, improved)
-    run.log(
-        f"epoch {s.epoch:3d} | step {s.step:6d} | {task.scores(score, dev_ppl, s.history)} (step {s.best_step}) "
-        f"| eval {time.time() - t0:.1f}s"
-        + (
-            f" | LR x {args.decay_factor} ({task.name} worse than each of the "
-            f"previous {args.patience})"
-            if decayed
-            else ""
-        )
+    line = (
+        f"epoch {s.epoch:3d} | step {s.step:6d} | {task.scores(score, dev_ppl, s.history)} "
+        f"(step {s.best_step}) | eval {time.time() - t0:.1f}s"
     )
+    if decayed:
+        line += (
+            f" | LR x {args.decay_factor} ({task.name} worse than each of the previous "
+            f"{args.patience})"
+        )
+    run.log(line)
+
+
+# Why a run stops: the code TrainState.stopped keeps, and its message (the log, results.json).
+STOPS = {
+    "max_steps": "--max-steps {args.max_steps} reached",
+    "max_epochs": "--max-epochs {args.max_epochs} reached",
+    "stop_lr": "the LR {lr:.2e} fell below --stop-lr {args.stop_lr:g}",
+    "early_stop": "{task.name} has not improved for {args.early_stop} evaluations",
+    "diverged": "diverged: {what} (try a smaller --lr, --prenorm, --init small or more --warmup); "
+    "{last}",
+}
+
+
+def stopping(args, code, **values):
+    """(code, message) of a stop in STOPS, as TrainState.stopped keeps it."""
+    return code, STOPS[code].format(args=args, task=TASKS[args.task], **values)
+
+
+def stop_reason(args, step, lr_decay, history):
+    """The stop rules of [1] appendix A, one owner (end_of_epoch, and machinery/rundir.py's
+    may_resume): why a run stops after its evaluation at `step`, or None: the LR of its next step
+    below --stop-lr after the warmup, else no dev gain for --early-stop."""
+    schedule = Schedule.from_args(args)
+    if (lr := schedule(step + 1, lr_decay)) < args.stop_lr and step >= schedule.warmup:
+        return stopping(args, "stop_lr", lr=lr)
+    if 0 < args.early_stop <= TASKS[args.task].since_best(history):
+        return stopping(args, "early_stop")
+    return None
+
+
+def diverged(run, what):
+    """Stop the run as diverged: one line saying what and where the last good checkpoint is
+    (machinery/logbook.py's StepLog calls it at a non-finite loss or gradient norm)."""
+    last = rundir.checkpoint_file(run.dir, "last")
+    where = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"
+    run.state.stopped = stopping(run.args, "diverged", what=what, last=where)
+    run.log("error: " + run.state.stopped[1])
 
 
 def finish(run):
     """Test BLEU (beam search) or perplexity of the best checkpoint (by the dev score); the learned
-    g's."""
+    g's. Rank 0 alone; results.json records the run's outcome."""
     args = run.args
     if not run.master:
         return None
@@ -586,244 +729,81 @@ def finish(run):
         f"best_dev_{TASKS[args.task].key}": best["history"][-1],
         "train_seconds": run.state.train_seconds,
         "stopped": run.state.stopped[1],
-        # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py
-        # --svd)
+        # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd).
         "embedding_singular_values": decode.singular_values(run.model),
     }
-    # [1] Figures 3-4: learned g versus depth (train.log too)
+    # [1] Figures 3-4: learned g versus depth (in train.log too).
     decode.print_g_table(run.model, run.log)
-    # before test
+    # The learned g's are written before the test.
     fileio.atomic_write(
         run.dir / "g_values.json", json.dumps(decode.g_values(run.model), indent=2) + "\n"
     )
-    # the field's test perplexity: every target token, EOS included, no smoothing
     if args.task == "lm":
-        both = {
-            s: decode.lm_perplexity(
-                run.model,
-                run.tokenizer,
-                run.pairs[s],
-                args.seq_len,
-                args.batch_tokens,
-                # dev: for its <unk> count
-                run.step_options.bf16,
-            )
-            for s in ("dev", "test")
-        }
-        ppl = both["test"]
-        result.update(test_ppl=ppl["ppl"], test_tokens=ppl["n_tokens"])
-        if args.bpe_size:  # BPE: per word too (the same NLL over the text's words and EOS)
-            result.update(test_word_ppl=ppl["word_ppl"], test_words=ppl["n_words"])
-        per_word = (
-            f" ({ppl['word_ppl']:.2f} per word, {ppl['n_words']} words and EOS)"
-            if args.bpe_size
-            else ""
-        )
-        # OOV rate
-        result.update(
-            {f"{s}_{k}": p[k] for s, p in both.items() for k in ("unk_tokens", "unk_share")}
-        )
-        unknown = ", ".join(
-            f"{s} {p['unk_tokens']} ({p['unk_share']:.2%})" for s, p in both.items()
-        )
-        run.log(
-            f"test perplexity (best checkpoint, step {best['step']}): {ppl['ppl']:.2f} over {ppl['n_tokens']} "
-            f"tokens{per_word}; unknown (<unk>) tokens: {unknown}"
-        )
+        result.update(final_perplexity(run, best["step"]))
     elif run.pairs["test"]:
-        search = decode.Search(
-            args.beam,
-            args.alpha,
-            max_src_len=args.max_len,
-            bf16=run.step_options.bf16,
-            penalty=args.length_penalty,
-        )
-        hyps = decode.translate(
-            run.model, run.tokenizer, [x for x, _ in run.pairs["test"]], search, args.batch_tokens
-        )
-        # decode.py --json's: BLEU, chrF, tokenized BLEU
-        s = decode.scores(hyps, [y for _, y in run.pairs["test"]])
-        fileio.atomic_write(run.dir / "test.hyp", "".join(h + "\n" for h in hyps))
-        result.update(
-            test_bleu=s["bleu"]["score"],
-            test_signature=s["bleu"]["signature"],
-            test_chrf=s["chrf"]["score"],
-            test_chrf_signature=s["chrf"]["signature"],
-        )
-        run.log(
-            f"test (best checkpoint, step {best['step']}, beam {args.beam}, {args.length_penalty} length penalty "
-            f"alpha {args.alpha}): {decode.score_report(s)}"
-        )
+        result.update(final_bleu(run, best["step"]))
     append_metrics(run, {"final": result})  # metrics.jsonl's last record
-    # Appendix E: a finished run
+    # A finished run (machinery/rundir.py's may_resume reads it).
     fileio.atomic_write(run.dir / "results.json", json.dumps(result, indent=2) + "\n")
     return result
 
 
-# =======================================================================================
-# Appendix A: main(), and the flags. Every flag names the paper and equation it comes from; --help
-# is their documentation. The parser's own defaults are suppressed, so that parse_args returns
-# exactly the flags given on the command line; DEFAULTS holds the defaults. A run's flags are
-# DEFAULTS, then the --preset's flags (Appendix B), then the command line's (resolve_flags).
-# =======================================================================================
-
-
-# The range of each number is its type= (data.py Appendix D): a value out of range is argparse's own
-# error line.
-
-
-def model_config_from_args(args, vocab_size, qk_g0=1.0):
-    """The ModelConfig of the flags: a field named as a flag takes its value (d_model: --d-model);
-    the others here."""
-    named = {f.name: getattr(args, f.name) for f in fields(ModelConfig) if hasattr(args, f.name)}
-    # --pn-K: option K
-    power = {k: getattr(args, f"pn_{k}") for k in ("warmup", "variant", "alpha_fwd", "alpha_bkw")}
-    # the module counts forwards; --pn-warmup counts updates (--accumulate each)
-    power["warmup"] *= args.accumulate
-    return ModelConfig(
-        **dict(
-            named,
-            vocab_size=vocab_size,
-            enc_layers=args.enc_layers or args.layers,
-            norm_options=power,
-            qk_g0=qk_g0,
-            dec_layers=args.dec_layers or args.layers,
-            qk_learn_g=not args.qk_no_g,
-            lm=args.task == "lm",
-            seq_len=args.seq_len if args.attention == "multilinear" else 0,
+def final_perplexity(run, best_step):
+    """The field's test perplexity: every target token, EOS included, no smoothing; the dev set's
+    too, for its count of unknown words (the OOV rate)."""
+    args = run.args
+    both = {
+        s: decode.lm_perplexity(
+            run.model,
+            run.tokenizer,
+            run.pairs[s],
+            args.seq_len,
+            args.batch_tokens,
+            run.step_options.bf16,
         )
+        for s in ("dev", "test")
+    }
+    ppl = both["test"]
+    result = {"test_ppl": ppl["ppl"], "test_tokens": ppl["n_tokens"]}
+    per_word = ""
+    if args.bpe_size:  # BPE: per word too (the same NLL over the text's words and EOS)
+        result.update(test_word_ppl=ppl["word_ppl"], test_words=ppl["n_words"])
+        per_word = f" ({ppl['word_ppl']:.2f} per word, {ppl['n_words']} words and EOS)"
+    result.update({f"{s}_{k}": p[k] for s, p in both.items() for k in ("unk_tokens", "unk_share")})
+    unknown = ", ".join(f"{s} {p['unk_tokens']} ({p['unk_share']:.2%})" for s, p in both.items())
+    run.log(
+        f"test perplexity (best checkpoint, step {best_step}): {ppl['ppl']:.2f} over "
+        f"{ppl['n_tokens']} tokens{per_word}; unknown (<unk>) tokens: {unknown}"
     )
+    return result
 
 
-# =======================================================================================
-# Appendix B: presets. Each is one row of a paper's table as a set of flags, applied after the
-# defaults and before the flags of the command line (which override it): --preset NAME. A row names
-# its language pair (PAIRS); --pair NAME swaps in another pair's corpus and per-pair flags:
-# data.CORPORA's "flags" (their one copy, beside the corpus's source and notes) and --data data/NAME
-# (multi30k: data/multi30k-en-de), where `python data.py prepare NAME` puts it.
-# =======================================================================================
-
-
-# =======================================================================================
-# Appendix C: speed and the log. Model FLOPs, the machine's own matmul throughput (MFU), the log
-# line (StepLog), a diverged run, the batch norms' diagnostics, --benchmark, --profile, keeping
-# freed memory. Figures are never asserted.
-# =======================================================================================
-
-
-class Task(NamedTuple):  # a task of the registry TASKS, as ScheduleEntry is a schedule of SCHEDULES
-    """What a task's dev score is, which way is better, and how the log prints it."""
-
-    name: str  # as the log says it
-    key: str  # its key in metrics.jsonl (dev_KEY) and results.json (best_dev_KEY)
-    # +1: higher is better (BLEU), -1: lower is better (perplexity); sign * score: higher is better
-    sign: int
-    width: str  # its format in the epoch line
-
-    def since_best(self, history):  # evaluations since the best (the first of equals)
-        up = [self.sign * x for x in history]
-        return len(up) - 1 - up.index(max(up))
-
-    def scores(self, score, dev_ppl, history):  # the epoch line's scores
-        bleu = f"dev BLEU {score:6.2f} | " if self.key == "bleu" else ""
-        return f"{bleu}dev ppl {dev_ppl:7.2f} | best {history[-1 - self.since_best(history)]:{self.width}}"
-
-
-TASKS = {"mt": Task("dev BLEU", "bleu", 1, "6.2f"), "lm": Task("dev perplexity", "ppl", -1, "7.2f")}
-# why a run stops: the code TrainState.stopped keeps, and its message (the log, results.json)
-STOPS = {
-    "max_steps": "--max-steps {args.max_steps} reached",
-    "max_epochs": "--max-epochs {args.max_epochs} reached",
-    "stop_lr": "the LR {lr:.2e} fell below --stop-lr {args.stop_lr:g}",
-    "early_stop": "{task.name} has not improved for {args.early_stop} evaluations",
-    "diverged": "diverged: {what} (try a smaller --lr, --prenorm, --init small or more --warmup); {last}",
-}
-
-
-# (code, message) of a stop in STOPS, as TrainState.stopped keeps it
-def stopping(args, code, **values):
-    return code, STOPS[code].format(args=args, task=TASKS[args.task], **values)
-
-
-def stop_reason(args, step, lr_decay, history):
-    """The stop rules of [1] appendix A, one owner (end_of_epoch, may_resume): why a run stops after
-    its evaluation at `step`, or None: the LR of its next step below --stop-lr after the warmup,
-    else no dev gain for --early-stop."""
-    schedule = Schedule.from_args(args)
-    if (lr := schedule(step + 1, lr_decay)) < args.stop_lr and step >= schedule.warmup:
-        return stopping(args, "stop_lr", lr=lr)
-    return (
-        stopping(args, "early_stop")
-        if 0 < args.early_stop <= TASKS[args.task].since_best(history)
-        else None
+def final_bleu(run, best_step):
+    """Test BLEU, chrF and tokenized BLEU (decode.py --json's) of beam search; test.hyp holds the
+    translations."""
+    args = run.args
+    search = decode.Search(
+        args.beam,
+        args.alpha,
+        max_src_len=args.max_len,
+        bf16=run.step_options.bf16,
+        penalty=args.length_penalty,
     )
-
-
-def diverged(run, what):
-    """Stop the run as diverged: one line saying what and where the last good checkpoint is."""
-    last = rundir.checkpoint_file(run.dir, "last")
-    run.state.stopped = stopping(
-        run.args,
-        "diverged",
-        what=what,
-        last=f"the last good checkpoint is {last}"
-        if last.exists()
-        else "no checkpoint was written",
+    hyps = decode.translate(
+        run.model, run.tokenizer, [x for x, _ in run.pairs["test"]], search, args.batch_tokens
     )
-    run.log("error: " + run.state.stopped[1])
-
-
-# =======================================================================================
-# Appendix D: this process (threads, seeds, device), and several processes. torchrun sets
-# WORLD_SIZE/RANK/LOCAL_RANK: PyTorch's DistributedDataParallel, gloo on the CPU and NCCL on CUDA.
-# Each step's batches are sharded by rank (Run.next_batches); the batch norms sum their statistics
-# over the ranks (norms.py Appendix A); rank 0 alone evaluates, logs and writes, and shares its dev
-# score.
-# =======================================================================================
-
-
-# =======================================================================================
-# Appendix E: the run directory, checkpoints and --resume. A run directory holds one run. Training
-# into one that already holds a run is refused unless --resume (continue it) or --overwrite (replace
-# it). Nothing is deleted or written before every input is checked, and a lock keeps a second
-# process out. A resumed run keeps its flags (those in RESUME_MAY_CHANGE may be given again), its
-# corpus and its BPE model, and starts from its last checkpoint, read with
-# torch.load(weights_only=True). Checkpoints hold only tensors and plain Python values. The last
-# checkpoint is the resume record (the run's flags, state and generators); config.json is for
-# people: a resume reads only its run_id.
-# =======================================================================================
-# A run directory's files and what --overwrite removes: data.py's Appendix D (RESULT_FILES,
-# CACHE_FILES, checkpoints); the BPE model and the encoded caches are keyed by their content and are
-# reused or replaced, never trusted.
-
-
-# =======================================================================================
-# Appendix F: the corpus into the run directory. Read every split (data.py), train the joint BPE
-# into the run directory (reused by a later run only for the same training text and size),
-# encode (cached there too); a language model's text is cut into segments (data.py section 8).
-# =======================================================================================
-
-
-def qknorm_g0(args, train, log):
-    """QKNorm's g0 = log2(L^2 - L) [3, eq. 3], L from --qk-length or the training data. Paper [3]
-    section 3: "L is the 97.5th percentile sequence length across all training data sequences for
-    source and target"; its Table 5 says "word count". Note: we count BPE tokens, the sequence the
-    attention sees (g0 is there because of the number of elements in QK^T), over every training pair
-    before the --max-len filter (which would cap a high percentile); whitespace words give a smaller
-    L (Multi30k en-de: 30 BPE tokens, 20 words). Code [3]: L hard-coded per pair."""
-    if args.qk_length is not None:
-        L, how = args.qk_length, "--qk-length"
-    elif args.task == "lm":
-        L, how = args.seq_len, "--seq-len: a language model's segments are that long"
-    else:
-        L = data.length_percentile(train, q=args.qk_percentile)
-        how = (
-            f"{args.qk_percentile}th percentile of BPE training lengths, source and target pooled, no BOS/EOS, "
-            f"before the --max-len filter"
-        )
-    g0 = qk_g0(L)
-    log(f"qknorm: L = {L:.2f} ({how}); g0 = log2(L^2 - L) = {g0:.3f}")
-    return g0
+    s = decode.scores(hyps, [y for _, y in run.pairs["test"]])
+    fileio.atomic_write(run.dir / "test.hyp", "".join(h + "\n" for h in hyps))
+    run.log(
+        f"test (best checkpoint, step {best_step}, beam {args.beam}, {args.length_penalty} length "
+        f"penalty alpha {args.alpha}): {decode.score_report(s)}"
+    )
+    return {
+        "test_bleu": s["bleu"]["score"],
+        "test_signature": s["bleu"]["signature"],
+        "test_chrf": s["chrf"]["score"],
+        "test_chrf_signature": s["chrf"]["signature"],
+    }
 
 
 if __name__ == "__main__":
