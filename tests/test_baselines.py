@@ -265,7 +265,7 @@ def test_the_powernorm_fixture_crosses_the_warmup_with_padding():
     fx = load("authors_powernorm.pt")
     s, W = fx["steps"], fx["config"]["warmup_iters"]
     assert fx["provenance"]["file"] == "fairseq/modules/norms/mask_powernorm.py"
-    iters = [t for t, training in zip(s["iters"], s["training"]) if training]
+    iters = [t for t, training in zip(s["iters"], s["training"], strict=True) if training]
     # before, at, after; eval
     assert min(iters) < W and W in iters and max(iters) > W and not s["training"][-1]
     assert s["pad_mask"].any() and s["y"].dtype == F64

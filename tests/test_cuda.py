@@ -101,7 +101,7 @@ def two_steps(model, device, bf16):
     opt = torch.optim.Adam(model.parameters(), lr=0.0, fused=True if fused else None)
     options = train.StepOptions(0.0, 0.1, 1.0, bf16=bf16)
     losses, gnorms = [], []
-    for lr, (pairs, _) in zip((0.0, 1e-3), toy_batches()):
+    for lr, (pairs, _) in zip((0.0, 1e-3), toy_batches(), strict=True):
         b = data.collate(pairs, range(len(pairs)), device)
         loss, _, gnorm, n = train.train_step(model, opt, [b], lr, options)
         losses.append(loss.item() / n)
@@ -204,14 +204,14 @@ def test_decoding_on_cuda_gives_the_cpu_translations(cuda_run, corpus):
             )
         outputs[device, "bf16"] = decode.translate(model, tok, lines, decode.Search(4, bf16=True))
     for beam in (1, 4):
-        same = sum(a == b for a, b in zip(outputs["cpu", beam], outputs["cuda", beam]))
+        same = sum(a == b for a, b in zip(outputs["cpu", beam], outputs["cuda", beam], strict=True))
         assert same == len(lines), f"beam {beam}: {len(lines) - same} of {len(lines)} lines differ"
     fp32, bf16 = (decode.bleu(outputs["cuda", k], refs).score for k in (4, "bf16"))
     assert fp32 > 10 and abs(bf16 - fp32) < 3, (fp32, bf16)
 
 
 def _records(run_dir):
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return (
         [(r["step"], r["loss"], r["gnorm"]) for r in rows if "gnorm" in r],
         [(r["step"], r["dev_bleu"]) for r in rows if "dev_bleu" in r],
@@ -246,10 +246,10 @@ def test_a_run_killed_on_cuda_resumes_to_the_same_metrics(tmp_path, killed_run, 
     (steps_a, bleu_a), (steps_b, bleu_b) = _records(whole), _records(killed)
     # The GPU's atomic adds (the embedding's backward) make two runs differ in the last bits.
     assert [s[0] for s in steps_a] == [s[0] for s in steps_b] == list(range(1, 25))
-    for a, b in zip(steps_a, steps_b):
+    for a, b in zip(steps_a, steps_b, strict=True):
         assert a[1] == pytest.approx(b[1], rel=1e-4) and a[2] == pytest.approx(b[2], rel=1e-3)
     assert [s for s, _ in bleu_a] == [s for s, _ in bleu_b] == [8, 16, 24]
-    assert all(abs(a - b) < 1.0 for (_, a), (_, b) in zip(bleu_a, bleu_b))
+    assert all(abs(a - b) < 1.0 for (_, a), (_, b) in zip(bleu_a, bleu_b, strict=True))
 
 
 def test_compile_computes_the_eager_step_and_compiles_a_handful_of_graphs(corpus, tmp_path):

@@ -200,9 +200,12 @@ def test_bpe_training_is_deterministic(toy):
     tgt = [t for _, t in toy[1][:1000]]
     a = data.train_bpe(src, tgt, 500)
     b = data.train_bpe(src, tgt, 500)
+
+    def pieces(m):
+        return [data.Tokenizer(m).piece(i) for i in range(500)]
+
     # Same pieces in the same order, and the same bytes (trained in memory: no file name in the
     # model).
-    pieces = lambda m: [data.Tokenizer(m).piece(i) for i in range(500)]
     assert pieces(a) == pieces(b) and a == b
 
 

@@ -31,18 +31,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import gloo_unusable_reason
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # the worker runs as a script, without conftest.py
-    sys.path.insert(0, str(ROOT))
-
-from conftest import gloo_unusable_reason  # noqa: E402
-
-import data  # noqa: E402
-import model  # noqa: E402
-import norms  # noqa: E402
-import train  # noqa: E402
+import data
+import model
+import norms
+import train
 from machinery import toy_corpus, train_cli
+
+# The repository's root: conftest.py puts it on the import path of the tests, and dist_env's
+# PYTHONPATH on the worker's (it runs as a script, without conftest.py).
+ROOT = Path(__file__).resolve().parent.parent
 
 TIMEOUT_S = 90  # a hung collective must fail the test, not hang it
 
@@ -233,7 +232,7 @@ def ranks(tmp_path_factory):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for r, (p, log) in enumerate(zip(procs, logs)):
+    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
         assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{log[-4000:]}"
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
@@ -275,7 +274,7 @@ def test_two_ranks_with_half_batches_equal_one_process_with_the_whole_batch(rank
     if CONFIGS[name][3]:
         assert min(whole["gnorm"]) > CONFIGS[name][3]  # clipping did act
     # Each rank's loss sum is its half's; the two add up to the whole batch's.
-    halves = [a + b for a, b in zip(ranks[0][name]["loss"], ranks[1][name]["loss"])]
+    halves = [a + b for a, b in zip(ranks[0][name]["loss"], ranks[1][name]["loss"], strict=True)]
     assert halves == pytest.approx(whole["loss"], rel=1e-12, abs=0)
     if buffers:  # the statistics differ between the halves, so synchronisation was needed
         assert ranks[0][name]["loss"] != pytest.approx(ranks[1][name]["loss"], rel=1e-3)
@@ -388,7 +387,8 @@ def test_train_py_under_torchrun_with_two_processes(tmp_path):
         )
     except subprocess.TimeoutExpired:
         pytest.fail(
-            f"a refused start under torchrun did not end in {TIMEOUT_S}s (a rank waiting for rank 0)"
+            f"a refused start under torchrun did not end in {TIMEOUT_S}s "
+            "(a rank waiting for rank 0)"
         )
     assert p.returncode != 0 and (p.stdout + p.stderr).count("already holds a run") == 1, (
         p.stdout + p.stderr
@@ -471,11 +471,14 @@ def test_a_torchrun_run_stopped_by_sigterm_resumes_exactly_and_only_with_as_many
     torchrun(*flags, "--out", str(tmp_path / "whole"))
     part = tmp_path / "part"
     proc, deadline = torchrun(*flags, "--out", str(part), wait=False), time.time() + TIMEOUT_S
-    steps = lambda d: [
-        (r["step"], r["loss"], r["gnorm"])
-        for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())
-        if "loss" in r
-    ]
+
+    def steps(d):
+        return [
+            (r["step"], r["loss"], r["gnorm"])
+            for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r
+        ]
+
     while (
         proc.poll() is None
         and time.time() < deadline

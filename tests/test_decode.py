@@ -25,20 +25,15 @@ from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
+import conftest
 import pytest
 import torch
+from conftest import WORDS
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import conftest  # noqa: E402
-from conftest import WORDS  # noqa: E402
-
-import decode  # noqa: E402
-
-# noqa: E402
+import decode
 from decode import Search, beam_search, greedy_search, length_penalty, load_checkpoint, translate
 from machinery import decode_cli, rundir, train_cli
-from model import BOS, EOS, PAD  # noqa: E402
+from model import BOS, EOS, PAD
 
 V = 40
 
@@ -110,12 +105,12 @@ def test_the_two_length_penalties_are_searched_for_and_rank_differently():
             beams = beam_search(
                 model, src, beam=4, alpha=1.0, max_len=15, return_scores=True, penalty=penalty
             )
-            for s, (b, b_score) in zip(src, beams):
+            for s, (b, b_score) in zip(src, beams, strict=True):
                 assert b_score == pytest.approx(
                     teacher_forced_score(model, unpad(s), b, len(b) < 15, 1.0, penalty), abs=1e-4
                 )
             outputs[penalty] = [b for b, _ in beams]
-        differ += sum(g != f for g, f in zip(outputs["gnmt"], outputs["fairseq"]))
+        differ += sum(g != f for g, f in zip(outputs["gnmt"], outputs["fairseq"], strict=True))
     assert differ >= 1
 
 
@@ -149,7 +144,7 @@ def test_beam_score_at_least_greedy_and_reported_score_is_true():
         model, src = tiny_model(seed=seed), random_src(B=8, seed=3 + seed)
         greedy = greedy_search(model, src, max_len=max_len)
         beams = beam_search(model, src, beam=4, alpha=alpha, max_len=max_len, return_scores=True)
-        for s, g, (b, b_score) in zip(src, greedy, beams):
+        for s, g, (b, b_score) in zip(src, greedy, beams, strict=True):
             s = unpad(s)
             g_score = teacher_forced_score(model, s, g, len(g) < max_len, alpha)
             tf_score = teacher_forced_score(model, s, b, len(b) < max_len, alpha)
@@ -410,7 +405,7 @@ def test_cuda_search_and_bf16_translate(run_dir):
 )
 def test_bad_inputs_give_one_line_errors_naming_the_file(run_dir, tmp_path, case):
     root = run_dir[0]
-    src, ref = str(root / "dev.src"), str(root / "dev.tgt")
+    src = str(root / "dev.src")
     if case == "missing_ckpt":
         named, argv = str(tmp_path / "nope.pt"), [str(tmp_path / "nope.pt"), "--input", src]
     elif case == "empty_dir":
@@ -430,8 +425,7 @@ def test_bad_inputs_give_one_line_errors_naming_the_file(run_dir, tmp_path, case
     assert named in msg and "\n" not in msg and msg.startswith("decode.py: error:")
 
 
-# -- issue 30: a run's files, a run's checkpoints, --threads, the batch default
-# --------------------------------
+# -- issue 30: a run's files, a run's checkpoints, --threads, the batch default -----------------
 def _one_line_exit(argv, *words):
     """decode.main(argv) stops with one line (non-zero) holding every one of words."""
     with pytest.raises(SystemExit) as e:

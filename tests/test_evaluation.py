@@ -35,17 +35,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import WORDS, tiny_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from conftest import WORDS, tiny_model  # noqa: E402
-
-import decode  # noqa: E402
+import decode
 from machinery import decode_cli, plots, rundir
-from machinery.fileio import DataError as DecodeError
-
-# noqa: E402  (decode.py raises data.DataError)
-from model import BOS, EOS, MultiHeadAttention  # noqa: E402
+from machinery.fileio import DataError as DecodeError  # decode.py raises fileio's DataError.
+from model import BOS, EOS, MultiHeadAttention
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +54,7 @@ def toy():
         for n in torch.randint(2, 9, (80,), generator=g)
     ]
     proto = train_bpe(lines[:40], lines[40:], 60)
-    return Tokenizer(proto), list(zip(lines[:40], lines[40:])), proto
+    return Tokenizer(proto), list(zip(lines[:40], lines[40:], strict=True)), proto
 
 
 def without_matplotlib(monkeypatch):
@@ -232,7 +227,7 @@ def cli_table(text):
         if len(cells) > 1 and cells[0] != "System":
             name = (cells[0] or name).removeprefix("Baseline: ")
             rows.setdefault(name, [""] * (len(cells) - 1))
-            rows[name] = [a + " " + b for a, b in zip(rows[name], cells[1:])]
+            rows[name] = [a + " " + b for a, b in zip(rows[name], cells[1:], strict=True)]
     return rows
 
 
@@ -270,8 +265,8 @@ def test_paired_test_equals_sacrebleu_cli(tmp_path, test):
     ours = decode.paired_test([files[n] for n in ("base", "sys1", "sys2")], refs, test, 200, seed=7)
     theirs = cli_table(out)
     assert list(theirs) == [str(tmp_path / n) for n in ("base", "sys1", "sys2")]
-    for row, cells in zip(ours["rows"], theirs.values()):
-        for x, cell in zip(row.values(), cells):  # BLEU, chrF2
+    for row, cells in zip(ours["rows"], theirs.values(), strict=True):
+        for x, cell in zip(row.values(), cells, strict=True):  # BLEU, chrF2
             want = [f"{x[k]:.4f}" for k in ("score", "mean", "ci", "p_value") if x[k] is not None]
             assert re.findall(r"\d+\.\d+", cell) == want, (cell, x)
     # a table with a significant difference

@@ -10,6 +10,7 @@ perplexity is decode.py's; a killed language model resumes exactly; bad input is
 import hashlib
 import json
 import signal
+from functools import partial
 
 import pytest
 import torch
@@ -253,7 +254,8 @@ def test_a_multilinear_word_model_learns_and_its_test_perplexity_is_decodes(text
     decode_cli.main([str(run), "--ppl", "--input", str(text / "test.txt")])
     printed = float(capsys.readouterr().out.split()[1])
     assert printed == pytest.approx(result["test_ppl"], abs=0.006)  # printed with 2 decimals
-    words = sum(len(l.split()) + 1 for l in (text / "test.txt").read_text().splitlines() if l)
+    lines = [line for line in (text / "test.txt").read_text().splitlines() if line]
+    words = sum(len(line.split()) + 1 for line in lines)
     assert result["test_tokens"] == words and "test_word_ppl" not in result
     assert (
         len(result["embedding_singular_values"]) == 32
@@ -292,7 +294,7 @@ def test_a_bpe_language_model_reports_perplexity_per_word_too(text, tmp_path, ca
     capsys.readouterr()
     # --leak on whole segments only: the text's padded last segment would score log p(PAD) = -inf
     _, tok, _ = decode.load_checkpoint(run)
-    lines = [l for l in (text / "test.txt").read_text().splitlines() if l]
+    lines = [line for line in (text / "test.txt").read_text().splitlines() if line]
     # the text ends in a padded segment
     assert data.lm_segments(data.lm_stream(tok, lines), 32).y.eq(PAD).any()
     assert decode_cli.main([str(run), "--leak", "--input", str(text / "test.txt")]) == 0
@@ -303,7 +305,7 @@ def test_a_bpe_language_model_reports_perplexity_per_word_too(text, tmp_path, ca
         (["--input", str(tmp_path / "short.txt")], "shorter than one segment"),
         (["--input", str(text / "test.txt"), "--seq-len", "1"], "--seq-len 1"),
     ):
-        assert words in _one_line_error(lambda: decode_cli.main([str(run), "--leak", *extra]))
+        assert words in _one_line_error(partial(decode_cli.main, [str(run), "--leak", *extra]))
 
 
 def test_a_stopped_language_model_resumes_to_the_same_metrics(text, tmp_path, killed_run):
@@ -331,11 +333,14 @@ def test_a_stopped_language_model_resumes_to_the_same_metrics(text, tmp_path, ki
     # Every step's, log window's and epoch's record, but their timings and the final record
     # (train_seconds).
     timings = ("tok_per_s", "mfu")
-    rows = lambda d: [
-        {k: v for k, v in r.items() if k not in timings}
-        for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())
-        if "final" not in r
-    ]
+
+    def rows(d):
+        return [
+            {k: v for k, v in r.items() if k not in timings}
+            for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())
+            if "final" not in r
+        ]
+
     assert rows("killed") == rows("whole")
     a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("whole", "killed"))
     assert a["test_ppl"] == b["test_ppl"] and a["best_dev_ppl"] == b["best_dev_ppl"]
@@ -426,7 +431,7 @@ def test_bad_language_model_input_is_one_line(text, tmp_path):
         (["--bpe-size", "0"], "--bpe-size"),
     ):
         assert flag in _one_line_error(
-            lambda: train_cli.main(argv + ["--out", str(tmp_path / "r3")])
+            partial(train_cli.main, argv + ["--out", str(tmp_path / "r3")])
         )
 
 
@@ -562,7 +567,7 @@ def test_review_fixes_special_words_idle_flags_and_the_cosine_schedule(text, tmp
         (["--preset", "pn2-layernorm", "--pair", "de-en"], "--pair de-en"),
     ):
         assert flag in _one_line_error(
-            lambda: train_cli.main(argv + ["--out", str(tmp_path / "r")])
+            partial(train_cli.main, argv + ["--out", str(tmp_path / "r")])
         )
     run = tmp_path / "run"
     train_cli.main(
@@ -580,7 +585,7 @@ def test_review_fixes_special_words_idle_flags_and_the_cosine_schedule(text, tmp
         ([str(run), "--ppl", "--input", str(text / "test.txt"), "--beam", "7"], "--beam"),
         ([str(run), "--generate", "a", "--output", str(tmp_path / "o.txt")], "--output"),
     ):
-        assert words in _one_line_error(lambda: decode_cli.main(argv))
+        assert words in _one_line_error(partial(decode_cli.main, argv))
     with pytest.raises(SystemExit):
         decode_cli.main([str(run), "--svd", "--ppl", "--input", str(text / "test.txt")])
     assert "--input does nothing with --svd" in capsys.readouterr().err

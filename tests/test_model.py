@@ -68,7 +68,7 @@ def randomize_scales(model, seed=0, lo=0.5, hi=4.0):
     """Give every scalar g (ScaleNorm, QKNorm) a distinct trained-like value."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for n, p in model.named_parameters():
+        for _, p in model.named_parameters():
             if p.dim() == 0:
                 p.fill_(lo + (hi - lo) * torch.rand((), generator=g).item())
 
@@ -507,7 +507,7 @@ def test_qknorm_scores_bounded_by_g():
             mod.kv.weight.mul_(20)
     src, tgt = batch(seed=7)
     calls = recompute_attention_calls(m, src, tgt)
-    for mod, s, allowed, w, v, out in calls:
+    for mod, s, allowed, w, _v, _out in calls:
         g = abs(mod.g.item())
         assert s.abs().max().item() <= g * (1 + 1e-5)
         w_ok = w.masked_fill(~allowed, float("nan"))
@@ -550,7 +550,7 @@ def test_qknorm_norm_v_normalises_values():
     m = build(qknorm=True, qk_norm_v=True, qk_g0=3.0).eval()
     src, tgt = batch(seed=8)
     calls = recompute_attention_calls(m, src, tgt)
-    for mod, s, allowed, w, v, out in calls:
+    for mod, _s, _allowed, w, v, out in calls:
         assert mod.norm_v
         vh = v / v.norm(dim=-1, keepdim=True)
         expect = mod.out((w @ vh).transpose(1, 2).flatten(2))
@@ -671,7 +671,7 @@ def test_the_feed_forwards_relu_then_dropout_in_one_call(path):
             y = dropout(x, 0.3, relu=relu) if relu else dropout(torch.relu(x), 0.3)
             outs.append((y, torch.autograd.grad(y.sum(), x)[0]))
         assert (outs[0][0] == 0).float().mean() > 0.6  # about 1 - 0.7 * 0.5 of the values are 0
-        for a, b in zip(*outs):
+        for a, b in zip(*outs, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert torch.equal(dropout(x, 0.3, training=False, relu=True), torch.relu(x))
         assert torch.equal(dropout(x, 0.0, relu=True), torch.relu(x))
@@ -737,7 +737,7 @@ def test_the_fast_paths_give_the_reference_loss_and_gradients(name):
                 use_reference(False)
         (fl, fn, fg), (rl, rn, rg) = results
         torch.testing.assert_close((fl, fn), (rl, rn), rtol=tol, atol=tol)
-        for a, b in zip(fg, rg):
+        for a, b in zip(fg, rg, strict=True):
             assert (a is None) == (b is None)
             if a is not None:
                 torch.testing.assert_close(a, b, rtol=100 * tol, atol=tol)
@@ -760,11 +760,16 @@ def test_the_fast_loss_has_the_exact_gradient_of_the_equation(eps):
     z = torch.randn(6, 9, dtype=torch.float64, requires_grad=True)
     target = torch.tensor([0, 3, 8, 2, 2, 5])
     real = torch.tensor([True, True, False, True, True, True])
-    both = lambda z: SmoothedCrossEntropy.apply(z, target, real, eps)  # noqa: E731
+
+    def both(z):
+        return SmoothedCrossEntropy.apply(z, target, real, eps)
+
     assert torch.autograd.gradcheck(both, (z,))  # d/dz of loss and of NLL, any mix of the two
     got, ref = both(z), label_smoothed_loss(z, target, eps, real)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     for a, b in zip(
-        torch.autograd.grad(got[0] + 0.3 * got[1], z), torch.autograd.grad(ref[0] + 0.3 * ref[1], z)
+        torch.autograd.grad(got[0] + 0.3 * got[1], z),
+        torch.autograd.grad(ref[0] + 0.3 * ref[1], z),
+        strict=True,
     ):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

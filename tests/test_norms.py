@@ -108,6 +108,7 @@ def test_written_out_layernorm_equals_f_layer_norm_with_gradients(reference):
         for a, b in zip(
             torch.autograd.grad(y, (x, ln.weight, ln.bias), dy),
             torch.autograd.grad(ref, (x, ln.weight, ln.bias), dy),
+            strict=True,
         ):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
@@ -467,7 +468,10 @@ def test_gradcheck_float64_input_and_parameter(cls):
         else torch.randn(6, dtype=torch.float64)
     )
     x = rand(2, 3, 6, seed=9).requires_grad_(True)
-    f = lambda x, p: torch.func.functional_call(norm, {name: p}, (x,))  # noqa: E731
+
+    def f(x, p):
+        return torch.func.functional_call(norm, {name: p}, (x,))
+
     assert torch.autograd.gradcheck(f, (x, p.requires_grad_(True)))
     assert norm(x).dtype == torch.float64
     # the float64 forward is float64-accurate
@@ -523,7 +527,9 @@ def test_norms_equal_their_equations_with_gradients_on_hard_rows(cls, transpose)
     y = norm(x)
     yf = eq5(x, p, norm.eps) if cls is ScaleNorm else rmsnorm_eq(x, p, norm.eps)
     for a, b in zip(
-        (y,) + torch.autograd.grad(y, (x, p), dy), (yf,) + torch.autograd.grad(yf, (x, p), dy)
+        (y,) + torch.autograd.grad(y, (x, p), dy),
+        (yf,) + torch.autograd.grad(yf, (x, p), dy),
+        strict=True,
     ):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda x: norm(x), (x,))

@@ -63,7 +63,7 @@ def test_lm_streams_batches_the_text_as_the_baseline_code_and_keeps_the_order_ev
     for epoch in (0, 1, 7):  # the same order every pass, whatever the seed and the pass
         batches = data.make_batches(segs, rows * bptt, True, seed=3, epoch=epoch)
         assert len(batches) == len(expected)
-        for idx, (x, y) in zip(batches, expected):
+        for idx, (x, y) in zip(batches, expected, strict=True):
             b = data.collate(segs, idx)
             assert torch.equal(b.tgt_in, x) and torch.equal(b.tgt_out, y) and b.n_tgt == x.numel()
     shuffled = data.make_batches(data.lm_segments(stream, bptt), rows * bptt, True, seed=3, epoch=0)
@@ -242,11 +242,14 @@ def test_a_streams_run_learns_and_one_stopped_mid_pass_resumes_exactly(
     train_cli.main(argv + ["--out", str(tmp_path / "whole")])
     killed_run(argv + ["--out", str(tmp_path / "killed")], 11, signal.SIGTERM)
     train_cli.main(["--resume", str(tmp_path / "killed")])
-    rows = lambda d: [
-        {k: v for k, v in r.items() if k not in ("tok_per_s", "mfu")}
-        for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())
-        if "final" not in r
-    ]
+
+    def rows(d):
+        return [
+            {k: v for k, v in r.items() if k not in ("tok_per_s", "mfu")}
+            for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())
+            if "final" not in r
+        ]
+
     assert rows("killed") == rows("whole")
     dev = [r["dev_ppl"] for r in rows("whole") if "dev_ppl" in r]
     assert len(dev) == 3 and dev[-1] < dev[0]

@@ -65,7 +65,8 @@ _stepped = {}
 
 
 def build_and_step(args):
-    """Build the model of these flags (vocabulary 40) and take one training step, once per config."""
+    """Build the model of these flags (vocabulary 40) and take one training step, once per
+    config."""
     cfg = train.model_config_from_args(args, vocab_size=V, qk_g0=5.0)
     uses_power = "power" in (cfg.norm, cfg.encoder_norm, cfg.decoder_norm)
     # options only matter to PN
