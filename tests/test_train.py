@@ -175,7 +175,7 @@ def _records(run_dir, windows=False):
     """Every step's (loss, gnorm) and every evaluation's dev BLEU in metrics.jsonl; windows: the log
     lines' training loss too (a window cut by a kill mid-step averages fewer steps; one cut by a
     saved stop does not)."""
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [(r["step"], round(r["loss"], 6), round(r["gnorm"], 5)) for r in rows if "gnorm" in r]
     bleus = [(r["step"], r["dev_bleu"]) for r in rows if "dev_bleu" in r]
     return (
@@ -412,7 +412,9 @@ def test_tensorboard_events_hold_the_records_of_metrics_jsonl(tmp_path, corpus, 
         ]
         got = [(e.step, e.value) for e in events.Scalars(tag)]
         assert len(want) > 1 and [s for s, _ in got] == [s for s, _ in want], tag
-        assert all(math.isclose(a, b, rel_tol=1e-6) for (_, a), (_, b) in zip(got, want)), tag
+        assert all(
+            math.isclose(a, b, rel_tol=1e-6) for (_, a), (_, b) in zip(got, want, strict=True)
+        ), tag
 
 
 # --- every norm, placement and QKNorm trains a few steps on the built-in corpus -------------
@@ -441,7 +443,7 @@ def test_every_norm_and_placement_trains_with_finite_loss(extra, tmp_path, small
     result = train_cli.main(SMALL + small_corpus + extra + ["--benchmark", "2", "--out", str(run)])
     # --benchmark trains real steps (and writes no run directory); the model took the flags.
     assert result["model_config"]["norm"] == extra[1] and all(
-        math.isfinite(l) for l in result["losses"]
+        math.isfinite(loss) for loss in result["losses"]
     )
     assert not run.exists()
 
@@ -488,8 +490,8 @@ def test_short_runs_log_finite_losses_and_decreasing_loss(tmp_path, small_corpus
         ]
     )
     steps, bleus, _ = _records(run)
-    losses = [l for _, l, _ in steps]
-    assert all(math.isfinite(l) for l in losses)
+    losses = [loss for _, loss, _ in steps]
+    assert all(math.isfinite(loss) for loss in losses)
     assert sum(losses[-5:]) < sum(losses[:5])
     g = json.loads((run / "g_values.json").read_text())
     assert any(r["kind"] == "QKNorm" for r in g)
@@ -547,7 +549,7 @@ def test_a_short_training_run_raises_dev_bleu_well_above_its_start(tmp_path):
 def _lr_by_step(run_dir):
     return {
         r["step"]: r["lr"]
-        for r in (json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines())
+        for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
         if "gnorm" in r
     }
 

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -145,9 +146,9 @@ def test_overwrite_replaces_the_run_and_average_stays_within_one_run(finished, t
         "checkpoint_epoch2.pt",
     ]
     assert all(
-        json.loads(l)["step"] <= 10
-        for l in (run / "metrics.jsonl").read_text().splitlines()
-        if "step" in json.loads(l)
+        json.loads(line)["step"] <= 10
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+        if "step" in json.loads(line)
     )
     decode.load_checkpoint(run, average=2)  # the new run's two epochs average
     # an epoch checkpoint of the old run, left behind
@@ -268,7 +269,7 @@ def test_resume_survives_a_half_written_metrics_line_and_refuses_a_damaged_last_
     capsys.readouterr()
     train_cli.main(["--resume", str(run), "--max-steps", "20", "--max-epochs", "10"])
     # every line is JSON
-    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "gnorm" in r] == list(range(1, 21))
     last, best = run / "checkpoint_last.pt", run / "checkpoint_best.pt"
     assert (
@@ -378,7 +379,9 @@ def test_a_diverged_run_exits_non_zero_keeps_its_last_good_checkpoint_and_writes
     for line in (run / "metrics.jsonl").read_text().splitlines():
         json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
     bad = [
-        json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "nonfinite" in l
+        json.loads(line)
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+        if "nonfinite" in line
     ]
     assert bad == [
         {
@@ -436,7 +439,9 @@ def test_a_huge_but_finite_loss_is_a_warning_and_the_run_goes_on(
     assert (
         "warning: the training loss 40.00 is far above a uniform guess" in capsys.readouterr().out
     )
-    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in rows if "gnorm" in r][-1] == 10 and any("warning" in r for r in rows)
     assert result is not None  # it ended normally, with its test BLEU
 
@@ -961,7 +966,7 @@ def test_decode_and_plot_outputs_are_checked_before_any_work(finished, tmp_path,
         (tmp_path / "p.jpg", "must end in .png"),
     ):
         one_line_error(
-            lambda: decode_cli.main(["--plot", str(finished), "--out", str(out)]), "--out", why
+            partial(decode_cli.main, ["--plot", str(finished), "--out", str(out)]), "--out", why
         )
 
 
@@ -978,8 +983,9 @@ def test_decode_never_overwrites_what_it_reads_or_what_train_wrote(finished, tmp
         (run, run / "config.json", "a file of the run"),
     ):
         one_line_error(
-            lambda: decode_cli.main(
-                [str(model), "--input", str(tmp_path / "x.en"), "--output", str(output)]
+            partial(
+                decode_cli.main,
+                [str(model), "--input", str(tmp_path / "x.en"), "--output", str(output)],
             ),
             "--output",
             why,
@@ -1284,8 +1290,9 @@ def test_a_failed_start_removes_only_empty_folders_it_made_and_decode_sees_throu
     (tmp_path / "x.en").write_text("the dog .\n")
     for output in (run / ".." / "run" / "config.json", run / "test.hyp"):
         one_line_error(
-            lambda: decode_cli.main(
-                [str(run), "--input", str(tmp_path / "x.en"), "--output", str(output)]
+            partial(
+                decode_cli.main,
+                [str(run), "--input", str(tmp_path / "x.en"), "--output", str(output)],
             ),
             "a file of the run directory",
         )
@@ -1481,8 +1488,8 @@ def test_a_folder_with_files_a_run_writes_but_no_run_is_refused_and_other_files_
     before = snapshot(theirs)
     for extra in ([], ["--overwrite"]):
         one_line_error(
-            lambda: train_cli.main(
-                TINY + corpus + ["--max-steps", "5", *extra, "--out", str(theirs)]
+            partial(
+                train_cli.main, TINY + corpus + ["--max-steps", "5", *extra, "--out", str(theirs)]
             ),
             f"--out {theirs}",
             "not a run directory of train.py",
