@@ -16,7 +16,7 @@ folders to remake the fixtures):
 
 Each fixture's `provenance` says which commit, which file (and its sha256), what was patched to
 import it, the seed. The tests load the baselines' weights into ours (model.py Appendix B's mapping;
-norms.py Appendix D's PowerNormCode) and compare in float64 to 1e-6 (absolute); the values measured
+norms.py Appendix C's PowerNormCode) and compare in float64 to 1e-6 (absolute); the values measured
 are far below (about 1e-15).
 """
 
@@ -272,7 +272,7 @@ def test_the_powernorm_fixture_crosses_the_warmup_with_padding():
 
 
 def test_powernorm_code_matches_the_authors_module_step_by_step():
-    """PowerNormCode (norms.py Appendix D, with GroupScaling in front) against MaskPowerNorm (with
+    """PowerNormCode (norms.py Appendix C, with GroupScaling in front) against MaskPowerNorm (with
     GroupScaling1D), the same weights, inputs, pad masks and output gradients: at every step (two
     with running_phi's cumulative mean, the last warmup step, two after the warmup, one in eval
     mode) the output, the input gradient, the weight and bias gradients and the running buffers
@@ -291,7 +291,7 @@ def test_powernorm_code_matches_the_authors_module_step_by_step():
 
 def test_powernorm_as_the_paper_writes_it_is_not_the_authors_module():
     """The comparison can fail: PowerNorm (Algorithm 2, --pn-variant paper) differs from the
-    authors' module, where Appendix D says: running_phi in the warmup (no cumulative mean), the
+    authors' module, where Appendix C says: running_phi in the warmup (no cumulative mean), the
     gradient at padding (zero)."""
     fx = load("authors_powernorm.pt")
     s = fx["steps"]

@@ -427,7 +427,7 @@ def test_bad_inputs_give_one_line_errors_naming_the_file(run_dir, tmp_path, case
 
 # -- issue 30: a run's files, a run's checkpoints, --threads, the batch default -----------------
 def _one_line_exit(argv, *words):
-    """decode.main(argv) stops with one line (non-zero) holding every one of words."""
+    """decode_cli.main(argv) stops with one line (non-zero) holding every one of words."""
     with pytest.raises(SystemExit) as e:
         decode_cli.main(argv)
     msg = str(e.value.code)

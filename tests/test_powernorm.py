@@ -140,7 +140,7 @@ def test_group_scaling_equals_formula_and_gives_unit_rms_per_group(groups):
 # ---------------------------------------------------------------------------------------
 class RefPN:
     """PN Algorithm 2 / eqs. 8-13, token by token, with the warmup of appendix A; the
-    "code" variant with the released code's three departures (norms.py Appendix D;
+    "code" variant with the released code's three departures (norms.py Appendix C;
     sIncerass/powernorm, fairseq/modules/norms/mask_powernorm.py)."""
 
     def __init__(self, D, warmup, alpha_fwd, alpha_bkw, eps, variant):

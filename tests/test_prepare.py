@@ -496,8 +496,8 @@ def test_a_dir_that_is_a_file_is_one_line_and_the_file_is_kept(name, tmp_path, c
 
 
 def test_sigterm_stops_prepare_as_ctrl_c_does(tmp_path, monkeypatch, capsys):
-    """SIGTERM (data.interrupt_on_sigterm) raises KeyboardInterrupt(15): prepare says how to resume
-    and exits 143; Ctrl-C's KeyboardInterrupt exits 130."""
+    """SIGTERM (machinery/rundir.py's interrupt_on_sigterm) raises KeyboardInterrupt(15): prepare
+    says how to resume and exits 143; Ctrl-C's KeyboardInterrupt exits 130."""
 
     def killed(signum):
         def opener(*a, **k):

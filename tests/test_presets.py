@@ -1,4 +1,4 @@
-"""The papers' rows as presets (train.py Appendix B): every preset resolves to valid flags,
+"""The papers' rows as presets (machinery/presets.py): every preset resolves to valid flags,
 builds its model at its exact size and takes one training step; flags given with a preset
 override it; --pair swaps the corpus; config.json records every resolved value.
 

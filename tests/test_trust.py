@@ -1234,9 +1234,9 @@ def test_decode_empty_input_with_ref_odd_metrics_and_idle_flags_are_one_line(fin
 
 
 def test_both_programs_refuse_an_idle_flag_through_one_rule(monkeypatch, capsys):
-    """data.idle_flag owns "a flag given where it does nothing is refused in one line": the first
-    idle flag, as a command line writes it, with its rule's why. train.py's table, decode.py's needs
-    and its modes go through it."""
+    """machinery/arguments.py's idle_flag owns "a flag given where it does nothing is refused in
+    one line": the first idle flag, as a command line writes it, with its rule's why. train.py's
+    table (machinery/train_cli.py), decode.py's needs and its modes go through it."""
     assert arguments.idle_flag(
         [(("a", "b_c"), True, "x"), (("d", "b_c"), False, "why")], {"b_c"}
     ) == (
