@@ -599,17 +599,23 @@ def dev_score(run):
     dev_ppl, dev_loss = math.exp(min(dev_nll / max(n, 1), 50)), dev_loss / max(n, 1)
     if args.task == "lm":
         return dev_ppl, dev_loss, dev_ppl
+    hyps = translate_split(run, "dev", args.dev_beam)
+    return decode.bleu(hyps, [y for _, y in run.pairs["dev"]]).score, dev_loss, dev_ppl
+
+
+def translate_split(run, split, beam):
+    """The run's translations of a split's sources ("dev" or "test") with this beam, the run's
+    length penalty and its output length limit (decode.py section 5)."""
+    args = run.args
     search = decode.Search(
-        args.dev_beam,
+        beam,
         args.alpha,
         max_src_len=args.max_len,
         bf16=run.step_options.bf16,
         penalty=args.length_penalty,
     )
-    hyps = decode.translate(
-        run.model, run.tokenizer, [x for x, _ in run.pairs["dev"]], search, args.batch_tokens
-    )
-    return decode.bleu(hyps, [y for _, y in run.pairs["dev"]]).score, dev_loss, dev_ppl
+    sources = [x for x, _ in run.pairs[split]]
+    return decode.translate(run.model, run.tokenizer, sources, search, args.batch_tokens)
 
 
 def end_of_epoch(run):
@@ -782,16 +788,7 @@ def final_bleu(run, best_step):
     """Test BLEU, chrF and tokenized BLEU (decode.py --json's) of beam search; test.hyp holds the
     translations."""
     args = run.args
-    search = decode.Search(
-        args.beam,
-        args.alpha,
-        max_src_len=args.max_len,
-        bf16=run.step_options.bf16,
-        penalty=args.length_penalty,
-    )
-    hyps = decode.translate(
-        run.model, run.tokenizer, [x for x, _ in run.pairs["test"]], search, args.batch_tokens
-    )
+    hyps = translate_split(run, "test", args.beam)
     s = decode.scores(hyps, [y for _, y in run.pairs["test"]])
     fileio.atomic_write(run.dir / "test.hyp", "".join(h + "\n" for h in hyps))
     run.log(
