@@ -262,7 +262,7 @@ class Search:
     max_len_b: int = 50  # at most |x| + max_len_b output tokens
     # A longer source (in BPE tokens) is cut to it: one huge line cannot exhaust memory.
     max_src_len: int = 1024
-    bf16: bool = True  # bf16 autocast on CUDA (model.autocast); False: fp32
+    bf16: bool = False  # bf16 autocast (model.autocast), where model.precision chose it
     penalty: str = "gnmt"  # section 2's length penalty: gnmt (TwT, QKNorm) or fairseq (PowerNorm)
 
 
@@ -378,7 +378,7 @@ def score_report(scored):
 # perplexity is what [1] Table 8 lists; by Jensen, per token smoothed >= (1-eps) NLL + eps log|A|.
 # ---------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate_loss(model, encoded, batch_tokens, smoothing, bf16=True):
+def evaluate_loss(model, encoded, batch_tokens, smoothing, bf16=False):
     """Encoded pairs, teacher-forced in eval mode -> (the label-smoothed loss summed, the NLL
     summed, the number of target tokens)."""
     device, total, nll_total, n = next(model.parameters()).device, 0.0, 0.0, 0
@@ -390,7 +390,7 @@ def evaluate_loss(model, encoded, batch_tokens, smoothing, bf16=True):
     return total, nll_total, n
 
 
-def perplexity(model, tokenizer, pairs, label_smoothing=0.1, batch_tokens=4096, bf16=True):
+def perplexity(model, tokenizer, pairs, label_smoothing=0.1, batch_tokens=4096, bf16=False):
     """pairs [(src, tgt)] of raw text -> dict(smoothed_ppl, ppl, smoothed_loss, nll, n_tokens),
     the losses per target token (EOS included). Pairs with an empty source are skipped."""
     if not (encoded := [e for e in data.encode_pairs(tokenizer, list(pairs)) if e[0]]):
@@ -413,7 +413,7 @@ def perplexity(model, tokenizer, pairs, label_smoothing=0.1, batch_tokens=4096, 
 #   per word: exp(NLL / (words + EOS)), the same NLL
 # Under BPE n counts pieces, so the per-word perplexity is the one comparable across vocabularies.
 # ---------------------------------------------------------------------------------------
-def lm_perplexity(model, tokenizer, lines, seq_len, batch_tokens=4096, bf16=True, context=0):
+def lm_perplexity(model, tokenizer, lines, seq_len, batch_tokens=4096, bf16=False, context=0):
     """dict(ppl, nll, n_tokens, word_ppl, n_words, unk_tokens, unk_share) of text lines (empty lines
     skipped, as training does). context N > 0: each token with at least N tokens before it ([2] A.2,
     as Transformer-XL evaluates), in windows of seq_len tokens that slide by seq_len - N
@@ -437,13 +437,13 @@ def lm_perplexity(model, tokenizer, lines, seq_len, batch_tokens=4096, bf16=True
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, seed=0):
+def generate(model, tokenizer, prefix, seq_len, max_tokens=50, temperature=0.0, seed=0, bf16=False):
     """The prefix continued until EOS or max_tokens, each token predicted from the last seq_len
     tokens: at temperature 0 the most probable one (greedy), else one drawn from
     softmax(logits / temperature) (--sample). Returns the prefix and the continuation, as text."""
     ids, rng = [EOS] + tokenizer.encode(prefix), torch.Generator().manual_seed(seed)
     start = len(ids)
-    with evaluating(model):
+    with evaluating(model), autocast(model.embed.device, bf16):
         for _ in range(max_tokens):
             # The last seq_len tokens: the context the model was trained with.
             x = torch.tensor([ids[-seq_len:]], device=model.embed.device)

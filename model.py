@@ -751,7 +751,8 @@ def normal_init(model):
 # =======================================================================================
 # Appendix C: where the model runs: device and precision.
 # On a CUDA GPU: bf16 autocast (statistics stay fp32, see norms.py), SDPA, fused Adam (train.py),
-# pinned-memory batches (data.py): the nanoGPT recipe.
+# pinned-memory batches (data.py): the nanoGPT recipe. On a CPU that computes bf16 natively
+# (AVX512-BF16, AMX, Arm's BF16) the same autocast with --dtype bf16; precision() is the one rule.
 # =======================================================================================
 def pick_device(name="auto"):
     """--device auto|cpu|cuda -> torch.device; ValueError when cuda is asked for and absent."""
@@ -769,16 +770,56 @@ def pick_device(name="auto"):
 
 
 def has_bf16(device):
-    """Whether a CUDA device computes in bf16 natively (compute capability 8.0+: A100, H100, RTX
-    30xx+); older GPUs only emulate it, slowly, and train with --dtype fp32 instead."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+    """Whether the device computes bf16 natively: a CUDA GPU of compute capability 8.0+ (A100,
+    H100, RTX 30xx+), or a CPU with AVX512-BF16 or AMX (AMD Zen 4 and later; Intel Cooper Lake,
+    Sapphire Rapids and later) or Arm's BF16 instructions. Elsewhere bf16 is emulated: the same
+    results, slower than fp32."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 8
+    return cpu_has_bf16()
 
 
-def autocast(device, bf16=True):
-    """bf16 autocast on CUDA (--dtype bf16); fp32 on the CPU, under --dtype fp32 and --reference."""
-    return torch.autocast(
-        device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and bf16 and fast_paths()
-    )
+def cpu_has_bf16():
+    """This CPU's native bf16, as torch's own checks see it, else as /proc/cpuinfo's flags say."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch 2.3+
+    if any(getattr(torch.cpu, name, lambda: False)() for name in checks):
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:  # Linux; elsewhere: not known to be native
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})  # bf16: Arm's feature flag
+
+
+def precision(device, dtype="auto"):
+    """The precision a run computes in, from --dtype auto|bf16|fp32: (bf16, why), why in words
+    for the first screen. bf16 autocast runs the matmuls in bf16 and keeps the norms' statistics,
+    the softmaxes, the loss, the weights and Adam's state in fp32. --reference: fp32 always (every
+    equation as written). auto: bf16 on a CUDA GPU that computes it natively, else fp32; on a CPU
+    fp32 too, until time to quality is measured on one with native bf16 (docs/speed.md)."""
+    native = has_bf16(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "this CPU"
+    can = f"{name} {'computes bf16 natively' if native else 'has no native bf16'}"
+    if not fast_paths():
+        return False, f"fp32: --reference runs every equation as written ({can})"
+    if dtype == "fp32":
+        return False, f"fp32, as --dtype fp32 asks ({can})"
+    if device.type == "cuda" and not native:
+        return (
+            False,
+            f"fp32: {name} has no bf16, which it would only emulate, slowly (--dtype fp32)",
+        )
+    if dtype == "auto" and device.type == "cpu":
+        return False, f"fp32, --dtype auto's choice on a CPU ({can}; --dtype bf16 computes in bf16)"
+    slow = "" if native else ": emulated, so slower than fp32 here"
+    return True, f"bf16 autocast ({can}{slow})"
+
+
+def autocast(device, bf16=False):
+    """bf16 autocast where precision() chose bf16, on a GPU or a CPU; off under fp32 and --reference
+    (use_reference: every equation as written)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and fast_paths())
 
 
 # =======================================================================================

@@ -201,7 +201,7 @@ class StepOptions:
     smoothing: float  # label smoothing epsilon
     clip: float  # clip the global gradient norm at this (0: off)
     rng: Optional[torch.Generator] = None  # word dropout's own random generator
-    bf16: bool = False  # bf16 autocast on CUDA (--dtype bf16)
+    bf16: bool = False  # bf16 autocast, where --dtype's precision is bf16 (model.precision)
 
     @classmethod
     def from_args(cls, args, device, rank, bf16):
@@ -734,6 +734,7 @@ def finish(run):
         "best_step": best["step"],
         f"best_dev_{TASKS[args.task].key}": best["history"][-1],
         "train_seconds": run.state.train_seconds,
+        "precision": run.args.precision,  # what the run computed in (--dtype)
         "stopped": run.state.stopped[1],
         # [2] Figure 6: the embedding matrix's singular values, over the largest (decode.py --svd).
         "embedding_singular_values": decode.singular_values(run.model),

@@ -539,10 +539,13 @@ def build_parser():
     add(
         g,
         "--dtype",
-        default="bf16",
-        choices=["bf16", "fp32"],
-        help="on CUDA: bf16 autocast (default; fp32 where "
-        "the GPU has no bf16) or fp32 throughout; the CPU always trains in fp32",
+        default="auto",
+        choices=["auto", "bf16", "fp32"],
+        help="auto: bf16 autocast on a GPU that computes bf16 natively, else fp32 (the CPU's "
+        "default is fp32 until measured: docs/speed.md); bf16: bf16 autocast on a GPU or the CPU "
+        "(a CPU without AVX512-BF16, AMX or Arm's BF16 emulates it, slower than fp32); fp32: "
+        "fp32 throughout. The first screen says which, and config.json and results.json record "
+        "it as precision",
     )
     add(g, "--threads", type=threads, help="CPU threads (torch.set_num_threads)")
     add(

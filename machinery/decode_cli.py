@@ -18,6 +18,7 @@ asserts nothing. The references [1]-[3] are decode.py's: TwT, PowerNorm and QKNo
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import math
 import os
@@ -38,7 +39,7 @@ from machinery.fileio import DataError
 from machinery.plots import figure, plot_runs, render_heatmap, save_heatmap_png
 from machinery.rundir import checkpoints
 from machinery.speed import timed
-from model import PAD, has_bf16
+from model import PAD, has_bf16, precision
 
 
 def analyse(args, model, tokenizer):
@@ -99,8 +100,9 @@ def benchmark(model, tokenizer, lines, refs, args, search):
         f"batch_tokens {args.batch_tokens}",
         file=sys.stderr,
     )
-    for beam in (1, search.beam if search.beam > 1 else 4):  # greedy, and a beam
-        how = replace(search, beam=beam)
+    # Greedy and a beam, each in fp32 and under bf16 autocast (the CPU's too: model.precision).
+    for beam, bf16 in itertools.product((1, search.beam if search.beam > 1 else 4), (False, True)):
+        how = replace(search, beam=beam, bf16=bf16)
         # Its warm-up on the first 32 lines, then its timing on them all.
         decode.translate(model, tokenizer, lines[:32], how, args.batch_tokens, ids=True)
         everything = functools.partial(
@@ -115,8 +117,9 @@ def benchmark(model, tokenizer, lines, refs, args, search):
         ids, secs = timed(everything, device)
         n_tok = sum(len(h) + 1 for h in ids)  # output tokens, EOS counted (as in training)
         name = "greedy (beam 1)" if beam == 1 else f"beam {beam}, alpha {args.alpha}"
+        name += ", bf16" if bf16 else ", fp32"
         line = (
-            f"{name:>22}: {len(lines) / secs:8.1f} sentences/s {n_tok / secs:9.0f} target "
+            f"{name:>28}: {len(lines) / secs:8.1f} sentences/s {n_tok / secs:9.0f} target "
             f"tokens/s ({secs:.2f} s)"
         )
         if refs is not None:
@@ -197,9 +200,12 @@ def build_parser():
     )
     ap.add_argument(
         "--dtype",
-        default="bf16",
-        choices=["bf16", "fp32"],
-        help="on CUDA: bf16 autocast (default) or fp32 throughout; the CPU always computes in fp32",
+        default="auto",
+        choices=["auto", "bf16", "fp32"],
+        help="auto: bf16 autocast on a GPU that computes bf16 natively, else fp32 (on the CPU "
+        "too); bf16: bf16 autocast on a GPU or the CPU (emulated, slower than fp32, on a CPU "
+        "without AVX512-BF16, AMX or Arm's BF16); fp32: fp32 throughout (train.py's rule, "
+        "model.precision)",
     )
     ap.add_argument(
         "--batch-tokens",
@@ -524,8 +530,11 @@ def run(args):
     if args.plot:
         return plot_runs(args.plot, args.out)
     device = processes.start_device(args)
-    if device.type == "cuda" and not has_bf16(device):
-        args.dtype = "fp32"  # this GPU only emulates bf16, slowly (model.has_bf16)
+    # --dtype's precision on this device (model.precision, train.py's rule too): bf16 or fp32.
+    bf16, why = precision(device, args.dtype)
+    args.dtype = "bf16" if bf16 else "fp32"
+    if bf16 and not has_bf16(device):
+        print(f"note: {why}", file=sys.stderr)
     # Every input is read and checked before any work; stdin is read last.
     if args.png:  # it needs matplotlib
         figure(args.png, "--png")
@@ -730,6 +739,7 @@ def language_model(args, model, tokenizer, lines):
             max_tokens=args.max_tokens,
             temperature=args.temperature if args.sample else 0.0,
             seed=args.seed,
+            bf16=args.dtype == "bf16",
         )
         print(f"{prefix} [{more}]" if prefix else more)
 

@@ -101,8 +101,9 @@ class StepLog:
         self.run, self.total, self.on_diverged, args = run, total, on_diverged, run.args
         self.matmul_peak = matmul_flops(run)
         run.log(
-            f"speed: dense {args.d_model}x{args.ff} matmul runs at "
-            f"{self.matmul_peak / 1e9:.1f} GFLOP/s here (MFU's denominator)"
+            f"speed: the fastest of the step's matmul shapes (d {args.d_model}, ff {args.ff}, the "
+            f"output layer's columns) runs at {self.matmul_peak / 1e9:.1f} GFLOP/s here, in "
+            f"{args.precision} (MFU's denominator)"
         )
         self.bar = Progress(
             TextColumn("[bold]train[/]"),

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import data
 from machinery.fileio import DataError
-from model import has_bf16, pick_device
+from model import pick_device, precision
 from norms import use_reference
 
 
@@ -42,7 +42,7 @@ def start_device(args):
 
 def start_process(args, log, stack):
     """(rank, world size, device, bf16) of this process: --threads, --reference, the seeds,
-    torchrun's ranks (one GPU each), bf16 where the GPU has it."""
+    torchrun's ranks (one GPU each), and the precision --dtype asks for on this device."""
     # torchrun's ranks.
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     device = start_device(args)  # --device cuda without a GPU: DataError, main()'s one line
@@ -63,13 +63,11 @@ def start_process(args, log, stack):
         keep_freed_memory()
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    bf16 = device.type == "cuda" and args.dtype == "bf16"
-    if bf16 and not has_bf16(device):
-        log(
-            f"note: {torch.cuda.get_device_name(device)} has no bf16: training in fp32 "
-            f"(--dtype fp32)"
-        )
-        bf16 = False
+    # --dtype's precision on this device (model.precision, the one rule), said on the first screen
+    # and recorded in config.json and results.json.
+    bf16, why = precision(device, args.dtype)
+    args.precision = "bf16" if bf16 else "fp32"
+    log(f"precision: {why}")
     return rank, world, device, bf16
 
 

@@ -282,7 +282,7 @@ ACTIONS = ("resume", "overwrite", "start_or_resume")
 
 
 # What config.json records of a run beside its flags.
-RUN_RECORDS = ("run_id", "corpus_sha256", "changed_on_resume")
+RUN_RECORDS = ("run_id", "corpus_sha256", "changed_on_resume", "precision")
 
 
 def save_checkpoints(run, improved, epoch_end=True):

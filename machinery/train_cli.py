@@ -268,6 +268,9 @@ def resume_flags(args, given, log):
     log(f"resume: {path} at step {ckpt['train_state']['step']}")
     saved = ckpt["args"]
     note_edited_config(config, saved, log)
+    if "precision" not in saved and saved.get("dtype") == "bf16":
+        # Written before --dtype auto, when bf16 meant bf16 on a GPU and fp32 on the CPU.
+        saved = {**saved, "dtype": "auto"}
     diff = differing_flags(saved, args, given, run_dir)
     changed = {k: v for k, (_, v) in diff.items() if k in RESUME_MAY_CHANGE}
     flags = {

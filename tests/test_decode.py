@@ -396,7 +396,9 @@ def test_cuda_search_and_bf16_translate(run_dir):
     assert beam_search(gpu, src, beam=1, max_len=12) == greedy_search(gpu, src, max_len=12)  # fp32
     assert greedy_search(gpu, src, max_len=12) == [slow_greedy(gpu, unpad(s), 12) for s in src]
     model_gpu = tiny_model(vocab_size=tok.vocab_size).cuda()
-    out = translate(model_gpu, tok, lines[:8] + [""], Search(4, max_len_b=B_))  # bf16 autocast
+    out = translate(
+        model_gpu, tok, lines[:8] + [""], Search(4, max_len_b=B_, bf16=True)
+    )  # bf16 autocast
     assert len(out) == 9 and out[-1] == "" and all(out[:8])
 
 
